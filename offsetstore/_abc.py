@@ -1,0 +1,224 @@
+"""StageOffsetStore: where consumers keep the progress of their queues."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping
+
+from ._types import MessageQueue, QueueProgress, ReadOffsetType, StageKey
+
+__all__ = ("StageOffsetStore",)
+
+
+class _Row:
+    __slots__ = ("consume_offset", "stage_offsets")
+
+    def __init__(self) -> None:
+        self.consume_offset: int | None = None
+        self.stage_offsets: dict[StageKey, int] = {}
+
+    def progress(self) -> QueueProgress:
+        return QueueProgress(consume_offset=self.consume_offset, stage_offsets=self.stage_offsets)
+
+
+class StageOffsetStore(abc.ABC):
+    """Progress of message queues per consumer group: consume and stage offsets.
+
+    RIP-22's ``StageOffsetStore`` operations in Python form, extended to consume
+    offsets. The store keeps an in-memory table that ``update_*`` write (cheap,
+    synchronous, called on every commit) and a durable store that ``persist`` and
+    ``persist_all`` write. The progress of one queue (its consume offset and the
+    stage offsets of its stage keys) is always written as one unit: a reader never
+    sees a consume offset with the stage offsets of another moment.
+
+    Ordering guarantee: persisted consume offsets never move backwards through
+    :meth:`persist` / :meth:`persist_all` (a write with a lower consume offset than the
+    stored one is ignored, together with its stage offsets); only
+    :meth:`reset_progress`, an operator action, moves them back.
+
+    Subclasses implement the durable part: :meth:`_read_stored`,
+    :meth:`_write_stored`, :meth:`_overwrite_stored` and :meth:`_list_stored`.
+    """
+
+    def __init__(self) -> None:
+        self._table: dict[tuple[str, MessageQueue], _Row] = {}
+
+    # -- durable part (subclasses) ------------------------------------------------
+
+    @abc.abstractmethod
+    async def _read_stored(self, group: str, mq: MessageQueue) -> QueueProgress | None:
+        """The persisted progress of ``mq``, or ``None`` when there is none."""
+
+    @abc.abstractmethod
+    async def _write_stored(self, group: str, progress: Mapping[MessageQueue, QueueProgress]) -> None:
+        """Persist the progress of several queues atomically, increase-only on the
+        consume offset (a row whose stored consume offset is higher stays as it is)."""
+
+    @abc.abstractmethod
+    async def _overwrite_stored(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress | None]
+    ) -> None:
+        """Set (or, for ``None``, delete) persisted progress unconditionally."""
+
+    @abc.abstractmethod
+    async def _list_stored(self, group: str, topic: str | None) -> dict[MessageQueue, QueueProgress]:
+        """All persisted progress of ``group`` (of one topic when given)."""
+
+    async def load(self) -> None:  # noqa: B027 - optional hook
+        """Prepare the store (connect, create tables). The default does nothing."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. The default does nothing."""
+
+    async def __aenter__(self) -> StageOffsetStore:
+        await self.load()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- in-memory table -------------------------------------------------------------
+
+    def _row(self, group: str, mq: MessageQueue) -> _Row:
+        row = self._table.get((group, mq))
+        if row is None:
+            row = self._table[(group, mq)] = _Row()
+        return row
+
+    def update_offset(
+        self, group: str, mq: MessageQueue, offset: int, *, increase_only: bool = False
+    ) -> None:
+        """Set the in-memory consume offset of ``mq``."""
+        if offset < 0:
+            raise ValueError(f"consume offset must be >= 0, got {offset}")
+        row = self._row(group, mq)
+        if increase_only and row.consume_offset is not None and offset < row.consume_offset:
+            return
+        row.consume_offset = offset
+
+    def update_stage_offset(
+        self,
+        group: str,
+        mq: MessageQueue,
+        key: StageKey,
+        stage_offset: int,
+        *,
+        increase_only: bool = False,
+    ) -> None:
+        """Set the in-memory stage offset of one stage key of ``mq``."""
+        if stage_offset < 0:
+            raise ValueError(f"stage offset must be >= 0, got {stage_offset}")
+        row = self._row(group, mq)
+        current = row.stage_offsets.get(key)
+        if increase_only and current is not None and stage_offset < current:
+            return
+        row.stage_offsets[key] = stage_offset
+
+    def update_progress(self, group: str, mq: MessageQueue, progress: QueueProgress) -> None:
+        """Set the in-memory progress of ``mq`` (consume and stage offsets) as one unit."""
+        row = self._row(group, mq)
+        row.consume_offset = progress.consume_offset
+        row.stage_offsets = dict(progress.stage_offsets)
+
+    async def read_progress(
+        self,
+        group: str,
+        mq: MessageQueue,
+        read_type: ReadOffsetType = ReadOffsetType.MEMORY_FIRST_THEN_STORE,
+    ) -> QueueProgress | None:
+        """The progress of ``mq``, or ``None`` when none is known where ``read_type`` looks.
+
+        Reading from the store also refreshes the in-memory table.
+        """
+        if read_type is not ReadOffsetType.READ_FROM_STORE:
+            row = self._table.get((group, mq))
+            if row is not None:
+                return row.progress()
+            if read_type is ReadOffsetType.READ_FROM_MEMORY:
+                return None
+        stored = await self._read_stored(group, mq)
+        if stored is not None:
+            self.update_progress(group, mq, stored)
+        return stored
+
+    async def read_offset(
+        self,
+        group: str,
+        mq: MessageQueue,
+        read_type: ReadOffsetType = ReadOffsetType.MEMORY_FIRST_THEN_STORE,
+    ) -> int | None:
+        """The consume offset of ``mq``, or ``None`` when unknown."""
+        progress = await self.read_progress(group, mq, read_type)
+        return progress.consume_offset if progress is not None else None
+
+    async def read_stage_offset(
+        self,
+        group: str,
+        mq: MessageQueue,
+        read_type: ReadOffsetType = ReadOffsetType.MEMORY_FIRST_THEN_STORE,
+    ) -> Mapping[StageKey, int]:
+        """The stage offsets of ``mq`` (empty when unknown)."""
+        progress = await self.read_progress(group, mq, read_type)
+        return progress.stage_offsets if progress is not None else {}
+
+    async def persist(self, group: str, mq: MessageQueue) -> None:
+        """Write the in-memory progress of ``mq`` to the store."""
+        await self.persist_all(group, (mq,))
+
+    async def persist_all(self, group: str, mqs: Iterable[MessageQueue]) -> None:
+        """Write the in-memory progress of ``mqs`` to the store in one transaction."""
+        batch: dict[MessageQueue, QueueProgress] = {}
+        for mq in mqs:
+            row = self._table.get((group, mq))
+            if row is not None:
+                batch[mq] = row.progress()
+        if batch:
+            await self._write_stored(group, batch)
+
+    def remove_offset(self, group: str, mq: MessageQueue) -> None:
+        """Forget the in-memory progress of ``mq`` (its stored progress stays)."""
+        self._table.pop((group, mq), None)
+
+    remove_stage_offset = remove_offset
+    """RIP-22's name: the stage offsets go with the consume offset, as one unit."""
+
+    def clone_offset_table(self, group: str, topic: str) -> dict[MessageQueue, int]:
+        """In-memory consume offsets of the queues of ``topic``."""
+        return {
+            mq: row.consume_offset
+            for (g, mq), row in self._table.items()
+            if g == group and mq.topic == topic and row.consume_offset is not None
+        }
+
+    def clone_stage_offset_table(
+        self, group: str, topic: str
+    ) -> dict[MessageQueue, Mapping[StageKey, int]]:
+        """In-memory stage offsets of the queues of ``topic``."""
+        return {
+            mq: dict(row.stage_offsets)
+            for (g, mq), row in self._table.items()
+            if g == group and mq.topic == topic and row.stage_offsets
+        }
+
+    # -- operator actions ------------------------------------------------------------
+
+    async def list_progress(
+        self, group: str, topic: str | None = None
+    ) -> dict[MessageQueue, QueueProgress]:
+        """Every persisted progress of ``group`` (of one topic when given)."""
+        return await self._list_stored(group, topic)
+
+    async def reset_progress(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress | None]
+    ) -> None:
+        """Overwrite (``None``: delete) stored progress, backwards too.
+
+        For operators, on a group that is not running: a running consumer would
+        overwrite the reset with its own progress.
+        """
+        await self._overwrite_stored(group, progress)
+        for mq, value in progress.items():
+            if value is None:
+                self.remove_offset(group, mq)
+            else:
+                self.update_progress(group, mq, value)

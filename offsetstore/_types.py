@@ -1,0 +1,54 @@
+"""Value types of the offset store: progress of a queue, how to read it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import attrs
+
+from stagedconsumer._core import StageKey
+from stagedconsumer._message import MessageQueue
+
+__all__ = ("MessageQueue", "QueueProgress", "ReadOffsetType", "StageKey")
+
+
+class ReadOffsetType(enum.Enum):
+    """Where a read looks (RocketMQ's names)."""
+
+    READ_FROM_MEMORY = "memory"
+    """Only the in-memory table (what this process last updated)."""
+    READ_FROM_STORE = "store"
+    """Only the durable store (what was last persisted, by anyone)."""
+    MEMORY_FIRST_THEN_STORE = "memory_first_then_store"
+    """The in-memory table, falling back to the store when the queue is unknown there."""
+
+
+def _freeze(value: Mapping[StageKey, int] | None) -> Mapping[StageKey, int]:
+    return MappingProxyType(dict(value or {}))
+
+
+@attrs.frozen(kw_only=True)
+class QueueProgress:
+    """The progress of one queue of one consumer group, committed as one unit.
+
+    ``consume_offset`` is where consumption resumes (every message below it
+    finished; ``None`` when only stage offsets were recorded); ``stage_offsets`` holds, per stage key, the stage offset at
+    ``consume_offset``.
+    """
+
+    consume_offset: int | None = attrs.field(
+        validator=attrs.validators.optional(attrs.validators.ge(0))
+    )
+    stage_offsets: Mapping[StageKey, int] = attrs.field(factory=dict, converter=_freeze)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, QueueProgress):
+            return NotImplemented
+        return self.consume_offset == other.consume_offset and dict(self.stage_offsets) == dict(
+            other.stage_offsets
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.consume_offset, frozenset(self.stage_offsets.items())))

@@ -1,0 +1,77 @@
+"""stagedconsumer: staged-concurrent ordered message consumption.
+
+Messages inside a stage run concurrently; stage ``k + 1`` starts only after every
+message of stage ``k`` finished (Apache RocketMQ's RIP-22, done correctly).
+"""
+
+from ._consumer import ConsumerStatistics as ConsumerStatistics
+from ._consumer import PushConsumer as PushConsumer
+from ._core import TAIL_STAGE as TAIL_STAGE
+from ._core import ProcessQueueStatistics as ProcessQueueStatistics
+from ._core import StageDefinition as StageDefinition
+from ._core import StageKey as StageKey
+from ._exceptions import ConfigurationError as ConfigurationError
+from ._exceptions import ConsumerStateError as ConsumerStateError
+from ._exceptions import HandlerError as HandlerError
+from ._exceptions import InvalidOptionError as InvalidOptionError
+from ._exceptions import InvalidStageDefinitionError as InvalidStageDefinitionError
+from ._exceptions import ListenerTypeError as ListenerTypeError
+from ._exceptions import SourceClosedError as SourceClosedError
+from ._exceptions import SourceError as SourceError
+from ._exceptions import StagedConsumerError as StagedConsumerError
+from ._exceptions import UnknownTopicError as UnknownTopicError
+from ._listeners import ConsumeConcurrentlyContext as ConsumeConcurrentlyContext
+from ._listeners import ConsumeConcurrentlyStatus as ConsumeConcurrentlyStatus
+from ._listeners import ConsumeOrderlyContext as ConsumeOrderlyContext
+from ._listeners import ConsumeOrderlyStatus as ConsumeOrderlyStatus
+from ._listeners import ConsumeStagedConcurrentlyContext as ConsumeStagedConcurrentlyContext
+from ._listeners import MessageListener as MessageListener
+from ._listeners import MessageListenerConcurrently as MessageListenerConcurrently
+from ._listeners import MessageListenerOrderly as MessageListenerOrderly
+from ._listeners import MessageListenerStagedConcurrently as MessageListenerStagedConcurrently
+from ._memory_broker import MemoryBroker as MemoryBroker
+from ._memory_broker import MemoryBrokerStatistics as MemoryBrokerStatistics
+from ._message import Message as Message
+from ._message import MessageQueue as MessageQueue
+from ._options import ConsumerOptions as ConsumerOptions
+from ._source import MessageSource as MessageSource
+from ._source import PullResult as PullResult
+from ._source import SendBackResult as SendBackResult
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "TAIL_STAGE",
+    "ConfigurationError",
+    "ConsumeConcurrentlyContext",
+    "ConsumeConcurrentlyStatus",
+    "ConsumeOrderlyContext",
+    "ConsumeOrderlyStatus",
+    "ConsumeStagedConcurrentlyContext",
+    "ConsumerOptions",
+    "ConsumerStateError",
+    "ConsumerStatistics",
+    "HandlerError",
+    "InvalidOptionError",
+    "InvalidStageDefinitionError",
+    "ListenerTypeError",
+    "MemoryBroker",
+    "MemoryBrokerStatistics",
+    "Message",
+    "MessageListener",
+    "MessageListenerConcurrently",
+    "MessageListenerOrderly",
+    "MessageListenerStagedConcurrently",
+    "MessageQueue",
+    "MessageSource",
+    "ProcessQueueStatistics",
+    "PullResult",
+    "PushConsumer",
+    "SendBackResult",
+    "SourceClosedError",
+    "SourceError",
+    "StageDefinition",
+    "StageKey",
+    "StagedConsumerError",
+    "UnknownTopicError",
+)

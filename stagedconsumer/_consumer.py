@@ -1,0 +1,769 @@
+"""PushConsumer: the anyio runtime of concurrent, orderly and staged consumption."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+
+from offsetstore import MemoryOffsetStore, OffsetStoreError, QueueProgress, StageOffsetStore
+
+from ._core import (
+    Batch,
+    ConsumeMode,
+    Dispatcher,
+    EraseStatus,
+    FlowControl,
+    ProcessQueue,
+    ProcessQueueStatistics,
+    StageDefinition,
+    StagePlan,
+    clamp_suspend_millis,
+)
+from ._exceptions import ConfigurationError, ConsumerStateError, ListenerTypeError, SourceError
+from ._filter import TagFilter
+from ._listeners import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
+    ConsumeOrderlyContext,
+    ConsumeOrderlyStatus,
+    ConsumeStagedConcurrentlyContext,
+    MessageListener,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
+)
+from ._message import Message, MessageQueue
+from ._options import ConsumerOptions
+from ._source import (
+    PROPERTY_RETRY_TOPIC,
+    RETRY_PREFIX,
+    MessageSource,
+    SendBackResult,
+    retry_topic,
+)
+
+__all__ = ("ConsumerStatistics", "PushConsumer")
+
+logger = logging.getLogger("stagedconsumer")
+
+_SEND_BACK_FAILED_DELAY = 5.0
+"""Seconds before a message that could not be handed to the retry queue is retried
+locally (RocketMQ's value)."""
+_MAX_PULL_BACKOFF = 30.0
+_MAX_PERSIST_BACKOFF = 60.0
+_CHECKPOINT_EVERY = 64
+"""Batches a worker runs back to back before it yields to other tasks."""
+
+
+@attrs.frozen(kw_only=True)
+class ConsumerStatistics:
+    """A snapshot of a :class:`PushConsumer`."""
+
+    group: str
+    mode: str
+    consumed_ok: int
+    """Messages whose handler succeeded."""
+    consumed_failed: int
+    """Handler failures, counted per message and attempt."""
+    sent_back: int
+    """Messages handed to the group's retry queue (concurrent mode)."""
+    dead_lettered: int
+    """Messages moved to the dead-letter queue."""
+    in_flight: int
+    """Handler calls running now."""
+    pull_errors: int
+    commit_errors: int
+    """Failed attempts to persist progress (retried with backoff)."""
+    commits: int
+    """Successful persists of progress."""
+    queues: Mapping[MessageQueue, ProcessQueueStatistics]
+
+    @property
+    def committed_offsets(self) -> Mapping[MessageQueue, int]:
+        """The committed consume offset of every assigned queue."""
+        return {mq: q.committed_offset for mq, q in self.queues.items()}
+
+    @property
+    def cached_count(self) -> int:
+        return sum(q.cached_count for q in self.queues.values())
+
+    @property
+    def pending_count(self) -> int:
+        return sum(q.pending_count for q in self.queues.values())
+
+
+@attrs.define(eq=False)
+class _QueueState:
+    mq: MessageQueue
+    pq: ProcessQueue
+    filter: TagFilter
+    is_retry: bool
+    pull_scope: anyio.CancelScope | None = None
+    space: anyio.Event | None = None
+    persisted: QueueProgress | None = None
+
+
+def _overrides(listener: object, base: type, name: str) -> bool:
+    return getattr(type(listener), name) is not getattr(base, name)
+
+
+def _build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
+    strategies = listener.get_stage_definition_strategies()
+    if not isinstance(strategies, Mapping):
+        raise ConfigurationError(
+            "get_stage_definition_strategies() must return a mapping of strategy id to"
+            f" stage sizes, got {type(strategies).__name__}"
+        )
+    definitions = {
+        str(strategy): StageDefinition.of(sizes, name=f"stage definitions of {strategy!r}")
+        for strategy, sizes in strategies.items()
+    }
+    base = MessageListenerStagedConcurrently
+    reset: Callable[[str, int], int] | None = None
+    if _overrides(listener, base, "reset_current_stage_offset_if_need"):
+        reset = listener.reset_current_stage_offset_if_need
+    return StagePlan(
+        definitions=definitions,
+        compute_strategy=listener.compute_strategy
+        if _overrides(listener, base, "compute_strategy")
+        else None,
+        compute_group=listener.compute_group if _overrides(listener, base, "compute_group") else None,
+        reset=reset,
+    )
+
+
+class PushConsumer:
+    """Pulls the subscribed topics from a source and pushes messages to a listener.
+
+    The listener's kind picks the mode: :class:`MessageListenerConcurrently`
+    (no order), :class:`MessageListenerOrderly` (one batch at a time per queue, in
+    offset order) or :class:`MessageListenerStagedConcurrently` (concurrent inside a
+    stage, stage ``k + 1`` of a stage key only after all of stage ``k`` finished).
+    Ordering holds within a queue; queues never block each other.
+
+    Use it as an async context manager: ``async with consumer:`` starts pulling and
+    consuming; leaving the block stops pulling, lets in-flight handler calls finish
+    (up to ``options.shutdown_timeout``), and persists progress. Progress (consume
+    offset and stage offsets of every queue) goes to ``offset_store`` (default: a
+    :class:`~offsetstore.MemoryOffsetStore`) every
+    ``options.persist_consumer_offset_interval`` seconds and on shutdown; a consumer
+    started on the same store resumes from it, with identical stage assignment.
+    Delivery is at-least-once: nothing committed is ever unfinished.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        source: MessageSource,
+        listener: MessageListener,
+        *,
+        offset_store: StageOffsetStore | None = None,
+        options: ConsumerOptions | None = None,
+    ) -> None:
+        if not isinstance(group, str) or not group or group.startswith(("%", " ")):
+            raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
+        if not isinstance(source, MessageSource):
+            raise ConfigurationError(
+                f"source must be a MessageSource, got {type(source).__name__}"
+            )
+        if options is None:
+            options = ConsumerOptions()
+        elif not isinstance(options, ConsumerOptions):
+            raise ConfigurationError(
+                f"options must be ConsumerOptions, got {type(options).__name__}"
+                " (use ConsumerOptions(**values) or ConsumerOptions.from_mapping())"
+            )
+        self._plan: StagePlan | None = None
+        if isinstance(listener, MessageListenerStagedConcurrently):
+            self._mode = ConsumeMode.STAGED
+            self._plan = _build_plan(listener)
+        elif isinstance(listener, MessageListenerOrderly):
+            self._mode = ConsumeMode.ORDERLY
+        elif isinstance(listener, MessageListenerConcurrently):
+            self._mode = ConsumeMode.CONCURRENT
+        else:
+            raise ListenerTypeError(
+                "listener must be a MessageListenerConcurrently, MessageListenerOrderly or"
+                f" MessageListenerStagedConcurrently, got {type(listener).__name__}"
+            )
+        self.group = group
+        self.source = source
+        self.listener = listener
+        self.options = options
+        self.offset_store: StageOffsetStore = (
+            offset_store if offset_store is not None else MemoryOffsetStore()
+        )
+        self._consume: Callable[..., Any] = listener.consume_message
+        self._is_async = inspect.iscoroutinefunction(self._consume)
+        concurrent = self._mode is ConsumeMode.CONCURRENT
+        self._max_reconsume = options.effective_max_reconsume_times(concurrent=concurrent)
+        self._subscriptions: dict[str, TagFilter] = {}
+        self._states: dict[MessageQueue, _QueueState] = {}
+        self._dispatcher = Dispatcher()
+        self._flow = FlowControl(
+            count=options.pull_threshold_for_queue,
+            size_bytes=options.pull_threshold_size_for_queue,
+            max_span=options.consume_concurrently_max_span if concurrent else None,
+        )
+        # Signals: replaced after every set, waited on only when idle.
+        self._work_event: anyio.Event | None = None
+        self._idle_workers = 0
+        self._timer_event: anyio.Event | None = None
+        self._progress_event: anyio.Event | None = None
+        self._progress_waiters = 0
+        self._paused: dict[ProcessQueue, _QueueState] = {}
+        self._thread_limiter: anyio.CapacityLimiter | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._pull_tg: anyio.abc.TaskGroup | None = None
+        self._workers_scope: anyio.CancelScope | None = None
+        self._workers_done: anyio.Event | None = None
+        self._started = False
+        self._stopping = False
+        self._closed = False
+        # Counters.
+        self._consumed_ok = 0
+        self._consumed_failed = 0
+        self._sent_back = 0
+        self._dead_lettered = 0
+        self._in_flight = 0
+        self._pull_errors = 0
+        self._commit_errors = 0
+        self._commits = 0
+
+    # -- configuration ---------------------------------------------------------------
+
+    @property
+    def mode(self) -> ConsumeMode:
+        return self._mode
+
+    def subscribe(self, topic: str, expression: str = "*") -> None:
+        """Consume ``topic``, only messages whose tag matches ``expression``.
+
+        ``expression`` is ``"*"`` (everything) or ``"tag1 || tag2"``. Call before
+        starting; an unknown topic raises :class:`UnknownTopicError` on start.
+        """
+        if self._started:
+            raise ConsumerStateError("subscribe() must be called before the consumer starts")
+        if not isinstance(topic, str) or not topic:
+            raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
+        if topic.startswith("%"):
+            raise ConfigurationError(f"cannot subscribe to system topic {topic!r}")
+        self._subscriptions[topic] = TagFilter.parse(expression)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> PushConsumer:
+        if self._started:
+            raise ConsumerStateError("a PushConsumer can be started only once")
+        if not self._subscriptions:
+            raise ConsumerStateError("subscribe() to at least one topic before starting")
+        self._started = True
+        self._thread_limiter = anyio.CapacityLimiter(self.options.consume_thread_max)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        try:
+            await self.offset_store.load()
+            queues = await self._resolve_queues()
+            self._pull_tg = await tg.start(self._run_pull_loops)
+            for mq, tag_filter in queues:
+                await self._assign_queue(mq, tag_filter)
+            self._workers_done = anyio.Event()
+            await tg.start(self._run_workers)
+            tg.start_soon(self._timer_loop)
+            tg.start_soon(self._persist_loop)
+        except BaseException:
+            tg.cancel_scope.cancel()
+            self._closed = True
+            await tg.__aexit__(*sys.exc_info())
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        tg = self._tg
+        assert tg is not None
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._shutdown()
+            except Exception:
+                logger.exception("group %s: shutdown failed", self.group)
+        self._closed = True
+        tg.cancel_scope.cancel()
+        return await tg.__aexit__(exc_type, exc, tb)
+
+    async def _shutdown(self) -> None:
+        self._stopping = True
+        for state in list(self._states.values()):
+            if state.pull_scope is not None:
+                state.pull_scope.cancel()
+        self._wake_workers()
+        if self._workers_done is not None:
+            with anyio.move_on_after(self.options.shutdown_timeout) as scope:
+                await self._workers_done.wait()
+            if scope.cancelled_caught:
+                logger.warning(
+                    "group %s: handlers still running after %.1f s; cancelling them (their"
+                    " messages stay uncommitted and will be consumed again)",
+                    self.group,
+                    self.options.shutdown_timeout,
+                )
+                if self._workers_scope is not None:
+                    self._workers_scope.cancel()
+                await self._workers_done.wait()
+        try:
+            await self._persist(list(self._states.values()))
+        except Exception:
+            logger.exception("group %s: could not persist progress on shutdown", self.group)
+
+    async def _resolve_queues(self) -> list[tuple[MessageQueue, TagFilter]]:
+        queues: list[tuple[MessageQueue, TagFilter]] = []
+        for topic, tag_filter in self._subscriptions.items():
+            for mq in await self.source.get_queues(topic):
+                queues.append((mq, tag_filter))
+        if self._mode is ConsumeMode.CONCURRENT:
+            for mq in await self.source.get_queues(retry_topic(self.group)):
+                queues.append((mq, TagFilter.parse("*")))
+        return queues
+
+    async def _assign_queue(self, mq: MessageQueue, tag_filter: TagFilter) -> None:
+        """Start consuming ``mq`` from its committed progress."""
+        progress = await self.offset_store.read_progress(self.group, mq)
+        if progress is None or progress.consume_offset is None:
+            start = await self.source.min_offset(mq)
+            stage_offsets: Mapping[Any, int] = progress.stage_offsets if progress else {}
+        else:
+            start = progress.consume_offset
+            stage_offsets = progress.stage_offsets
+        is_retry = mq.topic.startswith(RETRY_PREFIX)
+        pq = ProcessQueue(
+            mq,
+            ConsumeMode.CONCURRENT if is_retry else self._mode,
+            start_offset=start,
+            stage_offsets=stage_offsets,
+            plan=None if is_retry else self._plan,
+            flow_control=self._flow,
+        )
+        state = _QueueState(mq, pq, tag_filter, is_retry)
+        state.persisted = QueueProgress(consume_offset=start, stage_offsets=stage_offsets)
+        self._states[mq] = state
+        assert self._pull_tg is not None
+        self._pull_tg.start_soon(self._pull_loop, state, start)
+
+    async def release_queue(self, mq: MessageQueue) -> None:
+        """Stop consuming ``mq``: stop pulling, let its in-flight handlers finish,
+        persist its progress and forget it."""
+        state = self._states.get(mq)
+        if state is None:
+            return
+        if state.pull_scope is not None:
+            state.pull_scope.cancel()
+        state.pq.drop()
+        with anyio.move_on_after(self.options.shutdown_timeout):
+            while state.pq.pending_count - state.pq.statistics().suspended_count > 0:
+                await self._wait_progress()
+        await self._persist([state])
+        self.offset_store.remove_offset(self.group, mq)
+        self._states.pop(mq, None)
+        self._paused.pop(state.pq, None)
+
+    # -- signalling ------------------------------------------------------------------------
+
+    def _wake_workers(self) -> None:
+        event = self._work_event
+        if event is not None:
+            self._work_event = None
+            event.set()
+
+    def _signal_progress(self) -> None:
+        event = self._progress_event
+        if event is not None:
+            self._progress_event = None
+            event.set()
+
+    async def _wait_progress(self) -> None:
+        if self._progress_event is None:
+            self._progress_event = anyio.Event()
+        self._progress_waiters += 1
+        try:
+            await self._progress_event.wait()
+        finally:
+            self._progress_waiters -= 1
+
+    # -- pulling ---------------------------------------------------------------------------
+
+    async def _run_pull_loops(
+        self, *, task_status: anyio.abc.TaskStatus[anyio.abc.TaskGroup] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with anyio.create_task_group() as pulls:
+            task_status.started(pulls)
+            await anyio.sleep_forever()
+
+    async def _pull_loop(self, state: _QueueState, offset: int) -> None:
+        source = self.source
+        mq = state.mq
+        pq = state.pq
+        dispatcher = self._dispatcher
+        batch_size = self.options.pull_batch_size
+        long_poll = self.options.pull_long_polling_timeout
+        base_delay = self.options.pull_time_delay_when_exception
+        delay = base_delay
+        accept_all = state.filter.accepts_all
+        tag_filter = state.filter
+        with anyio.CancelScope() as scope:
+            state.pull_scope = scope
+            while not pq.dropped:
+                if pq.is_cache_full():
+                    state.space = anyio.Event()
+                    self._paused[pq] = state
+                    await state.space.wait()
+                    continue
+                try:
+                    result = await source.pull(mq, offset, batch_size, timeout=long_poll)
+                except SourceError as exc:
+                    self._pull_errors += 1
+                    logger.warning(
+                        "group %s: pull of %s at offset %d failed (%s); retrying in %.1f s",
+                        self.group, mq, offset, exc, delay,
+                    )
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, _MAX_PULL_BACKOFF)
+                    continue
+                delay = base_delay
+                messages = result.messages
+                if messages:
+                    highest = messages[-1].queue_offset
+                    if state.is_retry:
+                        messages = [_restore_retry_topic(m) for m in messages]
+                    elif not accept_all:
+                        messages = [m for m in messages if tag_filter(m)]
+                    if dispatcher.put_messages(pq, messages, highest_offset=highest):
+                        self._wake_workers()
+                    if self._progress_waiters:
+                        self._signal_progress()
+                offset = result.next_offset
+
+    def _check_space(self, pq: ProcessQueue) -> None:
+        state = self._paused.get(pq)
+        if state is not None and not pq.is_cache_full():
+            del self._paused[pq]
+            if state.space is not None:
+                state.space.set()
+
+    # -- consuming -------------------------------------------------------------------------
+
+    async def _run_workers(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with anyio.CancelScope() as scope:
+                self._workers_scope = scope
+                async with anyio.create_task_group() as workers:
+                    for _ in range(self.options.consume_thread_max):
+                        workers.start_soon(self._worker)
+                    task_status.started()
+        finally:
+            assert self._workers_done is not None
+            self._workers_done.set()
+
+    async def _worker(self) -> None:
+        dispatcher = self._dispatcher
+        batch_max = self.options.consume_message_batch_max_size
+        run = self._run_batch
+        streak = 0
+        while True:
+            if self._stopping:
+                return
+            batch = dispatcher.take(batch_max)
+            if batch is None:
+                streak = 0
+                if self._work_event is None:
+                    self._work_event = anyio.Event()
+                event = self._work_event
+                self._idle_workers += 1
+                try:
+                    await event.wait()
+                finally:
+                    self._idle_workers -= 1
+                continue
+            await run(batch)
+            streak += 1
+            if streak >= _CHECKPOINT_EVERY:
+                streak = 0
+                await anyio.lowlevel.checkpoint()
+
+    async def _call_listener(self, messages: Sequence[Message], context: Any) -> tuple[Any, BaseException | None]:
+        try:
+            if self._is_async:
+                result = await self._consume(messages, context)
+            else:
+                assert self._thread_limiter is not None
+                result = await anyio.to_thread.run_sync(
+                    self._consume, messages, context, limiter=self._thread_limiter
+                )
+        except Exception as exc:  # a failing handler never stops the consumer
+            return None, exc
+        if isinstance(result, Awaitable):  # a sync method that returned an awaitable
+            try:
+                result = await result
+            except Exception as exc:
+                return None, exc
+        return result, None
+
+    async def _run_batch(self, batch: Batch) -> None:
+        mode = batch.process_queue.mode
+        mq = batch.process_queue.message_queue
+        self._in_flight += 1
+        try:
+            if mode is ConsumeMode.CONCURRENT:
+                await self._run_concurrently(batch, mq)
+            else:
+                await self._run_orderly(batch, mq, mode)
+        finally:
+            self._in_flight -= 1
+        pq = batch.process_queue
+        if self._paused:
+            self._check_space(pq)
+        if self._progress_waiters:
+            self._signal_progress()
+
+    async def _run_concurrently(self, batch: Batch, mq: MessageQueue) -> None:
+        context = ConsumeConcurrentlyContext(message_queue=mq)
+        messages = batch.messages
+        result, error = await self._call_listener(messages, context)
+        if error is None and (result is None or result is ConsumeConcurrentlyStatus.CONSUME_SUCCESS):
+            ack = min(context.ack_index, len(messages) - 1)
+            if ack >= len(messages) - 1:
+                self._consumed_ok += len(messages)
+                if self._dispatcher.finish(batch, EraseStatus.SUCCESS):
+                    self._wake_workers()
+                return
+            failed = list(messages[ack + 1 :])
+            self._consumed_ok += ack + 1
+        else:
+            if error is not None:
+                logger.warning(
+                    "group %s: handler failed on %d message(s) of %s; sending them back",
+                    self.group, len(messages), mq, exc_info=error,
+                )
+            elif result is not ConsumeConcurrentlyStatus.RECONSUME_LATER:
+                logger.warning(
+                    "group %s: handler returned %r, treated as RECONSUME_LATER", self.group, result
+                )
+            failed = list(messages)
+        self._consumed_failed += len(failed)
+        keep: list[Message] = []
+        for message in failed:
+            try:
+                where = await self.source.send_back(
+                    self.group,
+                    message,
+                    delay_level=context.delay_level_when_next_consume,
+                    max_reconsume_times=self._max_reconsume if self._max_reconsume is not None else 16,
+                )
+            except SourceError as exc:
+                logger.warning(
+                    "group %s: could not send %s back (%s); retrying it here in %.0f s",
+                    self.group, message.msg_id, exc, _SEND_BACK_FAILED_DELAY,
+                )
+                keep.append(message)
+                continue
+            if where is SendBackResult.DLQ:
+                self._dead_lettered += 1
+            else:
+                self._sent_back += 1
+        done = [m for m in messages if not any(m is k for k in keep)]
+        dispatcher = self._dispatcher
+        if not keep:
+            if dispatcher.finish(batch, EraseStatus.SENT_BACK):
+                self._wake_workers()
+            return
+        if done and dispatcher.finish_some(batch, done, EraseStatus.SENT_BACK):
+            self._wake_workers()
+        self._suspend(batch, anyio.current_time() + _SEND_BACK_FAILED_DELAY)
+
+    async def _run_orderly(self, batch: Batch, mq: MessageQueue, mode: ConsumeMode) -> None:
+        suspend_ms = self.options.suspend_current_queue_time_millis
+        context: ConsumeOrderlyContext | ConsumeStagedConcurrentlyContext
+        if mode is ConsumeMode.STAGED:
+            context = ConsumeStagedConcurrentlyContext(
+                message_queue=mq,
+                stage_index=batch.stage_index,
+                strategy_id=batch.strategy_id,
+                group_id=batch.group_id,
+                suspend_current_queue_time_millis=suspend_ms,
+            )
+        else:
+            context = ConsumeOrderlyContext(
+                message_queue=mq, suspend_current_queue_time_millis=suspend_ms
+            )
+        messages = batch.messages
+        result, error = await self._call_listener(messages, context)
+        if error is None and (result is None or result is ConsumeOrderlyStatus.SUCCESS):
+            self._consumed_ok += len(messages)
+            if self._dispatcher.finish(batch, EraseStatus.SUCCESS):
+                self._wake_workers()
+            return
+        if error is not None:
+            logger.warning(
+                "group %s: handler failed on %d message(s) of %s (attempt %d); suspending",
+                self.group, len(messages), mq, batch.attempt, exc_info=error,
+            )
+        elif result is not ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT:
+            logger.warning(
+                "group %s: handler returned %r, treated as SUSPEND_CURRENT_QUEUE_A_MOMENT",
+                self.group, result,
+            )
+        self._consumed_failed += len(messages)
+        limit = self._max_reconsume
+        spent: list[Message] = []
+        if limit is not None:
+            spent = [m for m in messages if m.reconsume_times >= limit]
+        moved: list[Message] = []
+        for message in spent:
+            try:
+                await self.source.send_to_dlq(self.group, message)
+            except SourceError as exc:
+                logger.warning(
+                    "group %s: could not move %s to the DLQ (%s); retrying it",
+                    self.group, message.msg_id, exc,
+                )
+                continue
+            moved.append(message)
+        self._dead_lettered += len(moved)
+        dispatcher = self._dispatcher
+        if moved and len(moved) == len(messages):
+            if dispatcher.finish(batch, EraseStatus.DEAD_LETTER):
+                self._wake_workers()
+            return
+        if moved and dispatcher.finish_some(batch, moved, EraseStatus.DEAD_LETTER):
+            self._wake_workers()
+        delay_ms = clamp_suspend_millis(context.suspend_current_queue_time_millis)
+        self._suspend(batch, anyio.current_time() + delay_ms / 1000)
+
+    def _suspend(self, batch: Batch, retry_at: float) -> None:
+        dispatcher = self._dispatcher
+        before = dispatcher.get_timer()
+        dispatcher.suspend(batch, retry_at)
+        if before is None or retry_at < before:
+            event = self._timer_event
+            if event is not None:
+                self._timer_event = None
+                event.set()
+
+    async def _timer_loop(self) -> None:
+        dispatcher = self._dispatcher
+        while True:
+            deadline = dispatcher.get_timer()
+            event = self._timer_event = anyio.Event()
+            if deadline is None:
+                await event.wait()
+            else:
+                delay = deadline - anyio.current_time()
+                if delay > 0:
+                    with anyio.move_on_after(delay):
+                        await event.wait()
+            if dispatcher.handle_timer(anyio.current_time()):
+                self._wake_workers()
+
+    # -- progress ----------------------------------------------------------------------------
+
+    def _progress_of(self, state: _QueueState) -> QueueProgress:
+        pq = state.pq
+        return QueueProgress(
+            consume_offset=pq.committed_offset, stage_offsets=pq.committed_stage_offsets
+        )
+
+    async def _persist(self, states: Sequence[_QueueState]) -> None:
+        store = self.offset_store
+        changed: list[tuple[_QueueState, QueueProgress]] = []
+        for state in states:
+            progress = self._progress_of(state)
+            if progress != state.persisted:
+                store.update_progress(self.group, state.mq, progress)
+                changed.append((state, progress))
+        if not changed:
+            return
+        await store.persist_all(self.group, [state.mq for state, _ in changed])
+        self._commits += 1
+        for state, progress in changed:
+            state.persisted = progress
+
+    async def _persist_loop(self) -> None:
+        interval = self.options.persist_consumer_offset_interval
+        delay = interval
+        while True:
+            await anyio.sleep(delay)
+            try:
+                await self._persist(list(self._states.values()))
+            except (OffsetStoreError, OSError) as exc:
+                self._commit_errors += 1
+                delay = min(max(delay, interval) * 2, _MAX_PERSIST_BACKOFF)
+                logger.warning(
+                    "group %s: persisting progress failed (%s); retrying in %.1f s",
+                    self.group, exc, delay,
+                )
+            else:
+                delay = interval
+
+    async def wait_caught_up(self, timeout: float | None = None) -> None:
+        """Wait until every message available at call time has finished.
+
+        "Available" means below each assigned queue's max offset at the moment of the
+        call (retry queues included). Raises ``TimeoutError`` after ``timeout`` seconds.
+        In concurrent mode a message handed to the retry queue counts as finished
+        here; its retry is a new message.
+        """
+        if not self._started or self._closed:
+            raise ConsumerStateError("wait_caught_up() needs a running consumer")
+        targets = {mq: await self.source.max_offset(mq) for mq in list(self._states)}
+
+        def caught_up() -> bool:
+            for mq, target in targets.items():
+                state = self._states.get(mq)
+                if state is not None and state.pq.committed_offset < target:
+                    return False
+            return True
+
+        with anyio.fail_after(timeout):
+            while not caught_up():
+                await self._wait_progress()
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    @property
+    def assigned_queues(self) -> Sequence[MessageQueue]:
+        return sorted(self._states)
+
+    def statistics(self) -> ConsumerStatistics:
+        """A frozen snapshot of counters and per-queue state."""
+        return ConsumerStatistics(
+            group=self.group,
+            mode=self._mode.value,
+            consumed_ok=self._consumed_ok,
+            consumed_failed=self._consumed_failed,
+            sent_back=self._sent_back,
+            dead_lettered=self._dead_lettered,
+            in_flight=self._in_flight,
+            pull_errors=self._pull_errors,
+            commit_errors=self._commit_errors,
+            commits=self._commits,
+            queues={mq: state.pq.statistics() for mq, state in sorted(self._states.items())},
+        )
+
+
+def _restore_retry_topic(message: Message) -> Message:
+    origin = message.properties.get(PROPERTY_RETRY_TOPIC)
+    if origin is None:
+        return message
+    return attrs.evolve(message, topic=origin)

@@ -1,0 +1,565 @@
+"""ProcessQueue: the per-queue bookkeeping of cached and pending messages (sans-I/O).
+
+A :class:`ProcessQueue` holds, for one assigned message queue,
+
+- **cached** messages: pulled, not yet taken by a handler;
+- **pending** messages: taken by a handler (running or suspended), not finished.
+
+Messages are sorted into *lanes*. A lane is a stream of messages that must respect an
+order rule; lanes never block each other:
+
+- concurrent mode: one lane, no order: any cached message may be taken;
+- orderly mode: one *exclusive* lane: at most one batch is pending at a time, and
+  batches are taken in offset order;
+- staged mode: one lane per stage key ``(strategy_id, group_id)``. Each message is
+  assigned a stage offset on arrival and joins an *epoch*: the run of messages of
+  one stage. A message may be taken only when every message of earlier epochs of
+  its lane has finished. Messages whose strategy is ``None`` go to a direct lane
+  with no order.
+
+The committed consume offset is the lowest offset still cached or pending, or
+highest-seen + 1 when both are empty. It never passes an unfinished message.
+The committed stage offset of a stage key is its stage counter *at* the committed
+consume offset, so that a restart from committed progress assigns every message
+the same stage it had before.
+
+Nothing here reads a clock, logs or awaits: times are passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Final
+
+import attrs
+
+from .._message import Message, MessageQueue
+from ._stages import TAIL_STAGE, StageDefinition
+
+__all__ = (
+    "Batch",
+    "ConsumeMode",
+    "EraseStatus",
+    "FlowControl",
+    "ProcessQueue",
+    "ProcessQueueStatistics",
+    "StageKey",
+    "StagePlan",
+)
+
+
+class ConsumeMode(enum.Enum):
+    """How messages of one queue may be handed to handlers."""
+
+    CONCURRENT = "concurrent"
+    ORDERLY = "orderly"
+    STAGED = "staged"
+
+
+class EraseStatus(enum.Enum):
+    """How a taken message finished."""
+
+    SUCCESS = "success"
+    """The handler succeeded."""
+    SENT_BACK = "sent_back"
+    """Handed to the group's retry queue (concurrent mode): finished here."""
+    DEAD_LETTER = "dead_letter"
+    """Moved to the dead-letter queue after too many attempts: finished."""
+
+
+@attrs.frozen(order=True)
+class StageKey:
+    """What stage progress is tracked by, within one message queue."""
+
+    strategy_id: str
+    group_id: str | None = None
+
+    def __str__(self) -> str:
+        return self.strategy_id if self.group_id is None else f"{self.strategy_id}/{self.group_id}"
+
+
+DEFAULT_STRATEGY: Final = "default"
+"""Strategy id of the single definition list of ``get_stage_definitions()``."""
+
+
+@attrs.frozen(kw_only=True)
+class FlowControl:
+    """Per-queue pull thresholds (RocketMQ's defaults).
+
+    Pulling stops while the queue holds ``>= count`` unfinished messages, or their
+    bodies take ``>= size_bytes``, or (when ``max_span`` is set, concurrent mode) the
+    offsets of unfinished messages span ``>= max_span``.
+    """
+
+    count: int = 1000
+    size_bytes: int = 100 * 1024 * 1024
+    max_span: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class StagePlan:
+    """How staged mode assigns messages to stage keys and stages.
+
+    ``compute_strategy`` returns a key of ``definitions`` (or ``None``, or an unknown
+    id, to consume the message directly, with no stage); ``compute_group`` splits a
+    strategy into independent stage sequences; ``reset`` is consulted at every stage
+    boundary with ``(topic, current stage offset)`` and returns the stage offset to use.
+    All three are plain synchronous callables supplied by the shell.
+    """
+
+    definitions: Mapping[str, StageDefinition]
+    compute_strategy: Callable[[Message], str | None] | None = None
+    compute_group: Callable[[Message], str | None] | None = None
+    reset: Callable[[str, int], int] | None = None
+
+    @classmethod
+    def single(cls, sizes: Sequence[int]) -> StagePlan:
+        """One strategy (:data:`DEFAULT_STRATEGY`), one group per queue."""
+        return cls(definitions={DEFAULT_STRATEGY: StageDefinition.of(sizes)})
+
+
+@attrs.define(eq=False, slots=True)
+class _Epoch:
+    """A run of consecutive messages of one lane that share a stage."""
+
+    stage_index: int
+    unfinished: int = 0
+    queued: bool = False
+
+
+@attrs.define(eq=False, slots=True)
+class _Entry:
+    message: Message
+    size: int
+    lane: _Lane
+    epoch: _Epoch
+    stage_offset: int
+    finished: bool = False
+
+
+@attrs.define(eq=False, slots=True)
+class _Lane:
+    key: StageKey | None
+    definition: StageDefinition | None
+    exclusive: bool
+    counted: bool
+    cached: deque[_Entry] = attrs.Factory(deque)
+    epochs: deque[_Epoch] = attrs.Factory(deque)
+    current_epoch: _Epoch | None = None
+    next_stage_offset: int = 0
+    in_flight: int = 0
+    in_ready: bool = False
+
+    def dispatchable(self) -> bool:
+        if not self.cached:
+            return False
+        if self.exclusive and self.in_flight:
+            return False
+        return self.cached[0].epoch is self.epochs[0]
+
+
+@attrs.define(eq=False, slots=True)
+class Batch:
+    """Messages taken together for one handler call.
+
+    All messages of a batch belong to one queue, one stage key and one stage. A
+    suspended batch is retried as a whole (``attempt`` counts its handler calls).
+    """
+
+    process_queue: ProcessQueue
+    messages: list[Message]
+    stage_index: int
+    strategy_id: str | None
+    group_id: str | None
+    _entries: list[_Entry]
+    _lane: _Lane
+    attempt: int = 1
+    retry_at: float = 0.0
+
+    @property
+    def message_queue(self) -> MessageQueue:
+        return self.process_queue.message_queue
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self.messages)
+
+
+@attrs.frozen(kw_only=True)
+class ProcessQueueStatistics:
+    """A snapshot of one :class:`ProcessQueue`."""
+
+    message_queue: MessageQueue
+    cached_count: int
+    """Messages pulled and not yet taken by a handler."""
+    pending_count: int
+    """Messages taken by a handler (running or suspended) and not finished."""
+    suspended_count: int
+    """Pending messages waiting to be retried after a failure."""
+    cached_bytes: int
+    """Body bytes of cached and pending messages."""
+    committed_offset: int
+    highest_offset: int
+    span: int
+    stage_offsets: Mapping[StageKey, int]
+    dropped: bool
+
+
+class ProcessQueue:
+    """Cached and pending messages of one message queue, and its committed progress.
+
+    Ordering guarantee: depends on ``mode`` (see the module docstring); within every
+    mode, the committed offset never passes an unfinished message.
+
+    ``start_offset`` is the offset the queue resumes at and ``stage_offsets`` the
+    committed stage offsets that go with it.
+    """
+
+    __slots__ = (
+        "_cached_bytes",
+        "_cached_count",
+        "_direct_lane",
+        "_flow",
+        "_lanes",
+        "_order",
+        "_pending_count",
+        "_plan",
+        "_ready",
+        "_retry_ready",
+        "_stage_offsets",
+        "_suspended_count",
+        "_topic",
+        "dropped",
+        "highest_offset",
+        "in_ready",
+        "message_queue",
+        "mode",
+    )
+
+    def __init__(
+        self,
+        message_queue: MessageQueue,
+        mode: ConsumeMode,
+        *,
+        start_offset: int = 0,
+        stage_offsets: Mapping[StageKey, int] | None = None,
+        plan: StagePlan | None = None,
+        flow_control: FlowControl | None = None,
+    ) -> None:
+        if start_offset < 0:
+            raise ValueError(f"start_offset must be >= 0, got {start_offset}")
+        if mode is ConsumeMode.STAGED and plan is None:
+            raise ValueError("staged mode needs a StagePlan")
+        self.message_queue = message_queue
+        self.mode = mode
+        self._topic = message_queue.topic
+        self._plan = plan
+        self._flow = flow_control if flow_control is not None else FlowControl()
+        self.highest_offset = start_offset - 1
+        self._order: deque[_Entry] = deque()
+        self._cached_count = 0
+        self._pending_count = 0
+        self._suspended_count = 0
+        self._cached_bytes = 0
+        self._stage_offsets: dict[StageKey, int] = dict(stage_offsets or {})
+        self._lanes: dict[StageKey | None, _Lane] = {}
+        self._ready: deque[_Lane] = deque()
+        self._retry_ready: deque[Batch] = deque()
+        self._direct_lane = _Lane(None, None, exclusive=False, counted=False)
+        self.dropped = False
+        self.in_ready = False
+        if mode is not ConsumeMode.STAGED:
+            self._lanes[None] = _Lane(
+                None, None, exclusive=mode is ConsumeMode.ORDERLY, counted=False
+            )
+
+    # -- arrival -------------------------------------------------------------
+
+    def put_messages(self, messages: Sequence[Message], *, highest_offset: int | None = None) -> bool:
+        """Cache pulled messages (in offset order); returns whether new work is ready.
+
+        Messages at or below the highest offset already seen are ignored, so a
+        repeated pull cannot count a message twice. ``highest_offset`` records
+        offsets pulled but filtered out (for example by tag), so that the committed
+        offset can move past them.
+        """
+        became_ready = False
+        for message in messages:
+            offset = message.queue_offset
+            if offset <= self.highest_offset:
+                continue
+            self.highest_offset = offset
+            lane, epoch, stage_offset = self._assign(message)
+            size = len(message.body)
+            entry = _Entry(message, size, lane, epoch, stage_offset)
+            epoch.unfinished += 1
+            if not epoch.queued:
+                epoch.queued = True
+                lane.epochs.append(epoch)
+            lane.cached.append(entry)
+            self._order.append(entry)
+            self._cached_count += 1
+            self._cached_bytes += size
+            if not lane.in_ready and lane.dispatchable():
+                lane.in_ready = True
+                self._ready.append(lane)
+                became_ready = True
+        if highest_offset is not None and highest_offset > self.highest_offset:
+            self.highest_offset = highest_offset
+        return became_ready
+
+    def _assign(self, message: Message) -> tuple[_Lane, _Epoch, int]:
+        plan = self._plan
+        if plan is None:
+            lane = self._lanes[None]
+            epoch = lane.current_epoch
+            if epoch is None:
+                epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
+            return lane, epoch, -1
+        strategy = plan.compute_strategy(message) if plan.compute_strategy else DEFAULT_STRATEGY
+        definition = plan.definitions.get(strategy) if strategy is not None else None
+        if strategy is None or definition is None:
+            lane = self._direct_lane
+            epoch = lane.current_epoch
+            if epoch is None:
+                epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
+            return lane, epoch, -1
+        group = plan.compute_group(message) if plan.compute_group else None
+        key = StageKey(strategy, group)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(key, definition, exclusive=False, counted=True)
+            lane.next_stage_offset = self._stage_offsets.get(key, 0)
+        offset = lane.next_stage_offset
+        reset = False
+        if plan.reset is not None and (
+            offset >= definition.total or definition.is_boundary(offset)
+        ):
+            wanted = plan.reset(self._topic, offset)
+            wanted = max(0, wanted)
+            if wanted != offset:
+                offset = wanted
+                reset = True
+        index = definition.stage_index(offset)
+        epoch = lane.current_epoch
+        if epoch is None or reset or epoch.stage_index != index:
+            epoch = lane.current_epoch = _Epoch(index)
+        lane.next_stage_offset = offset + 1
+        return lane, epoch, offset
+
+    # -- taking ----------------------------------------------------------------
+
+    def has_ready(self) -> bool:
+        """Whether a batch can be taken now."""
+        return bool(self._ready or self._retry_ready)
+
+    def try_take_messages(self, max_count: int) -> Batch | None:
+        """Take a batch of up to ``max_count`` messages that may run now, or ``None``.
+
+        A batch holds messages of one lane and one stage, in offset order. Retries of
+        suspended batches come first. In staged mode this is the stage-aware take: a
+        batch never crosses a stage boundary, and no message of a later stage is
+        taken while a message of an earlier stage of its key is unfinished.
+        """
+        if max_count < 1:
+            raise ValueError(f"max_count must be >= 1, got {max_count}")
+        if self._retry_ready:
+            batch = self._retry_ready.popleft()
+            self._suspended_count -= len(batch.messages)
+            return batch
+        ready = self._ready
+        while ready:
+            lane = ready[0]
+            if not lane.dispatchable():
+                ready.popleft()
+                lane.in_ready = False
+                continue
+            cached = lane.cached
+            epoch = cached[0].epoch
+            entries: list[_Entry] = []
+            take = min(max_count, len(cached))
+            while take and cached[0].epoch is epoch:
+                entries.append(cached.popleft())
+                take -= 1
+            lane.in_flight += 1
+            ready.popleft()
+            if lane.dispatchable():
+                ready.append(lane)
+            else:
+                lane.in_ready = False
+            n = len(entries)
+            self._cached_count -= n
+            self._pending_count += n
+            key = lane.key
+            return Batch(
+                self,
+                [entry.message for entry in entries],
+                epoch.stage_index,
+                key.strategy_id if key is not None else None,
+                key.group_id if key is not None else None,
+                entries,
+                lane,
+            )
+        return None
+
+    def try_take_fifo_message(self) -> Batch | None:
+        """Take the next single message of an exclusive (orderly) lane, or ``None``."""
+        return self.try_take_messages(1)
+
+    # -- finishing ---------------------------------------------------------------
+
+    def erase_messages(self, batch: Batch, status: EraseStatus) -> bool:
+        """Mark every message of ``batch`` finished; returns whether new work is ready.
+
+        Finished means: the handler succeeded, or the message was handed to the retry
+        queue or to the dead-letter queue. The committed offset moves past the lowest
+        run of finished messages.
+        """
+        del status  # every status finishes the message; the caller keeps the counts
+        return self._finish(batch, batch._entries)
+
+    def erase_fifo_message(self, batch: Batch, status: EraseStatus) -> bool:
+        """:meth:`erase_messages` for a batch taken by :meth:`try_take_fifo_message`."""
+        return self.erase_messages(batch, status)
+
+    def erase_some(self, batch: Batch, messages: Sequence[Message], status: EraseStatus) -> bool:
+        """Finish only ``messages`` of ``batch``; the rest stay pending in the batch.
+
+        Used when some messages of a failed batch go to the dead-letter queue and the
+        others are suspended.
+        """
+        del status
+        wanted = {id(m) for m in messages}
+        done = [e for e in batch._entries if id(e.message) in wanted]
+        batch._entries = [e for e in batch._entries if id(e.message) not in wanted]
+        batch.messages = [e.message for e in batch._entries]
+        if not batch._entries:
+            return self._finish(batch, done)
+        return self._finish_entries(done, batch._lane)
+
+    def _finish(self, batch: Batch, entries: list[_Entry]) -> bool:
+        lane = batch._lane
+        lane.in_flight -= 1
+        return self._finish_entries(entries, lane)
+
+    def _finish_entries(self, entries: list[_Entry], lane: _Lane) -> bool:
+        size = 0
+        for entry in entries:
+            entry.finished = True
+            size += entry.size
+            epoch = entry.epoch
+            epoch.unfinished -= 1
+        self._pending_count -= len(entries)
+        self._cached_bytes -= size
+        epochs = lane.epochs
+        while epochs and epochs[0].unfinished == 0:
+            epochs.popleft().queued = False
+        order = self._order
+        stage_offsets = self._stage_offsets
+        while order and order[0].finished:
+            head = order.popleft()
+            if head.lane.counted:
+                key = head.lane.key
+                assert key is not None
+                stage_offsets[key] = head.stage_offset + 1
+        if not lane.in_ready and lane.dispatchable():
+            lane.in_ready = True
+            self._ready.append(lane)
+            return True
+        return False
+
+    def suspend_messages(self, batch: Batch, retry_at: float) -> None:
+        """Hold ``batch`` back until ``retry_at``, counting one more attempt.
+
+        The messages stay pending (they are neither cached twice nor counted twice),
+        keep the stage they had, and their ``reconsume_times`` goes up by one. Until
+        the batch finishes, its stage does not complete (and, in orderly mode, the
+        queue takes nothing else).
+        """
+        batch.retry_at = retry_at
+        batch.attempt += 1
+        for entry in batch._entries:
+            entry.message = attrs.evolve(
+                entry.message, reconsume_times=entry.message.reconsume_times + 1
+            )
+        batch.messages = [entry.message for entry in batch._entries]
+        self._suspended_count += len(batch._entries)
+
+    def resume(self, batch: Batch) -> bool:
+        """Make a suspended ``batch`` ready to be taken again (its timer expired)."""
+        if self.dropped:
+            return False
+        self._retry_ready.append(batch)
+        return True
+
+    # -- progress ----------------------------------------------------------------
+
+    @property
+    def committed_offset(self) -> int:
+        """Lowest unfinished offset, or highest-seen + 1 when nothing is unfinished."""
+        order = self._order
+        if order:
+            return order[0].message.queue_offset
+        return self.highest_offset + 1
+
+    @property
+    def committed_stage_offsets(self) -> Mapping[StageKey, int]:
+        """Stage offset of every known stage key at :attr:`committed_offset`."""
+        return MappingProxyType(dict(self._stage_offsets))
+
+    @property
+    def unfinished_count(self) -> int:
+        return self._cached_count + self._pending_count
+
+    @property
+    def cached_count(self) -> int:
+        return self._cached_count
+
+    @property
+    def pending_count(self) -> int:
+        return self._pending_count
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    @property
+    def span(self) -> int:
+        order = self._order
+        if not order:
+            return 0
+        return self.highest_offset - order[0].message.queue_offset
+
+    def is_cache_full(self) -> bool:
+        """Whether pulling should pause (flow control by count, bytes and span)."""
+        flow = self._flow
+        if self._cached_count + self._pending_count >= flow.count:
+            return True
+        if self._cached_bytes >= flow.size_bytes:
+            return True
+        return flow.max_span is not None and self.span >= flow.max_span
+
+    def drop(self) -> None:
+        """Mark the queue released: nothing more is taken from it."""
+        self.dropped = True
+        self._ready.clear()
+        self._retry_ready.clear()
+
+    def statistics(self) -> ProcessQueueStatistics:
+        return ProcessQueueStatistics(
+            message_queue=self.message_queue,
+            cached_count=self._cached_count,
+            pending_count=self._pending_count,
+            suspended_count=self._suspended_count,
+            cached_bytes=self._cached_bytes,
+            committed_offset=self.committed_offset,
+            highest_offset=self.highest_offset,
+            span=self.span,
+            stage_offsets=self.committed_stage_offsets,
+            dropped=self.dropped,
+        )

@@ -1,0 +1,89 @@
+"""Exceptions raised by :mod:`stagedconsumer`.
+
+The tree::
+
+    StagedConsumerError
+    ├── ConfigurationError (also ValueError)       bad input, raised at construction
+    │   ├── InvalidStageDefinitionError            non-int, zero or negative stage sizes
+    │   ├── InvalidOptionError                     unknown option or value out of range
+    │   ├── ListenerTypeError (also TypeError)     listener of the wrong kind
+    │   └── UnknownTopicError                      topic the source does not have
+    ├── SourceError                                the message source failed
+    │   │                                          (``retriable`` says whether to try again)
+    │   └── SourceClosedError                      the source was closed
+    ├── HandlerError                               a listener call failed; raised only by
+    │                                              ``consume_message_directly`` style helpers,
+    │                                              never out of a running consumer
+    └── ConsumerStateError                         method called in the wrong state
+
+Handler failures are kept apart from source and store failures: a handler that
+raises never stops the consumer (the batch is retried), while a source failure is
+retried with backoff by the pull loop. Offset store failures use the tree of
+:mod:`offsetstore`.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "ConfigurationError",
+    "ConsumerStateError",
+    "HandlerError",
+    "InvalidOptionError",
+    "InvalidStageDefinitionError",
+    "ListenerTypeError",
+    "SourceClosedError",
+    "SourceError",
+    "StagedConsumerError",
+    "UnknownTopicError",
+)
+
+
+class StagedConsumerError(Exception):
+    """Base class of every exception this package raises."""
+
+
+class ConfigurationError(StagedConsumerError, ValueError):
+    """Bad input, detected when the consumer, source or listener is set up."""
+
+
+class InvalidStageDefinitionError(ConfigurationError):
+    """Stage definitions that are not a sequence of positive ints."""
+
+
+class InvalidOptionError(ConfigurationError):
+    """An unknown option name, or an option value out of its allowed range."""
+
+
+class ListenerTypeError(ConfigurationError, TypeError):
+    """A listener of the wrong kind (or one missing a required method)."""
+
+
+class UnknownTopicError(ConfigurationError):
+    """A topic that the message source does not have."""
+
+
+class SourceError(StagedConsumerError):
+    """The message source failed.
+
+    ``retriable`` is true when trying again later can succeed (a lost connection),
+    false when it cannot (a malformed request).
+    """
+
+    def __init__(self, message: str, *, retriable: bool = True) -> None:
+        super().__init__(message)
+        self.retriable = retriable
+
+
+class SourceClosedError(SourceError):
+    """The message source was closed."""
+
+    def __init__(self, message: str = "the message source is closed") -> None:
+        super().__init__(message, retriable=False)
+
+
+class HandlerError(StagedConsumerError):
+    """A listener call raised; the original exception is ``__cause__``."""
+
+
+class ConsumerStateError(StagedConsumerError):
+    """A consumer method was called in a state that does not allow it."""

@@ -1,0 +1,181 @@
+"""Listeners (what users implement), consume statuses and contexts.
+
+A listener's ``consume_message(msgs, context)`` may be ``async def`` (run on the
+event loop) or a plain ``def`` (run in a worker thread). Returning ``None`` means
+success and raising means failure: a deliberate difference from RocketMQ, where a
+``null`` return means failure.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Awaitable, Mapping, Sequence
+
+import attrs
+
+from ._core import DEFAULT_STRATEGY
+from ._message import Message, MessageQueue
+
+__all__ = (
+    "ConsumeConcurrentlyContext",
+    "ConsumeConcurrentlyStatus",
+    "ConsumeOrderlyContext",
+    "ConsumeOrderlyStatus",
+    "ConsumeStagedConcurrentlyContext",
+    "MessageListener",
+    "MessageListenerConcurrently",
+    "MessageListenerOrderly",
+    "MessageListenerStagedConcurrently",
+)
+
+
+class ConsumeConcurrentlyStatus(enum.Enum):
+    """What a concurrent listener may return (``None`` means success)."""
+
+    CONSUME_SUCCESS = "CONSUME_SUCCESS"
+    RECONSUME_LATER = "RECONSUME_LATER"
+
+
+class ConsumeOrderlyStatus(enum.Enum):
+    """What an orderly or staged listener may return (``None`` means success)."""
+
+    SUCCESS = "SUCCESS"
+    SUSPEND_CURRENT_QUEUE_A_MOMENT = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
+
+
+@attrs.define(kw_only=True, eq=False)
+class ConsumeConcurrentlyContext:
+    """Passed to :meth:`MessageListenerConcurrently.consume_message`.
+
+    ``delay_level_when_next_consume``: 0 (default) lets the retry delay grow with
+    ``reconsume_times`` (RocketMQ's level ``3 + reconsume_times``); a positive value
+    picks a level; a negative value sends a failed message straight to the DLQ.
+    ``ack_index``: on success, messages ``0..ack_index`` count as consumed and the
+    rest as failed (default: all consumed).
+    """
+
+    message_queue: MessageQueue
+    delay_level_when_next_consume: int = 0
+    ack_index: int = 2**31 - 1
+
+
+@attrs.define(kw_only=True, eq=False)
+class ConsumeOrderlyContext:
+    """Passed to :meth:`MessageListenerOrderly.consume_message`.
+
+    ``suspend_current_queue_time_millis`` is how long the queue waits before a
+    failed batch is retried (default from the options, 1000; clamped to [10, 30000]).
+    """
+
+    message_queue: MessageQueue
+    suspend_current_queue_time_millis: int = 1000
+
+
+@attrs.define(kw_only=True, eq=False)
+class ConsumeStagedConcurrentlyContext:
+    """Passed to :meth:`MessageListenerStagedConcurrently.consume_message`.
+
+    ``stage_index`` is the stage of every message of the batch (``-1``: the tail,
+    past the last defined stage, or no stage at all when ``strategy_id`` is ``None``).
+    ``suspend_current_queue_time_millis`` is settable, as in the orderly context.
+    """
+
+    message_queue: MessageQueue
+    stage_index: int
+    strategy_id: str | None
+    group_id: str | None
+    suspend_current_queue_time_millis: int = 1000
+
+
+class MessageListener(abc.ABC):  # noqa: B024 - a marker base; subclasses add the abstract methods
+    """Base class of the three listener kinds."""
+
+
+class MessageListenerConcurrently(MessageListener):
+    """Consumes messages concurrently: no order, within a queue or across queues.
+
+    Up to ``consume_thread_max`` calls run at once. A failure (raising, or returning
+    ``RECONSUME_LATER``) sends the messages to the group's retry queue, from where
+    they come back after a growing delay; after ``max_reconsume_times`` (16 by
+    default) they go to the dead-letter queue.
+    """
+
+    @abc.abstractmethod
+    def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus | None | Awaitable[ConsumeConcurrentlyStatus | None]:
+        """Handle a batch; return ``None`` (or ``CONSUME_SUCCESS``) on success."""
+
+
+class MessageListenerOrderly(MessageListener):
+    """Consumes each queue strictly in order, one batch at a time.
+
+    Ordered: the batches of one queue, in offset order; a batch starts only after the
+    previous one finished. Not ordered: different queues run concurrently. A failure
+    suspends the queue and retries the same batch locally after
+    ``suspend_current_queue_time_millis`` (unlimited times by default).
+    """
+
+    @abc.abstractmethod
+    def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> ConsumeOrderlyStatus | None | Awaitable[ConsumeOrderlyStatus | None]:
+        """Handle a batch; return ``None`` (or ``SUCCESS``) on success."""
+
+
+class MessageListenerStagedConcurrently(MessageListener):
+    """Consumes stage by stage: concurrent inside a stage, ordered between stages.
+
+    With stage definitions ``[n1, ..., nk]``, the first ``n1`` messages of a stage key
+    form stage 0, the next ``n2`` stage 1, and so on; messages past the last stage
+    form the unbounded tail stage ``-1``. Ordered: no message of stage ``i + 1`` (or
+    the tail) of a stage key starts before every message of stage ``i`` of that key
+    has finished. Not ordered: messages inside one stage, and different stage keys
+    or queues. A stage key is ``(strategy_id, group_id)`` within one queue; by
+    default there is one per queue. ``[]`` behaves as concurrent consumption and
+    ``[1] * n`` as orderly for the first ``n`` messages.
+
+    A failure suspends the batch and retries it locally (its stage does not complete
+    meanwhile); after ``max_reconsume_times`` (unlimited by default) the message goes
+    to the dead-letter queue and counts as finished.
+    """
+
+    @abc.abstractmethod
+    def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> ConsumeOrderlyStatus | None | Awaitable[ConsumeOrderlyStatus | None]:
+        """Handle a batch of one stage; return ``None`` (or ``SUCCESS``) on success."""
+
+    @abc.abstractmethod
+    def get_stage_definitions(self) -> Sequence[int]:
+        """Stage sizes, each a positive int (e.g. ``[10, 20, 70]``)."""
+
+    def get_stage_definition_strategies(self) -> Mapping[str, Sequence[int]]:
+        """Named definition lists for :meth:`compute_strategy` to pick from.
+
+        Default: one strategy, ``"default"``, holding :meth:`get_stage_definitions`.
+        """
+        return {DEFAULT_STRATEGY: self.get_stage_definitions()}
+
+    def compute_strategy(self, msg: Message) -> str | None:
+        """The strategy of ``msg``; ``None`` (or an unknown id) consumes it directly,
+        concurrently, with no stage. Default: ``"default"``."""
+        return DEFAULT_STRATEGY
+
+    def compute_group(self, msg: Message) -> str | None:
+        """Splits a queue into independent stage sequences (e.g. per campaign).
+
+        Default: ``None``, one sequence per queue and strategy.
+        """
+        return None
+
+    def reset_current_stage_offset_if_need(self, topic: str, current: int) -> int:
+        """Return a new stage offset (e.g. 0 when a new campaign starts).
+
+        Consulted when a message is assigned at a stage boundary (and for every tail
+        message); the returned offset applies from that message on, never in the
+        middle of a stage. A reset starts a new stage: its messages wait for all
+        earlier messages of the stage key. Default: ``current`` (no reset).
+        """
+        return current

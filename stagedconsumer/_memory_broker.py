@@ -1,0 +1,279 @@
+"""MemoryBroker: the embedded, in-process message source (the default)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import anyio
+import attrs
+
+from ._core import retry_delay_seconds
+from ._exceptions import ConfigurationError, UnknownTopicError
+from ._message import Message, MessageQueue
+from ._source import (
+    DLQ_PREFIX,
+    PROPERTY_ORIGIN_MESSAGE_ID,
+    PROPERTY_RETRY_TOPIC,
+    RETRY_PREFIX,
+    MessageSource,
+    PullResult,
+    SendBackResult,
+    dlq_topic,
+    retry_topic,
+)
+
+__all__ = ("MemoryBroker", "MemoryBrokerStatistics")
+
+
+@attrs.frozen(kw_only=True)
+class MemoryBrokerStatistics:
+    """A snapshot of a :class:`MemoryBroker`."""
+
+    topics: Mapping[str, int]
+    """Queue count per topic (retry and DLQ topics included)."""
+    messages: int
+    """Messages stored in all queues."""
+    delayed: int
+    """Messages handed back for retry and not yet due."""
+
+
+class _Queue:
+    __slots__ = ("log", "waiter")
+
+    def __init__(self) -> None:
+        self.log: list[Message] = []
+        self.waiter: anyio.Event | None = None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            waiter.set()
+
+
+class MemoryBroker(MessageSource):
+    """An in-process broker: topics of N queues held in memory.
+
+    Ordering guarantee: each queue is an append-only log; pulls return its messages
+    in offset order. :meth:`send` picks the queue by a stable hash (CRC-32) of the
+    first key, round-robin when there are no keys, or ``queue_id`` when given.
+    Failed messages handed back by a concurrent consumer wait their retry delay
+    (RocketMQ's delay levels) and then appear in the group's retry queue; spent ones
+    go to the group's dead-letter queue.
+
+    The broker lives on one event loop: call it from that loop's thread (from a worker
+    thread, go through ``anyio.from_thread``). ``clock`` is the time source of retry
+    delays; by default the running event loop's clock (``anyio.current_time``), so
+    virtual-time tests see virtual delays.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
+        self._topics: dict[str, list[_Queue]] = {}
+        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._delayed: list[tuple[float, int, str, Message]] = []
+        self._delay_seq = itertools.count()
+        self._clock = clock
+        self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
+        self._id_seq = itertools.count()
+
+    # -- producer side ---------------------------------------------------------
+
+    def create_topic(self, topic: str, queue_count: int = 8) -> list[MessageQueue]:
+        """Create ``topic`` with ``queue_count`` queues (idempotent for the same count)."""
+        if not topic or not isinstance(topic, str):
+            raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
+        if topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+            raise ConfigurationError(f"topic {topic!r} uses a reserved prefix")
+        if isinstance(queue_count, bool) or not isinstance(queue_count, int) or queue_count < 1:
+            raise ConfigurationError(f"queue_count must be a positive int, got {queue_count!r}")
+        existing = self._topics.get(topic)
+        if existing is not None:
+            if len(existing) != queue_count:
+                raise ConfigurationError(
+                    f"topic {topic!r} exists with {len(existing)} queues, not {queue_count}"
+                )
+        else:
+            self._topics[topic] = [_Queue() for _ in range(queue_count)]
+            self._round_robin[topic] = itertools.count()
+        return [MessageQueue(topic, i) for i in range(queue_count)]
+
+    def _queues_of(self, topic: str) -> list[_Queue]:
+        queues = self._topics.get(topic)
+        if queues is None:
+            if topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+                queues = self._topics[topic] = [_Queue()]
+                return queues
+            raise UnknownTopicError(
+                f"topic {topic!r} does not exist; create it with create_topic()"
+                + (f" (known topics: {', '.join(sorted(self._topics))})" if self._topics else "")
+            )
+        return queues
+
+    def _next_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_seq):016X}"
+
+    def send(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        keys: Sequence[str] | str = (),
+        tags: str | None = None,
+        properties: Mapping[str, str] | None = None,
+        queue_id: int | None = None,
+    ) -> Message:
+        """Append a message to a queue of ``topic`` and return it as stored."""
+        queues = self._queues_of(topic)
+        if not isinstance(body, (bytes, bytearray, memoryview)):
+            raise TypeError(f"body must be bytes, got {type(body).__name__}")
+        key_tuple = (keys,) if isinstance(keys, str) else tuple(keys)
+        if queue_id is None:
+            if key_tuple:
+                queue_id = zlib.crc32(key_tuple[0].encode()) % len(queues)
+            else:
+                queue_id = next(self._round_robin[topic]) % len(queues)
+        elif not 0 <= queue_id < len(queues):
+            raise ConfigurationError(
+                f"queue_id {queue_id} out of range for topic {topic!r} with {len(queues)} queues"
+            )
+        queue = queues[queue_id]
+        message = Message(
+            topic=topic,
+            queue_id=queue_id,
+            queue_offset=len(queue.log),
+            body=bytes(body),
+            keys=key_tuple,
+            tags=tags,
+            properties=properties or {},
+            msg_id=self._next_id(),
+            born_timestamp=time.time(),
+        )
+        queue.log.append(message)
+        queue.wake()
+        return message
+
+    def send_many(
+        self, topic: str, bodies: Iterable[bytes], *, queue_id: int | None = None
+    ) -> int:
+        """Append many key-less messages (round-robin, or all to ``queue_id``)."""
+        count = 0
+        for body in bodies:
+            self.send(topic, body, queue_id=queue_id)
+            count += 1
+        return count
+
+    def _append(self, topic: str, message: Message) -> Message:
+        queue = self._queues_of(topic)[0]
+        stored = attrs.evolve(message, topic=topic, queue_id=0, queue_offset=len(queue.log))
+        queue.log.append(stored)
+        queue.wake()
+        return stored
+
+    # -- MessageSource -----------------------------------------------------------
+
+    async def get_queues(self, topic: str) -> Sequence[MessageQueue]:
+        return [MessageQueue(topic, i) for i in range(len(self._queues_of(topic)))]
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else anyio.current_time()
+
+    def _release_due(self) -> float | None:
+        """Move due retry messages into their retry queue; returns the next due time."""
+        delayed = self._delayed
+        if not delayed:
+            return None
+        now = self._now()
+        while delayed and delayed[0][0] <= now:
+            _, _, topic, message = heapq.heappop(delayed)
+            self._append(topic, message)
+        return delayed[0][0] if delayed else None
+
+    async def pull(
+        self, mq: MessageQueue, offset: int, max_count: int, *, timeout: float = 0.0
+    ) -> PullResult:
+        queue = self._queues_of(mq.topic)[mq.queue_id]
+        if offset < 0:
+            offset = 0
+        if mq.topic.startswith(RETRY_PREFIX):
+            self._release_due()
+        log = queue.log
+        if offset >= len(log) and timeout > 0:
+            with anyio.move_on_after(timeout):
+                while offset >= len(log):
+                    wait = None
+                    if mq.topic.startswith(RETRY_PREFIX):
+                        due = self._release_due()
+                        if offset < len(log):
+                            break
+                        if due is not None:
+                            wait = max(0.0, due - self._now())
+                    if queue.waiter is None:
+                        queue.waiter = anyio.Event()
+                    waiter = queue.waiter
+                    if wait is None:
+                        await waiter.wait()
+                    else:
+                        with anyio.move_on_after(wait):
+                            await waiter.wait()
+        messages = log[offset : offset + max_count]
+        return PullResult(
+            messages=messages,
+            next_offset=offset + len(messages) if messages else min(offset, len(log)),
+            max_offset=len(log),
+        )
+
+    async def max_offset(self, mq: MessageQueue) -> int:
+        if mq.topic.startswith(RETRY_PREFIX):
+            self._release_due()
+        return len(self._queues_of(mq.topic)[mq.queue_id].log)
+
+    async def send_back(
+        self,
+        group: str,
+        message: Message,
+        *,
+        delay_level: int = 0,
+        max_reconsume_times: int = 16,
+    ) -> SendBackResult:
+        if delay_level < 0 or message.reconsume_times >= max_reconsume_times:
+            await self.send_to_dlq(group, message)
+            return SendBackResult.DLQ
+        properties = dict(message.properties)
+        properties.setdefault(PROPERTY_RETRY_TOPIC, message.topic)
+        properties.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, message.msg_id)
+        retried = attrs.evolve(
+            message,
+            properties=properties,
+            reconsume_times=message.reconsume_times + 1,
+            msg_id=self._next_id(),
+        )
+        due = self._now() + retry_delay_seconds(message.reconsume_times, delay_level)
+        topic = retry_topic(group)
+        self._queues_of(topic)
+        heapq.heappush(self._delayed, (due, next(self._delay_seq), topic, retried))
+        self._queues_of(topic)[0].wake()
+        return SendBackResult.RETRY
+
+    async def send_to_dlq(self, group: str, message: Message) -> None:
+        properties = dict(message.properties)
+        properties.setdefault(PROPERTY_RETRY_TOPIC, message.topic)
+        properties.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, message.msg_id)
+        self._append(dlq_topic(group), attrs.evolve(message, properties=properties))
+
+    # -- inspection ----------------------------------------------------------------
+
+    def messages(self, topic: str, queue_id: int = 0) -> Sequence[Message]:
+        """The stored messages of one queue (read-only view, for tests and tools)."""
+        return tuple(self._queues_of(topic)[queue_id].log)
+
+    def statistics(self) -> MemoryBrokerStatistics:
+        return MemoryBrokerStatistics(
+            topics={name: len(queues) for name, queues in self._topics.items()},
+            messages=sum(len(q.log) for queues in self._topics.values() for q in queues),
+            delayed=len(self._delayed),
+        )

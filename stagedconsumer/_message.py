@@ -1,0 +1,75 @@
+"""Value objects: :class:`Message` and :class:`MessageQueue`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import attrs
+
+__all__ = ("EMPTY_PROPERTIES", "Message", "MessageQueue")
+
+EMPTY_PROPERTIES: Mapping[str, str] = MappingProxyType({})
+
+
+def _freeze_properties(value: Mapping[str, str] | None) -> Mapping[str, str]:
+    if not value:
+        return EMPTY_PROPERTIES
+    if isinstance(value, MappingProxyType):
+        return value
+    return MappingProxyType(dict(value))
+
+
+def _freeze_keys(value: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen(order=True)
+class MessageQueue:
+    """One partition of a topic: an ordered log addressed by integer queue offsets."""
+
+    topic: str
+    queue_id: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}#{self.queue_id}"
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Message:
+    """A message as delivered to a listener.
+
+    ``queue_offset`` is the message's position in the queue it was pulled from;
+    ``reconsume_times`` counts how often it was handed to a listener before and
+    failed. Messages compare by identity of their position
+    (``topic``, ``queue_id``, ``queue_offset``, ``reconsume_times``), never by body.
+    """
+
+    topic: str
+    queue_id: int
+    queue_offset: int
+    body: bytes
+    keys: tuple[str, ...] = attrs.field(default=(), converter=_freeze_keys)
+    tags: str | None = None
+    properties: Mapping[str, str] = attrs.field(
+        default=EMPTY_PROPERTIES, converter=_freeze_properties
+    )
+    msg_id: str = ""
+    born_timestamp: float = 0.0
+    reconsume_times: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Message):
+            return NotImplemented
+        return (
+            self.topic == other.topic
+            and self.queue_id == other.queue_id
+            and self.queue_offset == other.queue_offset
+            and self.msg_id == other.msg_id
+            and self.reconsume_times == other.reconsume_times
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.topic, self.queue_id, self.queue_offset, self.msg_id))

@@ -1,0 +1,122 @@
+"""MessageSource: what a consumer pulls from (the embedded broker, Redis, ...)."""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from ._message import Message, MessageQueue
+
+__all__ = (
+    "DLQ_PREFIX",
+    "PROPERTY_ORIGIN_MESSAGE_ID",
+    "PROPERTY_RETRY_TOPIC",
+    "RETRY_PREFIX",
+    "MessageSource",
+    "PullResult",
+    "SendBackResult",
+    "dlq_topic",
+    "retry_topic",
+)
+
+RETRY_PREFIX = "%RETRY%"
+DLQ_PREFIX = "%DLQ%"
+PROPERTY_RETRY_TOPIC = "RETRY_TOPIC"
+"""Property of a retried message: the topic it was first sent to."""
+PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
+"""Property of a retried or dead-lettered message: the id of the first delivery."""
+
+
+def retry_topic(group: str) -> str:
+    """The retry topic of a consumer group, ``%RETRY%<group>``."""
+    return RETRY_PREFIX + group
+
+
+def dlq_topic(group: str) -> str:
+    """The dead-letter topic of a consumer group, ``%DLQ%<group>``."""
+    return DLQ_PREFIX + group
+
+
+@attrs.frozen(kw_only=True)
+class PullResult:
+    """What one pull returned.
+
+    ``messages`` are consecutive in offset order starting at or after the requested
+    offset; ``next_offset`` is where the next pull starts (past the last message
+    returned, or moved forward when the requested offset no longer exists);
+    ``max_offset`` is the queue's next offset to be written.
+    """
+
+    messages: Sequence[Message]
+    next_offset: int
+    max_offset: int
+
+
+class SendBackResult(enum.Enum):
+    """Where a message handed back by a consumer went."""
+
+    RETRY = "retry"
+    DLQ = "dlq"
+
+
+class MessageSource(abc.ABC):
+    """A partitioned log that consumers pull from by offset.
+
+    Ordering guarantee: within one message queue, :meth:`pull` returns messages in
+    offset order and every offset once (a repeated pull of the same offset returns
+    the same messages). Nothing is ordered across queues. Messages handed back for
+    retry come back through the group's retry queue, in the order they become due.
+    """
+
+    @abc.abstractmethod
+    async def get_queues(self, topic: str) -> Sequence[MessageQueue]:
+        """The queues of ``topic``; raises :class:`~stagedconsumer.UnknownTopicError`.
+
+        Retry topics (``%RETRY%<group>``) always exist.
+        """
+
+    @abc.abstractmethod
+    async def pull(
+        self, mq: MessageQueue, offset: int, max_count: int, *, timeout: float = 0.0
+    ) -> PullResult:
+        """Up to ``max_count`` messages of ``mq`` from ``offset`` on.
+
+        When none is available, waits up to ``timeout`` seconds for one (long polling)
+        before returning an empty result.
+        """
+
+    @abc.abstractmethod
+    async def max_offset(self, mq: MessageQueue) -> int:
+        """The offset the next message sent to ``mq`` will get."""
+
+    async def min_offset(self, mq: MessageQueue) -> int:
+        """The lowest offset still stored in ``mq`` (default 0)."""
+        del mq
+        return 0
+
+    @abc.abstractmethod
+    async def send_back(
+        self,
+        group: str,
+        message: Message,
+        *,
+        delay_level: int = 0,
+        max_reconsume_times: int = 16,
+    ) -> SendBackResult:
+        """Hand a failed message to the group's retry queue, or its DLQ when spent.
+
+        The message goes to the DLQ when its ``reconsume_times`` has reached
+        ``max_reconsume_times`` or ``delay_level`` is negative; otherwise it comes back
+        through ``%RETRY%<group>`` with ``reconsume_times + 1`` after the delay of
+        ``delay_level`` (0: RocketMQ's level ``3 + reconsume_times``).
+        """
+
+    @abc.abstractmethod
+    async def send_to_dlq(self, group: str, message: Message) -> None:
+        """Move a message to the group's dead-letter queue ``%DLQ%<group>``."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release connections. The default does nothing."""
