@@ -1,0 +1,53 @@
+"""Shared test configuration.
+
+- async tests run on both anyio backends (asyncio and trio);
+- hypothesis profiles: ``dev`` (default), ``ci`` (when ``CI`` is set: more examples,
+  no deadline, derandomized so a red CI run is reproducible);
+- ``service_url`` fixtures for PostgreSQL, MariaDB and Redis live next to the tests
+  that use them; with ``CI`` set they fail instead of skipping when a service is down.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+settings.register_profile(
+    "dev",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "ci",
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "dev"))
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("trio", {}), id="trio"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
+    return request.param  # type: ignore[no-any-return]
+
+
+def require_service(name: str, reachable: bool, detail: str) -> None:
+    """Skip when a service is down locally; fail in CI, where it must be up."""
+    if reachable:
+        return
+    message = f"{name} is not reachable ({detail})"
+    if IN_CI:
+        pytest.fail(message + "; CI must run it (.ci/run starts it)")
+    pytest.skip(message)
