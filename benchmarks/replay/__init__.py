@@ -1,0 +1,1 @@
+"""PySpark workload replay: generate, replay, analyse, report."""

@@ -1,0 +1,220 @@
+"""Generation: a workload becomes a deterministic DataFrame of messages.
+
+Every random draw is a pure function of ``(seed, salt, queue, offset)`` through
+Spark's ``xxhash64``, never of the partitioning, so the same workload and seed give
+the same messages on any number of cores or executors.
+
+Columns (one row per message): ``consumer`` (consumer instance owning the queue),
+``topic``, ``queue`` (queue id in its topic), ``qid`` (global queue index),
+``offset``, ``key``, ``strategy`` (stage strategy id, null = no stage), ``grp``
+(stage group id), ``size`` (bytes), ``cost_us`` (handler cost per attempt, in
+microseconds), ``fail_attempts`` (how many first attempts fail), ``publish_us``
+(publish time) and ``stage`` (the stage index the contract assigns: the stage
+offset is the message's rank within its queue and stage key; ``-1`` the tail,
+null for messages without a stage).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from .workload import NO_STAGE, Workload
+
+__all__ = ("MESSAGE_COLUMNS", "add_derived_columns", "generate_messages", "import_recorded")
+
+MESSAGE_COLUMNS: tuple[str, ...] = (
+    "consumer", "topic", "queue", "qid", "offset", "key", "strategy", "grp",
+    "size", "cost_us", "fail_attempts", "publish_us", "stage",
+)
+
+_MASK53 = (1 << 53) - 1
+
+
+def _uniform(seed: int, salt: int) -> Column:
+    """A uniform draw in (0, 1), a pure function of (seed, salt, qid, offset)."""
+    h = F.xxhash64(F.lit(seed), F.lit(salt), F.col("qid"), F.col("offset"))
+    return (h.bitwiseAND(F.lit(_MASK53)).cast("double") + F.lit(0.5)) / F.lit(float(1 << 53))
+
+
+def _cost_ms(w: Workload) -> Column:
+    p = w.cost.params
+    dist = w.cost.distribution
+    if dist == "constant":
+        return F.lit(p["ms"])
+    u = _uniform(w.seed, 1)
+    if dist == "uniform":
+        return F.lit(p["minMs"]) + u * F.lit(p["maxMs"] - p["minMs"])
+    if dist == "exponential":
+        return -F.lit(p["meanMs"]) * F.log(u)
+    # lognormal through Box-Muller
+    z = F.sqrt(F.lit(-2.0) * F.log(u)) * F.cos(F.lit(2 * math.pi) * _uniform(w.seed, 2))
+    return F.lit(p["medianMs"]) * F.exp(F.lit(p["sigma"]) * z)
+
+
+def _fail_attempts(w: Workload) -> Column:
+    f = w.failures
+    if f.probability <= 0 or f.max_failures == 0:
+        return F.lit(0)
+    # P(fail_attempts >= k) = p ** k: attempts fail independently with probability p
+    draw = F.floor(F.log(_uniform(w.seed, 3)) / F.lit(math.log(f.probability)))
+    return F.least(draw, F.lit(f.max_failures)).cast("int")
+
+
+def _key(w: Workload, queue_count: int) -> Column:
+    if w.key_distributor == "NO_KEY":
+        return F.lit(None).cast("string")
+    if w.key_distributor == "KEY_ROUND_ROBIN":
+        index = F.col("offset") * F.lit(queue_count) + F.col("qid")
+        return F.concat(F.lit("k"), (index % F.lit(w.key_count)).cast("string"))
+    h = F.xxhash64(F.lit(w.seed), F.lit(4), F.col("qid"), F.col("offset"))
+    return F.concat(F.lit("k"), F.pmod(h, F.lit(w.key_count)).cast("string"))
+
+
+def _strategy(w: Workload) -> Column:
+    weights = w.stages.strategy_weights
+    if not weights:
+        return F.lit("default")
+    total = sum(weights.values())
+    u = _uniform(w.seed, 5)
+    expr: Any = None
+    acc = 0.0
+    items = [(name, weight) for name, weight in weights.items() if weight > 0]
+    for i, (name, weight) in enumerate(items):
+        acc += weight / total
+        value = F.lit(None).cast("string") if name == NO_STAGE else F.lit(name)
+        if i == len(items) - 1:
+            expr = value if expr is None else expr.otherwise(value)
+        else:
+            cond = u < F.lit(acc)
+            expr = F.when(cond, value) if expr is None else expr.when(cond, value)
+    assert expr is not None
+    return expr  # type: ignore[no-any-return]
+
+
+def _stage_index(w: Workload, stage_offset: Column) -> Column:
+    """The contract's stage index from the stage offset and the strategy."""
+    expr: Any = None
+    for name, sizes in w.stages.all_strategies().items():
+        bound = 0
+        inner: Any = None
+        for index, size in enumerate(sizes):
+            bound += size
+            cond = stage_offset < F.lit(bound)
+            inner = F.when(cond, F.lit(index)) if inner is None else inner.when(cond, F.lit(index))
+        stage = F.lit(-1) if inner is None else inner.otherwise(F.lit(-1))
+        cond = F.col("strategy") == F.lit(name)
+        expr = F.when(cond, stage) if expr is None else expr.when(cond, stage)
+    assert expr is not None
+    return expr.cast("int")  # type: ignore[no-any-return]
+
+
+def add_derived_columns(df: DataFrame, w: Workload, queue_count: int) -> DataFrame:
+    """Consumer assignment, strategy, group and the contract's stage of each message.
+
+    ``df`` needs ``qid``, ``offset`` and ``key``.
+    """
+    consumers = min(w.consumers, queue_count)
+    df = df.withColumn(
+        "consumer", F.floor(F.col("qid") * F.lit(consumers) / F.lit(queue_count)).cast("int")
+    )
+    if "strategy" not in df.columns:
+        df = df.withColumn("strategy", _strategy(w))
+    grp = F.col("key") if w.stages.group_by == "key" else F.lit(None).cast("string")
+    df = df.withColumn("grp", grp)
+    window = Window.partitionBy("qid", "strategy", "grp").orderBy("offset")
+    df = df.withColumn("stage", _stage_index(w, F.row_number().over(window) - F.lit(1)))
+    df = df.withColumn(
+        "stage",
+        F.when(F.col("strategy").isNull(), F.lit(None).cast("int")).otherwise(F.col("stage")),
+    )
+    return df.select(*MESSAGE_COLUMNS)
+
+
+def generate_messages(spark: SparkSession, w: Workload) -> DataFrame:
+    """The workload's messages, generated deterministically from ``w.seed``."""
+    if w.recorded is not None:
+        return import_recorded(spark, w)
+    queues = w.queue_count
+    total = w.message_count
+    partitions = max(1, min(200, total // 250_000 + 1))
+    df = spark.range(0, total, numPartitions=partitions)
+    df = df.select(
+        (F.col("id") / F.lit(w.messages_per_queue)).cast("long").cast("int").alias("qid"),
+        (F.col("id") % F.lit(w.messages_per_queue)).alias("offset"),
+    )
+    df = df.withColumns(
+        {
+            "topic": (F.col("qid") / F.lit(w.partitions_per_topic)).cast("int"),
+            "queue": (F.col("qid") % F.lit(w.partitions_per_topic)).cast("int"),
+            "key": _key(w, queues),
+            "size": F.lit(w.message_size),
+            "cost_us": F.greatest(F.round(_cost_ms(w) * F.lit(1000.0)), F.lit(0.0)).cast("long"),
+            "fail_attempts": _fail_attempts(w),
+        }
+    )
+    if w.producer_rate > 0:
+        # round-robin over queues: message i of the interleaving is published at i / rate
+        index = F.col("offset") * F.lit(queues) + F.col("qid")
+        publish = F.round(index.cast("double") * F.lit(1e6 / w.producer_rate)).cast("long")
+    else:
+        publish = F.lit(0).cast("long")
+    df = df.withColumn("publish_us", publish)
+    return add_derived_columns(df, w, queues)
+
+
+def import_recorded(spark: SparkSession, w: Workload) -> DataFrame:
+    """Recorded traffic (Parquet/CSV with measured handler times) as messages."""
+    rec = w.recorded
+    assert rec is not None
+    path = str(rec.path)
+    if rec.format == "csv":
+        raw = spark.read.csv(path, header=True, inferSchema=True)
+    else:
+        raw = spark.read.parquet(path)
+    cols = set(raw.columns)
+    missing = {"queue", "cost_ms"} - cols
+    if missing:
+        raise ValueError(
+            f"{path}: recorded traffic needs columns queue and cost_ms; missing"
+            f" {', '.join(sorted(missing))} (has {', '.join(sorted(cols))})"
+        )
+    df = raw.withColumn("_row", F.monotonically_increasing_id())
+    if "topic" not in cols:
+        df = df.withColumn("topic", F.lit(0))
+    df = df.withColumn("topic", F.col("topic").cast("int")).withColumn(
+        "queue", F.col("queue").cast("int")
+    )
+    if "offset" in cols:
+        df = df.withColumn("offset", F.col("offset").cast("long"))
+    else:
+        df = df.withColumn(
+            "offset",
+            (F.row_number().over(Window.partitionBy("topic", "queue").orderBy("_row")) - 1).cast(
+                "long"
+            ),
+        )
+    df = df.withColumn(
+        "qid", (F.dense_rank().over(Window.orderBy("topic", "queue")) - 1).cast("int")
+    )
+    df = df.withColumns(
+        {
+            "key": F.col("key").cast("string") if "key" in cols else F.lit(None).cast("string"),
+            "size": F.col("size").cast("int") if "size" in cols else F.lit(w.message_size),
+            "cost_us": F.round(F.col("cost_ms").cast("double") * 1000.0).cast("long"),
+            "fail_attempts": F.col("fail_attempts").cast("int")
+            if "fail_attempts" in cols
+            else _fail_attempts(w),
+            "publish_us": F.round(F.col("publish_ms").cast("double") * 1000.0).cast("long")
+            if "publish_ms" in cols
+            else F.lit(0).cast("long"),
+        }
+    )
+    if "strategy" in cols:
+        df = df.withColumn("strategy", F.col("strategy").cast("string"))
+    queue_count = df.select(F.max("qid")).first()
+    assert queue_count is not None
+    return add_derived_columns(df, w, int(queue_count[0]) + 1)

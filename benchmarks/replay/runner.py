@@ -1,0 +1,308 @@
+"""Replay of one consumer instance: the real PushConsumer over a MemoryBroker.
+
+No Spark here: :func:`replay_consumer` takes the messages of one consumer instance
+(a pandas DataFrame with the generation's columns) and returns its event log, one
+row per message and handler attempt. Spark runs it per consumer instance
+(:mod:`benchmarks.replay.spark`).
+
+Virtual time (default): ``trio.run(..., clock=MockClock(autojump_threshold=0))``;
+handlers simulate their cost with ``anyio.sleep``, so timings are exact and the
+replay's wall time is the runtime's own overhead. Wall clock: the same on trio's
+real clock (costs are really waited for).
+
+Handlers fail by raising: a batch fails when any of its messages is still in its
+failure schedule (``attempt < fail_attempts``, the attempt being the message's
+``reconsume_times``); the whole batch's cost is spent on every attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+import attrs
+import pandas as pd
+import trio
+import trio.testing
+
+from stagedconsumer import (
+    ConsumeConcurrentlyContext,
+    ConsumeOrderlyContext,
+    ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
+    MemoryBroker,
+    Message,
+    MessageListener,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
+    PushConsumer,
+)
+
+from .workload import Workload
+
+__all__ = ("EVENT_COLUMNS", "HandlerFailed", "ReplayConfig", "replay_consumer")
+
+EVENT_COLUMNS: tuple[str, ...] = (
+    "mode", "consumer", "topic", "queue", "qid", "offset", "stage", "attempt", "batch",
+    "start", "end", "ok", "dlq",
+)
+"""``stage``: the stage index the runtime reported (staged mode; null otherwise).
+``batch``: the handler call's number within the replay. ``start``/``end``: seconds
+since the consumer started. ``ok``: the call succeeded. ``dlq``: this failed attempt
+sent the message to the dead-letter queue."""
+
+TOPIC = "replay"
+
+
+class HandlerFailed(Exception):
+    """A simulated handler failure (from the failure schedule)."""
+
+
+@attrs.frozen(kw_only=True)
+class ReplayConfig:
+    """What a replay task needs from the workload (small and picklable)."""
+
+    threads: int
+    batch_size: int
+    pull_batch_size: int
+    suspend_millis: int
+    max_reconsume_times: int | None
+    strategies: Mapping[str, tuple[int, ...]]
+    group_by_key: bool
+
+    @classmethod
+    def from_workload(cls, w: Workload) -> ReplayConfig:
+        return cls(
+            threads=w.threads,
+            batch_size=w.batch_size,
+            pull_batch_size=w.pull_batch_size,
+            suspend_millis=w.failures.suspend_millis,
+            max_reconsume_times=w.failures.max_reconsume_times,
+            strategies=w.stages.all_strategies(),
+            group_by_key=w.stages.group_by == "key",
+        )
+
+    def options(self) -> ConsumerOptions:
+        return ConsumerOptions(
+            consume_thread_max=self.threads,
+            consume_message_batch_max_size=self.batch_size,
+            pull_batch_size=self.pull_batch_size,
+            suspend_current_queue_time_millis=self.suspend_millis,
+            max_reconsume_times=self.max_reconsume_times,
+        )
+
+
+class _Recorder:
+    """Simulates handler costs and failures and records every attempt."""
+
+    def __init__(self, costs: Sequence[float], fails: Sequence[int], limit: int | None,
+                 total: int) -> None:
+        self.costs = costs
+        self.fails = fails
+        self.limit = limit
+        self.remaining = total
+        self.done = anyio.Event()
+        self.t0 = 0.0
+        self.batches = 0
+        self.index: list[int] = []
+        self.stage: list[int | None] = []
+        self.attempt: list[int] = []
+        self.batch: list[int] = []
+        self.start: list[float] = []
+        self.end: list[float] = []
+        self.ok: list[bool] = []
+        self.dlq: list[bool] = []
+        if total == 0:
+            self.done.set()
+
+    async def handle(self, msgs: Sequence[Message], stage: int | None) -> None:
+        costs = self.costs
+        fails = self.fails
+        indexes = [int(m.body) for m in msgs]
+        start = anyio.current_time()
+        await anyio.sleep(sum(costs[i] for i in indexes))
+        end = anyio.current_time()
+        failed = any(m.reconsume_times < fails[i] for m, i in zip(msgs, indexes, strict=True))
+        batch = self.batches
+        self.batches += 1
+        limit = self.limit
+        finished = 0
+        for m, i in zip(msgs, indexes, strict=True):
+            dlq = failed and limit is not None and m.reconsume_times >= limit
+            if dlq or not failed:
+                finished += 1
+            self.index.append(i)
+            self.stage.append(stage)
+            self.attempt.append(m.reconsume_times)
+            self.batch.append(batch)
+            self.start.append(start - self.t0)
+            self.end.append(end - self.t0)
+            self.ok.append(not failed)
+            self.dlq.append(dlq)
+        self.remaining -= finished
+        if self.remaining <= 0:
+            self.done.set()
+        if failed:
+            raise HandlerFailed("simulated failure (failure schedule)")
+
+
+class _Orderly(MessageListenerOrderly):
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
+        await self.recorder.handle(msgs, None)
+
+
+class _Concurrent(MessageListenerConcurrently):
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        await self.recorder.handle(msgs, None)
+
+
+class _Staged(MessageListenerStagedConcurrently):
+    def __init__(self, recorder: _Recorder, config: ReplayConfig) -> None:
+        self.recorder = recorder
+        self.strategies = {k: list(v) for k, v in config.strategies.items()}
+        self.group_by_key = config.group_by_key
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return self.strategies["default"]
+
+    def get_stage_definition_strategies(self) -> Mapping[str, Sequence[int]]:
+        return self.strategies
+
+    def compute_strategy(self, msg: Message) -> str | None:
+        return msg.tags  # the generation's strategy column; None: no stage
+
+    def compute_group(self, msg: Message) -> str | None:
+        if self.group_by_key and msg.keys:
+            return msg.keys[0]
+        return None
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        await self.recorder.handle(msgs, context.stage_index)
+
+
+def _listener(mode: str, recorder: _Recorder, config: ReplayConfig) -> MessageListener:
+    if mode == "orderly":
+        return _Orderly(recorder)
+    if mode == "concurrent":
+        return _Concurrent(recorder)
+    if mode == "staged":
+        return _Staged(recorder, config)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+async def _replay(messages: pd.DataFrame, mode: str, config: ReplayConfig) -> _Recorder:
+    options = config.options()
+    limit = options.effective_max_reconsume_times(concurrent=mode == "concurrent")
+    recorder = _Recorder(
+        (messages["cost_us"].to_numpy() / 1e6).tolist(),
+        messages["fail_attempts"].to_numpy().tolist(),
+        limit,
+        len(messages),
+    )
+    qids = sorted(set(messages["qid"].tolist()))
+    local = {qid: i for i, qid in enumerate(qids)}
+    broker = MemoryBroker()
+    broker.create_topic(TOPIC, max(1, len(qids)))
+    rows = list(
+        zip(
+            messages["qid"].map(local).tolist(),
+            messages["key"].tolist(),
+            messages["strategy"].tolist(),
+            messages["publish_us"].tolist(),
+            strict=True,
+        )
+    )
+    send = broker.send
+
+    def publish(index: int) -> None:
+        queue, key, strategy, _ = rows[index]
+        send(TOPIC, b"%d" % index, keys=() if key is None else (key,),
+             tags=strategy, queue_id=queue)
+
+    backlog = all(row[3] == 0 for row in rows)
+    if backlog:
+        for index in range(len(rows)):
+            publish(index)
+    consumer = PushConsumer(f"replay-{mode}", broker, _listener(mode, recorder, config),
+                            options=options)
+    consumer.subscribe(TOPIC)
+
+    async def produce(t0: float) -> None:
+        order = sorted(range(len(rows)), key=lambda i: rows[i][3])
+        for index in order:
+            due = t0 + rows[index][3] / 1e6
+            now = anyio.current_time()
+            if due > now:
+                await anyio.sleep(due - now)
+            publish(index)
+
+    recorder.t0 = anyio.current_time()
+    async with anyio.create_task_group() as tg, consumer:
+        if not backlog:
+            tg.start_soon(produce, recorder.t0)
+        await recorder.done.wait()
+    return recorder
+
+
+def replay_consumer(
+    messages: pd.DataFrame, mode: str, config: ReplayConfig, *, wall_clock: bool = False
+) -> pd.DataFrame:
+    """Replay one consumer instance's messages in ``mode``; returns the event log.
+
+    ``messages`` must be in queue order within each queue (it is sorted here by
+    ``qid`` and ``offset``).
+    """
+    messages = messages.sort_values(["qid", "offset"], kind="stable").reset_index(drop=True)
+
+    async def main() -> _Recorder:
+        return await _replay(messages, mode, config)
+
+    # Simulated failures are expected: the runtime's per-failure warning (with a
+    # traceback) would cost more than the replay itself.
+    runtime_logger = logging.getLogger("stagedconsumer")
+    level = runtime_logger.level
+    runtime_logger.setLevel(logging.ERROR)
+    try:
+        if wall_clock:
+            recorder = trio.run(main)
+        else:
+            recorder = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        runtime_logger.setLevel(level)
+    index = recorder.index
+    out: dict[str, Any] = {
+        "mode": mode,
+        "consumer": messages["consumer"].to_numpy()[index],
+        "topic": messages["topic"].to_numpy()[index],
+        "queue": messages["queue"].to_numpy()[index],
+        "qid": messages["qid"].to_numpy()[index],
+        "offset": messages["offset"].to_numpy()[index],
+        "stage": pd.array(recorder.stage, dtype="Int32"),
+        "attempt": recorder.attempt,
+        "batch": recorder.batch,
+        "start": recorder.start,
+        "end": recorder.end,
+        "ok": recorder.ok,
+        "dlq": recorder.dlq,
+    }
+    frame = pd.DataFrame(out, columns=list(EVENT_COLUMNS))
+    return frame.astype(
+        {"consumer": "int32", "topic": "int32", "queue": "int32", "qid": "int32",
+         "offset": "int64", "attempt": "int32", "batch": "int64", "start": "float64",
+         "end": "float64", "ok": "bool", "dlq": "bool"}
+    )
