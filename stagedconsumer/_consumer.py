@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -61,6 +62,9 @@ _MAX_PULL_BACKOFF = 30.0
 _MAX_PERSIST_BACKOFF = 60.0
 _CHECKPOINT_EVERY = 64
 """Batches a worker runs back to back before it yields to other tasks."""
+_CONSUME_SUCCESS = ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+_ORDERLY_SUCCESS = ConsumeOrderlyStatus.SUCCESS
+_SUCCESS = EraseStatus.SUCCESS
 
 
 @attrs.frozen(kw_only=True)
@@ -205,6 +209,7 @@ class PushConsumer:
         self._is_async = inspect.iscoroutinefunction(self._consume)
         concurrent = self._mode is ConsumeMode.CONCURRENT
         self._max_reconsume = options.effective_max_reconsume_times(concurrent=concurrent)
+        self._suspend_ms = options.suspend_current_queue_time_millis
         self._subscriptions: dict[str, TagFilter] = {}
         self._states: dict[MessageQueue, _QueueState] = {}
         self._dispatcher = Dispatcher()
@@ -213,12 +218,15 @@ class PushConsumer:
             size_bytes=options.pull_threshold_size_for_queue,
             max_span=options.consume_concurrently_max_span if concurrent else None,
         )
-        # Signals: replaced after every set, waited on only when idle.
-        self._work_event: anyio.Event | None = None
-        self._idle_workers = 0
+        # Idle workers wait on their own event; work wakes one of them, and a worker
+        # that takes a batch while more is ready wakes the next (a cascade, not a herd).
+        self._idle: deque[anyio.Event] = deque()
         self._timer_event: anyio.Event | None = None
         self._progress_event: anyio.Event | None = None
-        self._progress_waiters = 0
+        # Offsets that waiters wait for queues to commit: the lowest target per queue
+        # (-1: wake on any finished batch of that queue).
+        self._waiters: list[dict[ProcessQueue, int]] = []
+        self._watched: dict[ProcessQueue, int] = {}
         self._paused: dict[ProcessQueue, _QueueState] = {}
         self._thread_limiter: anyio.CapacityLimiter | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -309,7 +317,7 @@ class PushConsumer:
         for state in list(self._states.values()):
             if state.pull_scope is not None:
                 state.pull_scope.cancel()
-        self._wake_workers()
+        self._wake_all_workers()
         if self._workers_done is not None:
             with anyio.move_on_after(self.options.shutdown_timeout) as scope:
                 await self._workers_done.wait()
@@ -371,9 +379,10 @@ class PushConsumer:
         if state.pull_scope is not None:
             state.pull_scope.cancel()
         state.pq.drop()
+        pq = state.pq
         with anyio.move_on_after(self.options.shutdown_timeout):
-            while state.pq.pending_count - state.pq.statistics().suspended_count > 0:
-                await self._wait_progress()
+            while pq.pending_count - pq.statistics().suspended_count > 0:
+                await self._wait_for({pq: -1})
         await self._persist([state])
         self.offset_store.remove_offset(self.group, mq)
         self._states.pop(mq, None)
@@ -382,9 +391,13 @@ class PushConsumer:
     # -- signalling ------------------------------------------------------------------------
 
     def _wake_workers(self) -> None:
-        event = self._work_event
-        if event is not None:
-            self._work_event = None
+        """Wake one idle worker (it wakes the next if more work is ready)."""
+        if self._idle:
+            self._idle.popleft().set()
+
+    def _wake_all_workers(self) -> None:
+        idle, self._idle = self._idle, deque()
+        for event in idle:
             event.set()
 
     def _signal_progress(self) -> None:
@@ -393,14 +406,32 @@ class PushConsumer:
             self._progress_event = None
             event.set()
 
-    async def _wait_progress(self) -> None:
-        if self._progress_event is None:
-            self._progress_event = anyio.Event()
-        self._progress_waiters += 1
+    def _check_watched(self, pq: ProcessQueue) -> None:
+        target = self._watched.get(pq)
+        if target is not None and pq.committed_offset >= target:
+            self._signal_progress()
+
+    def _rewatch(self) -> None:
+        watched: dict[ProcessQueue, int] = {}
+        for waiter in self._waiters:
+            for pq, target in waiter.items():
+                current = watched.get(pq)
+                if current is None or target < current:
+                    watched[pq] = target
+        self._watched = watched
+
+    async def _wait_for(self, targets: dict[ProcessQueue, int]) -> None:
+        """Wait until a batch of a watched queue finishes with the queue's committed
+        offset at or past its target (one wake-up; the caller re-checks)."""
+        self._waiters.append(targets)
+        self._rewatch()
         try:
+            if self._progress_event is None:
+                self._progress_event = anyio.Event()
             await self._progress_event.wait()
         finally:
-            self._progress_waiters -= 1
+            self._waiters.remove(targets)
+            self._rewatch()
 
     # -- pulling ---------------------------------------------------------------------------
 
@@ -451,8 +482,8 @@ class PushConsumer:
                         messages = [m for m in messages if tag_filter(m)]
                     if dispatcher.put_messages(pq, messages, highest_offset=highest):
                         self._wake_workers()
-                    if self._progress_waiters:
-                        self._signal_progress()
+                    if self._watched:
+                        self._check_watched(pq)
                 offset = result.next_offset
 
     def _check_space(self, pq: ProcessQueue) -> None:
@@ -478,76 +509,83 @@ class PushConsumer:
 
     async def _worker(self) -> None:
         dispatcher = self._dispatcher
+        take = dispatcher.take
         batch_max = self.options.consume_message_batch_max_size
-        run = self._run_batch
+        run_concurrently = self._run_concurrently
+        run_orderly = self._run_orderly
+        concurrent = ConsumeMode.CONCURRENT
+        idle = self._idle
+        has_ready = dispatcher.has_ready
         streak = 0
-        while True:
-            if self._stopping:
-                return
-            batch = dispatcher.take(batch_max)
+        while not self._stopping:
+            batch = take(batch_max)
             if batch is None:
                 streak = 0
-                if self._work_event is None:
-                    self._work_event = anyio.Event()
-                event = self._work_event
-                self._idle_workers += 1
+                event = anyio.Event()
+                idle.append(event)
                 try:
                     await event.wait()
                 finally:
-                    self._idle_workers -= 1
+                    if not event.is_set():
+                        idle.remove(event)
                 continue
-            await run(batch)
+            if idle and has_ready():
+                idle.popleft().set()
+            pq = batch.process_queue
+            self._in_flight += 1
+            try:
+                if pq.mode is concurrent:
+                    await run_concurrently(batch, pq.message_queue)
+                else:
+                    await run_orderly(batch, pq.message_queue)
+            finally:
+                self._in_flight -= 1
+            if self._paused:
+                self._check_space(pq)
+            if self._watched:
+                self._check_watched(pq)
             streak += 1
             if streak >= _CHECKPOINT_EVERY:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
 
-    async def _call_listener(self, messages: Sequence[Message], context: Any) -> tuple[Any, BaseException | None]:
-        try:
-            if self._is_async:
-                result = await self._consume(messages, context)
-            else:
-                assert self._thread_limiter is not None
-                result = await anyio.to_thread.run_sync(
-                    self._consume, messages, context, limiter=self._thread_limiter
-                )
-        except Exception as exc:  # a failing handler never stops the consumer
-            return None, exc
-        if isinstance(result, Awaitable):  # a sync method that returned an awaitable
-            try:
-                result = await result
-            except Exception as exc:
-                return None, exc
-        return result, None
-
-    async def _run_batch(self, batch: Batch) -> None:
-        mode = batch.process_queue.mode
-        mq = batch.process_queue.message_queue
-        self._in_flight += 1
-        try:
-            if mode is ConsumeMode.CONCURRENT:
-                await self._run_concurrently(batch, mq)
-            else:
-                await self._run_orderly(batch, mq, mode)
-        finally:
-            self._in_flight -= 1
-        pq = batch.process_queue
-        if self._paused:
-            self._check_space(pq)
-        if self._progress_waiters:
-            self._signal_progress()
+    async def _call_sync(self, messages: Sequence[Message], context: Any) -> Any:
+        assert self._thread_limiter is not None
+        result = await anyio.to_thread.run_sync(
+            self._consume, messages, context, limiter=self._thread_limiter
+        )
+        if inspect.isawaitable(result):  # a plain def that returned an awaitable
+            result = await result
+        return result
 
     async def _run_concurrently(self, batch: Batch, mq: MessageQueue) -> None:
         context = ConsumeConcurrentlyContext(message_queue=mq)
         messages = batch.messages
-        result, error = await self._call_listener(messages, context)
-        if error is None and (result is None or result is ConsumeConcurrentlyStatus.CONSUME_SUCCESS):
-            ack = min(context.ack_index, len(messages) - 1)
-            if ack >= len(messages) - 1:
-                self._consumed_ok += len(messages)
-                if self._dispatcher.finish(batch, EraseStatus.SUCCESS):
-                    self._wake_workers()
-                return
+        try:
+            if self._is_async:
+                result = await self._consume(messages, context)
+            else:
+                result = await self._call_sync(messages, context)
+        except Exception as exc:  # a failing handler never stops the consumer
+            await self._concurrently_failed(batch, mq, context, exc, None)
+            return
+        if (result is None or result is _CONSUME_SUCCESS) and context.ack_index >= len(messages) - 1:
+            self._consumed_ok += len(messages)
+            self._dispatcher.finish(batch, _SUCCESS)  # this worker takes what it freed
+            return
+        await self._concurrently_failed(batch, mq, context, None, result)
+
+    async def _concurrently_failed(
+        self,
+        batch: Batch,
+        mq: MessageQueue,
+        context: ConsumeConcurrentlyContext,
+        error: Exception | None,
+        result: object,
+    ) -> None:
+        messages = batch.messages
+        if error is None and (result is None or result is _CONSUME_SUCCESS):
+            ack = max(-1, context.ack_index)
             failed = list(messages[ack + 1 :])
             self._consumed_ok += ack + 1
         else:
@@ -563,13 +601,14 @@ class PushConsumer:
             failed = list(messages)
         self._consumed_failed += len(failed)
         keep: list[Message] = []
+        limit = self._max_reconsume if self._max_reconsume is not None else 2**31 - 1
         for message in failed:
             try:
                 where = await self.source.send_back(
                     self.group,
                     message,
                     delay_level=context.delay_level_when_next_consume,
-                    max_reconsume_times=self._max_reconsume if self._max_reconsume is not None else 16,
+                    max_reconsume_times=limit,
                 )
             except SourceError as exc:
                 logger.warning(
@@ -582,38 +621,55 @@ class PushConsumer:
                 self._dead_lettered += 1
             else:
                 self._sent_back += 1
-        done = [m for m in messages if not any(m is k for k in keep)]
         dispatcher = self._dispatcher
         if not keep:
             if dispatcher.finish(batch, EraseStatus.SENT_BACK):
                 self._wake_workers()
             return
+        kept = {id(m) for m in keep}
+        done = [m for m in messages if id(m) not in kept]
         if done and dispatcher.finish_some(batch, done, EraseStatus.SENT_BACK):
             self._wake_workers()
         self._suspend(batch, anyio.current_time() + _SEND_BACK_FAILED_DELAY)
 
-    async def _run_orderly(self, batch: Batch, mq: MessageQueue, mode: ConsumeMode) -> None:
-        suspend_ms = self.options.suspend_current_queue_time_millis
+    async def _run_orderly(self, batch: Batch, mq: MessageQueue) -> None:
         context: ConsumeOrderlyContext | ConsumeStagedConcurrentlyContext
-        if mode is ConsumeMode.STAGED:
+        if self._plan is not None:
             context = ConsumeStagedConcurrentlyContext(
                 message_queue=mq,
                 stage_index=batch.stage_index,
                 strategy_id=batch.strategy_id,
                 group_id=batch.group_id,
-                suspend_current_queue_time_millis=suspend_ms,
+                suspend_current_queue_time_millis=self._suspend_ms,
             )
         else:
             context = ConsumeOrderlyContext(
-                message_queue=mq, suspend_current_queue_time_millis=suspend_ms
+                message_queue=mq, suspend_current_queue_time_millis=self._suspend_ms
             )
         messages = batch.messages
-        result, error = await self._call_listener(messages, context)
-        if error is None and (result is None or result is ConsumeOrderlyStatus.SUCCESS):
-            self._consumed_ok += len(messages)
-            if self._dispatcher.finish(batch, EraseStatus.SUCCESS):
-                self._wake_workers()
+        try:
+            if self._is_async:
+                result = await self._consume(messages, context)
+            else:
+                result = await self._call_sync(messages, context)
+        except Exception as exc:  # a failing handler never stops the consumer
+            await self._orderly_failed(batch, mq, context, exc, None)
             return
+        if result is None or result is _ORDERLY_SUCCESS:
+            self._consumed_ok += len(messages)
+            self._dispatcher.finish(batch, _SUCCESS)  # this worker takes what it freed
+            return
+        await self._orderly_failed(batch, mq, context, None, result)
+
+    async def _orderly_failed(
+        self,
+        batch: Batch,
+        mq: MessageQueue,
+        context: ConsumeOrderlyContext | ConsumeStagedConcurrentlyContext,
+        error: Exception | None,
+        result: object,
+    ) -> None:
+        messages = batch.messages
         if error is not None:
             logger.warning(
                 "group %s: handler failed on %d message(s) of %s (attempt %d); suspending",
@@ -726,18 +782,17 @@ class PushConsumer:
         """
         if not self._started or self._closed:
             raise ConsumerStateError("wait_caught_up() needs a running consumer")
-        targets = {mq: await self.source.max_offset(mq) for mq in list(self._states)}
-
-        def caught_up() -> bool:
-            for mq, target in targets.items():
-                state = self._states.get(mq)
-                if state is not None and state.pq.committed_offset < target:
-                    return False
-            return True
-
+        targets: dict[ProcessQueue, int] = {}
+        for mq, state in list(self._states.items()):
+            targets[state.pq] = await self.source.max_offset(mq)
         with anyio.fail_after(timeout):
-            while not caught_up():
-                await self._wait_progress()
+            while True:
+                for pq, target in list(targets.items()):
+                    if pq.dropped or pq.committed_offset >= target:
+                        del targets[pq]
+                if not targets:
+                    return
+                await self._wait_for(targets)
 
     # -- inspection ----------------------------------------------------------------------------
 

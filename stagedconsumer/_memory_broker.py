@@ -43,17 +43,29 @@ class MemoryBrokerStatistics:
 
 
 class _Queue:
-    __slots__ = ("log", "waiter")
+    __slots__ = ("log", "waiters")
 
     def __init__(self) -> None:
         self.log: list[Message] = []
-        self.waiter: anyio.Event | None = None
+        self.waiters: list[anyio.Event] = []
 
     def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            waiter.set()
+        if self.waiters:
+            waiters, self.waiters = self.waiters, []
+            for waiter in waiters:
+                waiter.set()
+
+    async def wait(self, timeout: float | None) -> None:
+        """Wait for an append (or ``timeout``); leaves nothing behind when cancelled,
+        so the broker can serve another event loop later."""
+        waiter = anyio.Event()
+        self.waiters.append(waiter)
+        try:
+            with anyio.move_on_after(timeout):
+                await waiter.wait()
+        finally:
+            if waiter in self.waiters:
+                self.waiters.remove(waiter)
 
 
 class MemoryBroker(MessageSource):
@@ -212,14 +224,7 @@ class MemoryBroker(MessageSource):
                             break
                         if due is not None:
                             wait = max(0.0, due - self._now())
-                    if queue.waiter is None:
-                        queue.waiter = anyio.Event()
-                    waiter = queue.waiter
-                    if wait is None:
-                        await waiter.wait()
-                    else:
-                        with anyio.move_on_after(wait):
-                            await waiter.wait()
+                    await queue.wait(wait)
         messages = log[offset : offset + max_count]
         return PullResult(
             messages=messages,

@@ -150,6 +150,9 @@ class _Lane:
     epochs: deque[_Epoch] = attrs.Factory(deque)
     current_epoch: _Epoch | None = None
     next_stage_offset: int = 0
+    stage_start: int = 0
+    """Stage offsets [stage_start, stage_end) belong to the stage of current_epoch."""
+    stage_end: int = 0
     in_flight: int = 0
     in_ready: bool = False
 
@@ -226,6 +229,7 @@ class ProcessQueue:
         "_direct_lane",
         "_flow",
         "_lanes",
+        "_lanes_by_name",
         "_order",
         "_pending_count",
         "_plan",
@@ -268,6 +272,7 @@ class ProcessQueue:
         self._cached_bytes = 0
         self._stage_offsets: dict[StageKey, int] = dict(stage_offsets or {})
         self._lanes: dict[StageKey | None, _Lane] = {}
+        self._lanes_by_name: dict[tuple[str | None, str | None], _Lane] = {}
         self._ready: deque[_Lane] = deque()
         self._retry_ready: deque[Batch] = deque()
         self._direct_lane = _Lane(None, None, exclusive=False, counted=False)
@@ -288,6 +293,8 @@ class ProcessQueue:
         offsets pulled but filtered out (for example by tag), so that the committed
         offset can move past them.
         """
+        if self._plan is None:
+            return self._put_unstaged(messages, highest_offset)
         became_ready = False
         for message in messages:
             offset = message.queue_offset
@@ -313,6 +320,45 @@ class ProcessQueue:
             self.highest_offset = highest_offset
         return became_ready
 
+    def _put_unstaged(self, messages: Sequence[Message], highest_offset: int | None) -> bool:
+        """:meth:`put_messages` for concurrent and orderly mode: one lane, one epoch."""
+        lane = self._lanes[None]
+        epoch = lane.current_epoch
+        if epoch is None:
+            epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
+        if not epoch.queued:
+            epoch.queued = True
+            lane.epochs.append(epoch)
+        cached = lane.cached
+        order = self._order
+        highest = self.highest_offset
+        added = 0
+        size_total = 0
+        for message in messages:
+            offset = message.queue_offset
+            if offset <= highest:
+                continue
+            highest = offset
+            size = len(message.body)
+            entry = _Entry(message, size, lane, epoch, -1)
+            cached.append(entry)
+            order.append(entry)
+            added += 1
+            size_total += size
+        if highest_offset is not None and highest_offset > highest:
+            highest = highest_offset
+        self.highest_offset = highest
+        if not added:
+            return False
+        epoch.unfinished += added
+        self._cached_count += added
+        self._cached_bytes += size_total
+        if not lane.in_ready and lane.dispatchable():
+            lane.in_ready = True
+            self._ready.append(lane)
+            return True
+        return False
+
     def _assign(self, message: Message) -> tuple[_Lane, _Epoch, int]:
         plan = self._plan
         if plan is None:
@@ -322,33 +368,48 @@ class ProcessQueue:
                 epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
             return lane, epoch, -1
         strategy = plan.compute_strategy(message) if plan.compute_strategy else DEFAULT_STRATEGY
-        definition = plan.definitions.get(strategy) if strategy is not None else None
-        if strategy is None or definition is None:
-            lane = self._direct_lane
-            epoch = lane.current_epoch
-            if epoch is None:
-                epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
-            return lane, epoch, -1
         group = plan.compute_group(message) if plan.compute_group else None
-        key = StageKey(strategy, group)
-        lane = self._lanes.get(key)
-        if lane is None:
+        lane_or_none = self._lanes_by_name.get((strategy, group))
+        if lane_or_none is None:
+            definition = plan.definitions.get(strategy) if strategy is not None else None
+            if strategy is None or definition is None:
+                lane = self._direct_lane
+                epoch = lane.current_epoch
+                if epoch is None:
+                    epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
+                return lane, epoch, -1
+            key = StageKey(strategy, group)
             lane = self._lanes[key] = _Lane(key, definition, exclusive=False, counted=True)
             lane.next_stage_offset = self._stage_offsets.get(key, 0)
+            self._lanes_by_name[(strategy, group)] = lane
+        else:
+            lane = lane_or_none
+        if lane is self._direct_lane:
+            epoch = lane.current_epoch
+            assert epoch is not None
+            return lane, epoch, -1
         offset = lane.next_stage_offset
-        reset = False
-        if plan.reset is not None and (
-            offset >= definition.total or definition.is_boundary(offset)
-        ):
-            wanted = plan.reset(self._topic, offset)
-            wanted = max(0, wanted)
+        epoch = lane.current_epoch
+        reset = plan.reset
+        if reset is None and epoch is not None and lane.stage_start <= offset < lane.stage_end:
+            lane.next_stage_offset = offset + 1  # same stage as the previous message
+            return lane, epoch, offset
+        definition = lane.definition
+        assert definition is not None
+        changed = False
+        if reset is not None and (offset >= definition.total or definition.is_boundary(offset)):
+            wanted = max(0, reset(self._topic, offset))
             if wanted != offset:
                 offset = wanted
-                reset = True
+                changed = True
         index = definition.stage_index(offset)
-        epoch = lane.current_epoch
-        if epoch is None or reset or epoch.stage_index != index:
+        if epoch is None or changed or epoch.stage_index != index:
             epoch = lane.current_epoch = _Epoch(index)
+        if index == TAIL_STAGE:
+            lane.stage_start, lane.stage_end = definition.total, 1 << 62
+        else:
+            lane.stage_start = definition.boundaries[index - 1] if index else 0
+            lane.stage_end = definition.boundaries[index]
         lane.next_stage_offset = offset + 1
         return lane, epoch, offset
 
@@ -374,21 +435,23 @@ class ProcessQueue:
             return batch
         ready = self._ready
         while ready:
-            lane = ready[0]
-            if not lane.dispatchable():
-                ready.popleft()
+            lane = ready.popleft()
+            cached = lane.cached
+            if (
+                not cached
+                or (lane.exclusive and lane.in_flight)
+                or cached[0].epoch is not lane.epochs[0]
+            ):
                 lane.in_ready = False
                 continue
-            cached = lane.cached
-            epoch = cached[0].epoch
-            entries: list[_Entry] = []
-            take = min(max_count, len(cached))
-            while take and cached[0].epoch is epoch:
-                entries.append(cached.popleft())
-                take -= 1
+            first = cached.popleft()
+            epoch = first.epoch
+            entries = [first]
+            if max_count > 1:
+                while cached and len(entries) < max_count and cached[0].epoch is epoch:
+                    entries.append(cached.popleft())
             lane.in_flight += 1
-            ready.popleft()
-            if lane.dispatchable():
+            if cached and not lane.exclusive and cached[0].epoch is epoch:
                 ready.append(lane)
             else:
                 lane.in_ready = False
@@ -396,12 +459,16 @@ class ProcessQueue:
             self._cached_count -= n
             self._pending_count += n
             key = lane.key
+            if key is None:
+                return Batch(
+                    self, [e.message for e in entries], epoch.stage_index, None, None, entries, lane
+                )
             return Batch(
                 self,
-                [entry.message for entry in entries],
+                [e.message for e in entries],
                 epoch.stage_index,
-                key.strategy_id if key is not None else None,
-                key.group_id if key is not None else None,
+                key.strategy_id,
+                key.group_id,
                 entries,
                 lane,
             )
@@ -421,7 +488,9 @@ class ProcessQueue:
         run of finished messages.
         """
         del status  # every status finishes the message; the caller keeps the counts
-        return self._finish(batch, batch._entries)
+        lane = batch._lane
+        lane.in_flight -= 1
+        return self._finish_entries(batch._entries, lane)
 
     def erase_fifo_message(self, batch: Batch, status: EraseStatus) -> bool:
         """:meth:`erase_messages` for a batch taken by :meth:`try_take_fifo_message`."""
@@ -452,21 +521,20 @@ class ProcessQueue:
         for entry in entries:
             entry.finished = True
             size += entry.size
-            epoch = entry.epoch
-            epoch.unfinished -= 1
+            entry.epoch.unfinished -= 1
         self._pending_count -= len(entries)
         self._cached_bytes -= size
         epochs = lane.epochs
-        while epochs and epochs[0].unfinished == 0:
+        while epochs and not epochs[0].unfinished:
             epochs.popleft().queued = False
         order = self._order
-        stage_offsets = self._stage_offsets
-        while order and order[0].finished:
-            head = order.popleft()
-            if head.lane.counted:
-                key = head.lane.key
-                assert key is not None
-                stage_offsets[key] = head.stage_offset + 1
+        if order[0].finished:
+            stage_offsets = self._stage_offsets
+            while order and order[0].finished:
+                head = order.popleft()
+                head_lane = head.lane
+                if head_lane.counted:
+                    stage_offsets[head_lane.key] = head.stage_offset + 1  # type: ignore[index]
         if not lane.in_ready and lane.dispatchable():
             lane.in_ready = True
             self._ready.append(lane)
