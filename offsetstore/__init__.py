@@ -7,6 +7,7 @@ from ._exceptions import StoreConfigurationError as StoreConfigurationError
 from ._exceptions import StoreFencedError as StoreFencedError
 from ._exceptions import StoreUnavailableError as StoreUnavailableError
 from ._memory import MemoryOffsetStore as MemoryOffsetStore
+from ._sql import SqlOffsetStore as SqlOffsetStore
 from ._types import QueueProgress as QueueProgress
 from ._types import ReadOffsetType as ReadOffsetType
 from ._types import StageKey as StageKey
@@ -16,6 +17,7 @@ __all__ = (
     "OffsetStoreError",
     "QueueProgress",
     "ReadOffsetType",
+    "SqlOffsetStore",
     "StageKey",
     "StageOffsetStore",
     "StoreCommitError",

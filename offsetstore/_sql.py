@@ -1,0 +1,647 @@
+"""SqlOffsetStore: progress of consumer groups in SQLite, PostgreSQL or MariaDB/MySQL.
+
+Layout (``prefix`` defaults to ``stagedconsumer_``)::
+
+    <prefix>schema     component VARCHAR(64) PK, version INT
+                       one row ("offsetstore", SCHEMA_VERSION); a later version
+                       migrates from it (e.g. to add a fencing-epoch column)
+    <prefix>progress   consumer_group, topic, queue_id   (primary key)
+                       consume_offset BIGINT NULL
+                       stage_offsets  TEXT  JSON [[strategy_id, group_id|null, offset], ...]
+
+One row per queue holds the whole unit of progress (consume offset and the stage
+offsets of every stage key of the queue), so writing one queue's progress is a single
+row upsert, atomic by construction, and "increase-only" is a single ``WHERE`` on that
+upsert: a write whose consume offset is lower than the stored one changes nothing of
+that row, neither its consume offset nor its stage offsets. The stage offsets are a
+JSON list rather than rows of a second table because they are only ever read and
+written together with their consume offset; a second table would need the conditional
+upsert's outcome before deciding whether to replace child rows, which costs a
+round trip per queue.
+
+Why a synchronous engine in worker threads (``anyio.to_thread.run_sync``) rather
+than SQLAlchemy's asyncio extension: the extension runs only on asyncio (it relies on
+greenlets bridging into asyncio drivers), and the runtime must run on trio too. The
+store's work is a few statements per ``persist_consumer_offset_interval``, so a
+thread per call costs nothing measurable, and while a large commit runs in its thread
+the event loop keeps handling messages (``benchmarks/offsetstore.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Final, TypeVar
+
+import anyio.to_thread
+import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
+from sqlalchemy.dialects import mysql as mysql_dialect
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+
+from ._abc import StageOffsetStore
+from ._exceptions import (
+    OffsetStoreError,
+    StoreCommitError,
+    StoreConfigurationError,
+    StoreUnavailableError,
+)
+from ._types import MessageQueue, QueueProgress, StageKey
+
+__all__ = ("SCHEMA_VERSION", "SqlOffsetStore")
+
+SCHEMA_VERSION: Final = 1
+"""Version of the table layout this module writes and reads."""
+
+_COMPONENT: Final = "offsetstore"
+_DEADLOCK_RETRIES: Final = 3
+_T = TypeVar("_T")
+
+_DRIVER_HINTS: Final = {
+    "psycopg": "pip install 'stagedconsumer[postgres]'",
+    "pymysql": "pip install 'stagedconsumer[mysql]'",
+}
+
+
+class _Utf8Bytes(sa.types.TypeDecorator[str]):
+    """UTF-8 text kept in a ``VARBINARY`` column (MariaDB/MySQL).
+
+    Under their default collations MariaDB and MySQL compare strings ignoring case,
+    and even their ``_bin`` collations ignore trailing spaces (``PAD SPACE``); group
+    and topic names are exact, so there they are stored and compared as bytes.
+    """
+
+    impl = mysql_dialect.VARBINARY
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: sa.Dialect) -> Any:
+        return None if value is None else value.encode("utf-8")
+
+    def process_result_value(self, value: Any, dialect: sa.Dialect) -> str | None:
+        return None if value is None else bytes(value).decode("utf-8")
+
+
+def _name_column(length: int) -> sa.types.TypeEngine[str]:
+    return sa.String(length).with_variant(_Utf8Bytes(length * 4), "mysql", "mariadb")
+
+
+def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table]:
+    metadata = sa.MetaData()
+    schema = sa.Table(
+        f"{prefix}schema",
+        metadata,
+        sa.Column("component", _name_column(64), primary_key=True),
+        sa.Column("version", sa.Integer, nullable=False),
+        mysql_engine="InnoDB",
+    )
+    progress = sa.Table(
+        f"{prefix}progress",
+        metadata,
+        sa.Column("consumer_group", _name_column(255), primary_key=True),
+        sa.Column("topic", _name_column(255), primary_key=True),
+        sa.Column("queue_id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("consume_offset", sa.BigInteger, nullable=True),
+        sa.Column(
+            "stage_offsets",
+            sa.Text().with_variant(mysql_dialect.MEDIUMTEXT(), "mysql", "mariadb"),
+            nullable=False,
+        ),
+        mysql_engine="InnoDB",
+    )
+    return metadata, schema, progress
+
+
+# -- encoding of stage offsets -------------------------------------------------------------
+
+
+def _sort_key(item: tuple[StageKey, int]) -> tuple[str, bool, str]:
+    key = item[0]
+    return (key.strategy_id, key.group_id is not None, key.group_id or "")
+
+
+def encode_stage_offsets(stage_offsets: Mapping[StageKey, int]) -> str:
+    """Canonical JSON of stage offsets; ``group_id`` ``None`` stays ``null``, apart from ``""``."""
+    items = sorted(stage_offsets.items(), key=_sort_key)
+    return json.dumps(
+        [[key.strategy_id, key.group_id, offset] for key, offset in items],
+        separators=(",", ":"),
+    )
+
+
+def decode_stage_offsets(text: str) -> dict[StageKey, int]:
+    """Inverse of :func:`encode_stage_offsets`; raises ``ValueError`` on anything else."""
+    data = json.loads(text)
+    if not isinstance(data, list):
+        raise ValueError(f"stage offsets must be a JSON list, got {text[:80]!r}")
+    result: dict[StageKey, int] = {}
+    for item in data:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise ValueError(f"bad stage offset entry {item!r}")
+        strategy, group, offset = item
+        if (
+            not isinstance(strategy, str)
+            or not (group is None or isinstance(group, str))
+            or not isinstance(offset, int)
+            or isinstance(offset, bool)
+            or offset < 0
+        ):
+            raise ValueError(f"bad stage offset entry {item!r}")
+        result[StageKey(strategy, group)] = offset
+    return result
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
+    orig = exc.orig
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in ("40P01", "40001"):  # PostgreSQL deadlock / serialization failure
+        return True
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return bool(args) and args[0] in (1213, 1205)  # MySQL deadlock / lock wait timeout
+
+
+def _detail(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)
+    text = str(orig if orig is not None else exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class SqlOffsetStore(StageOffsetStore):
+    """A :class:`StageOffsetStore` in a SQL database through SQLAlchemy 2.
+
+    ``url`` is a SQLAlchemy URL: ``sqlite:///path/to/progress.db`` (the embedded
+    default; WAL journal, ``synchronous=FULL``), ``postgresql+psycopg://user@host/db``
+    or ``mysql+pymysql://user@host/db`` (MariaDB or MySQL). Tables are created by
+    :meth:`load` when missing (unless ``create_tables=False``), with names starting
+    with ``table_prefix``; several consumer groups share them.
+
+    Ordering guarantee: each queue's progress (consume offset and stage offsets) is
+    one row written by one statement, and every :meth:`persist_all` is one
+    transaction, so a reader sees each queue's progress as of one moment and all the
+    queues of one persist together or not at all. The stored consume offset only
+    moves forward (enforced by the database, so concurrent writers cannot move it
+    back); a write that would lower it is ignored for that queue, stage offsets
+    included. Only :meth:`reset_progress` moves it back.
+
+    Every database call runs in a worker thread, so the store works on asyncio and
+    trio and never blocks the event loop. Failures raise
+    :class:`~offsetstore.OffsetStoreError` subclasses (``retriable`` says whether a
+    retry can help), with the driver's error as ``__cause__``.
+
+    ``connect_timeout`` (seconds, default 10) bounds connecting to a server;
+    ``engine_options`` go to :func:`sqlalchemy.create_engine` unchanged.
+    """
+
+    def __init__(
+        self,
+        url: str | sa.URL,
+        *,
+        table_prefix: str = "stagedconsumer_",
+        create_tables: bool = True,
+        connect_timeout: float = 10.0,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if not table_prefix.replace("_", "a").isalnum() or not table_prefix[:1].isalpha():
+            raise StoreConfigurationError(
+                f"table_prefix must be letters, digits and '_', starting with a letter;"
+                f" got {table_prefix!r}"
+            )
+        try:
+            self._url = sa.make_url(url)
+        except sa_exc.ArgumentError as exc:
+            raise StoreConfigurationError(
+                f"malformed offset store URL {_redact(url)!r}: {exc}. Expected e.g."
+                " 'sqlite:///progress.db', 'postgresql+psycopg://user@host/db' or"
+                " 'mysql+pymysql://user@host/db'"
+            ) from exc
+        backend = self._url.get_backend_name()
+        if backend not in ("sqlite", "postgresql", "mysql", "mariadb"):
+            raise StoreConfigurationError(
+                f"unsupported offset store database {backend!r} in {self.url}: use sqlite,"
+                " postgresql or mysql/mariadb"
+            )
+        self._backend = "mysql" if backend == "mariadb" else backend
+        self._table_prefix = table_prefix
+        self._create_tables = create_tables
+        self._metadata, self._schema_table, self._progress = _build_tables(table_prefix)
+        self._engine = self._create_engine(connect_timeout, dict(engine_options or {}))
+        self._write_stmt = self._build_write_statement()
+        self._overwrite_stmt = self._build_overwrite_statement()
+        self._setup_lock = threading.Lock()
+        # One SQLite database in memory is one connection: serialize its users.
+        self._serial: threading.Lock | None = (
+            threading.Lock() if self._is_sqlite_memory() else None
+        )
+        self._loaded = False
+        self._closed = False
+
+    # -- construction ---------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The database URL, password hidden."""
+        return self._url.render_as_string(hide_password=True)
+
+    @property
+    def table_prefix(self) -> str:
+        return self._table_prefix
+
+    @property
+    def progress_table_name(self) -> str:
+        return self._progress.name
+
+    @property
+    def schema_table_name(self) -> str:
+        return self._schema_table.name
+
+    def __repr__(self) -> str:
+        return f"SqlOffsetStore({self.url!r}, table_prefix={self._table_prefix!r})"
+
+    def _is_sqlite_memory(self) -> bool:
+        return self._backend == "sqlite" and self._url.database in (None, "", ":memory:")
+
+    def _create_engine(self, connect_timeout: float, options: dict[str, Any]) -> sa.Engine:
+        connect_args: dict[str, Any] = {}
+        if self._backend == "sqlite":
+            connect_args["timeout"] = max(connect_timeout, 1.0)  # busy timeout
+            if self._is_sqlite_memory():
+                options.setdefault("poolclass", sa.StaticPool)
+                connect_args["check_same_thread"] = False
+        elif self._backend == "postgresql":
+            connect_args["connect_timeout"] = max(int(connect_timeout), 1)
+        else:
+            connect_args["connect_timeout"] = max(int(connect_timeout), 1)
+            options.setdefault("isolation_level", "READ COMMITTED")
+        connect_args.update(options.pop("connect_args", {}))
+        options.setdefault("pool_pre_ping", self._backend != "sqlite")
+        try:
+            engine = sa.create_engine(self._url, connect_args=connect_args, **options)
+        except ImportError as exc:
+            driver = self._url.get_driver_name()
+            hint = _DRIVER_HINTS.get(driver, f"install the {driver!r} driver")
+            raise StoreConfigurationError(
+                f"the database driver {driver!r} for {self.url} is not installed ({hint})"
+            ) from exc
+        except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, TypeError) as exc:
+            raise StoreConfigurationError(
+                f"cannot use offset store URL {self.url}: {exc}"
+            ) from exc
+        if self._backend == "sqlite":
+            _configure_sqlite(engine, memory=self._is_sqlite_memory())
+        return engine
+
+    def _build_write_statement(self) -> sa.Executable:
+        """The increase-only upsert of one queue's progress, for executemany."""
+        t = self._progress
+        keys = [t.c.consumer_group, t.c.topic, t.c.queue_id]
+        if self._backend == "mysql":
+            mstmt = mysql_dialect.insert(t)
+            new = mstmt.inserted
+            take = sa.or_(
+                t.c.consume_offset.is_(None),
+                sa.and_(
+                    new.consume_offset.is_not(None), new.consume_offset >= t.c.consume_offset
+                ),
+            )
+            # MySQL evaluates the assignments left to right and later ones see earlier
+            # results: stage_offsets must be decided before consume_offset changes.
+            return mstmt.on_duplicate_key_update(
+                [
+                    ("stage_offsets", sa.case((take, new.stage_offsets), else_=t.c.stage_offsets)),
+                    (
+                        "consume_offset",
+                        sa.case((take, new.consume_offset), else_=t.c.consume_offset),
+                    ),
+                ]
+            )
+        stmt = (pg_dialect.insert if self._backend == "postgresql" else sqlite_dialect.insert)(t)
+        excluded = stmt.excluded
+        return stmt.on_conflict_do_update(
+            index_elements=keys,
+            set_={
+                "consume_offset": excluded.consume_offset,
+                "stage_offsets": excluded.stage_offsets,
+            },
+            where=sa.or_(
+                t.c.consume_offset.is_(None),
+                sa.and_(
+                    excluded.consume_offset.is_not(None),
+                    excluded.consume_offset >= t.c.consume_offset,
+                ),
+            ),
+        )
+
+    def _build_overwrite_statement(self) -> sa.Executable:
+        t = self._progress
+        if self._backend == "mysql":
+            mstmt = mysql_dialect.insert(t)
+            return mstmt.on_duplicate_key_update(
+                consume_offset=mstmt.inserted.consume_offset,
+                stage_offsets=mstmt.inserted.stage_offsets,
+            )
+        stmt = (pg_dialect.insert if self._backend == "postgresql" else sqlite_dialect.insert)(t)
+        return stmt.on_conflict_do_update(
+            index_elements=[t.c.consumer_group, t.c.topic, t.c.queue_id],
+            set_={
+                "consume_offset": stmt.excluded.consume_offset,
+                "stage_offsets": stmt.excluded.stage_offsets,
+            },
+        )
+
+    # -- threads and errors -----------------------------------------------------------------
+
+    async def _run(self, action: str, func: Callable[[], _T], *, writes: bool) -> _T:
+        if self._closed:
+            raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
+        return await anyio.to_thread.run_sync(self._call, action, func, writes)
+
+    def _call(self, action: str, func: Callable[[], _T], writes: bool) -> _T:
+        try:
+            if not self._loaded:
+                self._setup()
+            for attempt in range(_DEADLOCK_RETRIES):
+                try:
+                    with self._serialized():
+                        return func()
+                except sa_exc.DBAPIError as exc:
+                    if attempt + 1 < _DEADLOCK_RETRIES and _is_deadlock(exc):
+                        continue
+                    raise
+            raise AssertionError("unreachable")  # pragma: no cover
+        except OffsetStoreError:
+            raise
+        except sa_exc.SQLAlchemyError as exc:
+            raise self._wrap(action, exc, writes=writes) from exc
+        except OSError as exc:
+            raise StoreUnavailableError(f"{action} on {self.url} failed: {exc}") from exc
+
+    @contextmanager
+    def _serialized(self) -> Iterator[None]:
+        if self._serial is None:
+            yield
+            return
+        with self._serial:
+            yield
+
+    def _wrap(self, action: str, exc: sa_exc.SQLAlchemyError, *, writes: bool) -> OffsetStoreError:
+        detail = _detail(exc)
+        if isinstance(exc, sa_exc.DBAPIError) and (
+            exc.connection_invalidated or isinstance(exc, sa_exc.InterfaceError)
+        ):
+            return StoreUnavailableError(f"{action}: lost the connection to {self.url}: {detail}")
+        if isinstance(exc, sa_exc.OperationalError):
+            if writes:
+                return StoreCommitError(f"{action} on {self.url} failed: {detail}")
+            return StoreUnavailableError(f"{action} on {self.url} failed: {detail}")
+        if isinstance(exc, (sa_exc.IntegrityError, sa_exc.DataError, sa_exc.ProgrammingError)):
+            return StoreCommitError(f"{action} on {self.url} failed: {detail}", retriable=False)
+        if isinstance(exc, sa_exc.TimeoutError):
+            return StoreUnavailableError(f"{action}: no connection to {self.url} free: {detail}")
+        return StoreCommitError(f"{action} on {self.url} failed: {detail}", retriable=writes)
+
+    # -- setup ------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Connect, create the tables when missing and check the schema version.
+
+        Raises :class:`~offsetstore.StoreUnavailableError` when the database cannot
+        be reached and :class:`~offsetstore.StoreConfigurationError` when its tables
+        are missing (with ``create_tables=False``) or of a newer schema version.
+        """
+        if self._closed:
+            raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
+        await anyio.to_thread.run_sync(self._load_sync)
+
+    def _load_sync(self) -> None:
+        try:
+            self._setup()
+        except OffsetStoreError:
+            raise
+        except sa_exc.SQLAlchemyError as exc:
+            if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+                raise StoreUnavailableError(
+                    f"cannot reach the offset store database at {self.url}: {_detail(exc)}"
+                ) from exc
+            raise self._wrap("preparing the offset store", exc, writes=False) from exc
+        except OSError as exc:
+            raise StoreUnavailableError(
+                f"cannot reach the offset store database at {self.url}: {exc}"
+            ) from exc
+
+    def _setup(self) -> None:
+        with self._setup_lock:
+            if self._loaded:
+                return
+            with self._serialized():
+                self._setup_locked()
+            self._loaded = True
+
+    def _setup_locked(self) -> None:
+        engine = self._engine
+        if self._create_tables:
+            # Several processes may race to create the tables: whoever loses sees them.
+            for attempt in range(3):
+                try:
+                    with engine.begin() as conn:
+                        self._metadata.create_all(conn, checkfirst=True)
+                    break
+                except (sa_exc.ProgrammingError, sa_exc.IntegrityError, sa_exc.OperationalError):
+                    if attempt == 2 or not self._tables_exist():
+                        raise
+        elif not self._tables_exist():
+            raise StoreConfigurationError(
+                f"no offset store tables ({self._progress.name}, {self._schema_table.name})"
+                f" in {self.url}"
+            )
+        schema = self._schema_table
+        select = sa.select(schema.c.version).where(schema.c.component == _COMPONENT)
+        with engine.begin() as conn:
+            version = conn.execute(select).scalar_one_or_none()
+        if version is None:
+            if not self._create_tables:
+                raise StoreConfigurationError(
+                    f"the offset store tables in {self.url} have no schema version row"
+                )
+            try:
+                with engine.begin() as conn:
+                    conn.execute(
+                        sa.insert(schema).values(component=_COMPONENT, version=SCHEMA_VERSION)
+                    )
+            except sa_exc.IntegrityError:
+                pass  # another process inserted it first
+            with engine.begin() as conn:
+                version = conn.execute(select).scalar_one()
+        if version > SCHEMA_VERSION:
+            raise StoreConfigurationError(
+                f"the offset store in {self.url} has schema version {version}, newer than"
+                f" this stagedconsumer's {SCHEMA_VERSION}: upgrade stagedconsumer"
+            )
+        # version < SCHEMA_VERSION: migrations go here when there is a version 2.
+
+    def _tables_exist(self) -> bool:
+        with self._engine.connect() as conn:
+            inspector = sa.inspect(conn)
+            return all(
+                inspector.has_table(name)
+                for name in (self._progress.name, self._schema_table.name)
+            )
+
+    async def aclose(self) -> None:
+        """Close every pooled connection. The store cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        await anyio.to_thread.run_sync(self._engine.dispose)
+
+    # -- the durable part -------------------------------------------------------------------
+
+    def _rows_to_progress(self, rows: Any) -> dict[MessageQueue, QueueProgress]:
+        result: dict[MessageQueue, QueueProgress] = {}
+        for topic, queue_id, consume_offset, stage_text in rows:
+            mq = MessageQueue(str(topic), int(queue_id))
+            try:
+                stage_offsets = decode_stage_offsets(stage_text)
+                progress = QueueProgress(
+                    consume_offset=None if consume_offset is None else int(consume_offset),
+                    stage_offsets=stage_offsets,
+                )
+            except (ValueError, TypeError) as exc:
+                raise OffsetStoreError(
+                    f"corrupt progress row for {mq} in {self._progress.name} of {self.url}:"
+                    f" {exc}",
+                    retriable=False,
+                ) from exc
+            result[mq] = progress
+        return result
+
+    def _select(self, group: str) -> sa.Select[Any]:
+        t = self._progress
+        return (
+            sa.select(t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets)
+            .where(t.c.consumer_group == group)
+            .order_by(t.c.topic, t.c.queue_id)
+        )
+
+    async def _read_stored(self, group: str, mq: MessageQueue) -> QueueProgress | None:
+        t = self._progress
+        stmt = self._select(group).where(t.c.topic == mq.topic, t.c.queue_id == mq.queue_id)
+
+        def read() -> QueueProgress | None:
+            with self._engine.connect() as conn:
+                rows = conn.execute(stmt).all()
+            return self._rows_to_progress(rows).get(mq)
+
+        return await self._run(f"reading the progress of {mq} ({group})", read, writes=False)
+
+    async def _list_stored(
+        self, group: str, topic: str | None
+    ) -> dict[MessageQueue, QueueProgress]:
+        stmt = self._select(group)
+        if topic is not None:
+            stmt = stmt.where(self._progress.c.topic == topic)
+
+        def read() -> dict[MessageQueue, QueueProgress]:
+            with self._engine.connect() as conn:
+                rows = conn.execute(stmt).all()
+            return self._rows_to_progress(rows)
+
+        return await self._run(f"listing the progress of group {group!r}", read, writes=False)
+
+    def _params(self, group: str, mq: MessageQueue, progress: QueueProgress) -> dict[str, Any]:
+        return {
+            "consumer_group": group,
+            "topic": mq.topic,
+            "queue_id": mq.queue_id,
+            "consume_offset": progress.consume_offset,
+            "stage_offsets": encode_stage_offsets(progress.stage_offsets),
+        }
+
+    async def _write_stored(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress]
+    ) -> None:
+        # Sorted, so concurrent writers lock rows in the same order (no deadlocks).
+        params = [self._params(group, mq, progress[mq]) for mq in sorted(progress)]
+        stmt = self._write_stmt
+
+        def write() -> None:
+            with self._engine.connect() as conn:
+                conn.execution_options(stagedconsumer_begin="IMMEDIATE")
+                with conn.begin():
+                    conn.execute(stmt, params)
+
+        await self._run(
+            f"persisting the progress of {len(params)} queue(s) of group {group!r}",
+            write,
+            writes=True,
+        )
+
+    async def _overwrite_stored(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress | None]
+    ) -> None:
+        t = self._progress
+        upserts = [
+            self._params(group, mq, value)
+            for mq, value in sorted(progress.items())
+            if value is not None
+        ]
+        deletes = [mq for mq, value in sorted(progress.items()) if value is None]
+        stmt = self._overwrite_stmt
+
+        def write() -> None:
+            with self._engine.connect() as conn:
+                conn.execution_options(stagedconsumer_begin="IMMEDIATE")
+                with conn.begin():
+                    for mq in deletes:
+                        conn.execute(
+                            sa.delete(t).where(
+                                t.c.consumer_group == group,
+                                t.c.topic == mq.topic,
+                                t.c.queue_id == mq.queue_id,
+                            )
+                        )
+                    if upserts:
+                        conn.execute(stmt, upserts)
+
+        await self._run(f"resetting the progress of group {group!r}", write, writes=True)
+
+
+def _configure_sqlite(engine: sa.Engine, *, memory: bool) -> None:
+    """WAL journal, full sync, and transactions under SQLAlchemy's control.
+
+    pysqlite's own transaction handling begins transactions late and never for
+    DDL; the recipe from SQLAlchemy's SQLite dialect documentation hands it to
+    SQLAlchemy, and writers begin ``IMMEDIATE`` so two writers queue on the busy
+    timeout instead of failing on a lock upgrade.
+    """
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            if not memory:
+                cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+        finally:
+            cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        mode = conn.get_execution_options().get("stagedconsumer_begin", "")
+        conn.exec_driver_sql(f"BEGIN {mode}".strip())
+
+
+def _redact(url: object) -> str:
+    text = str(url)
+    if "@" in text and "://" in text:
+        scheme, rest = text.split("://", 1)
+        credentials, host = rest.rsplit("@", 1)
+        user = credentials.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in credentials else text
+    return text
