@@ -51,7 +51,9 @@ class NoopConcurrently(MessageListenerConcurrently):
 
 
 class NoopOrderly(MessageListenerOrderly):
-    async def consume_message(self, msgs: Sequence[Message], context: ConsumeOrderlyContext) -> None:
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
         return None
 
 
@@ -117,14 +119,24 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     all_messages = [m for q in range(queues) for m in broker.messages(TOPIC, q)]
 
     def record(name: str, elapsed: float, peak: int | None = None) -> None:
-        rows.append({"mode": name, "messages": n, "seconds": elapsed, "rate": n / elapsed,
-                     "peak_mib": None if peak is None else peak / 2**20})
+        rows.append(
+            {
+                "mode": name,
+                "messages": n,
+                "seconds": elapsed,
+                "rate": n / elapsed,
+                "peak_mib": None if peak is None else peak / 2**20,
+            }
+        )
 
     for _ in range(args.repeat):
         record("baseline: task per message + Semaphore(20)", asyncio.run(baseline(all_messages)))
         cases: list[tuple[str, Any]] = [
             ("concurrent", NoopConcurrently()),
-            (f"staged [{args.stage_size}]*k", NoopStaged(args.stage_size, -(-per_queue // args.stage_size))),
+            (
+                f"staged [{args.stage_size}]*k",
+                NoopStaged(args.stage_size, -(-per_queue // args.stage_size)),
+            ),
             (f"orderly, {queues} queues", NoopOrderly()),
         ]
         for name, listener in cases:
@@ -150,7 +162,9 @@ def best(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--queues", type=int, default=8)
     parser.add_argument("--stage-size", type=int, default=100)
@@ -163,7 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = best(measure(args))
     base = next(r for name, r in rows.items() if name.startswith("baseline"))
     concurrent = rows["concurrent"]
-    table = Table(title=f"No-op handler throughput, {args.messages:,} messages, {args.queues} queues, {args.backend}")
+    table = Table(
+        title=f"No-op handler throughput, {args.messages:,} messages,"
+        f" {args.queues} queues, {args.backend}"
+    )
     table.add_column("mode")
     table.add_column("seconds", justify="right")
     table.add_column("messages/s", justify="right")
@@ -172,16 +189,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory:
         table.add_column("peak MiB", justify="right")
     for name, row in rows.items():
-        cells = [name, f"{row['seconds']:.3f}", f"{row['rate']:,.0f}",
-                 f"{row['rate'] / base['rate']:.2f}x", f"{row['rate'] / concurrent['rate']:.2f}x"]
+        cells = [
+            name,
+            f"{row['seconds']:.3f}",
+            f"{row['rate']:,.0f}",
+            f"{row['rate'] / base['rate']:.2f}x",
+            f"{row['rate'] / concurrent['rate']:.2f}x",
+        ]
         if args.memory:
             cells.append(f"{row['peak_mib']:.1f}" if row["peak_mib"] is not None else "")
         table.add_row(*cells)
     console = Console()
     console.print(table)
-    console.print(f"python {platform.python_version()}, best of {args.repeat}; "
-                  f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
-    console.print("reproduce: python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
+    console.print(
+        f"python {platform.python_version()}, best of {args.repeat}; "
+        f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+    )
+    console.print(
+        "reproduce: python "
+        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    )
     if args.json:
         args.json.write_text(json.dumps(list(rows.values()), indent=2))
     return 0

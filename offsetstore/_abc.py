@@ -50,7 +50,9 @@ class StageOffsetStore(abc.ABC):
         """The persisted progress of ``mq``, or ``None`` when there is none."""
 
     @abc.abstractmethod
-    async def _write_stored(self, group: str, progress: Mapping[MessageQueue, QueueProgress]) -> None:
+    async def _write_stored(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress]
+    ) -> None:
         """Persist the progress of several queues atomically, increase-only on the
         consume offset (a row whose stored consume offset is higher stays as it is)."""
 
@@ -61,7 +63,9 @@ class StageOffsetStore(abc.ABC):
         """Set (or, for ``None``, delete) persisted progress unconditionally."""
 
     @abc.abstractmethod
-    async def _list_stored(self, group: str, topic: str | None) -> dict[MessageQueue, QueueProgress]:
+    async def _list_stored(
+        self, group: str, topic: str | None
+    ) -> dict[MessageQueue, QueueProgress]:
         """All persisted progress of ``group`` (of one topic when given)."""
 
     async def load(self) -> None:  # noqa: B027 - optional hook

@@ -27,7 +27,9 @@ class MemoryOffsetStore(StageOffsetStore):
     async def _read_stored(self, group: str, mq: MessageQueue) -> QueueProgress | None:
         return self._stored.get((group, mq))
 
-    async def _write_stored(self, group: str, progress: Mapping[MessageQueue, QueueProgress]) -> None:
+    async def _write_stored(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress]
+    ) -> None:
         for mq, value in progress.items():
             current = self._stored.get((group, mq))
             if (
@@ -48,7 +50,9 @@ class MemoryOffsetStore(StageOffsetStore):
             else:
                 self._stored[(group, mq)] = value
 
-    async def _list_stored(self, group: str, topic: str | None) -> dict[MessageQueue, QueueProgress]:
+    async def _list_stored(
+        self, group: str, topic: str | None
+    ) -> dict[MessageQueue, QueueProgress]:
         return {
             mq: value
             for (g, mq), value in sorted(self._stored.items(), key=lambda item: item[0][1])

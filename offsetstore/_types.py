@@ -8,10 +8,29 @@ from types import MappingProxyType
 
 import attrs
 
-from stagedconsumer._core import StageKey
-from stagedconsumer._message import MessageQueue
-
 __all__ = ("MessageQueue", "QueueProgress", "ReadOffsetType", "StageKey")
+
+
+@attrs.frozen(order=True)
+class MessageQueue:
+    """One partition of a topic: an ordered log addressed by integer queue offsets."""
+
+    topic: str
+    queue_id: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}#{self.queue_id}"
+
+
+@attrs.frozen(order=True)
+class StageKey:
+    """What stage progress is tracked by, within one message queue."""
+
+    strategy_id: str
+    group_id: str | None = None
+
+    def __str__(self) -> str:
+        return self.strategy_id if self.group_id is None else f"{self.strategy_id}/{self.group_id}"
 
 
 class ReadOffsetType(enum.Enum):
@@ -34,8 +53,8 @@ class QueueProgress:
     """The progress of one queue of one consumer group, committed as one unit.
 
     ``consume_offset`` is where consumption resumes (every message below it
-    finished; ``None`` when only stage offsets were recorded); ``stage_offsets`` holds, per stage key, the stage offset at
-    ``consume_offset``.
+    finished; ``None`` when only stage offsets were recorded); ``stage_offsets``
+    holds, per stage key, the stage offset at ``consume_offset``.
     """
 
     consume_offset: int | None = attrs.field(

@@ -139,7 +139,9 @@ def _build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
         compute_strategy=listener.compute_strategy
         if _overrides(listener, base, "compute_strategy")
         else None,
-        compute_group=listener.compute_group if _overrides(listener, base, "compute_group") else None,
+        compute_group=listener.compute_group
+        if _overrides(listener, base, "compute_group")
+        else None,
         reset=reset,
     )
 
@@ -175,9 +177,7 @@ class PushConsumer:
         if not isinstance(group, str) or not group or group.startswith(("%", " ")):
             raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
         if not isinstance(source, MessageSource):
-            raise ConfigurationError(
-                f"source must be a MessageSource, got {type(source).__name__}"
-            )
+            raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
         if options is None:
             options = ConsumerOptions()
         elif not isinstance(options, ConsumerOptions):
@@ -275,15 +275,24 @@ class PushConsumer:
             raise ConsumerStateError("subscribe() to at least one topic before starting")
         self._started = True
         self._thread_limiter = anyio.CapacityLimiter(self.options.consume_thread_max)
+        # Everything that can fail on bad input (store, topics, progress) happens
+        # before the task group exists, so the error surfaces as itself.
+        try:
+            await self.offset_store.load()
+            states = [
+                await self._load_queue(mq, tag_filter)
+                for mq, tag_filter in await self._resolve_queues()
+            ]
+        except BaseException:
+            self._closed = True
+            raise
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
         try:
-            await self.offset_store.load()
-            queues = await self._resolve_queues()
             self._pull_tg = await tg.start(self._run_pull_loops)
-            for mq, tag_filter in queues:
-                await self._assign_queue(mq, tag_filter)
+            for state in states:
+                self._start_queue(state)
             self._workers_done = anyio.Event()
             await tg.start(self._run_workers)
             tg.start_soon(self._timer_loop)
@@ -339,15 +348,15 @@ class PushConsumer:
     async def _resolve_queues(self) -> list[tuple[MessageQueue, TagFilter]]:
         queues: list[tuple[MessageQueue, TagFilter]] = []
         for topic, tag_filter in self._subscriptions.items():
-            for mq in await self.source.get_queues(topic):
-                queues.append((mq, tag_filter))
+            queues.extend((mq, tag_filter) for mq in await self.source.get_queues(topic))
         if self._mode is ConsumeMode.CONCURRENT:
-            for mq in await self.source.get_queues(retry_topic(self.group)):
-                queues.append((mq, TagFilter.parse("*")))
+            everything = TagFilter.parse("*")
+            retry = await self.source.get_queues(retry_topic(self.group))
+            queues.extend((mq, everything) for mq in retry)
         return queues
 
-    async def _assign_queue(self, mq: MessageQueue, tag_filter: TagFilter) -> None:
-        """Start consuming ``mq`` from its committed progress."""
+    async def _load_queue(self, mq: MessageQueue, tag_filter: TagFilter) -> _QueueState:
+        """Build the state of ``mq`` from its committed progress."""
         progress = await self.offset_store.read_progress(self.group, mq)
         if progress is None or progress.consume_offset is None:
             start = await self.source.min_offset(mq)
@@ -366,9 +375,20 @@ class PushConsumer:
         )
         state = _QueueState(mq, pq, tag_filter, is_retry)
         state.persisted = QueueProgress(consume_offset=start, stage_offsets=stage_offsets)
-        self._states[mq] = state
+        return state
+
+    def _start_queue(self, state: _QueueState) -> None:
+        self._states[state.mq] = state
         assert self._pull_tg is not None
-        self._pull_tg.start_soon(self._pull_loop, state, start)
+        self._pull_tg.start_soon(self._pull_loop, state, state.pq.committed_offset)
+
+    async def assign_queue(self, mq: MessageQueue, expression: str = "*") -> None:
+        """Start consuming ``mq`` (of a subscribed topic) from its committed progress."""
+        if self._tg is None or self._closed:
+            raise ConsumerStateError("assign_queue() needs a running consumer")
+        if mq in self._states:
+            return
+        self._start_queue(await self._load_queue(mq, TagFilter.parse(expression)))
 
     async def release_queue(self, mq: MessageQueue) -> None:
         """Stop consuming ``mq``: stop pulling, let its in-flight handlers finish,
@@ -467,7 +487,11 @@ class PushConsumer:
                     self._pull_errors += 1
                     logger.warning(
                         "group %s: pull of %s at offset %d failed (%s); retrying in %.1f s",
-                        self.group, mq, offset, exc, delay,
+                        self.group,
+                        mq,
+                        offset,
+                        exc,
+                        delay,
                     )
                     await anyio.sleep(delay)
                     delay = min(delay * 2, _MAX_PULL_BACKOFF)
@@ -495,7 +519,9 @@ class PushConsumer:
 
     # -- consuming -------------------------------------------------------------------------
 
-    async def _run_workers(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def _run_workers(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         try:
             with anyio.CancelScope() as scope:
                 self._workers_scope = scope
@@ -569,7 +595,9 @@ class PushConsumer:
         except Exception as exc:  # a failing handler never stops the consumer
             await self._concurrently_failed(batch, mq, context, exc, None)
             return
-        if (result is None or result is _CONSUME_SUCCESS) and context.ack_index >= len(messages) - 1:
+        if (result is None or result is _CONSUME_SUCCESS) and context.ack_index >= len(
+            messages
+        ) - 1:
             self._consumed_ok += len(messages)
             self._dispatcher.finish(batch, _SUCCESS)  # this worker takes what it freed
             return
@@ -592,7 +620,10 @@ class PushConsumer:
             if error is not None:
                 logger.warning(
                     "group %s: handler failed on %d message(s) of %s; sending them back",
-                    self.group, len(messages), mq, exc_info=error,
+                    self.group,
+                    len(messages),
+                    mq,
+                    exc_info=error,
                 )
             elif result is not ConsumeConcurrentlyStatus.RECONSUME_LATER:
                 logger.warning(
@@ -613,7 +644,10 @@ class PushConsumer:
             except SourceError as exc:
                 logger.warning(
                     "group %s: could not send %s back (%s); retrying it here in %.0f s",
-                    self.group, message.msg_id, exc, _SEND_BACK_FAILED_DELAY,
+                    self.group,
+                    message.msg_id,
+                    exc,
+                    _SEND_BACK_FAILED_DELAY,
                 )
                 keep.append(message)
                 continue
@@ -673,12 +707,17 @@ class PushConsumer:
         if error is not None:
             logger.warning(
                 "group %s: handler failed on %d message(s) of %s (attempt %d); suspending",
-                self.group, len(messages), mq, batch.attempt, exc_info=error,
+                self.group,
+                len(messages),
+                mq,
+                batch.attempt,
+                exc_info=error,
             )
         elif result is not ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT:
             logger.warning(
                 "group %s: handler returned %r, treated as SUSPEND_CURRENT_QUEUE_A_MOMENT",
-                self.group, result,
+                self.group,
+                result,
             )
         self._consumed_failed += len(messages)
         limit = self._max_reconsume
@@ -692,7 +731,9 @@ class PushConsumer:
             except SourceError as exc:
                 logger.warning(
                     "group %s: could not move %s to the DLQ (%s); retrying it",
-                    self.group, message.msg_id, exc,
+                    self.group,
+                    message.msg_id,
+                    exc,
                 )
                 continue
             moved.append(message)
@@ -767,7 +808,9 @@ class PushConsumer:
                 delay = min(max(delay, interval) * 2, _MAX_PERSIST_BACKOFF)
                 logger.warning(
                     "group %s: persisting progress failed (%s); retrying in %.1f s",
-                    self.group, exc, delay,
+                    self.group,
+                    exc,
+                    delay,
                 )
             else:
                 delay = interval

@@ -10,6 +10,7 @@ log, each mode's guarantee and that every message was consumed exactly once.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -63,14 +64,18 @@ class _Log:
         finally:
             self.running -= 1
         end = anyio.current_time()
-        self.events.extend(_Event(offset=m.queue_offset, stage=stage, start=start, end=end) for m in msgs)
+        self.events.extend(
+            _Event(offset=m.queue_offset, stage=stage, start=start, end=end) for m in msgs
+        )
 
 
 class _Concurrent(MessageListenerConcurrently):
     def __init__(self, log: _Log) -> None:
         self.log = log
 
-    async def consume_message(self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext) -> None:
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
         await self.log.handle(msgs, TAIL_STAGE)
 
 
@@ -78,7 +83,9 @@ class _Orderly(MessageListenerOrderly):
     def __init__(self, log: _Log) -> None:
         self.log = log
 
-    async def consume_message(self, msgs: Sequence[Message], context: ConsumeOrderlyContext) -> None:
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
         await self.log.handle(msgs, TAIL_STAGE)
 
 
@@ -142,28 +149,39 @@ def theoretical_units(mode: str, messages: int, workers: int, stages: Sequence[i
     return units + math.ceil(left / workers)
 
 
-def check_order(mode: str, events: Sequence[_Event], messages: int, stages: Sequence[int]) -> list[str]:
+def check_order(
+    mode: str, events: Sequence[_Event], messages: int, stages: Sequence[int]
+) -> list[str]:
     """Verify the mode's guarantee from the handler log; returns the violations."""
     problems: list[str] = []
     offsets = sorted(e.offset for e in events)
     if offsets != list(range(messages)):
         missing = sorted(set(range(messages)) - set(offsets))
         duplicates = len(offsets) - len(set(offsets))
-        problems.append(f"consumed {len(offsets)} of {messages} (missing {missing[:5]}, duplicates {duplicates})")
+        problems.append(
+            f"consumed {len(offsets)} of {messages}"
+            f" (missing {missing[:5]}, duplicates {duplicates})"
+        )
     by_offset = sorted(events, key=lambda e: e.offset)
     if mode == "orderly":
-        for before, after in zip(by_offset, by_offset[1:], strict=False):
+        for before, after in itertools.pairwise(by_offset):
             if after.start < before.end:
-                problems.append(f"offset {after.offset} started before offset {before.offset} ended")
+                problems.append(
+                    f"offset {after.offset} started before offset {before.offset} ended"
+                )
                 break
     elif mode == "staged":
         definition = StageDefinition.of(stages)
         for event in by_offset:
             expected = definition.stage_index(event.offset)
             if event.stage != expected:
-                problems.append(f"offset {event.offset} ran as stage {event.stage}, expected {expected}")
+                problems.append(
+                    f"offset {event.offset} ran as stage {event.stage}, expected {expected}"
+                )
                 break
-        order = {index: position for position, index in enumerate([*range(len(stages)), TAIL_STAGE])}
+        order = {
+            index: position for position, index in enumerate([*range(len(stages)), TAIL_STAGE])
+        }
         ends: dict[int, float] = {}
         starts: dict[int, float] = {}
         for event in by_offset:
@@ -242,7 +260,11 @@ async def _run_mode(
 
 
 async def run_demo(
-    *, messages: int = 100, cost: float = 0.010, workers: int = 20, stages: Sequence[int] = (10, 20, 70)
+    *,
+    messages: int = 100,
+    cost: float = 0.010,
+    workers: int = 20,
+    stages: Sequence[int] = (10, 20, 70),
 ) -> list[DemoResult]:
     """Run orderly, concurrent and staged consumption of the same workload."""
     StageDefinition.of(stages)
@@ -301,7 +323,8 @@ def render(results: Sequence[DemoResult], console: Console, *, virtual: bool) ->
         )
     console.print(table)
     console.print(
-        "ms: elapsed until every message finished; bound: theoretical makespan in units of one handler call (orderly = messages,"
+        "ms: elapsed until every message finished; bound: theoretical makespan in units"
+        " of one handler call (orderly = messages,"
         " staged = sum of ceil(stage / workers), concurrent = ceil(messages / workers));"
         " /bound: elapsed over bound; bare: the same schedule of sleeps with no consumer,"
         " the timer floor of this event loop; peak: most handlers running at once;"
@@ -314,18 +337,23 @@ def _handle(args: argparse.Namespace) -> int:
         StageDefinition.of(args.stages)
     except ConfigurationError as exc:
         raise SystemExit(f"stagedconsumer demo: {exc}") from None
-    kwargs = {"messages": args.messages, "cost": args.cost_ms / 1000, "workers": args.workers, "stages": args.stages}
+    kwargs = {
+        "messages": args.messages,
+        "cost": args.cost_ms / 1000,
+        "workers": args.workers,
+        "stages": args.stages,
+    }
     started = time.perf_counter()
     if args.virtual:
         import trio.testing
 
         results: list[DemoResult] = anyio.run(
-            lambda: run_demo(**kwargs),  # type: ignore[arg-type]
+            lambda: run_demo(**kwargs),
             backend="trio",
             backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)},
         )
     else:
-        results = anyio.run(lambda: run_demo(**kwargs), backend=args.backend)  # type: ignore[arg-type]
+        results = anyio.run(lambda: run_demo(**kwargs), backend=args.backend)
     console = Console()
     render(results, console, virtual=args.virtual)
     console.print(
@@ -343,10 +371,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--messages", type=_positive_int, default=100, help="messages on the queue (100)")
-    parser.add_argument("--cost-ms", type=_positive_float, default=10.0, help="handler time per message in ms (10)")
+    parser.add_argument(
+        "--messages", type=_positive_int, default=100, help="messages on the queue (100)"
+    )
+    parser.add_argument(
+        "--cost-ms", type=_positive_float, default=10.0, help="handler time per message in ms (10)"
+    )
     parser.add_argument("--workers", type=_positive_int, default=20, help="consume_thread_max (20)")
-    parser.add_argument("--stages", type=_parse_stages, default=[10, 20, 70], help="stage sizes, e.g. 10,20,70")
+    parser.add_argument(
+        "--stages", type=_parse_stages, default=[10, 20, 70], help="stage sizes, e.g. 10,20,70"
+    )
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument(
         "--virtual", action="store_true", help="run on trio in virtual time (exact, instant)"

@@ -30,7 +30,9 @@ class TagFilter:
                 f"malformed tag expression {expression!r}: expected 'tag' or 'tag1 || tag2'"
             )
         if "*" in parts:
-            raise ConfigurationError(f"'*' cannot be combined with tags in {expression!r}")
+            raise ConfigurationError(
+                f"'*' cannot be combined with tags in expression {expression!r}"
+            )
         return cls(expression, frozenset(parts))
 
     @property

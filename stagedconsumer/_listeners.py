@@ -104,7 +104,7 @@ class MessageListenerConcurrently(MessageListener):
     @abc.abstractmethod
     def consume_message(
         self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
-    ) -> ConsumeConcurrentlyStatus | None | Awaitable[ConsumeConcurrentlyStatus | None]:
+    ) -> ConsumeConcurrentlyStatus | Awaitable[ConsumeConcurrentlyStatus | None] | None:
         """Handle a batch; return ``None`` (or ``CONSUME_SUCCESS``) on success."""
 
 
@@ -120,7 +120,7 @@ class MessageListenerOrderly(MessageListener):
     @abc.abstractmethod
     def consume_message(
         self, msgs: Sequence[Message], context: ConsumeOrderlyContext
-    ) -> ConsumeOrderlyStatus | None | Awaitable[ConsumeOrderlyStatus | None]:
+    ) -> ConsumeOrderlyStatus | Awaitable[ConsumeOrderlyStatus | None] | None:
         """Handle a batch; return ``None`` (or ``SUCCESS``) on success."""
 
 
@@ -144,7 +144,7 @@ class MessageListenerStagedConcurrently(MessageListener):
     @abc.abstractmethod
     def consume_message(
         self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
-    ) -> ConsumeOrderlyStatus | None | Awaitable[ConsumeOrderlyStatus | None]:
+    ) -> ConsumeOrderlyStatus | Awaitable[ConsumeOrderlyStatus | None] | None:
         """Handle a batch of one stage; return ``None`` (or ``SUCCESS``) on success."""
 
     @abc.abstractmethod

@@ -169,9 +169,7 @@ class MemoryBroker(MessageSource):
         queue.wake()
         return message
 
-    def send_many(
-        self, topic: str, bodies: Iterable[bytes], *, queue_id: int | None = None
-    ) -> int:
+    def send_many(self, topic: str, bodies: Iterable[bytes], *, queue_id: int | None = None) -> int:
         """Append many key-less messages (round-robin, or all to ``queue_id``)."""
         count = 0
         for body in bodies:

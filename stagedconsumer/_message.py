@@ -7,6 +7,8 @@ from types import MappingProxyType
 
 import attrs
 
+from offsetstore._types import MessageQueue
+
 __all__ = ("EMPTY_PROPERTIES", "Message", "MessageQueue")
 
 EMPTY_PROPERTIES: Mapping[str, str] = MappingProxyType({})
@@ -24,17 +26,6 @@ def _freeze_keys(value: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     return tuple(value)
-
-
-@attrs.frozen(order=True)
-class MessageQueue:
-    """One partition of a topic: an ordered log addressed by integer queue offsets."""
-
-    topic: str
-    queue_id: int
-
-    def __str__(self) -> str:
-        return f"{self.topic}#{self.queue_id}"
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -21,9 +21,7 @@ def _int_range(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any]
                 f"{attribute.name} must be an int in [{low}, {high}], got {value!r}"
             )
         if not low <= value <= high:
-            raise InvalidOptionError(
-                f"{attribute.name} = {value} is out of range [{low}, {high}]"
-            )
+            raise InvalidOptionError(f"{attribute.name} = {value} is out of range [{low}, {high}]")
 
     return check
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from stagedconsumer import (
@@ -28,7 +29,7 @@ class Recorder(MessageListenerStagedConcurrently):
     ) -> None:
         for m in msgs:
             self.stages[m.queue_offset] = context.stage_index
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
 
 
 async def test_rip22_example_assigns_stages() -> None:

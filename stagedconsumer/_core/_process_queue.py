@@ -36,6 +36,8 @@ from typing import Final
 
 import attrs
 
+from offsetstore._types import StageKey
+
 from .._message import Message, MessageQueue
 from ._stages import TAIL_STAGE, StageDefinition
 
@@ -68,17 +70,6 @@ class EraseStatus(enum.Enum):
     """Handed to the group's retry queue (concurrent mode): finished here."""
     DEAD_LETTER = "dead_letter"
     """Moved to the dead-letter queue after too many attempts: finished."""
-
-
-@attrs.frozen(order=True)
-class StageKey:
-    """What stage progress is tracked by, within one message queue."""
-
-    strategy_id: str
-    group_id: str | None = None
-
-    def __str__(self) -> str:
-        return self.strategy_id if self.group_id is None else f"{self.strategy_id}/{self.group_id}"
 
 
 DEFAULT_STRATEGY: Final = "default"
@@ -285,7 +276,9 @@ class ProcessQueue:
 
     # -- arrival -------------------------------------------------------------
 
-    def put_messages(self, messages: Sequence[Message], *, highest_offset: int | None = None) -> bool:
+    def put_messages(
+        self, messages: Sequence[Message], *, highest_offset: int | None = None
+    ) -> bool:
         """Cache pulled messages (in offset order); returns whether new work is ready.
 
         Messages at or below the highest offset already seen are ignored, so a

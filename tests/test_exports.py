@@ -1,0 +1,54 @@
+"""The public surface: names in design.md section 5 and nothing private leaks."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+DESIGN_NAMES = {
+    "stagedconsumer": [
+        "Message",
+        "MessageQueue",
+        "MessageListenerConcurrently",
+        "MessageListenerOrderly",
+        "MessageListenerStagedConcurrently",
+        "ConsumeConcurrentlyStatus",
+        "ConsumeOrderlyStatus",
+        "ConsumeConcurrentlyContext",
+        "ConsumeOrderlyContext",
+        "ConsumeStagedConcurrentlyContext",
+        "PushConsumer",
+        "ConsumerOptions",
+        "MemoryBroker",
+    ],
+    "offsetstore": ["StageOffsetStore", "MemoryOffsetStore", "ReadOffsetType"],
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(DESIGN_NAMES))
+def test_design_names_are_exported(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    for name in DESIGN_NAMES[module_name]:
+        assert name in module.__all__, name
+        assert getattr(module, name) is not None
+
+
+@pytest.mark.parametrize("module_name", sorted(DESIGN_NAMES))
+def test_all_is_a_tuple_of_existing_public_names(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    assert isinstance(module.__all__, tuple)
+    assert len(set(module.__all__)) == len(module.__all__)
+    for name in module.__all__:
+        assert not name.startswith("_")
+        assert hasattr(module, name), name
+
+
+@pytest.mark.parametrize("module_name", sorted(DESIGN_NAMES))
+def test_public_classes_come_from_private_modules(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    for name in module.__all__:
+        value = getattr(module, name)
+        defined_in = getattr(value, "__module__", None)
+        if defined_in is not None and isinstance(value, type):
+            assert defined_in.split(".")[-1].startswith("_"), (name, defined_in)
