@@ -301,8 +301,9 @@ def replay_consumer(
         "dlq": recorder.dlq,
     }
     frame = pd.DataFrame(out, columns=list(EVENT_COLUMNS))
+    # object, not pandas 3's Arrow-backed str: Spark's Arrow writer wants plain arrays
     return frame.astype(
-        {"consumer": "int32", "topic": "int32", "queue": "int32", "qid": "int32",
+        {"mode": object, "consumer": "int32", "topic": "int32", "queue": "int32", "qid": "int32",
          "offset": "int64", "attempt": "int32", "batch": "int64", "start": "float64",
          "end": "float64", "ok": "bool", "dlq": "bool"}
     )

@@ -1,0 +1,109 @@
+"""Spark plumbing: the session, shipping this code to executors, the replay stage.
+
+The replay stage groups the messages by consumer instance (``groupBy("consumer")
+.applyInPandas``): each Spark task runs the real :class:`~stagedconsumer.PushConsumer`
+over one consumer instance's queues, once per mode. The grouping comes from the
+workload (``consumerPerSubscription``), not from Spark's partitioning, so results
+do not depend on the number of cores or executors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pandas as pd
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import (
+    BooleanType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from .runner import ReplayConfig, replay_consumer
+
+__all__ = ("EVENT_SCHEMA", "get_session", "replay_events", "ship_code")
+
+EVENT_SCHEMA = StructType(
+    [
+        StructField("mode", StringType(), False),
+        StructField("consumer", IntegerType(), False),
+        StructField("topic", IntegerType(), False),
+        StructField("queue", IntegerType(), False),
+        StructField("qid", IntegerType(), False),
+        StructField("offset", LongType(), False),
+        StructField("stage", IntegerType(), True),
+        StructField("attempt", IntegerType(), False),
+        StructField("batch", LongType(), False),
+        StructField("start", DoubleType(), False),
+        StructField("end", DoubleType(), False),
+        StructField("ok", BooleanType(), False),
+        StructField("dlq", BooleanType(), False),
+    ]
+)
+
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGES = ("benchmarks", "stagedconsumer", "offsetstore")
+_SHIPPED: set[str] = set()
+
+
+def get_session(
+    master: str = "local[*]", *, app_name: str = "stagedconsumer-replay",
+    shuffle_partitions: int | None = None, driver_memory: str = "4g",
+) -> SparkSession:
+    """A SparkSession on ``master`` (any Spark master URL)."""
+    # Executors must run the same interpreter as the driver (pandas, trio, ...).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.driver.memory", driver_memory)
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+    )
+    if shuffle_partitions is not None:
+        builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def ship_code(spark: SparkSession) -> None:
+    """Send ``benchmarks``, ``stagedconsumer`` and ``offsetstore`` to the executors
+    as a zip (their third-party dependencies must be installed there)."""
+    app_id = spark.sparkContext.applicationId
+    if app_id in _SHIPPED:
+        return
+    target = Path(tempfile.mkdtemp(prefix="replay-code-")) / "stagedconsumer_replay.zip"
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
+        for package in _PACKAGES:
+            for path in sorted((_ROOT / package).rglob("*.py")):
+                zf.write(path, path.relative_to(_ROOT).as_posix())
+    spark.sparkContext.addPyFile(str(target))
+    _SHIPPED.add(app_id)
+
+
+def replay_events(
+    messages: DataFrame, config: ReplayConfig, modes: Sequence[str], *, wall_clock: bool = False
+) -> DataFrame:
+    """The event log of replaying every consumer instance in every mode."""
+    chosen = tuple(modes)
+
+    def replay_group(pdf: pd.DataFrame) -> Iterator[pd.DataFrame]:
+        for mode in chosen:
+            yield replay_consumer(pdf, mode, config, wall_clock=wall_clock)
+
+    def replay_all(pdf: pd.DataFrame) -> pd.DataFrame:
+        return pd.concat(list(replay_group(pdf)), ignore_index=True)
+
+    return messages.groupBy("consumer").applyInPandas(replay_all, schema=EVENT_SCHEMA)
