@@ -1,0 +1,261 @@
+"""``python -m benchmarks``: replay workloads in PySpark and report.
+
+    python -m benchmarks bench WORKLOAD.yaml [--master URL] [--out DIR]
+                                             [--modes orderly staged ...] [--wall-clock]
+    python -m benchmarks validate WORKLOAD.yaml ...
+
+``bench`` generates the workload's messages (or imports recorded traffic), replays
+every consumer instance in every mode with the real PushConsumer in virtual time
+(and, with ``--wall-clock``, again on the real clock), analyses the event log and
+writes Parquet, Markdown and PNG charts to ``--out`` (default
+``bench-results/<workload name>``), printing a table at the end and a progress bar
+while Spark works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import pandas as pd
+from pyspark.sql import DataFrame, SparkSession
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from . import analysis, report
+from .generate import generate_messages
+from .runner import ReplayConfig
+from .spark import get_session, replay_events, ship_code
+from .workload import MODES, Workload, WorkloadError, load_workload
+
+__all__ = ("BenchResult", "build_parser", "main", "run_bench")
+
+T = TypeVar("T")
+
+
+class _SparkProgress:
+    """Shows the tasks of the Spark jobs of the current phase as a progress bar."""
+
+    def __init__(self, spark: SparkSession, progress: Progress | None) -> None:
+        self.spark = spark
+        self.progress = progress
+
+    def run(self, phase: str, action: Callable[[], T]) -> T:
+        sc = self.spark.sparkContext
+        sc.setJobGroup(phase, phase)
+        if self.progress is None:
+            try:
+                return action()
+            finally:
+                sc.setJobGroup("", "")
+        task: TaskID = self.progress.add_task(phase, total=None)
+        stop = threading.Event()
+        progress = self.progress
+
+        def poll() -> None:
+            tracker = sc.statusTracker()
+            while not stop.wait(0.25):
+                done = total = 0
+                for job_id in tracker.getJobIdsForGroup(phase):
+                    job = tracker.getJobInfo(job_id)
+                    if job is None:
+                        continue
+                    for stage_id in job.stageIds:
+                        stage = tracker.getStageInfo(stage_id)
+                        if stage is not None:
+                            done += stage.numCompletedTasks
+                            total += stage.numTasks
+                if total:
+                    progress.update(task, completed=done, total=total)
+
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        try:
+            result = action()
+        finally:
+            stop.set()
+            thread.join()
+            sc.setJobGroup("", "")
+        current = progress.tasks[task].total or 1
+        progress.update(task, completed=current, total=current)
+        return result
+
+
+class BenchResult:
+    """What :func:`run_bench` produced (pandas frames are small: per mode/queue)."""
+
+    def __init__(self, out: Path, summary: pd.DataFrame, queues: pd.DataFrame,
+                 timings: dict[str, float], report_path: Path) -> None:
+        self.out = out
+        self.summary = summary
+        self.queues = queues
+        self.timings = timings
+        self.report_path = report_path
+
+
+def _timed(timings: dict[str, float], name: str, fn: Callable[[], T]) -> T:
+    t0 = time.perf_counter()
+    try:
+        return fn()
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def run_bench(
+    spark: SparkSession,
+    w: Workload,
+    out: Path,
+    *,
+    modes: Sequence[str] | None = None,
+    wall_clock: bool = False,
+    progress: Progress | None = None,
+    command: str = "",
+    master: str = "",
+) -> BenchResult:
+    """Generate, replay, analyse and report one workload into ``out``."""
+    modes = tuple(modes) if modes else w.modes
+    out.mkdir(parents=True, exist_ok=True)
+    ship_code(spark)
+    tracker = _SparkProgress(spark, progress)
+    timings: dict[str, float] = {}
+    messages_path = str(out / "messages.parquet")
+
+    def generate() -> DataFrame:
+        generate_messages(spark, w).write.mode("overwrite").parquet(messages_path)
+        return spark.read.parquet(messages_path)
+
+    messages = _timed(timings, "generate", partial(tracker.run, "generate", generate))
+    config = ReplayConfig.from_workload(w)
+    clocks = ["virtual", *(["wall"] if wall_clock else [])]
+    summaries: list[pd.DataFrame] = []
+    queue_frames: list[pd.DataFrame] = []
+    quantile_frames: list[pd.DataFrame] = []
+    bounds = analysis.compute_bounds(messages, w, modes)
+    for clock in clocks:
+        events_path = str(out / f"events-{clock}.parquet")
+
+        def replay(clock: str = clock, events_path: str = events_path) -> DataFrame:
+            events = replay_events(messages, config, modes, wall_clock=clock == "wall")
+            events.write.mode("overwrite").parquet(events_path)
+            return spark.read.parquet(events_path)
+
+        events = _timed(
+            timings, f"replay ({clock} time)", partial(tracker.run, f"replay {clock}", replay)
+        )
+
+        def analyse(events: DataFrame = events) -> tuple[pd.DataFrame, ...]:
+            outcomes = analysis.message_outcomes(messages, events).cache()
+            summary = analysis.mode_summary(messages, events, outcomes, bounds).toPandas()
+            queues = analysis.queue_summary(outcomes).toPandas()
+            quantiles = analysis.latency_quantiles(outcomes).toPandas()
+            outcomes.unpersist()
+            return summary, queues, quantiles
+
+        summary, queues, quantiles = _timed(
+            timings, f"analyse ({clock} time)", partial(tracker.run, f"analyse {clock}", analyse)
+        )
+        summaries.append(summary.assign(clock=clock))
+        queue_frames.append(queues.assign(clock=clock))
+        quantile_frames.append(quantiles.assign(clock=clock))
+
+    summary = pd.concat(summaries, ignore_index=True)
+    queues = pd.concat(queue_frames, ignore_index=True)
+    quantiles = pd.concat(quantile_frames, ignore_index=True)
+    if not wall_clock:
+        summary = summary.drop(columns="clock")
+        queues = queues.drop(columns="clock")
+    t0 = time.perf_counter()
+    spark.createDataFrame(summary.astype({"mode": object})).write.mode("overwrite").parquet(
+        str(out / "summary.parquet"))
+    bounds.write.mode("overwrite").parquet(str(out / "bounds.parquet"))
+    queues.to_parquet(out / "queues.parquet", index=False)
+    charts = report.write_charts(summary, quantiles, out)
+    timings["report"] = time.perf_counter() - t0
+    path = report.write_markdown(out, w, summary, queues, timings, command, master, charts)
+    return BenchResult(out, summary, queues, timings, path)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    console = Console(width=max(Console().width, 150))
+    try:
+        w = load_workload(args.workload)
+    except WorkloadError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    out = Path(args.out) if args.out else Path("bench-results") / w.name
+    command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in args.argv)
+    t0 = time.perf_counter()
+    spark = get_session(args.master, shuffle_partitions=args.shuffle_partitions)
+    try:
+        with Progress(
+            TextColumn("{task.description:<18}"), BarColumn(),
+            TextColumn("{task.completed}/{task.total} tasks"), TimeElapsedColumn(),
+            console=console, transient=False,
+        ) as progress:
+            result = run_bench(
+                spark, w, out, modes=args.modes, wall_clock=args.wall_clock,
+                progress=progress, command=command, master=args.master,
+            )
+    finally:
+        spark.stop()
+    console.print(report.rich_table(result.summary, f"{w.name}: replay results"))
+    total = time.perf_counter() - t0
+    phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
+    console.print(f"wall time {total:.1f} s ({phases})")
+    console.print(f"report: {result.report_path}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.workloads:
+        try:
+            w = load_workload(path)
+        except WorkloadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 1
+        else:
+            count = "recorded" if w.recorded else f"{w.message_count:,} messages"
+            print(f"{path}: ok ({w.name}, {count}, modes {', '.join(w.modes)})")
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = sub.add_parser("bench", help="replay a workload and report")
+    bench.add_argument("workload", help="workload YAML file")
+    bench.add_argument("--master", default="local[*]", help="Spark master URL (default local[*])")
+    bench.add_argument("--out", help="output directory (default bench-results/<name>)")
+    bench.add_argument("--modes", nargs="+", choices=MODES, help="modes to replay")
+    bench.add_argument("--wall-clock", action="store_true",
+                       help="also replay on the real clock (handler costs really waited)")
+    bench.add_argument("--shuffle-partitions", type=int, default=None,
+                       help="spark.sql.shuffle.partitions (default: Spark's)")
+    bench.set_defaults(handler=_bench)
+    validate = sub.add_parser("validate", help="check workload files")
+    validate.add_argument("workloads", nargs="+")
+    validate.set_defaults(handler=_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    return int(handler(args))
+
+
