@@ -214,7 +214,7 @@ class SqlOffsetStore(StageOffsetStore):
             )
         try:
             self._url = sa.make_url(url)
-        except sa_exc.ArgumentError as exc:
+        except (sa_exc.ArgumentError, ValueError) as exc:
             raise StoreConfigurationError(
                 f"malformed offset store URL {_redact(url)!r}: {exc}. Expected e.g."
                 " 'sqlite:///progress.db', 'postgresql+psycopg://user@host/db' or"
@@ -269,7 +269,7 @@ class SqlOffsetStore(StageOffsetStore):
     def _create_engine(self, connect_timeout: float, options: dict[str, Any]) -> sa.Engine:
         connect_args: dict[str, Any] = {}
         if self._backend == "sqlite":
-            connect_args["timeout"] = max(connect_timeout, 1.0)  # busy timeout
+            connect_args["timeout"] = connect_timeout  # how long to wait on a locked file
             if self._is_sqlite_memory():
                 options.setdefault("poolclass", sa.StaticPool)
                 connect_args["check_same_thread"] = False
@@ -448,7 +448,7 @@ class SqlOffsetStore(StageOffsetStore):
             # Several processes may race to create the tables: whoever loses sees them.
             for attempt in range(3):
                 try:
-                    with engine.begin() as conn:
+                    with self._write_transaction() as conn:
                         self._metadata.create_all(conn, checkfirst=True)
                     break
                 except (sa_exc.ProgrammingError, sa_exc.IntegrityError, sa_exc.OperationalError):
@@ -469,7 +469,7 @@ class SqlOffsetStore(StageOffsetStore):
                     f"the offset store tables in {self.url} have no schema version row"
                 )
             try:
-                with engine.begin() as conn:
+                with self._write_transaction() as conn:
                     conn.execute(
                         sa.insert(schema).values(component=_COMPONENT, version=SCHEMA_VERSION)
                     )
@@ -483,6 +483,15 @@ class SqlOffsetStore(StageOffsetStore):
                 f" this stagedconsumer's {SCHEMA_VERSION}: upgrade stagedconsumer"
             )
         # version < SCHEMA_VERSION: migrations go here when there is a version 2.
+
+    @contextmanager
+    def _write_transaction(self) -> Iterator[sa.Connection]:
+        """A transaction that writes (SQLite: ``BEGIN IMMEDIATE``, so writers queue on
+        the busy timeout instead of failing on a read-to-write lock upgrade)."""
+        with self._engine.connect() as conn:
+            conn.execution_options(stagedconsumer_begin="IMMEDIATE")
+            with conn.begin():
+                yield conn
 
     def _tables_exist(self) -> bool:
         with self._engine.connect() as conn:
@@ -570,10 +579,8 @@ class SqlOffsetStore(StageOffsetStore):
         stmt = self._write_stmt
 
         def write() -> None:
-            with self._engine.connect() as conn:
-                conn.execution_options(stagedconsumer_begin="IMMEDIATE")
-                with conn.begin():
-                    conn.execute(stmt, params)
+            with self._write_transaction() as conn:
+                conn.execute(stmt, params)
 
         await self._run(
             f"persisting the progress of {len(params)} queue(s) of group {group!r}",
@@ -594,19 +601,17 @@ class SqlOffsetStore(StageOffsetStore):
         stmt = self._overwrite_stmt
 
         def write() -> None:
-            with self._engine.connect() as conn:
-                conn.execution_options(stagedconsumer_begin="IMMEDIATE")
-                with conn.begin():
-                    for mq in deletes:
-                        conn.execute(
-                            sa.delete(t).where(
-                                t.c.consumer_group == group,
-                                t.c.topic == mq.topic,
-                                t.c.queue_id == mq.queue_id,
-                            )
+            with self._write_transaction() as conn:
+                for mq in deletes:
+                    conn.execute(
+                        sa.delete(t).where(
+                            t.c.consumer_group == group,
+                            t.c.topic == mq.topic,
+                            t.c.queue_id == mq.queue_id,
                         )
-                    if upserts:
-                        conn.execute(stmt, upserts)
+                    )
+                if upserts:
+                    conn.execute(stmt, upserts)
 
         await self._run(f"resetting the progress of group {group!r}", write, writes=True)
 
@@ -626,7 +631,13 @@ def _configure_sqlite(engine: sa.Engine, *, memory: bool) -> None:
         cursor = dbapi_connection.cursor()
         try:
             if not memory:
-                cursor.execute("PRAGMA journal_mode=WAL")
+                # Switching to WAL needs a moment alone with the file; WAL sticks to
+                # the file, so when another connection holds it, it was set before.
+                try:
+                    cursor.execute("PRAGMA journal_mode=WAL")
+                except Exception:
+                    if cursor.execute("PRAGMA journal_mode").fetchone() != ("wal",):
+                        raise
             cursor.execute("PRAGMA synchronous=FULL")
         finally:
             cursor.close()

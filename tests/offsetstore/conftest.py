@@ -73,15 +73,18 @@ class Backend:
     def is_sql(self) -> bool:
         return self.url is not None
 
-    def new_store(self, **kwargs: object) -> StageOffsetStore:
-        """A fresh store instance: a consumer process after a restart."""
+    def new_store(self, url: str | None = None, **kwargs: object) -> StageOffsetStore:
+        """A fresh store instance: a consumer process after a restart.
+
+        ``url`` replaces the backend's URL (e.g. to reach it through a proxy).
+        """
         store: StageOffsetStore
         if self.url is None:
             memory = MemoryOffsetStore()
             memory._stored = self._shared  # type: ignore[assignment]  # one durable table
             store = memory
         else:
-            store = SqlOffsetStore(self.url, table_prefix=self.prefix, **kwargs)  # type: ignore[arg-type]
+            store = SqlOffsetStore(url or self.url, table_prefix=self.prefix, **kwargs)  # type: ignore[arg-type]
         self._opened.append(store)
         return store
 

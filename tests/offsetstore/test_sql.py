@@ -1,0 +1,268 @@
+"""SqlOffsetStore specifics: URLs, connection failures, schema version, SQLite setup."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from offsetstore import (
+    OffsetStoreError,
+    QueueProgress,
+    ReadOffsetType,
+    SqlOffsetStore,
+    StageKey,
+    StoreCommitError,
+    StoreConfigurationError,
+    StoreUnavailableError,
+)
+from offsetstore._sql import SCHEMA_VERSION, decode_stage_offsets, encode_stage_offsets
+from stagedconsumer import MessageQueue
+
+from .conftest import Backend
+
+pytestmark = pytest.mark.anyio
+
+MQ = MessageQueue("t", 0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- configuration errors (raised at construction, no database needed) -------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("not a url", "malformed offset store URL"),
+        ("postgresql+psycopg://user:secret@host:port/db", "malformed offset store URL"),
+        ("oracle://scott@host/db", "unsupported offset store database 'oracle'"),
+        ("postgresql+nosuchdriver://u@h/db", "cannot use offset store URL"),
+    ],
+)
+def test_malformed_or_unsupported_url_is_a_configuration_error(url: str, match: str) -> None:
+    with pytest.raises(StoreConfigurationError, match=match) as info:
+        SqlOffsetStore(url)
+    assert info.value.retriable is False
+    assert "secret" not in str(info.value)
+
+
+@pytest.mark.parametrize("prefix", ["", "1abc_", "drop table;", "a-b"])
+def test_bad_table_prefix_is_a_configuration_error(prefix: str) -> None:
+    with pytest.raises(StoreConfigurationError, match="table_prefix"):
+        SqlOffsetStore("sqlite://", table_prefix=prefix)
+
+
+def test_password_is_hidden_in_repr_and_url() -> None:
+    store = SqlOffsetStore("postgresql+psycopg://user:secret@127.0.0.1:1/db")
+    assert "secret" not in repr(store)
+    assert "secret" not in store.url
+
+
+# -- unreachable databases at load() ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "postgresql+psycopg://postgres@127.0.0.1:{port}/test",
+        "mysql+pymysql://root@127.0.0.1:{port}/test",
+    ],
+    ids=["postgres", "mariadb"],
+)
+async def test_unreachable_database_at_load_is_a_clear_retriable_error(template: str) -> None:
+    url = template.format(port=_free_port())
+    store = SqlOffsetStore(url, connect_timeout=2)
+    try:
+        with pytest.raises(StoreUnavailableError, match="cannot reach the offset store") as info:
+            await store.load()
+        assert info.value.retriable is True
+        assert isinstance(info.value.__cause__, sa.exc.DBAPIError)
+        assert "127.0.0.1" in str(info.value)
+        # Every later call reports the same, wrapped.
+        with pytest.raises(OffsetStoreError) as later:
+            await store.read_progress("g", MQ)
+        assert later.value.retriable is True
+    finally:
+        await store.aclose()
+
+
+async def test_sqlite_file_in_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    store = SqlOffsetStore(f"sqlite:///{tmp_path / 'missing' / 'progress.db'}")
+    try:
+        with pytest.raises(StoreUnavailableError, match="cannot reach the offset store"):
+            await store.load()
+    finally:
+        await store.aclose()
+
+
+async def test_closed_store_refuses_work(tmp_path: Path) -> None:
+    store = SqlOffsetStore(f"sqlite:///{tmp_path / 'p.db'}")
+    await store.load()
+    await store.aclose()
+    await store.aclose()  # idempotent
+    with pytest.raises(StoreUnavailableError, match="closed") as info:
+        await store.read_progress("g", MQ)
+    assert info.value.retriable is False
+
+
+# -- schema -----------------------------------------------------------------------------------
+
+
+def _engine(backend: Backend) -> sa.Engine:
+    assert backend.url is not None
+    return sa.create_engine(backend.url)
+
+
+async def test_load_creates_tables_with_a_schema_version_row(sql_backend: Backend) -> None:
+    store = sql_backend.new_store()
+    await store.load()
+    await store.load()  # idempotent
+    assert isinstance(store, SqlOffsetStore)
+    engine = _engine(sql_backend)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(f"SELECT component, version FROM {store.schema_table_name}")
+            ).all()
+    finally:
+        engine.dispose()
+    # (MariaDB keeps names as VARBINARY, so its driver returns bytes.)
+    rows = [(c.decode() if isinstance(c, bytes) else c, v) for c, v in rows]
+    assert rows == [("offsetstore", SCHEMA_VERSION)]
+
+
+async def test_two_stores_creating_tables_at_once_both_succeed(sql_backend: Backend) -> None:
+    import anyio
+
+    stores = [sql_backend.new_store() for _ in range(4)]
+    async with anyio.create_task_group() as tg:
+        for store in stores:
+            tg.start_soon(store.load)
+    stores[0].update_offset("g", MQ, 1)
+    await stores[0].persist("g", MQ)
+    assert await stores[3].read_offset("g", MQ) == 1
+
+
+async def test_newer_schema_version_is_refused(sql_backend: Backend) -> None:
+    store = sql_backend.new_store()
+    await store.load()
+    assert isinstance(store, SqlOffsetStore)
+    engine = _engine(sql_backend)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(f"UPDATE {store.schema_table_name} SET version = :v"),
+                {"v": SCHEMA_VERSION + 1},
+            )
+    finally:
+        engine.dispose()
+    newer = sql_backend.new_store()
+    with pytest.raises(StoreConfigurationError, match="newer than") as info:
+        await newer.load()
+    assert info.value.retriable is False
+
+
+async def test_without_create_tables_missing_tables_are_an_error(sql_backend: Backend) -> None:
+    store = sql_backend.new_store(create_tables=False)
+    with pytest.raises(StoreConfigurationError, match="no offset store tables"):
+        await store.load()
+    await sql_backend.new_store().load()
+    existing = sql_backend.new_store(create_tables=False)
+    await existing.load()
+    assert await existing.list_progress("g") == {}
+
+
+async def test_corrupt_row_is_a_non_retriable_error(sql_backend: Backend) -> None:
+    store = sql_backend.new_store()
+    await store.load()
+    store.update_offset("g", MQ, 3)
+    await store.persist("g", MQ)
+    assert isinstance(store, SqlOffsetStore)
+    engine = _engine(sql_backend)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {store.progress_table_name} SET stage_offsets = '{{}}'"))
+    finally:
+        engine.dispose()
+    with pytest.raises(OffsetStoreError, match="corrupt progress row") as info:
+        await sql_backend.new_store().read_progress("g", MQ)
+    assert info.value.retriable is False
+
+
+# -- SQLite -----------------------------------------------------------------------------------
+
+
+async def test_sqlite_uses_wal_and_survives_a_new_process_view(tmp_path: Path) -> None:
+    path = tmp_path / "progress.db"
+    store = SqlOffsetStore(f"sqlite:///{path}")
+    try:
+        store.update_progress(
+            "g", MQ, QueueProgress(consume_offset=5, stage_offsets={StageKey("s"): 2})
+        )
+        await store.persist("g", MQ)  # tables are created on first use
+    finally:
+        await store.aclose()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        rows = conn.execute(
+            "SELECT consumer_group, topic, queue_id, consume_offset, stage_offsets"
+            " FROM stagedconsumer_progress"
+        ).fetchall()
+    conn.close()
+    assert rows == [("g", "t", 0, 5, '[["s",null,2]]')]
+
+
+async def test_sqlite_in_memory_works_from_worker_threads() -> None:
+    store = SqlOffsetStore("sqlite://")
+    try:
+        for i in range(20):
+            store.update_offset("g", MessageQueue("t", i), i)
+        await store.persist_all("g", [MessageQueue("t", i) for i in range(20)])
+        assert len(await store.list_progress("g")) == 20
+    finally:
+        await store.aclose()
+
+
+async def test_locked_sqlite_database_is_a_retriable_commit_error(tmp_path: Path) -> None:
+    path = tmp_path / "progress.db"
+    store = SqlOffsetStore(f"sqlite:///{path}", connect_timeout=0.2)
+    try:
+        await store.load()
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN EXCLUSIVE")
+            store.update_offset("g", MQ, 7)
+            with pytest.raises(StoreCommitError, match="locked") as info:
+                await store.persist("g", MQ)
+            assert info.value.retriable is True
+            assert isinstance(info.value.__cause__, sa.exc.OperationalError)
+        finally:
+            blocker.rollback()
+            blocker.close()
+        await store.persist("g", MQ)  # the retry succeeds once the lock is gone
+        assert await store.read_offset("g", MQ, read_type=ReadOffsetType.READ_FROM_STORE) == 7
+    finally:
+        await store.aclose()
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
+def test_stage_offsets_encoding_is_canonical_and_strict() -> None:
+    offsets = {StageKey("b", ""): 1, StageKey("a", None): 2, StageKey("b", None): 3}
+    text = encode_stage_offsets(offsets)
+    assert text == '[["a",null,2],["b",null,3],["b","",1]]'
+    assert decode_stage_offsets(text) == offsets
+    for bad in ['{}', '[["a"]]', '[["a",null,-1]]', '[["a",1,2]]', '[["a",null,true]]']:
+        with pytest.raises(ValueError, match="stage offset"):
+            decode_stage_offsets(bad)
+
