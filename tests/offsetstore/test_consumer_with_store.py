@@ -258,5 +258,5 @@ async def test_consumer_keeps_consuming_while_the_database_is_down(sql_backend: 
         (q, o, _expected_stage(o)) for q in range(QUEUES) for o in range(20)
     ]
     for mq in queues:
-        offsets = [h[mq].consume_offset for h in history if mq in h]
+        offsets = [h[mq].consume_offset or 0 for h in history if mq in h]
         assert offsets == sorted(offsets), f"stored progress of {mq} went backwards"

@@ -136,8 +136,8 @@ async def test_load_creates_tables_with_a_schema_version_row(sql_backend: Backen
     finally:
         engine.dispose()
     # (MariaDB keeps names as VARBINARY, so its driver returns bytes.)
-    rows = [(c.decode() if isinstance(c, bytes) else c, v) for c, v in rows]
-    assert rows == [("offsetstore", SCHEMA_VERSION)]
+    decoded = [(c.decode() if isinstance(c, bytes) else c, v) for c, v in rows]
+    assert decoded == [("offsetstore", SCHEMA_VERSION)]
 
 
 async def test_two_stores_creating_tables_at_once_both_succeed(sql_backend: Backend) -> None:
