@@ -11,7 +11,7 @@ import attrs
 __all__ = ("MessageQueue", "QueueProgress", "ReadOffsetType", "StageKey")
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class MessageQueue:
     """One partition of a topic: an ordered log addressed by integer queue offsets."""
 
@@ -22,7 +22,7 @@ class MessageQueue:
         return f"{self.topic}#{self.queue_id}"
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class StageKey:
     """What stage progress is tracked by, within one message queue."""
 

@@ -534,14 +534,23 @@ class PushConsumer:
             self._workers_done.set()
 
     async def _worker(self) -> None:
+        """Take batches and run the listener on them until the consumer stops.
+
+        The success path is inlined here (no extra coroutine per batch); failures go
+        to :meth:`_concurrently_failed` / :meth:`_orderly_failed`.
+        """
         dispatcher = self._dispatcher
         take = dispatcher.take
-        batch_max = self.options.consume_message_batch_max_size
-        run_concurrently = self._run_concurrently
-        run_orderly = self._run_orderly
-        concurrent = ConsumeMode.CONCURRENT
-        idle = self._idle
+        finish = dispatcher.finish
         has_ready = dispatcher.has_ready
+        batch_max = self.options.consume_message_batch_max_size
+        idle = self._idle
+        consume = self._consume
+        is_async = self._is_async
+        call_sync = self._call_sync
+        concurrent = ConsumeMode.CONCURRENT
+        staged = self._plan is not None
+        suspend_ms = self._suspend_ms
         streak = 0
         while not self._stopping:
             batch = take(batch_max)
@@ -558,14 +567,50 @@ class PushConsumer:
             if idle and has_ready():
                 idle.popleft().set()
             pq = batch.process_queue
+            mq = pq.message_queue
+            is_concurrent = pq.mode is concurrent
+            context: Any
+            if is_concurrent:
+                context = ConsumeConcurrentlyContext(message_queue=mq)
+            elif staged:
+                context = ConsumeStagedConcurrentlyContext(
+                    message_queue=mq,
+                    stage_index=batch.stage_index,
+                    strategy_id=batch.strategy_id,
+                    group_id=batch.group_id,
+                    suspend_current_queue_time_millis=suspend_ms,
+                )
+            else:
+                context = ConsumeOrderlyContext(
+                    message_queue=mq, suspend_current_queue_time_millis=suspend_ms
+                )
+            messages = batch.messages
+            error: Exception | None = None
+            result: Any = None
             self._in_flight += 1
             try:
-                if pq.mode is concurrent:
-                    await run_concurrently(batch, pq.message_queue)
+                if is_async:
+                    result = await consume(messages, context)
                 else:
-                    await run_orderly(batch, pq.message_queue)
+                    result = await call_sync(messages, context)
+            except Exception as exc:  # a failing handler never stops the consumer
+                error = exc
             finally:
                 self._in_flight -= 1
+            if error is None and (
+                result is None
+                or (
+                    result is _CONSUME_SUCCESS
+                    if is_concurrent
+                    else result is _ORDERLY_SUCCESS
+                )
+            ) and (not is_concurrent or context.ack_index >= len(messages) - 1):
+                self._consumed_ok += len(messages)
+                finish(batch, _SUCCESS)  # this worker takes what it freed
+            elif is_concurrent:
+                await self._concurrently_failed(batch, mq, context, error, result)
+            else:
+                await self._orderly_failed(batch, mq, context, error, result)
             if self._paused:
                 self._check_space(pq)
             if self._watched:
@@ -583,25 +628,6 @@ class PushConsumer:
         if inspect.isawaitable(result):  # a plain def that returned an awaitable
             result = await result
         return result
-
-    async def _run_concurrently(self, batch: Batch, mq: MessageQueue) -> None:
-        context = ConsumeConcurrentlyContext(message_queue=mq)
-        messages = batch.messages
-        try:
-            if self._is_async:
-                result = await self._consume(messages, context)
-            else:
-                result = await self._call_sync(messages, context)
-        except Exception as exc:  # a failing handler never stops the consumer
-            await self._concurrently_failed(batch, mq, context, exc, None)
-            return
-        if (result is None or result is _CONSUME_SUCCESS) and context.ack_index >= len(
-            messages
-        ) - 1:
-            self._consumed_ok += len(messages)
-            self._dispatcher.finish(batch, _SUCCESS)  # this worker takes what it freed
-            return
-        await self._concurrently_failed(batch, mq, context, None, result)
 
     async def _concurrently_failed(
         self,
@@ -665,35 +691,6 @@ class PushConsumer:
         if done and dispatcher.finish_some(batch, done, EraseStatus.SENT_BACK):
             self._wake_workers()
         self._suspend(batch, anyio.current_time() + _SEND_BACK_FAILED_DELAY)
-
-    async def _run_orderly(self, batch: Batch, mq: MessageQueue) -> None:
-        context: ConsumeOrderlyContext | ConsumeStagedConcurrentlyContext
-        if self._plan is not None:
-            context = ConsumeStagedConcurrentlyContext(
-                message_queue=mq,
-                stage_index=batch.stage_index,
-                strategy_id=batch.strategy_id,
-                group_id=batch.group_id,
-                suspend_current_queue_time_millis=self._suspend_ms,
-            )
-        else:
-            context = ConsumeOrderlyContext(
-                message_queue=mq, suspend_current_queue_time_millis=self._suspend_ms
-            )
-        messages = batch.messages
-        try:
-            if self._is_async:
-                result = await self._consume(messages, context)
-            else:
-                result = await self._call_sync(messages, context)
-        except Exception as exc:  # a failing handler never stops the consumer
-            await self._orderly_failed(batch, mq, context, exc, None)
-            return
-        if result is None or result is _ORDERLY_SUCCESS:
-            self._consumed_ok += len(messages)
-            self._dispatcher.finish(batch, _SUCCESS)  # this worker takes what it freed
-            return
-        await self._orderly_failed(batch, mq, context, None, result)
 
     async def _orderly_failed(
         self,

@@ -27,6 +27,7 @@ class Dispatcher:
     __slots__ = ("_ready", "_seq", "_timers")
 
     def __init__(self) -> None:
+        # The dispatcher is the process queues' friend: it reads their ready lists.
         self._ready: deque[ProcessQueue] = deque()
         self._timers: list[tuple[float, int, Batch]] = []
         self._seq = itertools.count()
@@ -54,7 +55,7 @@ class Dispatcher:
             if batch is None:
                 pq.in_ready = False
                 continue
-            if pq.has_ready():
+            if pq._ready or pq._retry_ready:
                 ready.append(pq)
             else:
                 pq.in_ready = False

@@ -144,6 +144,8 @@ class _Lane:
     stage_start: int = 0
     """Stage offsets [stage_start, stage_end) belong to the stage of current_epoch."""
     stage_end: int = 0
+    committed_stage_offset: int = -1
+    """Stage offset of this lane at the committed consume offset (-1: none yet)."""
     in_flight: int = 0
     in_ready: bool = False
 
@@ -416,12 +418,11 @@ class ProcessQueue:
         """Take a batch of up to ``max_count`` messages that may run now, or ``None``.
 
         A batch holds messages of one lane and one stage, in offset order. Retries of
-        suspended batches come first. In staged mode this is the stage-aware take: a
+        suspended batches come first (``max_count`` does not split them). In staged
+        mode this is the stage-aware take: a
         batch never crosses a stage boundary, and no message of a later stage is
         taken while a message of an earlier stage of its key is unfinished.
         """
-        if max_count < 1:
-            raise ValueError(f"max_count must be >= 1, got {max_count}")
         if self._retry_ready:
             batch = self._retry_ready.popleft()
             self._suspended_count -= len(batch.messages)
@@ -521,13 +522,9 @@ class ProcessQueue:
         while epochs and not epochs[0].unfinished:
             epochs.popleft().queued = False
         order = self._order
-        if order[0].finished:
-            stage_offsets = self._stage_offsets
-            while order and order[0].finished:
-                head = order.popleft()
-                head_lane = head.lane
-                if head_lane.counted:
-                    stage_offsets[head_lane.key] = head.stage_offset + 1  # type: ignore[index]
+        while order and order[0].finished:
+            head = order.popleft()
+            head.lane.committed_stage_offset = head.stage_offset + 1
         if not lane.in_ready and lane.dispatchable():
             lane.in_ready = True
             self._ready.append(lane)
@@ -571,7 +568,11 @@ class ProcessQueue:
     @property
     def committed_stage_offsets(self) -> Mapping[StageKey, int]:
         """Stage offset of every known stage key at :attr:`committed_offset`."""
-        return MappingProxyType(dict(self._stage_offsets))
+        offsets = dict(self._stage_offsets)
+        for key, lane in self._lanes.items():
+            if key is not None and lane.committed_stage_offset >= 0:
+                offsets[key] = lane.committed_stage_offset
+        return MappingProxyType(offsets)
 
     @property
     def unfinished_count(self) -> int:
