@@ -4,9 +4,11 @@ from __future__ import annotations
 
 __all__ = ("DELAY_LEVELS", "clamp_suspend_millis", "retry_delay_seconds")
 
-DELAY_LEVELS: tuple[float, ...] = (  # fmt: skip
+# fmt: off
+DELAY_LEVELS: tuple[float, ...] = (
     1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600, 7200,
 )
+# fmt: on
 """RocketMQ's message delay levels in seconds: 1s 5s 10s 30s 1m 2m 3m ... 1h 2h."""
 
 SUSPEND_MILLIS_MIN = 10
