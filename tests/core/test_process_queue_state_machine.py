@@ -1,0 +1,527 @@
+"""A RuleBasedStateMachine drives ProcessQueues (through the Dispatcher) against a model.
+
+The model is deliberately naive: a dict of messages with their state (cached,
+pending, finished), the stage each must get (computed by walking the stage key's
+messages one at a time), and the epoch (run of one stage) it belongs to. After every
+step the machine checks the contract of design.md section 3:
+
+- committed offset = lowest unfinished offset, or highest-seen + 1; monotone;
+- committed stage offsets = stage counter of each key at the committed offset, and a
+  fresh ProcessQueue started from (committed offset, committed stage offsets) and fed
+  the remaining messages assigns every message the same stage (restart rule);
+- staged: no message of a later epoch of a stage key is taken while an earlier one is
+  unfinished; orderly: at most one batch pending per queue, batches in offset order;
+- every message is taken once (retries of a suspended batch are the same batch),
+  counts, bytes, span and flow control exact, suspended batches never double-count;
+- liveness: whenever the model says a batch may be taken, ``take`` returns one.
+"""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from stagedconsumer import Message, MessageQueue
+from stagedconsumer._core import (
+    TAIL_STAGE,
+    Batch,
+    ConsumeMode,
+    Dispatcher,
+    EraseStatus,
+    FlowControl,
+    ProcessQueue,
+    StageDefinition,
+    StageKey,
+    StagePlan,
+)
+
+from ..strategies import stage_sizes
+
+TOPIC = "t"
+STRATEGY_OF_TAG = {"s1": "s1", "s2": "s2", "none": None, "unknown": "no-such-strategy"}
+
+
+def naive_index(sizes: tuple[int, ...], offset: int) -> int:
+    position = 0
+    for index, size in enumerate(sizes):
+        position += size
+        if offset < position:
+            return index
+    return TAIL_STAGE
+
+
+def naive_is_boundary(sizes: tuple[int, ...], offset: int) -> bool:
+    position = 0
+    if offset == 0:
+        return True
+    for size in sizes:
+        position += size
+        if offset == position:
+            return True
+    return False
+
+
+@attrs.define
+class Config:
+    mode: ConsumeMode
+    definitions: dict[str, tuple[int, ...]]
+    use_strategies: bool
+    use_groups: bool
+    reset_kind: str | None  # None, "zero" (always 0), "cycle" (0 once past 4)
+    flow: FlowControl
+
+    def reset(self, topic: str, current: int) -> int:
+        assert topic == TOPIC
+        if self.reset_kind == "zero":
+            return 0
+        assert self.reset_kind == "cycle"
+        return 0 if current >= 4 else current
+
+    def plan(self) -> StagePlan | None:
+        if self.mode is not ConsumeMode.STAGED:
+            return None
+        return StagePlan(
+            definitions={k: StageDefinition.of(v) for k, v in self.definitions.items()},
+            compute_strategy=(
+                (lambda m: STRATEGY_OF_TAG[m.keys[0]]) if self.use_strategies else None
+            ),
+            compute_group=(lambda m: m.keys[1] or None) if self.use_groups else None,
+            reset=self.reset if self.reset_kind is not None else None,
+        )
+
+    def key_of(self, message: Message) -> StageKey | str:
+        """The lane: a StageKey, "direct" (staged, no strategy) or "main"."""
+        if self.mode is not ConsumeMode.STAGED:
+            return "main"
+        strategy = STRATEGY_OF_TAG[message.keys[0]] if self.use_strategies else "default"
+        if strategy is None or strategy not in self.definitions:
+            return "direct"
+        group = (message.keys[1] or None) if self.use_groups else None
+        return StageKey(strategy, group)
+
+
+@attrs.define(eq=False)
+class MMsg:
+    message: Message
+    lane: StageKey | str
+    stage: int
+    stage_offset: int
+    epoch: int
+    state: str = "cached"  # cached -> pending -> finished
+    size: int = 0
+
+
+@attrs.define(eq=False)
+class MQueue:
+    """Model of one ProcessQueue."""
+
+    pq: ProcessQueue
+    start: int
+    initial_stage_offsets: dict[StageKey, int]
+    highest: int
+    msgs: dict[int, MMsg] = attrs.Factory(dict)
+    counters: dict[StageKey, int] = attrs.Factory(dict)
+    last_epoch: dict[StageKey, tuple[int, int]] = attrs.Factory(dict)  # key -> (stage, epoch)
+    last_committed: int = 0
+
+    def unfinished(self) -> list[MMsg]:
+        return [m for m in self.msgs.values() if m.state != "finished"]
+
+    def cached_of(self, lane: StageKey | str) -> list[MMsg]:
+        return sorted(
+            (m for m in self.msgs.values() if m.lane == lane and m.state == "cached"),
+            key=lambda m: m.message.queue_offset,
+        )
+
+
+@attrs.define(eq=False)
+class MBatch:
+    batch: Batch
+    queue: MQueue
+    lane: StageKey | str
+    msgs: list[MMsg]
+    state: str = "running"  # running | suspended | retry
+    retry_at: float = 0.0
+    attempt: int = 1
+
+
+class ProcessQueueMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dispatcher = Dispatcher()
+        self.queues: list[MQueue] = []
+        self.batches: list[MBatch] = []
+        self.now = 0.0
+        self.epoch_seq = 0
+        self.config: Config
+
+    # -- set-up ----------------------------------------------------------------
+
+    @initialize(
+        mode=st.sampled_from(list(ConsumeMode)),
+        sizes1=stage_sizes(max_size=4),
+        sizes2=stage_sizes(max_size=4),
+        use_strategies=st.booleans(),
+        use_groups=st.booleans(),
+        reset_kind=st.sampled_from([None, None, "zero", "cycle"]),
+        count=st.integers(1, 30),
+        size_bytes=st.integers(1, 80),
+        max_span=st.none() | st.integers(1, 30),
+        queue_count=st.integers(1, 2),
+        start=st.integers(0, 5),
+        initial_stage=st.integers(0, 6),
+    )
+    def setup(
+        self,
+        mode: ConsumeMode,
+        sizes1: list[int],
+        sizes2: list[int],
+        use_strategies: bool,
+        use_groups: bool,
+        reset_kind: str | None,
+        count: int,
+        size_bytes: int,
+        max_span: int | None,
+        queue_count: int,
+        start: int,
+        initial_stage: int,
+    ) -> None:
+        self.config = Config(
+            mode=mode,
+            definitions={"default": tuple(sizes1)}
+            if not use_strategies
+            else {"s1": tuple(sizes1), "s2": tuple(sizes2)},
+            use_strategies=use_strategies,
+            use_groups=use_groups,
+            reset_kind=reset_kind,
+            flow=FlowControl(count=count, size_bytes=size_bytes, max_span=max_span),
+        )
+        for queue_id in range(queue_count):
+            initial: dict[StageKey, int] = {}
+            if mode is ConsumeMode.STAGED and initial_stage:
+                first = "s1" if use_strategies else "default"
+                initial[StageKey(first, None)] = initial_stage
+            pq = self.new_pq(queue_id, start, initial)
+            self.queues.append(
+                MQueue(
+                    pq,
+                    start,
+                    dict(initial),
+                    start - 1,
+                    counters=dict(initial),
+                    last_committed=start,
+                )
+            )
+
+    def new_pq(self, queue_id: int, start: int, stage_offsets: dict[StageKey, int]) -> ProcessQueue:
+        return ProcessQueue(
+            MessageQueue(TOPIC, queue_id),
+            self.config.mode,
+            start_offset=start,
+            stage_offsets=stage_offsets,
+            plan=self.config.plan(),
+            flow_control=self.config.flow,
+        )
+
+    # -- model helpers -----------------------------------------------------------
+
+    def assign(self, q: MQueue, message: Message) -> MMsg:
+        """Naive stage assignment: walk the stage key one message at a time."""
+        lane = self.config.key_of(message)
+        size = len(message.body)
+        if not isinstance(lane, StageKey):
+            return MMsg(message, lane, TAIL_STAGE, -1, 0, size=size)
+        sizes = self.config.definitions[lane.strategy_id]
+        offset = q.counters.get(lane, 0)
+        reset = False
+        if self.config.reset_kind is not None and (
+            offset >= sum(sizes) or naive_is_boundary(sizes, offset)
+        ):
+            wanted = max(0, self.config.reset(TOPIC, offset))
+            if wanted != offset:
+                offset, reset = wanted, True
+        stage = naive_index(sizes, offset)
+        last = q.last_epoch.get(lane)
+        if last is None or reset or last[0] != stage:
+            self.epoch_seq += 1
+            last = q.last_epoch[lane] = (stage, self.epoch_seq)
+        q.counters[lane] = offset + 1
+        return MMsg(message, lane, stage, offset, last[1], size=size)
+
+    def may_take(self, q: MQueue, m: MMsg) -> bool:
+        """May the cached message ``m`` be taken now (ignoring FIFO order)?"""
+        if self.config.mode is ConsumeMode.ORDERLY:
+            return not any(x.state == "pending" for x in q.msgs.values())
+        if isinstance(m.lane, StageKey):
+            return all(
+                x.state == "finished"
+                for x in q.msgs.values()
+                if x.lane == m.lane and x.epoch < m.epoch
+            )
+        return True
+
+    def takeable(self, q: MQueue) -> bool:
+        if any(b.state == "retry" and b.queue is q for b in self.batches):
+            return True
+        lanes = {m.lane for m in q.msgs.values() if m.state == "cached"}
+        return any(self.may_take(q, q.cached_of(lane)[0]) for lane in lanes)
+
+    # -- rules -----------------------------------------------------------------------
+
+    @rule(
+        data=st.data(),
+        n=st.integers(0, 6),
+        filtered=st.lists(st.booleans(), min_size=6, max_size=6),
+        duplicate=st.booleans(),
+    )
+    def put(self, data: st.DataObject, n: int, filtered: list[bool], duplicate: bool) -> None:
+        q = data.draw(st.sampled_from(self.queues))
+        messages: list[Message] = []
+        if duplicate and q.msgs:
+            # a repeated pull of something already seen must be ignored
+            messages.append(data.draw(st.sampled_from([m.message for m in q.msgs.values()])))
+        last = q.highest
+        for i in range(n):
+            offset = q.highest + 1 + i
+            last = offset
+            if filtered[i]:
+                continue
+            tag = data.draw(st.sampled_from(sorted(STRATEGY_OF_TAG)))
+            group = data.draw(st.sampled_from(["", "g1", "g2"]))
+            body = b"x" * data.draw(st.integers(0, 9))
+            messages.append(
+                Message(
+                    topic=TOPIC,
+                    queue_id=q.pq.message_queue.queue_id,
+                    queue_offset=offset,
+                    body=body,
+                    keys=(tag, group),
+                )
+            )
+        self.dispatcher.put_messages(q.pq, messages, highest_offset=last if n else None)
+        for message in messages:
+            if message.queue_offset > q.highest:
+                q.msgs[message.queue_offset] = self.assign(q, message)
+        q.highest = max(q.highest, last)
+
+    @rule(data=st.data(), max_count=st.integers(1, 5), direct=st.booleans())
+    def take(self, data: st.DataObject, max_count: int, direct: bool) -> None:
+        if direct:
+            q = data.draw(st.sampled_from(self.queues))
+            batch = q.pq.try_take_messages(max_count)
+            expected_work = self.takeable(q)
+        else:
+            batch = self.dispatcher.take(max_count)
+            expected_work = any(self.takeable(q) for q in self.queues)
+        if batch is None:
+            assert not expected_work, "a batch may run now but take() returned None"
+            return
+        self.check_taken(batch, max_count)
+
+    @rule(max_count=st.integers(1, 5))
+    def drain(self, max_count: int) -> None:
+        """Take until nothing is ready: liveness across the whole dispatcher."""
+        while (batch := self.dispatcher.take(max_count)) is not None:
+            self.check_taken(batch, max_count)
+        assert not any(self.takeable(q) for q in self.queues)
+
+    def check_taken(self, batch: Batch, max_count: int) -> None:
+        q = next(q for q in self.queues if q.pq is batch.process_queue)
+        retried = next((b for b in self.batches if b.batch is batch), None)
+        if retried is not None:
+            assert retried.state == "retry", f"batch taken again while {retried.state}"
+            retried.state = "running"
+            retried.attempt += 1
+            assert batch.attempt == retried.attempt
+            assert [m.queue_offset for m in batch.messages] == [
+                m.message.queue_offset for m in retried.msgs
+            ]
+            for mm, message in zip(retried.msgs, batch.messages, strict=True):
+                assert message.reconsume_times == mm.message.reconsume_times + 1
+                mm.message = message
+            return
+        assert not any(b.state == "retry" and b.queue is q for b in self.batches), (
+            "a new batch was taken before a resumed retry of the same queue"
+        )
+        assert 1 <= len(batch) <= max_count
+        offsets = [m.queue_offset for m in batch.messages]
+        mms = [q.msgs[o] for o in offsets]
+        for mm, message in zip(mms, batch.messages, strict=True):
+            assert mm.state == "cached", f"offset {mm.message.queue_offset} taken twice"
+            assert message is mm.message or message == mm.message
+        lane = mms[0].lane
+        assert all(m.lane == lane for m in mms), "a batch mixes stage keys"
+        assert all(m.epoch == mms[0].epoch for m in mms), "a batch crosses a stage boundary"
+        # FIFO: the batch is the head of the lane's cached messages, in offset order
+        head = q.cached_of(lane)[: len(mms)]
+        assert [m.message.queue_offset for m in head] == offsets
+        for m in mms:
+            assert self.may_take(q, m), (
+                f"offset {m.message.queue_offset} (stage {m.stage}) taken while an earlier"
+                " stage of its key (or, orderly, an earlier batch) is unfinished"
+            )
+        assert batch.stage_index == mms[0].stage
+        if isinstance(lane, StageKey):
+            assert (batch.strategy_id, batch.group_id) == (lane.strategy_id, lane.group_id)
+        elif lane == "direct":
+            assert batch.strategy_id is None
+        assert batch.attempt == 1
+        for m in mms:
+            m.state = "pending"
+        self.batches.append(MBatch(batch, q, lane, mms))
+
+    def running(self) -> list[MBatch]:
+        return [b for b in self.batches if b.state == "running"]
+
+    @precondition(lambda self: any(b.state == "running" for b in self.batches))
+    @rule(data=st.data(), status=st.sampled_from(list(EraseStatus)))
+    def finish(self, data: st.DataObject, status: EraseStatus) -> None:
+        b = data.draw(st.sampled_from(self.running()))
+        self.dispatcher.finish(b.batch, status)
+        for m in b.msgs:
+            m.state = "finished"
+        self.batches.remove(b)
+
+    @precondition(lambda self: any(b.state == "running" for b in self.batches))
+    @rule(data=st.data(), status=st.sampled_from(list(EraseStatus)))
+    def finish_some(self, data: st.DataObject, status: EraseStatus) -> None:
+        b = data.draw(st.sampled_from(self.running()))
+        chosen = data.draw(
+            st.lists(st.sampled_from(b.msgs), min_size=1, max_size=len(b.msgs), unique=True)
+        )
+        self.dispatcher.finish_some(b.batch, [m.message for m in chosen], status)
+        for m in chosen:
+            m.state = "finished"
+            b.msgs.remove(m)
+        assert [m.queue_offset for m in b.batch.messages] == [
+            m.message.queue_offset for m in b.msgs
+        ]
+        if not b.msgs:
+            self.batches.remove(b)
+
+    @precondition(lambda self: any(b.state == "running" for b in self.batches))
+    @rule(data=st.data(), delay=st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+    def suspend(self, data: st.DataObject, delay: float) -> None:
+        b = data.draw(st.sampled_from(self.running()))
+        self.dispatcher.suspend(b.batch, self.now + delay)
+        b.state = "suspended"
+        b.retry_at = self.now + delay
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+    def advance(self, dt: float) -> None:
+        suspended = [b for b in self.batches if b.state == "suspended"]
+        expected_timer = min((b.retry_at for b in suspended), default=None)
+        assert self.dispatcher.get_timer() == expected_timer
+        self.now += dt
+        self.dispatcher.handle_timer(self.now)
+        for b in suspended:
+            if b.retry_at <= self.now:
+                b.state = "retry"
+
+    @rule(data=st.data())
+    def restart_assigns_same_stages(self, data: st.DataObject) -> None:
+        """A ProcessQueue started from committed progress assigns the same stages."""
+        q = data.draw(st.sampled_from(self.queues))
+        committed = q.pq.committed_offset
+        fresh = self.new_pq(
+            q.pq.message_queue.queue_id, committed, dict(q.pq.committed_stage_offsets)
+        )
+        rest = [q.msgs[o].message for o in sorted(q.msgs) if o >= committed]
+        fresh.put_messages(rest, highest_offset=q.highest if q.highest >= committed else None)
+        seen: dict[int, int] = {}
+        while True:
+            batch = fresh.try_take_messages(3)
+            if batch is None:
+                break
+            for message in batch.messages:
+                assert message.queue_offset not in seen
+                seen[message.queue_offset] = batch.stage_index
+            fresh.erase_messages(batch, EraseStatus.SUCCESS)
+        assert seen == {m.queue_offset: q.msgs[m.queue_offset].stage for m in rest}
+        assert fresh.committed_offset == q.highest + 1
+
+    # -- invariants ------------------------------------------------------------------
+
+    @invariant()
+    def committed_offset_is_lowest_unfinished(self) -> None:
+        for q in self.queues:
+            unfinished = q.unfinished()
+            expected = min((m.message.queue_offset for m in unfinished), default=q.highest + 1)
+            committed = q.pq.committed_offset
+            assert committed == expected
+            assert committed >= q.last_committed, "committed offset moved backwards"
+            q.last_committed = committed
+
+    @invariant()
+    def committed_stage_offsets_are_the_counters_at_the_committed_offset(self) -> None:
+        for q in self.queues:
+            committed = q.pq.committed_offset
+            expected = dict(q.initial_stage_offsets)
+            for offset in sorted(q.msgs):
+                m = q.msgs[offset]
+                if offset < committed and isinstance(m.lane, StageKey):
+                    expected[m.lane] = m.stage_offset + 1
+            assert dict(q.pq.committed_stage_offsets) == expected
+            if self.config.reset_kind is None:
+                # no reset: the stage offset counts the key's messages before it
+                for key, value in expected.items():
+                    before = sum(
+                        1 for o, m in q.msgs.items() if o < committed and m.lane == key
+                    )
+                    assert value == q.initial_stage_offsets.get(key, 0) + before
+
+    @invariant()
+    def counts_bytes_span_and_flow_control_are_exact(self) -> None:
+        flow = self.config.flow
+        for q in self.queues:
+            stats = q.pq.statistics()
+            cached = [m for m in q.msgs.values() if m.state == "cached"]
+            pending = [m for m in q.msgs.values() if m.state == "pending"]
+            suspended = sum(
+                len(b.msgs) for b in self.batches if b.queue is q and b.state != "running"
+            )
+            assert stats.cached_count == len(cached)
+            assert stats.pending_count == len(pending)
+            assert stats.suspended_count == suspended
+            unfinished_bytes = sum(m.size for m in cached + pending)
+            assert stats.cached_bytes == unfinished_bytes
+            assert stats.highest_offset == q.highest
+            lowest = min((m.message.queue_offset for m in cached + pending), default=None)
+            span = 0 if lowest is None else q.highest - lowest
+            assert stats.span == span
+            full = (
+                len(cached) + len(pending) >= flow.count
+                or unfinished_bytes >= flow.size_bytes
+                or (flow.max_span is not None and span >= flow.max_span)
+            )
+            assert q.pq.is_cache_full() == full
+            assert stats.committed_offset == q.pq.committed_offset
+
+    @invariant()
+    def orderly_has_at_most_one_batch_pending(self) -> None:
+        if self.config.mode is ConsumeMode.ORDERLY:
+            for q in self.queues:
+                assert sum(1 for b in self.batches if b.queue is q) <= 1
+
+    @invariant()
+    def timers_match_suspended_batches(self) -> None:
+        assert self.dispatcher.suspended_count() == sum(
+            1 for b in self.batches if b.state == "suspended"
+        )
+
+
+ProcessQueueMachine.TestCase.settings = settings(
+    max_examples=3 * settings.default.max_examples,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestProcessQueue = ProcessQueueMachine.TestCase
