@@ -18,9 +18,9 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 
 
 def _registrars() -> list[Registrar]:
-    from . import _demo
+    from . import _cli_offsets, _demo
 
-    return [_demo.register]
+    return [_demo.register, _cli_offsets.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

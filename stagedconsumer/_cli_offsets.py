@@ -1,0 +1,289 @@
+"""``stagedconsumer offsets``: inspect and reset the stored progress of a consumer group.
+
+``show`` prints every queue of a group (optionally of one topic) with its consume
+offset and stage offsets. ``reset`` overwrites them, backwards too, for a group that
+is not running (a running consumer would overwrite the reset with its own progress
+at its next persist). Stage keys are written ``STRATEGY`` (no stage group) or
+``STRATEGY/GROUP`` (``STRATEGY/`` is the empty group, distinct from none); the
+default strategy is ``default``.
+
+Lag is not shown: it needs the queue's max offset from the source, and the embedded
+broker lives inside the consumer's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+
+from offsetstore import OffsetStoreError, QueueProgress, SqlOffsetStore, StageKey
+
+from ._message import MessageQueue
+
+__all__ = ("format_stage_key", "parse_stage_key", "register")
+
+
+def parse_stage_key(text: str) -> StageKey:
+    """Parse ``STRATEGY[/GROUP]``.
+
+    ``"s"`` is ``StageKey("s", None)``, ``"s/g"`` is ``StageKey("s", "g")`` and ``"s/"``
+    is ``StageKey("s", "")``: the inverse of :func:`format_stage_key`.
+    """
+    strategy, sep, group = text.partition("/")
+    if not strategy:
+        raise ValueError(f"stage key {text!r} has no strategy id (use STRATEGY or STRATEGY/GROUP)")
+    return StageKey(strategy, group if sep else None)
+
+
+def format_stage_key(key: StageKey) -> str:
+    return key.strategy_id if key.group_id is None else f"{key.strategy_id}/{key.group_id}"
+
+
+def _stage_assignment(text: str) -> tuple[StageKey, int]:
+    key_text, sep, value = text.rpartition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=N, got {text!r}")
+    try:
+        key = parse_stage_key(key_text)
+        offset = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if offset < 0:
+        raise argparse.ArgumentTypeError(f"stage offset must be >= 0, got {offset}")
+    return key, offset
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _format_stages(offsets: Mapping[StageKey, int]) -> str:
+    if not offsets:
+        return "-"
+    items = sorted(offsets.items(), key=lambda kv: (kv[0].strategy_id, kv[0].group_id or ""))
+    return ", ".join(f"{format_stage_key(k)}={v}" for k, v in items)
+
+
+def _progress_json(mq: MessageQueue, progress: QueueProgress | None) -> dict[str, Any]:
+    return {
+        "topic": mq.topic,
+        "queue_id": mq.queue_id,
+        "consume_offset": progress.consume_offset if progress else None,
+        "stage_offsets": [
+            {"strategy_id": k.strategy_id, "group_id": k.group_id, "stage_offset": v}
+            for k, v in sorted(
+                (progress.stage_offsets if progress else {}).items(),
+                key=lambda kv: (kv[0].strategy_id, kv[0].group_id or ""),
+            )
+        ],
+    }
+
+
+def _store(args: argparse.Namespace) -> SqlOffsetStore:
+    # Never create tables from an operator command: a mistyped URL should fail.
+    return SqlOffsetStore(args.store, create_tables=False)
+
+
+def _fail(console: Console, message: str) -> int:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return 1
+
+
+# -- show ------------------------------------------------------------------------------------
+
+
+async def _show(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    try:
+        store = _store(args)
+    except OffsetStoreError as exc:
+        return _fail(err, str(exc))
+    try:
+        await store.load()
+        progress = await store.list_progress(args.group, args.topic)
+    except OffsetStoreError as exc:
+        return _fail(err, str(exc))
+    finally:
+        await store.aclose()
+    if args.json:
+        queues = [_progress_json(mq, p) for mq, p in progress.items()]
+        sys.stdout.write(json.dumps({"group": args.group, "queues": queues}, indent=2) + "\n")
+        return 0
+    console = Console()
+    where = f"group [bold]{args.group}[/]"
+    if args.topic:
+        where += f", topic [bold]{args.topic}[/]"
+    if not progress:
+        console.print(f"No stored progress for {where} in {store.url}.", highlight=False)
+        return 0
+    table = Table(title=f"Progress of {where}", title_justify="left")
+    table.add_column("Queue")
+    table.add_column("Consume offset", justify="right")
+    table.add_column("Stage offsets")
+    for mq, value in progress.items():
+        offset = "-" if value.consume_offset is None else str(value.consume_offset)
+        table.add_row(str(mq), offset, _format_stages(value.stage_offsets))
+    console.print(table)
+    return 0
+
+
+# -- reset -----------------------------------------------------------------------------------
+
+
+def _planned(
+    args: argparse.Namespace, stored: Mapping[MessageQueue, QueueProgress]
+) -> dict[MessageQueue, QueueProgress]:
+    if args.queue:
+        targets = sorted({MessageQueue(args.topic, q) for q in args.queue})
+    else:
+        targets = sorted(stored)
+    plan: dict[MessageQueue, QueueProgress] = {}
+    for mq in targets:
+        current = stored.get(mq)
+        consume = current.consume_offset if current else None
+        stages = {} if args.clear_stage_offsets or current is None else dict(current.stage_offsets)
+        if args.to_offset is not None:
+            consume = args.to_offset
+        for key, value in args.stage_offset or ():
+            stages[key] = value
+        plan[mq] = QueueProgress(consume_offset=consume, stage_offsets=stages)
+    return plan
+
+
+async def _reset(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    if args.to_offset is None and not args.stage_offset and not args.clear_stage_offsets:
+        return _fail(
+            err, "nothing to reset: give --to-offset, --stage-offset or --clear-stage-offsets"
+        )
+    try:
+        store = _store(args)
+    except OffsetStoreError as exc:
+        return _fail(err, str(exc))
+    try:
+        await store.load()
+        stored = await store.list_progress(args.group, args.topic)
+        plan = _planned(args, stored)
+        if not plan:
+            return _fail(
+                err,
+                f"no stored progress for group {args.group!r}, topic {args.topic!r}:"
+                " name the queues with --queue",
+            )
+        console = Console()
+        table = Table(
+            title=f"Reset of group [bold]{args.group}[/], topic [bold]{args.topic}[/]",
+            title_justify="left",
+        )
+        table.add_column("Queue")
+        table.add_column("Consume offset", justify="right")
+        table.add_column("")
+        table.add_column("New", justify="right")
+        table.add_column("Stage offsets")
+        table.add_column("")
+        table.add_column("New")
+        for mq, new in plan.items():
+            old = stored.get(mq)
+            table.add_row(
+                str(mq),
+                "-" if old is None or old.consume_offset is None else str(old.consume_offset),
+                "->",
+                "-" if new.consume_offset is None else str(new.consume_offset),
+                _format_stages(old.stage_offsets) if old else "-",
+                "->",
+                _format_stages(new.stage_offsets),
+            )
+        console.print(table)
+        if not args.yes:
+            question = (
+                f"Reset the progress of {len(plan)} queue(s) of group {args.group!r}?"
+                " The group must not be running. [y/N] "
+            )
+            try:
+                answer = await anyio.to_thread.run_sync(input, question)
+            except EOFError:
+                answer = ""
+            if answer.strip().lower() not in ("y", "yes"):
+                console.print("Aborted; nothing changed.")
+                return 1
+        await store.reset_progress(args.group, plan)
+        console.print(f"Reset {len(plan)} queue(s).")
+        return 0
+    except OffsetStoreError as exc:
+        return _fail(err, str(exc))
+    finally:
+        await store.aclose()
+
+
+# -- registration ------------------------------------------------------------------------------
+
+
+def _run(handler: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        return int(anyio.run(handler, args))
+
+    return run
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "offsets",
+        help="show or reset the stored progress (consume and stage offsets) of a group",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="offsets_command", metavar="ACTION", required=True)
+
+    def common(sub: argparse.ArgumentParser, *, topic_required: bool) -> None:
+        sub.add_argument(
+            "--store",
+            required=True,
+            metavar="URL",
+            help="offset store URL, e.g. sqlite:///progress.db or postgresql+psycopg://user@host/db",
+        )
+        sub.add_argument("--group", required=True, help="consumer group")
+        sub.add_argument("--topic", required=topic_required, help="topic")
+
+    show = commands.add_parser("show", help="print the progress of every queue of a group")
+    common(show, topic_required=False)
+    show.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    show.set_defaults(handler=_run(_show))
+
+    reset = commands.add_parser(
+        "reset",
+        help="overwrite consume and/or stage offsets of a stopped group",
+        description="Overwrite consume and/or stage offsets of a group that is not running."
+        " Without --queue, every queue of the topic with stored progress is reset.",
+    )
+    common(reset, topic_required=True)
+    reset.add_argument(
+        "--queue", type=_non_negative, action="append", metavar="N", help="queue id (repeatable)"
+    )
+    reset.add_argument("--to-offset", type=_non_negative, metavar="N", help="new consume offset")
+    reset.add_argument(
+        "--stage-offset",
+        type=_stage_assignment,
+        action="append",
+        metavar="KEY=N",
+        help="new stage offset of a stage key (STRATEGY or STRATEGY/GROUP; repeatable)",
+    )
+    reset.add_argument(
+        "--clear-stage-offsets",
+        action="store_true",
+        help="drop every stage offset first (stage keys restart at 0)",
+    )
+    reset.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    reset.set_defaults(handler=_run(_reset))

@@ -1,0 +1,183 @@
+"""``stagedconsumer offsets show`` / ``reset`` against a real SQLite store."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+from offsetstore import QueueProgress, SqlOffsetStore, StageKey
+from stagedconsumer import MessageQueue
+from stagedconsumer._cli import main
+from stagedconsumer._cli_offsets import format_stage_key, parse_stage_key
+
+GROUP = "orders-app"
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'progress.db'}"
+
+    async def fill() -> None:
+        store = SqlOffsetStore(url)
+        try:
+            for q in range(3):
+                store.update_progress(
+                    GROUP,
+                    MessageQueue("orders", q),
+                    QueueProgress(
+                        consume_offset=10 + q,
+                        stage_offsets={StageKey("default", None): 4 + q, StageKey("vip", ""): q},
+                    ),
+                )
+            store.update_progress(GROUP, MessageQueue("audit", 0), QueueProgress(consume_offset=99))
+            await store.persist_all(
+                GROUP, [MessageQueue("orders", q) for q in range(3)] + [MessageQueue("audit", 0)]
+            )
+        finally:
+            await store.aclose()
+
+    anyio.run(fill)
+    return url
+
+
+def _stored(url: str) -> dict[MessageQueue, QueueProgress]:
+    async def read() -> dict[MessageQueue, QueueProgress]:
+        store = SqlOffsetStore(url)
+        try:
+            return await store.list_progress(GROUP)
+        finally:
+            await store.aclose()
+
+    return anyio.run(read)
+
+
+def test_show_prints_every_queue_with_offsets(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["offsets", "show", "--store", store_url, "--group", GROUP]) == 0
+    out = capsys.readouterr().out
+    assert "orders#2" in out
+    assert "audit#0" in out
+    assert "default=6" in out
+    assert "vip/=2" in out
+    assert "99" in out
+
+
+def test_show_json_of_one_topic(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["offsets", "show", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [q["queue_id"] for q in data["queues"]] == [0, 1, 2]
+    assert data["queues"][1] == {
+        "topic": "orders",
+        "queue_id": 1,
+        "consume_offset": 11,
+        "stage_offsets": [
+            {"strategy_id": "default", "group_id": None, "stage_offset": 5},
+            {"strategy_id": "vip", "group_id": "", "stage_offset": 1},
+        ],
+    }
+
+
+def test_show_of_an_unknown_group_says_so(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["offsets", "show", "--store", store_url, "--group", "nobody"]) == 0
+    assert "No stored progress" in capsys.readouterr().out
+
+
+def test_show_never_creates_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'typo.db'}"
+    assert main(["offsets", "show", "--store", url, "--group", GROUP]) == 1
+    assert "no offset store tables" in capsys.readouterr().err
+
+
+def test_show_with_a_malformed_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["offsets", "show", "--store", "nonsense", "--group", GROUP]) == 1
+    assert "malformed offset store URL" in capsys.readouterr().err
+
+
+def test_reset_with_yes_moves_offsets_back(store_url: str) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--queue", "1", "--to-offset", "3", "--clear-stage-offsets",
+                 "--stage-offset", "default=2", "--yes"]) == 0  # fmt: skip
+    stored = _stored(store_url)
+    assert stored[MessageQueue("orders", 1)] == QueueProgress(
+        consume_offset=3, stage_offsets={StageKey("default", None): 2}
+    )
+    # Other queues untouched.
+    assert stored[MessageQueue("orders", 0)].consume_offset == 10
+    assert stored[MessageQueue("audit", 0)].consume_offset == 99
+
+
+def test_reset_of_every_queue_of_a_topic_keeps_other_stage_keys(store_url: str) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--stage-offset", "vip/=0", "-y"]) == 0
+    stored = _stored(store_url)
+    for q in range(3):
+        assert stored[MessageQueue("orders", q)] == QueueProgress(
+            consume_offset=10 + q,
+            stage_offsets={StageKey("default", None): 4 + q, StageKey("vip", ""): 0},
+        )
+
+
+@pytest.mark.parametrize("answer", ["n\n", "\n", ""])
+def test_reset_asks_and_does_nothing_unless_confirmed(
+    store_url: str, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(answer))
+    before = _stored(store_url)
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--to-offset", "0"]) == 1
+    assert _stored(store_url) == before
+
+
+def test_reset_confirmed_at_the_prompt(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "audit"]
+    assert main([*args, "--to-offset", "0"]) == 0
+    assert _stored(store_url)[MessageQueue("audit", 0)].consume_offset == 0
+
+
+def test_reset_needs_something_to_reset(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--yes"]) == 1
+    assert "nothing to reset" in capsys.readouterr().err
+
+
+def test_reset_of_a_topic_without_progress_needs_queues(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "new"]
+    assert main([*args, "--to-offset", "5", "--yes"]) == 1
+    assert "--queue" in capsys.readouterr().err
+    assert main([*args, "--to-offset", "5", "--queue", "0", "--yes"]) == 0
+    assert _stored(store_url)[MessageQueue("new", 0)] == QueueProgress(consume_offset=5)
+
+
+@pytest.mark.parametrize("bad", ["default", "=3", "default=-1", "default=x"])
+def test_reset_rejects_bad_stage_assignments(bad: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["offsets", "reset", "--store", "sqlite://", "--group", "g", "--topic", "t",
+              "--stage-offset", bad])  # fmt: skip
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("default", StageKey("default", None)),
+        ("default/", StageKey("default", "")),
+        ("default/k1", StageKey("default", "k1")),
+        ("s/a/b", StageKey("s", "a/b")),
+    ],
+)
+def test_stage_key_syntax_round_trips(text: str, key: StageKey) -> None:
+    assert parse_stage_key(text) == key
+    assert format_stage_key(key) == text
