@@ -30,9 +30,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import NoopConcurrently, NoopOrderly, NoopStaged  # noqa: E402
+from overhead import NoopConcurrently, NoopOrderly, NoopStaged
 
-from stagedconsumer import (  # noqa: E402
+from stagedconsumer import (
     ConsumerOptions,
     Message,
     MessageQueue,
@@ -77,7 +77,9 @@ class GeneratedSource(MessageSource):
         messages = [self.message(mq.queue_id, o) for o in range(offset, end)]
         if not messages and timeout > 0:
             await anyio.sleep(timeout)
-        return PullResult(messages=messages, next_offset=max(offset, end), max_offset=self.per_queue)
+        return PullResult(
+            messages=messages, next_offset=max(offset, end), max_offset=self.per_queue
+        )
 
     async def max_offset(self, mq: MessageQueue) -> int:
         return self.per_queue
@@ -91,32 +93,38 @@ class GeneratedSource(MessageSource):
         raise NotImplementedError("no failures in this benchmark")
 
 
-async def consume(source: GeneratedSource, listener: Any, progress: Any, task: Any) -> dict[str, float]:
+async def consume(
+    source: GeneratedSource, listener: Any, progress: Any, task: Any
+) -> dict[str, float]:
     total = source.queues * source.per_queue
     marks = {0.1: 0.0, 0.5: 0.0, 1.0: 0.0}
     consumer = PushConsumer("memory", source, listener, options=ConsumerOptions())
     consumer.subscribe(TOPIC)
     start = time.perf_counter()
-    async with consumer:
-        async with anyio.create_task_group() as tg:
+    async with consumer, anyio.create_task_group() as tg:
 
-            async def sample() -> None:
-                while True:
-                    done = consumer.statistics().consumed_ok
-                    progress.update(task, completed=done)
-                    current = tracemalloc.get_traced_memory()[0]
-                    for fraction in marks:
-                        if done >= fraction * total and not marks[fraction]:
-                            marks[fraction] = current
-                    await anyio.sleep(0.05)
+        async def sample() -> None:
+            while True:
+                done = consumer.statistics().consumed_ok
+                progress.update(task, completed=done)
+                current = tracemalloc.get_traced_memory()[0]
+                for fraction in marks:
+                    if done >= fraction * total and not marks[fraction]:
+                        marks[fraction] = current
+                await anyio.sleep(0.05)
 
-            tg.start_soon(sample)
-            await consumer.wait_caught_up()
-            tg.cancel_scope.cancel()
+        tg.start_soon(sample)
+        await consumer.wait_caught_up()
+        tg.cancel_scope.cancel()
     elapsed = time.perf_counter() - start
     marks[1.0] = marks[1.0] or tracemalloc.get_traced_memory()[0]
-    return {"10%": marks[0.1], "50%": marks[0.5], "100%": marks[1.0],
-            "peak": tracemalloc.get_traced_memory()[1], "seconds": elapsed}
+    return {
+        "10%": marks[0.1],
+        "50%": marks[0.5],
+        "100%": marks[1.0],
+        "peak": tracemalloc.get_traced_memory()[1],
+        "seconds": elapsed,
+    }
 
 
 async def baseline(source: GeneratedSource, progress: Any, task: Any) -> dict[str, float]:
@@ -141,8 +149,13 @@ async def baseline(source: GeneratedSource, progress: Any, task: Any) -> dict[st
         for offset in range(source.per_queue):
             for queue_id in range(source.queues):
                 tg.create_task(handle(source.message(queue_id, offset)))
-    return {"10%": marks[0.1], "50%": marks[0.5], "100%": marks[1.0],
-            "peak": tracemalloc.get_traced_memory()[1], "seconds": time.perf_counter() - start}
+    return {
+        "10%": marks[0.1],
+        "50%": marks[0.5],
+        "100%": marks[1.0],
+        "peak": tracemalloc.get_traced_memory()[1],
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,7 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--queues", type=int, default=8)
-    parser.add_argument("--no-baseline", action="store_true", help="skip the task-per-message baseline")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the task-per-message baseline"
+    )
     args = parser.parse_args(argv)
     per_queue = args.messages // args.queues
     total = per_queue * args.queues
@@ -191,7 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "The consumer's flow control (pull_threshold_for_queue=1000 per queue) bounds what it"
         " holds; memory at 10% and 100% of the backlog should be alike."
     )
-    console.print("reproduce: python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
+    console.print(
+        "reproduce: python "
+        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    )
     return 0
 
 
