@@ -130,20 +130,22 @@ def compute_bounds(messages: DataFrame, w: Workload, modes: Sequence[str]) -> Da
     return messages.groupBy("consumer").applyInPandas(per_consumer, schema=BOUND_SCHEMA)
 
 
-def message_outcomes(messages: DataFrame, events: DataFrame) -> DataFrame:
+def message_outcomes(events: DataFrame) -> DataFrame:
     """One row per mode and message: first start, finish, attempts, latency."""
-    per_message = events.groupBy("mode", "consumer", "qid", "offset").agg(
+    per_message = events.groupBy(
+        "mode", "consumer", "qid", "offset", "topic", "queue", "publish"
+    ).agg(
         F.min("start").alias("first_start"),
         F.max("end").alias("finish"),
         F.count(F.lit(1)).alias("attempts"),
         F.sum(F.col("ok").cast("int")).alias("successes"),
         F.max(F.col("dlq").cast("int")).alias("dlq"),
     )
-    meta = messages.select("qid", "offset", "topic", "queue", "publish_us")
-    out = per_message.join(meta, ["qid", "offset"], "inner")
-    publish = F.col("publish_us") / F.lit(1e6)
-    return out.withColumns(
-        {"latency": F.col("finish") - publish, "queueing": F.col("first_start") - publish}
+    return per_message.withColumns(
+        {
+            "latency": F.col("finish") - F.col("publish"),
+            "queueing": F.col("first_start") - F.col("publish"),
+        }
     )
 
 
@@ -174,7 +176,7 @@ def queue_summary(outcomes: DataFrame) -> DataFrame:
     )
 
 
-def violations(messages: DataFrame, events: DataFrame) -> DataFrame:
+def violations(events: DataFrame) -> DataFrame:
     """Per mode: queue-order and stage-order violations and stage mismatches."""
     calls = events.groupBy("mode", "consumer", "qid", "batch").agg(
         F.min("offset").alias("lo"),
@@ -193,14 +195,11 @@ def violations(messages: DataFrame, events: DataFrame) -> DataFrame:
         .agg(F.sum("n").alias("queue_order_violations"))
     )
 
-    meta = messages.select(
-        "qid",
-        "offset",
+    staged = events.select(
+        "mode", "qid", "offset", "start", "end", "stage", "expected_stage",
         F.coalesce(F.col("strategy"), F.lit(_NULL)).alias("strat"),
         F.coalesce(F.col("grp"), F.lit(_NULL)).alias("grp_key"),
-        F.col("stage").alias("expected_stage"),
     )
-    staged = events.join(meta, ["qid", "offset"], "inner")
     keyed = staged.where(F.col("strat") != _NULL).withColumn(
         "rank",
         F.when(F.col("expected_stage") < 0, F.lit(_TAIL_RANK)).otherwise(F.col("expected_stage")),
@@ -239,10 +238,12 @@ def violations(messages: DataFrame, events: DataFrame) -> DataFrame:
 
 
 def mode_summary(
-    messages: DataFrame, events: DataFrame, outcomes: DataFrame, bounds: DataFrame
-) -> DataFrame:
-    """Per mode: the headline numbers (see the module docstring)."""
-    total = messages.count()
+    total_messages: int, events: DataFrame, outcomes: DataFrame, bounds: DataFrame
+) -> pd.DataFrame:
+    """Per mode: the headline numbers (see the module docstring), collected.
+
+    ``total_messages``: how many messages the workload has (to count lost ones).
+    """
     per_mode = outcomes.groupBy("mode").agg(
         F.count(F.lit(1)).alias("messages"),
         F.max("finish").alias("makespan"),
@@ -258,27 +259,20 @@ def mode_summary(
     bound = bounds.groupBy("mode").agg(
         F.max("bound").alias("bound"), F.max("graham").alias("graham"), F.sum("work").alias("work")
     )
-    out = (
+    out: pd.DataFrame = (
         per_mode.join(bound, "mode", "left")
-        .join(violations(messages, events), "mode", "left")
+        .join(violations(events), "mode", "left")
         .withColumns(
             {
-                "lost": F.lit(total) - F.col("finished"),
+                "lost": F.lit(total_messages) - F.col("finished"),
                 "throughput": F.col("messages") / F.col("makespan"),
                 "efficiency": F.col("bound") / F.col("makespan"),
             }
         )
-    )
-    orderly = out.where(F.col("mode") == "orderly").select(F.col("makespan").alias("_orderly"))
-    return out.crossJoin(orderly).withColumn(
-        "speedup", F.col("_orderly") / F.col("makespan")
-    ).drop("_orderly") if _has_mode(outcomes, "orderly") else out.withColumn(
-        "speedup", F.lit(None).cast("double")
-    )
-
-
-def _has_mode(df: DataFrame, mode: str) -> bool:
-    return df.where(F.col("mode") == mode).limit(1).count() > 0
+    ).toPandas()
+    orderly = out.loc[out["mode"] == "orderly", "makespan"]
+    out["speedup"] = float(orderly.iloc[0]) / out["makespan"] if len(orderly) else float("nan")
+    return out
 
 
 def latency_quantiles(outcomes: DataFrame, points: int = 100) -> DataFrame:

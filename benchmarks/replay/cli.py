@@ -137,7 +137,13 @@ def run_bench(
     summaries: list[pd.DataFrame] = []
     queue_frames: list[pd.DataFrame] = []
     quantile_frames: list[pd.DataFrame] = []
-    bounds = analysis.compute_bounds(messages, w, modes)
+    total_messages = messages.count()
+
+    def compute_bounds() -> DataFrame:
+        bounds_pdf = analysis.compute_bounds(messages, w, modes).toPandas()
+        return spark.createDataFrame(bounds_pdf, schema=analysis.BOUND_SCHEMA)
+
+    bounds = _timed(timings, "bounds", partial(tracker.run, "bounds", compute_bounds))
     for clock in clocks:
         events_path = str(out / f"events-{clock}.parquet")
 
@@ -151,8 +157,8 @@ def run_bench(
         )
 
         def analyse(events: DataFrame = events) -> tuple[pd.DataFrame, ...]:
-            outcomes = analysis.message_outcomes(messages, events).cache()
-            summary = analysis.mode_summary(messages, events, outcomes, bounds).toPandas()
+            outcomes = analysis.message_outcomes(events).cache()
+            summary = analysis.mode_summary(total_messages, events, outcomes, bounds)
             queues = analysis.queue_summary(outcomes).toPandas()
             quantiles = analysis.latency_quantiles(outcomes).toPandas()
             outcomes.unpersist()
@@ -192,7 +198,13 @@ def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("bench-results") / w.name
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in args.argv)
     t0 = time.perf_counter()
-    spark = get_session(args.master, shuffle_partitions=args.shuffle_partitions)
+    partitions = args.shuffle_partitions
+    if partitions is None:
+        # Spark's 200 is far too many for small workloads on a few cores, and one
+        # partition per ~1M events keeps large ones moving.
+        events = max(0, w.message_count) * len(args.modes or w.modes)
+        partitions = max(8, min(200, events // 1_000_000))
+    spark = get_session(args.master, shuffle_partitions=partitions)
     try:
         with Progress(
             TextColumn("{task.description:<18}"), BarColumn(),
@@ -239,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--wall-clock", action="store_true",
                        help="also replay on the real clock (handler costs really waited)")
     bench.add_argument("--shuffle-partitions", type=int, default=None,
-                       help="spark.sql.shuffle.partitions (default: Spark's)")
+                       help="spark.sql.shuffle.partitions (default: 8, or 1 per million"
+                       " events up to 200)")
     bench.set_defaults(handler=_bench)
     validate = sub.add_parser("validate", help="check workload files")
     validate.add_argument("workloads", nargs="+")

@@ -47,12 +47,14 @@ __all__ = ("EVENT_COLUMNS", "HandlerFailed", "ReplayConfig", "replay_consumer")
 
 EVENT_COLUMNS: tuple[str, ...] = (
     "mode", "consumer", "topic", "queue", "qid", "offset", "stage", "attempt", "batch",
-    "start", "end", "ok", "dlq",
+    "start", "end", "ok", "dlq", "publish", "strategy", "grp", "expected_stage",
 )
 """``stage``: the stage index the runtime reported (staged mode; null otherwise).
 ``batch``: the handler call's number within the replay. ``start``/``end``: seconds
 since the consumer started. ``ok``: the call succeeded. ``dlq``: this failed attempt
-sent the message to the dead-letter queue."""
+sent the message to the dead-letter queue. ``publish`` (seconds), ``strategy``,
+``grp`` and ``expected_stage`` (the contract's stage) are copied from the message so
+that the analysis needs no join with the messages."""
 
 TOPIC = "replay"
 
@@ -195,6 +197,11 @@ class _Staged(MessageListenerStagedConcurrently):
         await self.recorder.handle(msgs, context.stage_index)
 
 
+def _opt_str(value: object) -> str | None:
+    """A string cell, with pandas' missing values (None, NaN, NA) as None."""
+    return value if isinstance(value, str) else None
+
+
 def _listener(mode: str, recorder: _Recorder, config: ReplayConfig) -> MessageListener:
     if mode == "orderly":
         return _Orderly(recorder)
@@ -221,8 +228,8 @@ async def _replay(messages: pd.DataFrame, mode: str, config: ReplayConfig) -> _R
     rows = list(
         zip(
             messages["qid"].map(local).tolist(),
-            messages["key"].tolist(),
-            messages["strategy"].tolist(),
+            [_opt_str(v) for v in messages["key"].tolist()],
+            [_opt_str(v) for v in messages["strategy"].tolist()],
             messages["publish_us"].tolist(),
             strict=True,
         )
@@ -299,11 +306,17 @@ def replay_consumer(
         "end": recorder.end,
         "ok": recorder.ok,
         "dlq": recorder.dlq,
+        "publish": messages["publish_us"].to_numpy()[index] / 1e6,
+        "strategy": messages["strategy"].to_numpy(dtype=object)[index],
+        "grp": messages["grp"].to_numpy(dtype=object)[index],
+        "expected_stage": pd.array(messages["stage"].to_numpy(dtype=object)[index],
+                                   dtype="Int32"),
     }
     frame = pd.DataFrame(out, columns=list(EVENT_COLUMNS))
     # object, not pandas 3's Arrow-backed str: Spark's Arrow writer wants plain arrays
     return frame.astype(
-        {"mode": object, "consumer": "int32", "topic": "int32", "queue": "int32", "qid": "int32",
-         "offset": "int64", "attempt": "int32", "batch": "int64", "start": "float64",
-         "end": "float64", "ok": "bool", "dlq": "bool"}
+        {"mode": object, "strategy": object, "grp": object, "consumer": "int32",
+         "topic": "int32", "queue": "int32", "qid": "int32", "offset": "int64",
+         "attempt": "int32", "batch": "int64", "start": "float64", "end": "float64",
+         "ok": "bool", "dlq": "bool", "publish": "float64"}
     )

@@ -47,6 +47,10 @@ EVENT_SCHEMA = StructType(
         StructField("end", DoubleType(), False),
         StructField("ok", BooleanType(), False),
         StructField("dlq", BooleanType(), False),
+        StructField("publish", DoubleType(), False),
+        StructField("strategy", StringType(), True),
+        StructField("grp", StringType(), True),
+        StructField("expected_stage", IntegerType(), True),
     ]
 )
 
