@@ -473,9 +473,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             if self.config.reset_kind is None:
                 # no reset: the stage offset counts the key's messages before it
                 for key, value in expected.items():
-                    before = sum(
-                        1 for o, m in q.msgs.items() if o < committed and m.lane == key
-                    )
+                    before = sum(1 for o, m in q.msgs.items() if o < committed and m.lane == key)
                     assert value == q.initial_stage_offsets.get(key, 0) + before
 
     @invariant()

@@ -97,9 +97,7 @@ def test_negative_stage_offset_is_rejected(sizes: list[int], offset: int) -> Non
 @given(invalid_stage_sizes())
 def test_invalid_sizes_are_rejected_with_the_position(sizes: list[object]) -> None:
     position = next(
-        i
-        for i, s in enumerate(sizes)
-        if isinstance(s, bool) or not isinstance(s, int) or s <= 0
+        i for i, s in enumerate(sizes) if isinstance(s, bool) or not isinstance(s, int) or s <= 0
     )
     with pytest.raises(InvalidStageDefinitionError, match=rf"\[{position}\]"):
         StageDefinition.of(sizes)  # type: ignore[arg-type]

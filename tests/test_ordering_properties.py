@@ -1,0 +1,954 @@
+"""End-to-end property tests: try to break every ordering guarantee of the runtime.
+
+Each scenario runs the real :class:`PushConsumer` on a :class:`MemoryBroker` with a
+listener that logs the start and end of every handler call (queue, offsets, stage,
+stage key, attempt, time, a global sequence number) and samples
+``consumer.statistics()`` at every event and from a watcher task. The checks work
+from that log against a naive model of the contract (design.md sections 2 and 3):
+
+(a) no stage-k+1 (or tail) handler of a stage key starts before every stage-k message
+    of that key finished (succeeded, or went to the DLQ); every message gets the stage
+    the naive model gives it;
+(b) orderly handlers of a queue never overlap and run in offset order;
+(c) every message finishes exactly once, as success or DLQ, none lost (the DLQ topic
+    holds exactly the messages whose last attempt failed at ``max_reconsume_times``);
+(d) the committed offset (sampled, and every offset the store persisted) never passes
+    an unfinished message, and only moves forward;
+(e) ``[]`` behaves as concurrent, ``[1] * n`` as orderly for the first n messages;
+(f) after a restart from committed progress, every message gets the stage it gets
+    without the restart, and nothing committed is consumed again.
+
+Scenarios run in virtual time on trio (``MockClock(autojump_threshold=0)``): handler
+costs are ``anyio.sleep(cost)``, timings are exact. A subset also runs on asyncio in
+real time with tiny costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import attrs
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offsetstore import MemoryOffsetStore, QueueProgress
+from stagedconsumer import (
+    TAIL_STAGE,
+    ConsumeConcurrentlyContext,
+    ConsumeOrderlyContext,
+    ConsumeOrderlyStatus,
+    ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
+    MemoryBroker,
+    Message,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
+    MessageQueue,
+    PushConsumer,
+)
+
+from .strategies import Scenario, degenerate_orderly_sizes, scenarios, stage_sizes
+
+TOPIC = "t"
+GROUP = "g"
+ORIGIN_ID = "ORIGIN_MESSAGE_ID"
+
+QueueOffset = tuple[int, int]
+
+
+# -- the event log -------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Attempt:
+    """One handler call."""
+
+    run: int
+    queue: int
+    offsets: tuple[int, ...]
+    msg_ids: tuple[str, ...]
+    stage: int | None
+    strategy: str | None
+    group: str | None
+    reconsume: int
+    start_seq: int
+    start_time: float
+    end_seq: int = -1
+    end_time: float = -1.0
+    failed: bool = False
+
+
+@attrs.define(eq=False)
+class Log:
+    attempts: list[Attempt] = attrs.Factory(list)
+    seq: int = 0
+    running: int = 0
+    max_running: int = 0
+    run: int = 0
+    ends: int = 0
+    consumer: PushConsumer | None = None
+    samples: list[tuple[int, int, dict[int, int]]] = attrs.Factory(list)
+    """(seq, run, committed offset per queue of TOPIC)."""
+    writes: list[tuple[int, int, dict[int, int]]] = attrs.Factory(list)
+    """Every consume offset the store persisted: (seq, run, offset per queue)."""
+    stop_after: int | None = None
+    stop: anyio.Event | None = None
+    poke: anyio.Event | None = None
+
+    def sample(self) -> None:
+        consumer = self.consumer
+        if consumer is None:
+            return
+        committed = consumer.statistics().committed_offsets
+        self.samples.append(
+            (
+                self.seq,
+                self.run,
+                {mq.queue_id: c for mq, c in committed.items() if mq.topic == TOPIC},
+            )
+        )
+
+    def _poke(self) -> None:
+        if self.poke is not None:
+            self.poke.set()
+
+    def start(self, msgs: Sequence[Message], context: Any) -> Attempt:
+        self.sample()
+        self.seq += 1
+        attempt = Attempt(
+            run=self.run,
+            queue=msgs[0].queue_id,
+            offsets=tuple(m.queue_offset for m in msgs),
+            msg_ids=tuple(m.msg_id for m in msgs),
+            stage=getattr(context, "stage_index", None),
+            strategy=getattr(context, "strategy_id", None),
+            group=getattr(context, "group_id", None),
+            reconsume=msgs[0].reconsume_times,
+            start_seq=self.seq,
+            start_time=anyio.current_time(),
+        )
+        assert all(m.reconsume_times == attempt.reconsume for m in msgs)
+        assert all(m.topic == TOPIC and m.queue_id == attempt.queue for m in msgs)
+        self.attempts.append(attempt)
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        self._poke()
+        return attempt
+
+    def end(self, attempt: Attempt, failed: bool) -> None:
+        self.seq += 1
+        attempt.end_seq = self.seq
+        attempt.end_time = anyio.current_time()
+        attempt.failed = failed
+        self.running -= 1
+        self.ends += 1
+        self.sample()
+        if self.stop is not None and self.stop_after is not None and self.ends >= self.stop_after:
+            self.stop.set()
+        self._poke()
+
+
+class RecordingStore(MemoryOffsetStore):
+    """A MemoryOffsetStore that logs every persisted consume offset."""
+
+    def __init__(self, log: Log) -> None:
+        super().__init__()
+        self.log = log
+
+    async def _write_stored(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress]
+    ) -> None:
+        self.log.writes.append(
+            (
+                self.log.seq,
+                self.log.run,
+                {
+                    mq.queue_id: p.consume_offset
+                    for mq, p in progress.items()
+                    if mq.topic == TOPIC and p.consume_offset is not None
+                },
+            )
+        )
+        await super()._write_stored(group, progress)
+
+
+# -- listeners -----------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Behaviour:
+    """Costs and failures of the handler, shared by the three listener kinds."""
+
+    scenario: Scenario
+    log: Log
+    unit: float
+    slow: Mapping[QueueOffset, float] = attrs.Factory(dict)
+
+    async def handle(self, msgs: Sequence[Message], context: Any) -> bool:
+        attempt = self.log.start(msgs, context)
+        q = msgs[0].queue_id
+        cost = max(
+            self.slow.get((q, m.queue_offset), self.scenario.cost(q, m.queue_offset)) for m in msgs
+        )
+        await anyio.sleep(cost * self.unit)
+        failed = any(self.scenario.fails(q, m.queue_offset, m.reconsume_times) for m in msgs)
+        self.log.end(attempt, failed)
+        return failed
+
+
+class Boom(Exception):
+    pass
+
+
+def _fail_how(msgs: Sequence[Message]) -> ConsumeOrderlyStatus:
+    """Failures alternate between raising and returning SUSPEND_CURRENT_QUEUE_A_MOMENT."""
+    m = msgs[0]
+    if (m.queue_offset + m.reconsume_times) % 2:
+        raise Boom(f"planned failure of {m.queue_id}:{m.queue_offset}")
+    return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+
+
+class Staged(MessageListenerStagedConcurrently):
+    def __init__(self, behaviour: Behaviour, sizes: Sequence[int]) -> None:
+        self.behaviour = behaviour
+        self.sizes = list(sizes)
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return self.sizes
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> ConsumeOrderlyStatus | None:
+        if await self.behaviour.handle(msgs, context):
+            return _fail_how(msgs)
+        return None
+
+
+class StagedKeyed(Staged):
+    """Staged listener with strategies, groups and (optionally) a reset hook."""
+
+    def __init__(
+        self,
+        behaviour: Behaviour,
+        strategies: Mapping[str, Sequence[int]],
+        strategy_of: Callable[[Message], str | None],
+        group_of: Callable[[Message], str | None],
+    ) -> None:
+        super().__init__(behaviour, [])
+        self.strategies = strategies
+        self.strategy_of = strategy_of
+        self.group_of = group_of
+
+    def get_stage_definition_strategies(self) -> Mapping[str, Sequence[int]]:
+        return self.strategies
+
+    def compute_strategy(self, msg: Message) -> str | None:
+        return self.strategy_of(msg)
+
+    def compute_group(self, msg: Message) -> str | None:
+        return self.group_of(msg)
+
+
+class StagedWithReset(Staged):
+    def __init__(
+        self, behaviour: Behaviour, sizes: Sequence[int], reset: Callable[[int], int]
+    ) -> None:
+        super().__init__(behaviour, sizes)
+        self.reset = reset
+        self.reset_calls: list[int] = []
+
+    def reset_current_stage_offset_if_need(self, topic: str, current: int) -> int:
+        assert topic == TOPIC
+        self.reset_calls.append(current)
+        return self.reset(current)
+
+
+class Orderly(MessageListenerOrderly):
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.behaviour = behaviour
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> ConsumeOrderlyStatus | None:
+        if await self.behaviour.handle(msgs, context):
+            return _fail_how(msgs)
+        return None
+
+
+class Concurrent(MessageListenerConcurrently):
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.behaviour = behaviour
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        if await self.behaviour.handle(msgs, context):
+            raise Boom("concurrent listeners are only run without failures here")
+
+
+# -- running -------------------------------------------------------------------------
+
+
+def fill(
+    broker: MemoryBroker,
+    scenario: Scenario,
+    keys: Callable[[int, int], Sequence[str]] | None = None,
+) -> dict[QueueOffset, Message]:
+    broker.create_topic(TOPIC, scenario.queue_count)
+    sent: dict[QueueOffset, Message] = {}
+    for q, n in enumerate(scenario.counts):
+        for o in range(n):
+            message = broker.send(
+                TOPIC, b"x" * (o % 3), keys=tuple(keys(q, o)) if keys else (), queue_id=q
+            )
+            assert message.queue_offset == o
+            sent[q, o] = message
+    return sent
+
+
+def options_for(scenario: Scenario, **overrides: Any) -> ConsumerOptions:
+    values: dict[str, Any] = {
+        "consume_thread_max": scenario.workers,
+        "consume_message_batch_max_size": scenario.batch_size,
+        "max_reconsume_times": scenario.max_reconsume_times,
+        "suspend_current_queue_time_millis": scenario.suspend_millis,
+        "persist_consumer_offset_interval": 3.0,
+        "pull_batch_size": 7,
+    }
+    values.update(overrides)
+    return ConsumerOptions(**values)
+
+
+async def consume(
+    broker: MemoryBroker,
+    listener: Any,
+    log: Log,
+    options: ConsumerOptions,
+    store: MemoryOffsetStore,
+    *,
+    stop_after: int | None = None,
+    timeout: float = 100_000,
+) -> PushConsumer:
+    """Run one consumer until caught up (or until ``stop_after`` handler calls ended)."""
+    consumer = PushConsumer(GROUP, broker, listener, offset_store=store, options=options)
+    consumer.subscribe(TOPIC)
+    log.stop = anyio.Event()
+    log.stop_after = stop_after
+
+    async def watch() -> None:
+        while True:
+            log.poke = anyio.Event()
+            await log.poke.wait()
+            await anyio.lowlevel.checkpoint()
+            log.sample()
+
+    async def caught_up() -> None:
+        await consumer.wait_caught_up(timeout=timeout)
+        assert log.stop is not None
+        log.stop.set()
+
+    async with consumer:
+        log.consumer = consumer
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            tg.start_soon(caught_up)
+            await log.stop.wait()
+            tg.cancel_scope.cancel()
+        log.sample()
+    log.consumer = None
+    log.sample()
+    return consumer
+
+
+def run_virtual(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """Run ``fn(*args)`` on trio in virtual time: sleeps take no wall time."""
+    return trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def run_asyncio(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """Run ``fn(*args)`` on asyncio in real time."""
+    return anyio.run(fn, *args, backend="asyncio")
+
+
+# -- the naive model -----------------------------------------------------------------
+
+
+@attrs.frozen
+class Assigned:
+    key: tuple[int, str, str | None] | None
+    """(queue, strategy, group); None for messages consumed directly (no stage)."""
+    stage: int
+    epoch: int
+
+
+def naive_stage(sizes: Sequence[int], offset: int) -> int:
+    position = 0
+    for index, size in enumerate(sizes):
+        position += size
+        if offset < position:
+            return index
+    return TAIL_STAGE
+
+
+def naive_assign(
+    sent: Mapping[QueueOffset, Message],
+    definitions: Mapping[str, Sequence[int]],
+    strategy_of: Callable[[Message], str | None] = lambda m: "default",
+    group_of: Callable[[Message], str | None] = lambda m: None,
+    reset: Callable[[int], int] | None = None,
+) -> dict[QueueOffset, Assigned]:
+    """Walk each stage key's messages one at a time, as design.md section 2 says."""
+    counters: dict[tuple[int, str, str | None], int] = defaultdict(int)
+    last: dict[tuple[int, str, str | None], tuple[int, int]] = {}
+    epochs = 0
+    out: dict[QueueOffset, Assigned] = {}
+    for (q, o), message in sorted(sent.items()):
+        strategy = strategy_of(message)
+        if strategy is None or strategy not in definitions:
+            out[q, o] = Assigned(None, TAIL_STAGE, 0)
+            continue
+        sizes = definitions[strategy]
+        key = (q, strategy, group_of(message))
+        offset = counters[key]
+        changed = False
+        boundaries = {0, *(sum(sizes[: i + 1]) for i in range(len(sizes)))}
+        if reset is not None and (offset >= sum(sizes) or offset in boundaries):
+            wanted = max(0, reset(offset))
+            if wanted != offset:
+                offset, changed = wanted, True
+        stage = naive_stage(sizes, offset)
+        previous = last.get(key)
+        if previous is None or changed or previous[0] != stage:
+            epochs += 1
+            previous = last[key] = (stage, epochs)
+        counters[key] = offset + 1
+        out[q, o] = Assigned(key, stage, previous[1])
+    return out
+
+
+# -- checks --------------------------------------------------------------------------
+
+
+def per_message(log: Log) -> dict[QueueOffset, list[Attempt]]:
+    out: dict[QueueOffset, list[Attempt]] = defaultdict(list)
+    for attempt in log.attempts:
+        for o in attempt.offsets:
+            out[attempt.queue, o].append(attempt)
+    return out
+
+
+def is_final(attempt: Attempt, limit: int | None) -> bool:
+    """Did this attempt finish its messages (success, or failure that goes to the DLQ)?"""
+    return not attempt.failed or (limit is not None and attempt.reconsume >= limit)
+
+
+def finish_seq(log: Log, limit: int | None) -> dict[QueueOffset, int]:
+    """Sequence number of the first end event that finished each message."""
+    done: dict[QueueOffset, int] = {}
+    for attempt in sorted(log.attempts, key=lambda a: a.end_seq):
+        assert attempt.end_seq > 0, "a handler call never ended"
+        if is_final(attempt, limit):
+            for o in attempt.offsets:
+                done.setdefault((attempt.queue, o), attempt.end_seq)
+    return done
+
+
+def check_exactly_once(
+    log: Log, broker: MemoryBroker, sent: Mapping[QueueOffset, Message], limit: int | None
+) -> None:
+    """(c): one final attempt per message, retries consecutive, DLQ topic exact."""
+    attempts = per_message(log)
+    assert set(attempts) == set(sent), "some message was never consumed (lost)"
+    dead: set[str] = set()
+    for key, tries in attempts.items():
+        tries.sort(key=lambda a: a.start_seq)
+        assert [a.reconsume for a in tries] == list(range(len(tries))), (
+            f"{key}: attempts {[a.reconsume for a in tries]} are not 0, 1, 2, ..."
+        )
+        assert all(a.failed for a in tries[:-1]), f"{key} consumed again after success"
+        assert all(not is_final(a, limit) for a in tries[:-1]), f"{key} retried after the DLQ"
+        last = tries[-1]
+        assert is_final(last, limit), f"{key} never finished"
+        for earlier, later in itertools.pairwise(tries):
+            assert earlier.end_seq < later.start_seq, f"{key}: a retry overlaps its attempt"
+        if last.failed:
+            dead.add(sent[key].msg_id)
+    dlq = broker.messages(f"%DLQ%{GROUP}") if f"%DLQ%{GROUP}" in broker.statistics().topics else ()
+    in_dlq = [m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq]
+    assert sorted(in_dlq) == sorted(dead), "the DLQ does not hold exactly the spent messages"
+    if limit is None:
+        assert not dead
+
+
+def check_committed(
+    log: Log, counts: Sequence[int], limit: int | None, *, final: bool = True
+) -> None:
+    """(d): no sampled or persisted committed offset passes an unfinished message."""
+    done = finish_seq(log, limit)
+    for kind, records in (("sampled", log.samples), ("persisted", log.writes)):
+        latest: dict[tuple[int, int], int] = {}
+        for seq, run, offsets in records:
+            for q, committed in offsets.items():
+                assert committed <= counts[q]
+                for o in range(committed):
+                    assert done.get((q, o), math.inf) <= seq, (
+                        f"{kind} committed offset {committed} of queue {q} passes unfinished"
+                        f" offset {o} (at event {seq})"
+                    )
+                if kind == "sampled":
+                    assert committed >= latest.get((run, q), 0), "committed offset went back"
+                    latest[run, q] = committed
+    if final:
+        seq, _, offsets = log.samples[-1]
+        assert offsets == dict(enumerate(counts)), "not everything committed at the end"
+
+
+def check_barrier(log: Log, model: Mapping[QueueOffset, Assigned], limit: int | None) -> None:
+    """(a): stages as the model says; no later epoch of a key starts before earlier ones end."""
+    done = finish_seq(log, limit)
+    by_key: dict[tuple[int, str, str | None], list[tuple[int, int]]] = defaultdict(list)
+    for (_, o), assigned in model.items():
+        if assigned.key is not None:
+            by_key[assigned.key].append((assigned.epoch, o))
+    for attempt in log.attempts:
+        first = model[attempt.queue, attempt.offsets[0]]
+        for o in attempt.offsets:
+            assigned = model[attempt.queue, o]
+            assert assigned.stage == attempt.stage, (
+                f"{attempt.queue}:{o} ran in stage {attempt.stage}, expected {assigned.stage}"
+            )
+            assert assigned.key == first.key, "a batch mixes stage keys"
+            assert assigned.epoch == first.epoch, "a batch mixes stages"
+        if first.key is None:
+            assert attempt.strategy is None
+            continue
+        assert (attempt.queue, attempt.strategy, attempt.group) == first.key
+        for epoch, o in by_key[first.key]:
+            if epoch < first.epoch:
+                assert done.get((attempt.queue, o), math.inf) < attempt.start_seq, (
+                    f"stage {first.stage} of {first.key} started at {attempt.offsets} before"
+                    f" offset {o} of an earlier stage finished"
+                )
+
+
+def check_orderly(log: Log, queue: int, upto: int | None = None) -> None:
+    """(b): handler calls of ``queue`` (below offset ``upto``) never overlap, offset order."""
+    calls = sorted(
+        (a for a in log.attempts if a.queue == queue and (upto is None or a.offsets[0] < upto)),
+        key=lambda a: a.start_seq,
+    )
+    previous: Attempt | None = None
+    for call in calls:
+        assert list(call.offsets) == sorted(call.offsets)
+        if previous is not None:
+            assert previous.end_seq < call.start_seq, (
+                f"orderly calls overlap on queue {queue}: {previous.offsets} and {call.offsets}"
+            )
+            if call.offsets[0] <= previous.offsets[-1]:
+                # only a retry of (part of) the same batch may repeat offsets
+                assert previous.failed, (
+                    f"queue {queue}: {call.offsets} ran after {previous.offsets}"
+                )
+                assert set(call.offsets) <= set(previous.offsets), "a retry is not the same batch"
+        previous = call
+
+
+def check_concurrency_bound(log: Log, workers: int) -> None:
+    assert log.max_running <= workers
+    events = sorted(
+        [(a.start_seq, 1) for a in log.attempts] + [(a.end_seq, -1) for a in log.attempts]
+    )
+    running = 0
+    for _, delta in events:
+        running += delta
+        assert running <= workers
+
+
+# -- (a) (c) (d): staged, random everything ------------------------------------------
+
+
+def staged_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> None:
+    broker = MemoryBroker()
+    sent = fill(broker, scenario)
+    log = Log()
+    listener = Staged(Behaviour(scenario, log, unit), scenario.sizes)
+    store = RecordingStore(log)
+    runner(lambda: consume(broker, listener, log, options_for(scenario), store))
+    limit = scenario.max_reconsume_times
+    model = naive_assign(sent, {"default": scenario.sizes})
+    check_exactly_once(log, broker, sent, limit)
+    check_barrier(log, model, limit)
+    check_committed(log, scenario.counts, limit)
+    check_concurrency_bound(log, scenario.workers)
+    if scenario.sizes and all(s == 1 for s in scenario.sizes):
+        for q in range(scenario.queue_count):
+            check_orderly(log, q, upto=len(scenario.sizes))
+
+
+@given(scenarios())
+def test_staged_guarantees_virtual_time(scenario: Scenario) -> None:
+    staged_run(scenario, 1.0, run_virtual)
+
+
+@settings(max_examples=12)
+@given(
+    scenarios(max_messages=12, sizes=stage_sizes(max_size=4)).map(
+        lambda s: attrs.evolve(s, suspend_millis=10)
+    )
+)
+def test_staged_guarantees_asyncio(scenario: Scenario) -> None:
+    staged_run(scenario, 0.0005, run_asyncio)
+
+
+# -- (b): orderly ----------------------------------------------------------------------
+
+
+def orderly_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> Log:
+    broker = MemoryBroker()
+    sent = fill(broker, scenario)
+    log = Log()
+    listener = Orderly(Behaviour(scenario, log, unit))
+    store = RecordingStore(log)
+    runner(lambda: consume(broker, listener, log, options_for(scenario), store))
+    limit = scenario.max_reconsume_times
+    check_exactly_once(log, broker, sent, limit)
+    check_committed(log, scenario.counts, limit)
+    check_concurrency_bound(log, scenario.workers)
+    for q in range(scenario.queue_count):
+        check_orderly(log, q)
+    return log
+
+
+@given(scenarios())
+def test_orderly_guarantees_virtual_time(scenario: Scenario) -> None:
+    orderly_run(scenario, 1.0, run_virtual)
+
+
+@settings(max_examples=8)
+@given(scenarios(max_messages=12).map(lambda s: attrs.evolve(s, suspend_millis=10)))
+def test_orderly_guarantees_asyncio(scenario: Scenario) -> None:
+    orderly_run(scenario, 0.0005, run_asyncio)
+
+
+# -- (e): degenerate definitions -----------------------------------------------------
+
+
+def timings(log: Log) -> dict[QueueOffset, tuple[float, float]]:
+    return {(a.queue, o): (a.start_time, a.end_time) for a in log.attempts for o in a.offsets}
+
+
+@given(scenarios(sizes=st.just([]), with_failures=False))
+def test_empty_definition_behaves_as_concurrent(scenario: Scenario) -> None:
+    logs: dict[str, Log] = {}
+    for kind in ("staged", "concurrent"):
+        broker = MemoryBroker()
+        sent = fill(broker, scenario)
+        log = logs[kind] = Log()
+        behaviour = Behaviour(scenario, log, 1.0)
+        listener: Any = Staged(behaviour, []) if kind == "staged" else Concurrent(behaviour)
+        run_virtual(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
+        check_exactly_once(log, broker, sent, None)
+        check_concurrency_bound(log, scenario.workers)
+    staged, concurrent = logs["staged"], logs["concurrent"]
+    assert all(a.stage == TAIL_STAGE for a in staged.attempts)
+    if min(scenario.costs) >= 1:
+        # everything is pulled at time 0 and every call takes time: all workers busy
+        expected = min(scenario.workers, scenario.total)
+        assert staged.max_running == concurrent.max_running == expected, (
+            "[] does not reach concurrent's concurrency"
+        )
+    if scenario.queue_count == 1:
+        # one queue: the schedule is deterministic, and must be the same
+        assert timings(staged) == timings(concurrent), "[] is scheduled differently"
+
+
+@given(scenarios(sizes=degenerate_orderly_sizes()))
+def test_all_ones_behaves_as_orderly_for_the_first_n(scenario: Scenario) -> None:
+    n = len(scenario.sizes)
+    broker = MemoryBroker()
+    sent = fill(broker, scenario)
+    log = Log()
+    listener = Staged(Behaviour(scenario, log, 1.0), scenario.sizes)
+    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log)))
+    limit = scenario.max_reconsume_times
+    check_exactly_once(log, broker, sent, limit)
+    check_barrier(log, naive_assign(sent, {"default": scenario.sizes}), limit)
+    for q in range(scenario.queue_count):
+        check_orderly(log, q, upto=n)
+    for a in log.attempts:
+        if a.offsets[0] < n:
+            assert a.offsets == (a.offsets[0],), "a batch of [1]*n crossed a stage"
+
+
+@given(
+    scenarios(sizes=degenerate_orderly_sizes(), max_queues=1, with_failures=False, batch=st.just(1))
+)
+def test_all_ones_has_orderly_timing_on_one_queue(scenario: Scenario) -> None:
+    n = len(scenario.sizes)
+    runs: dict[str, Log] = {}
+    for kind in ("staged", "orderly"):
+        broker = MemoryBroker()
+        fill(broker, scenario)
+        log = runs[kind] = Log()
+        behaviour = Behaviour(scenario, log, 1.0)
+        listener: Any = (
+            Staged(behaviour, scenario.sizes) if kind == "staged" else Orderly(behaviour)
+        )
+        run_virtual(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
+    staged = {k: v for k, v in timings(runs["staged"]).items() if k[1] < n}
+    orderly = {k: v for k, v in timings(runs["orderly"]).items() if k[1] < n}
+    assert staged == orderly
+
+
+# -- (f): restart from committed progress ----------------------------------------------
+
+
+RESETS: dict[str, Callable[[int], int] | None] = {
+    "none": None,
+    "cycle": lambda current: 0 if current >= 5 else current,
+    "zero": lambda current: 0,
+    "skip": lambda current: current + 2 if current in (0, 3) else current,
+}
+
+
+def restart_listener(scenario: Scenario, log: Log, reset: str) -> Staged:
+    behaviour = Behaviour(scenario, log, 1.0)
+    hook = RESETS[reset]
+    if hook is None:
+        return Staged(behaviour, scenario.sizes)
+    return StagedWithReset(behaviour, scenario.sizes, hook)
+
+
+@given(
+    scenarios(),
+    st.integers(0, 40),
+    st.sampled_from(sorted(RESETS)),
+    st.sampled_from([0.5, 3.0, 1000.0]),
+)
+def test_restart_assigns_the_same_stages(
+    scenario: Scenario, stop_after: int, reset: str, persist_interval: float
+) -> None:
+    limit = scenario.max_reconsume_times
+    options = options_for(scenario, persist_consumer_offset_interval=persist_interval)
+    # uninterrupted
+    broker = MemoryBroker()
+    sent = fill(broker, scenario)
+    log = Log()
+    run_virtual(
+        lambda: consume(
+            broker, restart_listener(scenario, log, reset), log, options, RecordingStore(log)
+        )
+    )
+    model = naive_assign(sent, {"default": scenario.sizes}, reset=RESETS[reset])
+    check_barrier(log, model, limit)
+    expected = {(a.queue, o): a.stage for a in log.attempts for o in a.offsets}
+    # interrupted after `stop_after` handler calls, then resumed by a second consumer
+    broker = MemoryBroker()
+    fill(broker, scenario)
+    log = Log()
+    store = RecordingStore(log)
+
+    async def twice() -> None:
+        await consume(
+            broker,
+            restart_listener(scenario, log, reset),
+            log,
+            options,
+            store,
+            stop_after=stop_after,
+        )
+        log.run = 1
+        await consume(broker, restart_listener(scenario, log, reset), log, options, store)
+
+    run_virtual(twice)
+    for a in log.attempts:
+        for o in a.offsets:
+            assert a.stage == expected[a.queue, o], (
+                f"{a.queue}:{o} got stage {a.stage} in run {a.run},"
+                f" {expected[a.queue, o]} without the restart"
+            )
+    # nothing lost, nothing committed consumed again
+    persisted = dict.fromkeys(range(scenario.queue_count), 0)
+    for _, run, offsets in log.writes:
+        if run == 0:
+            for q, c in offsets.items():
+                persisted[q] = max(persisted[q], c)
+    for a in log.attempts:
+        if a.run == 1:
+            assert a.offsets[-1] >= persisted[a.queue], "a committed message was consumed again"
+    assert set(per_message(log)) == set(sent), "a message was lost across the restart"
+    check_committed(log, scenario.counts, limit)
+
+
+# -- groups, strategies and the reset hook -----------------------------------------
+
+
+TAGS = ("s1", "s2", "none", "unknown")
+SLOW = 1000.0
+"""Cost of the message that blocks its stage key (more than all other work together)."""
+
+
+def keyed_strategy(message: Message) -> str | None:
+    tag = message.keys[0]
+    return {"s1": "s1", "s2": "s2", "none": None, "unknown": "no-such-strategy"}[tag]
+
+
+def keyed_group(message: Message) -> str | None:
+    return message.keys[1] or None
+
+
+@given(
+    scenarios(),
+    stage_sizes(max_size=4),
+    st.lists(
+        st.tuples(st.sampled_from(TAGS), st.sampled_from(["", "a", "b"])), min_size=1, max_size=12
+    ),
+)
+def test_groups_and_strategies_are_independent_stage_sequences(
+    scenario: Scenario, sizes2: list[int], tags: list[tuple[str, str]]
+) -> None:
+    definitions = {"s1": list(scenario.sizes), "s2": sizes2}
+    broker = MemoryBroker()
+    sent = fill(broker, scenario, keys=lambda q, o: tags[(q * 7 + o) % len(tags)])
+    log = Log()
+    listener = StagedKeyed(Behaviour(scenario, log, 1.0), definitions, keyed_strategy, keyed_group)
+    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log)))
+    limit = scenario.max_reconsume_times
+    model = naive_assign(sent, definitions, keyed_strategy, keyed_group)
+    check_exactly_once(log, broker, sent, limit)
+    check_barrier(log, model, limit)
+    check_committed(log, scenario.counts, limit)
+    check_concurrency_bound(log, scenario.workers)
+
+
+@settings(max_examples=30)
+@given(
+    scenarios(with_failures=False, max_queues=2, batch=st.just(1)),
+    st.lists(
+        st.tuples(st.sampled_from(TAGS), st.sampled_from(["", "a", "b"])), min_size=1, max_size=12
+    ),
+)
+def test_a_blocked_stage_key_never_blocks_other_keys(
+    scenario: Scenario, tags: list[tuple[str, str]]
+) -> None:
+    """One message per queue takes forever; only later stages of its own key wait."""
+    definitions = {"s1": list(scenario.sizes) or [1], "s2": [2, 1]}
+    broker = MemoryBroker()
+    sent = fill(broker, scenario, keys=lambda q, o: tags[(q * 7 + o) % len(tags)])
+    slow = {(q, 0): SLOW for q in range(scenario.queue_count) if scenario.counts[q]}
+    log = Log()
+    listener = StagedKeyed(
+        Behaviour(scenario, log, 1.0, slow=slow), definitions, keyed_strategy, keyed_group
+    )
+    run_virtual(
+        lambda: consume(
+            broker,
+            listener,
+            log,
+            options_for(
+                scenario,
+                consume_thread_max=len(slow) + scenario.workers,
+                persist_consumer_offset_interval=SLOW,
+                pull_long_polling_timeout=SLOW,
+            ),
+            RecordingStore(log),
+        )
+    )
+    model = naive_assign(sent, definitions, keyed_strategy, keyed_group)
+    check_barrier(log, model, None)
+    for (q, o), assigned in model.items():
+        if (q, 0) not in slow or o == 0:
+            continue
+        blocker = model[q, 0]
+        blocked = (
+            assigned.key is not None
+            and assigned.key == blocker.key
+            and assigned.epoch != blocker.epoch
+        )
+        (attempt,) = [a for a in log.attempts if a.queue == q and o in a.offsets]
+        if blocked:
+            assert attempt.start_time >= SLOW
+        else:
+            assert attempt.end_time < SLOW, (
+                f"{q}:{o} (key {assigned.key}) waited for the slow message of key {blocker.key}"
+            )
+
+
+@given(scenarios(), st.sampled_from(sorted(set(RESETS) - {"none"})))
+def test_reset_hook_applies_only_at_stage_boundaries(scenario: Scenario, reset: str) -> None:
+    broker = MemoryBroker()
+    sent = fill(broker, scenario)
+    log = Log()
+    hook = RESETS[reset]
+    assert hook is not None
+    listener = StagedWithReset(Behaviour(scenario, log, 1.0), scenario.sizes, hook)
+    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log)))
+    limit = scenario.max_reconsume_times
+    starts = {0}
+    total = 0
+    for size in scenario.sizes:
+        total += size
+        starts.add(total)
+    for current in listener.reset_calls:
+        assert current in starts or current >= total, f"hook consulted mid-stage at {current}"
+    model = naive_assign(sent, {"default": scenario.sizes}, reset=hook)
+    check_exactly_once(log, broker, sent, limit)
+    check_barrier(log, model, limit)
+    check_committed(log, scenario.counts, limit)
+
+
+# -- speed sanity: staged makespan in virtual time ------------------------------------
+
+
+def makespan(log: Log) -> float:
+    return max(a.end_time for a in log.attempts) - min(a.start_time for a in log.attempts)
+
+
+def constant(sizes: Sequence[int], messages: int, workers: int) -> Scenario:
+    return Scenario(
+        sizes=tuple(sizes),
+        counts=(messages,),
+        costs=(1,),
+        batch_size=1,
+        workers=workers,
+        failures=frozenset(),
+        max_reconsume_times=None,
+        suspend_millis=1000,
+    )
+
+
+def staged_makespan(scenario: Scenario, listener_kind: str = "staged") -> float:
+    broker = MemoryBroker()
+    fill(broker, scenario)
+    log = Log()
+    behaviour = Behaviour(scenario, log, 1.0)
+    listener: Any = (
+        Staged(behaviour, scenario.sizes) if listener_kind == "staged" else Orderly(behaviour)
+    )
+    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), MemoryOffsetStore()))
+    return makespan(log)
+
+
+def test_rip22_example_takes_six_units_staged_and_100_orderly() -> None:
+    scenario = constant([10, 20, 70], 100, 20)
+    assert staged_makespan(scenario) == 6
+    assert staged_makespan(scenario, "orderly") == 100
+
+
+@given(stage_sizes(max_size=12), st.integers(1, 60), st.integers(1, 12))
+def test_staged_makespan_is_the_sum_of_stage_rounds(
+    sizes: list[int], messages: int, workers: int
+) -> None:
+    per_stage: dict[int, int] = defaultdict(int)
+    for o in range(messages):
+        per_stage[naive_stage(sizes, o)] += 1
+    bound = sum(math.ceil(count / workers) for count in per_stage.values())
+    assert staged_makespan(constant(sizes, messages, workers)) == bound
