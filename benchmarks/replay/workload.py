@@ -17,7 +17,8 @@ OMB fields that mean nothing for a replay (``subscriptionsPerTopic``,
 and ignored, so an OMB file can be extended in place. Any other unknown field is an
 error. Consumer fields added here:
 
-``messagesPerQueue``, ``keyCount``, ``seed``, ``handlerCost`` (``distribution``:
+``messagesPerQueue``, ``keyCount``, ``seed``, ``handlerCost`` (default constant 1 ms;
+``distribution``:
 ``constant`` {``ms``}, ``uniform`` {``minMs``, ``maxMs``}, ``exponential``
 {``meanMs``}, ``lognormal`` {``medianMs``, ``sigma``}), ``failures``
 (``probability`` that an attempt fails, ``maxFailures`` consecutive failures of one
@@ -249,6 +250,8 @@ class _Reader:
 
 
 def _cost(r: _Reader) -> CostModel:
+    if not r.data:
+        return CostModel(distribution="constant", params={"ms": 1.0})  # default: 1 ms
     distribution = r.get_str("distribution", "constant", tuple(DISTRIBUTIONS))
     params: dict[str, float] = {}
     for name in DISTRIBUTIONS[distribution]:

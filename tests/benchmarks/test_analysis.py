@@ -1,0 +1,127 @@
+"""Analysis of hand-built event logs: known numbers and planted violations."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import pytest
+
+from benchmarks.replay import analysis
+from benchmarks.replay.runner import EVENT_COLUMNS
+from benchmarks.replay.workload import parse_workload
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+COSTS = [1.0, 2.0, 3.0, 4.0]
+STAGES = [0, 0, 1, 1]
+
+
+def event(mode: str, offset: int, start: float, end: float, *, batch: int, qid: int = 0,
+          attempt: int = 0, ok: bool = True, stage: int | None = None) -> dict[str, Any]:
+    return {
+        "mode": mode, "consumer": 0, "topic": 0, "queue": qid, "qid": qid, "offset": offset,
+        "stage": stage, "attempt": attempt, "batch": batch, "start": start, "end": end,
+        "ok": ok, "dlq": False, "publish": 0.0, "strategy": "default", "grp": None,
+        "expected_stage": STAGES[offset],
+    }
+
+
+def events_df(spark: SparkSession, rows: list[dict[str, Any]]) -> DataFrame:
+    from benchmarks.replay.spark import EVENT_SCHEMA
+
+    pdf = pd.DataFrame(rows, columns=list(EVENT_COLUMNS)).astype(
+        {"mode": object, "strategy": object, "grp": object, "stage": "Int32",
+         "expected_stage": "Int32"}
+    )
+    return spark.createDataFrame(pdf, schema=EVENT_SCHEMA)
+
+
+def clean_log() -> list[dict[str, Any]]:
+    # orderly: 1, 2, 3, 4 seconds one after the other -> ends 1, 3, 6, 10
+    rows, t = [], 0.0
+    for i, c in enumerate(COSTS):
+        rows.append(event("orderly", i, t, t + c, batch=i))
+        t += c
+    # staged on 2 workers: stage 0 = {1, 2} ends at 2; stage 1 = {3, 4} ends at 5 and 6
+    rows += [
+        event("staged", 0, 0, 1, batch=0, stage=0),
+        event("staged", 1, 0, 2, batch=1, stage=0),
+        event("staged", 2, 2, 5, batch=2, stage=1),
+        event("staged", 3, 2, 6, batch=3, stage=1),
+    ]
+    return rows
+
+
+def messages_df(spark: SparkSession) -> DataFrame:
+    pdf = pd.DataFrame({
+        "consumer": 0, "topic": 0, "queue": 0, "qid": 0, "offset": range(4),
+        "key": [None] * 4, "strategy": "default", "grp": [None] * 4, "size": 1,
+        "cost_us": [int(c * 1e6) for c in COSTS], "fail_attempts": 0, "publish_us": 0,
+        "stage": STAGES,
+    }).astype({"strategy": object, "key": object, "grp": object})
+    schema = ("consumer int, topic int, queue int, qid int, offset long, key string,"
+              " strategy string, grp string, size int, cost_us long, fail_attempts int,"
+              " publish_us long, stage int")
+    return spark.createDataFrame(pdf, schema=schema)
+
+
+def test_analysis_of_a_hand_built_log(spark: SparkSession) -> None:
+    w = parse_workload({"name": "hand", "messagesPerQueue": 4, "consumer": {"threads": 2},
+                        "stages": {"definitions": [2, 2]}, "modes": ["orderly", "staged"]})
+    bounds = analysis.compute_bounds(messages_df(spark), w, w.modes)
+    events = events_df(spark, clean_log())
+    outcomes = analysis.message_outcomes(events)
+    summary = analysis.mode_summary(4, events, outcomes, bounds).set_index("mode")
+    orderly, staged = summary.loc["orderly"], summary.loc["staged"]
+    assert (orderly["makespan"], staged["makespan"]) == (10, 6)
+    assert (orderly["bound"], staged["bound"]) == (10, 6)  # sum of costs; 2 + 4 on 2 workers
+    assert (orderly["efficiency"], staged["efficiency"]) == (1, 1)
+    assert staged["speedup"] == pytest.approx(10 / 6)
+    assert orderly["throughput"] == pytest.approx(0.4)
+    # latencies 1, 3, 6, 10: p50 = 3 (smallest value with half at or below it)
+    assert (orderly["latency_p50"], orderly["latency_p95"], orderly["latency_p99"]) == (3, 10, 10)
+    assert (staged["queueing_p50"], staged["queueing_p99"]) == (0, 2)
+    assert (orderly["attempts"], orderly["lost"], orderly["duplicates"]) == (4, 0, 0)
+    for mode in ("orderly", "staged"):
+        assert summary.loc[mode, "stage_order_violations"] == 0
+    assert summary.loc["orderly", "queue_order_violations"] == 0
+    assert summary.loc["staged", "stage_mismatches"] == 0
+    queues = analysis.queue_summary(outcomes).toPandas().set_index("mode")
+    assert queues.loc["staged", "speedup"] == pytest.approx(10 / 6)
+    assert queues.loc["orderly", "messages"] == 4
+
+
+def test_violation_counter_finds_planted_violations(spark: SparkSession) -> None:
+    rows = clean_log()
+    # orderly: offset 2 starts at 2.5, before offset 1 (ends at 3) finished
+    rows[2] = event("orderly", 2, 2.5, 5.5, batch=2)
+    # staged: offset 3 (stage 1) starts at 1.5, before stage 0 finished at 2
+    rows[7] = event("staged", 3, 1.5, 5.5, batch=3, stage=1)
+    # staged: offset 2 reported as stage 0 although the contract says stage 1
+    rows[6] = event("staged", 2, 2, 5, batch=2, stage=0)
+    found = analysis.violations(events_df(spark, rows)).toPandas().set_index("mode")
+    assert found.loc["orderly", "queue_order_violations"] == 1
+    assert found.loc["orderly", "stage_order_violations"] == 1  # 2.5 < 3: stage 1 too early
+    assert found.loc["staged", "stage_order_violations"] == 1
+    assert found.loc["staged", "stage_mismatches"] == 1
+
+
+def test_a_failed_attempt_and_its_retry_are_not_violations(spark: SparkSession) -> None:
+    rows = [
+        event("orderly", 0, 0, 1, batch=0),
+        event("orderly", 1, 1, 3, batch=1, ok=False),
+        event("orderly", 1, 4, 6, batch=2, attempt=1),  # retried after a 1 s suspend
+        event("orderly", 2, 6, 9, batch=3),
+        event("orderly", 3, 9, 13, batch=4),
+    ]
+    events = events_df(spark, rows)
+    found = analysis.violations(events).toPandas().set_index("mode")
+    assert found.loc["orderly", "queue_order_violations"] == 0
+    outcomes = analysis.message_outcomes(events).toPandas().set_index("offset")
+    assert outcomes.loc[1, "attempts"] == 2
+    assert outcomes.loc[1, "successes"] == 1
+    assert (outcomes.loc[1, "first_start"], outcomes.loc[1, "finish"]) == (1, 6)

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from benchmarks.replay.generate import MESSAGE_COLUMNS, generate_messages
+from benchmarks.replay.workload import parse_workload
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+
+def workload(**extra: Any) -> Any:
+    doc = {
+        "name": "gen", "partitionsPerTopic": 4, "topics": 2, "messagesPerQueue": 250,
+        "consumerPerSubscription": 3, "keyDistributor": "KEY_ROUND_ROBIN", "keyCount": 7,
+        "seed": 11, "handlerCost": {"distribution": "lognormal", "medianMs": 5, "sigma": 1},
+        "failures": {"probability": 0.3, "maxFailures": 2},
+        "stages": {"definitions": [10, 40], "strategies": {"vip": [3]},
+                   "strategyWeights": {"default": 2, "vip": 1, "none": 1}, "groupBy": "key"},
+        **extra,
+    }
+    return parse_workload(doc)
+
+
+def rows(spark: SparkSession, w: Any) -> list[tuple[Any, ...]]:
+    df = generate_messages(spark, w)
+    assert tuple(df.columns) == MESSAGE_COLUMNS
+    return [tuple(r) for r in df.orderBy("qid", "offset").collect()]
+
+
+def test_generation_is_deterministic_for_a_seed(spark: SparkSession) -> None:
+    first = rows(spark, workload())
+    spark.conf.set("spark.sql.shuffle.partitions", "5")  # other partitioning, same rows
+    try:
+        second = rows(spark, workload())
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", "2")
+    assert first == second
+    other = rows(spark, workload(seed=12))
+    cost = MESSAGE_COLUMNS.index("cost_us")
+    assert [r[cost] for r in first] != [r[cost] for r in other]
+
+
+def test_generated_columns_follow_the_workload(spark: SparkSession) -> None:
+    df = generate_messages(spark, workload()).toPandas()
+    assert len(df) == 2 * 4 * 250
+    assert sorted(df["consumer"].unique()) == [0, 1, 2]
+    assert df.groupby("qid")["offset"].apply(lambda s: sorted(s) == list(range(250))).all()
+    assert set(df["fail_attempts"]) == {0, 1, 2}  # capped by maxFailures
+    share_failing = (df["fail_attempts"] > 0).mean()
+    assert 0.25 < share_failing < 0.35  # P(first attempt fails) = 0.3
+    assert set(df["strategy"].dropna()) == {"default", "vip"}
+    assert df["strategy"].isna().any()
+    assert df.loc[df["strategy"].isna(), "stage"].isna().all()
+    # the contract's stage: rank within (queue, strategy, group) against the definitions
+    for (_, strategy, _), g in df.dropna(subset=["strategy"]).groupby(["qid", "strategy", "grp"]):
+        bounds = [10, 50] if strategy == "default" else [3]
+        expected = [next((i for i, b in enumerate(bounds) if rank < b), -1)
+                    for rank in range(len(g))]
+        assert list(g.sort_values("offset")["stage"]) == expected
+    median_ms = df["cost_us"].median() / 1000
+    assert 4 < median_ms < 6
+
+
+def test_recorded_traffic_becomes_messages(spark: SparkSession, tmp_path: Path) -> None:
+    csv = tmp_path / "traffic.csv"
+    csv.write_text("queue,cost_ms,key\n1,2.5,a\n0,1,b\n1,4,c\n0,3,d\n1,1,e\n")
+    w = parse_workload({"name": "rec", "recorded": {"path": "traffic.csv"},
+                        "stages": {"definitions": [1, 1]}}, base=tmp_path)
+    df = generate_messages(spark, w).orderBy("qid", "offset").toPandas()
+    assert list(df["qid"]) == [0, 0, 1, 1, 1]
+    assert list(df["offset"]) == [0, 1, 0, 1, 2]  # file order within a queue
+    assert list(df["cost_us"]) == [1000, 3000, 2500, 4000, 1000]
+    assert list(df["key"]) == ["b", "d", "a", "c", "e"]
+    assert list(df["stage"]) == [0, 1, 0, 1, -1]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("queue,millis\n0,1\n")
+    w_bad = parse_workload({"name": "bad", "recorded": {"path": str(bad)}})
+    with pytest.raises(ValueError, match="needs columns queue and cost_ms; missing cost_ms"):
+        generate_messages(spark, w_bad)

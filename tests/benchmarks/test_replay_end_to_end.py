@@ -1,0 +1,71 @@
+"""A small replay end to end in local mode: generate, replay, analyse, report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import pytest
+
+from benchmarks.replay.cli import main, run_bench
+from benchmarks.replay.workload import load_workload, parse_workload
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+WORKLOADS = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads"
+
+
+def test_rip22_reproduces_the_table_exactly(spark: SparkSession, tmp_path: Path) -> None:
+    result = run_bench(spark, load_workload(WORKLOADS / "rip22.yaml"), tmp_path)
+    summary = result.summary.set_index("mode")
+    assert summary.loc["orderly", "makespan"] == 100
+    assert summary.loc["staged", "makespan"] == 6
+    assert summary.loc["staged", "speedup"] == 100 / 6
+    assert round(summary.loc["staged", "speedup"], 1) == 16.7
+    assert (summary["efficiency"] == 1).all()
+    assert summary.loc["orderly", "queue_order_violations"] == 0
+    assert summary.loc["staged", "stage_order_violations"] == 0
+    assert (summary["lost"] == 0).all()
+    report = result.report_path.read_text()
+    assert "| staged | 6 | 6 | 1 | 16.7x |" in report
+    for name in ("throughput.png", "makespan_vs_bound.png", "latency.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    events = pd.read_parquet(tmp_path / "events-virtual.parquet")
+    assert len(events) == 300
+    assert set(events["mode"]) == {"orderly", "concurrent", "staged"}
+
+
+def test_two_consumers_with_failures_and_strategies(spark: SparkSession, tmp_path: Path) -> None:
+    w = parse_workload({
+        "name": "small", "partitionsPerTopic": 4, "messagesPerQueue": 60,
+        "consumerPerSubscription": 2, "keyDistributor": "KEY_ROUND_ROBIN", "keyCount": 6,
+        "producerRate": 500, "seed": 3,
+        "handlerCost": {"distribution": "exponential", "meanMs": 10},
+        "failures": {"probability": 0.1, "maxFailures": 1, "suspendMillis": 50},
+        "stages": {"definitions": [5, 10], "strategies": {"vip": [2]},
+                   "strategyWeights": {"default": 2, "vip": 1, "none": 1}, "groupBy": "key"},
+        "consumer": {"threads": 4},
+        "modes": ["orderly", "staged"],
+    })
+    summary = run_bench(spark, w, tmp_path).summary.set_index("mode")
+    assert (summary["messages"] == 240).all()
+    assert (summary["lost"] == 0).all()
+    assert (summary["attempts"] > 240).all()  # failures were retried
+    assert summary.loc["orderly", "queue_order_violations"] == 0
+    assert (summary["stage_order_violations"] == 0).all()
+    assert summary.loc["staged", "stage_mismatches"] == 0
+    assert (summary["efficiency"] <= 1 + 1e-9).all()
+    assert summary.loc["staged", "makespan"] < summary.loc["orderly", "makespan"]
+
+
+def test_validate_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nstages: {definitions: [0]}\n")
+    assert main(["validate", str(WORKLOADS / "rip22.yaml")]) == 0
+    assert "rip22.yaml: ok (rip22, 100 messages" in capsys.readouterr().out
+    assert main(["validate", str(bad)]) == 1
+    assert "stages.definitions: stage sizes must be positive" in capsys.readouterr().err
