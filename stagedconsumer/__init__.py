@@ -4,6 +4,8 @@ Messages inside a stage run concurrently; stage ``k + 1`` starts only after ever
 message of stage ``k`` finished (Apache RocketMQ's RIP-22, done correctly).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._consumer import ConsumerStatistics as ConsumerStatistics
 from ._consumer import PushConsumer as PushConsumer
 from ._core import TAIL_STAGE as TAIL_STAGE
@@ -34,14 +36,38 @@ from ._memory_broker import MemoryBrokerStatistics as MemoryBrokerStatistics
 from ._message import Message as Message
 from ._message import MessageQueue as MessageQueue
 from ._options import ConsumerOptions as ConsumerOptions
+from ._rebalance import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
+from ._rebalance import (
+    AllocateMessageQueueByConsistentHash as AllocateMessageQueueByConsistentHash,
+)
+from ._rebalance import AllocateMessageQueueStrategy as AllocateMessageQueueStrategy
+from ._rebalance import GroupCoordinator as GroupCoordinator
+from ._rebalance import GroupOptions as GroupOptions
 from ._source import MessageSource as MessageSource
 from ._source import PullResult as PullResult
 from ._source import SendBackResult as SendBackResult
+
+if TYPE_CHECKING:
+    from ._redis_broker import RedisBroker as RedisBroker
+
+
+def __getattr__(name: str) -> Any:
+    # RedisBroker needs the optional redis-py (``stagedconsumer[redis]``): imported on
+    # first use, so ``import stagedconsumer`` works without it.
+    if name == "RedisBroker":
+        from ._redis_broker import RedisBroker
+
+        return RedisBroker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
 __all__ = (
     "TAIL_STAGE",
+    "AllocateMessageQueueAveragely",
+    "AllocateMessageQueueByConsistentHash",
+    "AllocateMessageQueueStrategy",
     "ConfigurationError",
     "ConsumeConcurrentlyContext",
     "ConsumeConcurrentlyStatus",
@@ -51,6 +77,8 @@ __all__ = (
     "ConsumerOptions",
     "ConsumerStateError",
     "ConsumerStatistics",
+    "GroupCoordinator",
+    "GroupOptions",
     "HandlerError",
     "InvalidOptionError",
     "InvalidStageDefinitionError",
@@ -67,6 +95,7 @@ __all__ = (
     "ProcessQueueStatistics",
     "PullResult",
     "PushConsumer",
+    "RedisBroker",
     "SendBackResult",
     "SourceClosedError",
     "SourceError",

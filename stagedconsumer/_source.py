@@ -5,10 +5,14 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from ._message import Message, MessageQueue
+
+if TYPE_CHECKING:
+    from ._rebalance import GroupCoordinator
 
 __all__ = (
     "DLQ_PREFIX",
@@ -117,6 +121,16 @@ class MessageSource(abc.ABC):
     @abc.abstractmethod
     async def send_to_dlq(self, group: str, message: Message) -> None:
         """Move a message to the group's dead-letter queue ``%DLQ%<group>``."""
+
+    def group_coordinator(self) -> GroupCoordinator | None:
+        """Membership and queue locks shared by the processes of a consumer group.
+
+        ``None`` (the default, and the embedded broker's answer) means the source
+        serves one process: a consumer owns every queue of its subscriptions. A
+        source that returns a coordinator gets consumers that allocate queues among
+        the group's live members and consume only the queues whose lock they hold.
+        """
+        return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections. The default does nothing."""

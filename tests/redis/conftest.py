@@ -1,0 +1,66 @@
+"""Redis fixtures: every test gets its own key namespace and deletes only that.
+
+The URL comes from ``STAGEDCONSUMER_TEST_REDIS_URL`` (default: this machine's
+service). In CI an unreachable Redis fails the test instead of skipping it. redis-py's
+asyncio client runs on asyncio only, so these tests run on that backend alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlparse
+
+import pytest
+
+from stagedconsumer._redis_broker import RedisBroker
+from tests.conftest import require_service
+
+REDIS_URL = os.environ.get("STAGEDCONSUMER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+pytestmark = pytest.mark.redis
+
+
+@functools.cache
+def redis_error(url: str) -> str | None:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), 3) as s:
+            s.sendall(b"PING\r\n")
+            reply = s.recv(64)
+    except OSError as exc:
+        return str(exc)
+    return None if reply.startswith(b"+PONG") else f"unexpected reply {reply!r}"
+
+
+def require_redis(url: str = REDIS_URL) -> str:
+    error = redis_error(url)
+    require_service("Redis", error is None, f"{url}: {error}")
+    return url
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    return ("asyncio", {})
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return require_redis()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
+    async with RedisBroker(redis_url, namespace=namespace) as broker:
+        try:
+            yield broker
+        finally:
+            await broker.delete_namespace()

@@ -1,0 +1,207 @@
+"""RedisBroker against a real Redis: offsets, pulls, long polling, retries, DLQ, outages."""
+
+from __future__ import annotations
+
+import socket
+import time
+import zlib
+
+import anyio
+import pytest
+
+from stagedconsumer import ConfigurationError, MessageQueue, SourceError, UnknownTopicError
+from stagedconsumer._redis_broker import RedisBroker
+from stagedconsumer._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC, SendBackResult
+
+pytestmark = [pytest.mark.anyio, pytest.mark.redis]
+
+
+async def test_offsets_are_consecutive_per_queue_and_entry_ids_derive_from_them(
+    broker: RedisBroker,
+) -> None:
+    await broker.create_topic("t", 2)
+    sent = [await broker.send("t", b"m%d" % i, queue_id=i % 2) for i in range(10)]
+    assert [m.queue_offset for m in sent if m.queue_id == 0] == [0, 1, 2, 3, 4]
+    assert [m.queue_offset for m in sent if m.queue_id == 1] == [0, 1, 2, 3, 4]
+    entries = await broker.redis.xrange(f"{broker.namespace}:q:t:0", "-", "+")
+    assert [entry[0] for entry in entries] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
+    assert await broker.max_offset(MessageQueue("t", 0)) == 5
+    assert await broker.min_offset(MessageQueue("t", 0)) == 0
+
+
+async def test_pull_by_offset_in_batches_round_trips_every_field(broker: RedisBroker) -> None:
+    await broker.create_topic("t", 1)
+    first = await broker.send(
+        "t", b"\x00body\xff", keys=["k1", "k2"], tags="tagA", properties={"a": "1", "b": ":"}
+    )
+    for i in range(99):
+        await broker.send("t", b"%d" % i)
+    mq = MessageQueue("t", 0)
+    pulled = await broker.pull(mq, 0, 32)
+    assert len(pulled.messages) == 32
+    assert pulled.next_offset == 32
+    got = pulled.messages[0]
+    assert got == first
+    assert (got.body, got.keys, got.tags, dict(got.properties)) == (
+        b"\x00body\xff",
+        ("k1", "k2"),
+        "tagA",
+        {"a": "1", "b": ":"},
+    )
+    assert got.msg_id == first.msg_id
+    assert abs(got.born_timestamp - time.time()) < 60
+    assert got.reconsume_times == 0
+    offsets = []
+    offset = 0
+    while True:
+        result = await broker.pull(mq, offset, 32)
+        if not result.messages:
+            assert result.max_offset == 100
+            assert result.next_offset == 100
+            break
+        offsets += [m.queue_offset for m in result.messages]
+        offset = result.next_offset
+    assert offsets == list(range(100))
+    middle = await broker.pull(mq, 57, 3)
+    assert [m.queue_offset for m in middle.messages] == [57, 58, 59]
+    assert [m.body for m in middle.messages] == [b"56", b"57", b"58"]
+
+
+async def test_queue_choice_crc32_of_first_key_round_robin_or_explicit(
+    broker: RedisBroker,
+) -> None:
+    await broker.create_topic("t", 8)
+    for key in ("alpha", "beta", "order-17"):
+        message = await broker.send("t", b"x", keys=[key, "other"])
+        assert message.queue_id == zlib.crc32(key.encode()) % 8
+    round_robin = [(await broker.send("t", b"x")).queue_id for _ in range(16)]
+    assert sorted(round_robin) == sorted(list(range(8)) * 2)
+    assert (await broker.send("t", b"x", queue_id=5)).queue_id == 5
+    with pytest.raises(ConfigurationError):
+        await broker.send("t", b"x", queue_id=8)
+
+
+async def test_topic_metadata(broker: RedisBroker, redis_url: str) -> None:
+    assert [mq.queue_id for mq in await broker.create_topic("t", 3)] == [0, 1, 2]
+    await broker.create_topic("t", 3)  # idempotent
+    with pytest.raises(ConfigurationError, match="exists with 3 queues"):
+        await broker.create_topic("t", 4)
+    with pytest.raises(UnknownTopicError):
+        await broker.get_queues("missing")
+    with pytest.raises(ConfigurationError):
+        await broker.create_topic("%RETRY%g", 1)
+    # Another broker (another process) sees the topic through Redis.
+    async with RedisBroker(redis_url, namespace=broker.namespace) as other:
+        assert len(await other.get_queues("t")) == 3
+        assert len(await other.get_queues("%RETRY%g")) == 1
+
+
+async def test_long_poll_wakes_on_send_and_times_out_when_idle(broker: RedisBroker) -> None:
+    await broker.create_topic("t", 1)
+    mq = MessageQueue("t", 0)
+    started = time.monotonic()
+    empty = await broker.pull(mq, 0, 10, timeout=0.3)
+    assert empty.messages == []
+    assert time.monotonic() - started >= 0.28
+
+    got: list[int] = []
+
+    async def waiter() -> None:
+        result = await broker.pull(mq, 0, 10, timeout=10)
+        got.extend(m.queue_offset for m in result.messages)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0.2)
+        sent_at = time.monotonic()
+        await broker.send("t", b"wake")
+    assert got == [0]
+    assert time.monotonic() - sent_at < 2
+
+
+async def test_retry_waits_its_delay_level_then_appears_in_the_retry_queue(
+    broker: RedisBroker,
+) -> None:
+    await broker.create_topic("t", 1)
+    original = await broker.send("t", b"payload", keys="k")
+    assert await broker.send_back("g", original, delay_level=1) is SendBackResult.RETRY
+    retry_mq = MessageQueue("%RETRY%g", 0)
+    assert await broker.delayed_count("g") == 1
+    assert (await broker.pull(retry_mq, 0, 10)).messages == []
+    started = time.monotonic()
+    result = await broker.pull(retry_mq, 0, 10, timeout=5)
+    waited = time.monotonic() - started
+    assert 0.5 <= waited <= 2.5, waited  # level 1 = 1 s
+    [retried] = result.messages
+    assert retried.body == b"payload"
+    assert retried.reconsume_times == 1
+    assert retried.properties[PROPERTY_RETRY_TOPIC] == "t"
+    assert retried.properties[PROPERTY_ORIGIN_MESSAGE_ID] == original.msg_id
+    assert retried.msg_id != original.msg_id
+    assert await broker.delayed_count("g") == 0
+    # Released once: pulling again does not append it twice.
+    assert await broker.max_offset(retry_mq) == 1
+
+
+async def test_default_delay_level_follows_reconsume_times(broker: RedisBroker) -> None:
+    await broker.create_topic("t", 1)
+    message = await broker.send("t", b"x")
+    await broker.send_back("g", message)  # level 3 + 0 = 10 s
+    await anyio.sleep(1.2)
+    retry_mq = MessageQueue("%RETRY%g", 0)
+    assert (await broker.pull(retry_mq, 0, 10)).messages == []
+    score = await broker.redis.zrange(f"{broker.namespace}:delay:g", 0, 0, withscores=True)
+    server_now = (await broker.redis.time())[0]
+    assert 8 <= score[0][1] / 1000 - server_now <= 10.5
+
+
+async def test_spent_messages_and_negative_levels_go_to_the_dlq(broker: RedisBroker) -> None:
+    await broker.create_topic("t", 1)
+    message = await broker.send("t", b"poison", tags="x")
+    assert await broker.send_back("g", message, max_reconsume_times=0) is SendBackResult.DLQ
+    assert await broker.send_back("g", message, delay_level=-1) is SendBackResult.DLQ
+    await broker.send_to_dlq("g", message)
+    dead = await broker.messages("%DLQ%g")
+    assert [m.queue_offset for m in dead] == [0, 1, 2]
+    assert all(m.body == b"poison" and m.tags == "x" for m in dead)
+    assert all(m.properties[PROPERTY_ORIGIN_MESSAGE_ID] == message.msg_id for m in dead)
+    assert await broker.delayed_count("g") == 0
+
+
+async def test_concurrent_producers_get_distinct_consecutive_offsets(
+    broker: RedisBroker, redis_url: str
+) -> None:
+    await broker.create_topic("t", 1)
+    async with RedisBroker(redis_url, namespace=broker.namespace) as other:
+        offsets: list[int] = []
+
+        async def produce(b: RedisBroker) -> None:
+            for _ in range(100):
+                offsets.append((await b.send("t", b"x", queue_id=0)).queue_offset)
+
+        async with anyio.create_task_group() as tg:
+            for b in (broker, other, broker, other):
+                tg.start_soon(produce, b)
+    assert sorted(offsets) == list(range(400))
+    assert await broker.send_many("t", [b"y"] * 250, queue_id=0, chunk=100) == 250
+    assert await broker.max_offset(MessageQueue("t", 0)) == 650
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_unreachable_redis_is_reported_as_retriable_and_sends_retry() -> None:
+    url = f"redis://127.0.0.1:{_free_port()}/0"
+    async with RedisBroker(url, namespace="nowhere", send_timeout=0.5) as broker:
+        with pytest.raises(SourceError) as pulled:
+            await broker.pull(MessageQueue("t", 0), 0, 10)
+        assert pulled.value.retriable
+        started = time.monotonic()
+        with pytest.raises(SourceError) as sent:
+            await broker.send("t", b"x", queue_id=0)
+        assert sent.value.retriable
+        assert time.monotonic() - started >= 0.3  # retried with backoff first
+        assert broker.connection_errors >= 3
