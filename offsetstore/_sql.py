@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Final, TypeVar
 
+import anyio.lowlevel
 import anyio.to_thread
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
@@ -58,6 +59,7 @@ SCHEMA_VERSION: Final = 1
 
 _COMPONENT: Final = "offsetstore"
 _DEADLOCK_RETRIES: Final = 3
+_SNAPSHOT_CHUNK: Final = 500
 _T = TypeVar("_T")
 
 _DRIVER_HINTS: Final = {
@@ -122,13 +124,16 @@ def _sort_key(item: tuple[StageKey, int]) -> tuple[str, bool, str]:
     return (key.strategy_id, key.group_id is not None, key.group_id or "")
 
 
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"))
+"""One encoder: ``json.dumps`` with options builds a new one per call (slow at 10,000 rows)."""
+
+
 def encode_stage_offsets(stage_offsets: Mapping[StageKey, int]) -> str:
     """Canonical JSON of stage offsets; ``group_id`` ``None`` stays ``null``, apart from ``""``."""
-    items = sorted(stage_offsets.items(), key=_sort_key)
-    return json.dumps(
-        [[key.strategy_id, key.group_id, offset] for key, offset in items],
-        separators=(",", ":"),
+    items = sorted(stage_offsets.items(), key=_sort_key) if len(stage_offsets) > 1 else list(
+        stage_offsets.items()
     )
+    return _ENCODER.encode([[key.strategy_id, key.group_id, offset] for key, offset in items])
 
 
 def decode_stage_offsets(text: str) -> dict[StageKey, int]:
@@ -571,19 +576,43 @@ class SqlOffsetStore(StageOffsetStore):
             "stage_offsets": encode_stage_offsets(progress.stage_offsets),
         }
 
+    async def persist_all(self, group: str, mqs: Iterable[MessageQueue]) -> None:
+        """Write the in-memory progress of ``mqs`` to the database in one transaction.
+
+        As :meth:`StageOffsetStore.persist_all`, but the snapshot of the in-memory
+        table yields to the event loop every ``_SNAPSHOT_CHUNK`` queues, so a commit of
+        10,000 queues never holds the loop for more than a few milliseconds. Each
+        queue's progress is still copied as one unit; queues are independent, so a
+        queue updated while the snapshot runs is simply written with its newer value.
+        """
+        batch: dict[MessageQueue, QueueProgress] = {}
+        table = self._table
+        for count, mq in enumerate(mqs, 1):
+            row = table.get((group, mq))
+            if row is not None:
+                batch[mq] = row.progress()
+            if count % _SNAPSHOT_CHUNK == 0:
+                await anyio.lowlevel.checkpoint()
+        if batch:
+            await self._write_stored(group, batch)
+
     async def _write_stored(
         self, group: str, progress: Mapping[MessageQueue, QueueProgress]
     ) -> None:
-        # Sorted, so concurrent writers lock rows in the same order (no deadlocks).
-        params = [self._params(group, mq, progress[mq]) for mq in sorted(progress)]
+        items = list(progress.items())
         stmt = self._write_stmt
 
         def write() -> None:
+            # Everything but the snapshot above runs here, off the event loop: with
+            # 10,000 queues, sorting and encoding alone take tens of milliseconds.
+            # Sorted, so concurrent writers lock rows in the same order (no deadlocks).
+            items.sort(key=_queue_order)
+            params = [self._params(group, mq, value) for mq, value in items]
             with self._write_transaction() as conn:
                 conn.execute(stmt, params)
 
         await self._run(
-            f"persisting the progress of {len(params)} queue(s) of group {group!r}",
+            f"persisting the progress of {len(items)} queue(s) of group {group!r}",
             write,
             writes=True,
         )
@@ -592,28 +621,33 @@ class SqlOffsetStore(StageOffsetStore):
         self, group: str, progress: Mapping[MessageQueue, QueueProgress | None]
     ) -> None:
         t = self._progress
-        upserts = [
-            self._params(group, mq, value)
-            for mq, value in sorted(progress.items())
-            if value is not None
-        ]
-        deletes = [mq for mq, value in sorted(progress.items()) if value is None]
+        items = sorted(progress.items(), key=_queue_order)
         stmt = self._overwrite_stmt
 
         def write() -> None:
+            upserts = [
+                self._params(group, mq, value) for mq, value in items if value is not None
+            ]
             with self._write_transaction() as conn:
-                for mq in deletes:
-                    conn.execute(
-                        sa.delete(t).where(
-                            t.c.consumer_group == group,
-                            t.c.topic == mq.topic,
-                            t.c.queue_id == mq.queue_id,
+                for mq, value in items:
+                    if value is None:
+                        conn.execute(
+                            sa.delete(t).where(
+                                t.c.consumer_group == group,
+                                t.c.topic == mq.topic,
+                                t.c.queue_id == mq.queue_id,
+                            )
                         )
-                    )
                 if upserts:
                     conn.execute(stmt, upserts)
 
         await self._run(f"resetting the progress of group {group!r}", write, writes=True)
+
+
+def _queue_order(item: tuple[MessageQueue, object]) -> tuple[str, int]:
+    # A key function: attrs' generated ordering of MessageQueue is ~30x slower.
+    mq = item[0]
+    return (mq.topic, mq.queue_id)
 
 
 def _configure_sqlite(engine: sa.Engine, *, memory: bool) -> None:
