@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping
 
+from ._exceptions import StoreConfigurationError, StoreFencedError
 from ._types import MessageQueue, QueueProgress, ReadOffsetType, StageKey
 
 __all__ = ("StageOffsetStore",)
@@ -37,7 +38,11 @@ class StageOffsetStore(abc.ABC):
     :meth:`reset_progress`, an operator action, moves them back.
 
     Subclasses implement the durable part: :meth:`_read_stored`,
-    :meth:`_write_stored`, :meth:`_overwrite_stored` and :meth:`_list_stored`.
+    :meth:`_write_stored`, :meth:`_overwrite_stored` and :meth:`_list_stored`, and,
+    for consumer groups spread over processes, :meth:`_claim_stored` and
+    :meth:`_write_fenced`: each stored row then carries a fence, the highest fencing
+    token (queue lock epoch) that claimed it, and writes with a lower token are
+    refused, so a consumer that lost a queue cannot overwrite its new owner's progress.
     """
 
     def __init__(self) -> None:
@@ -178,6 +183,64 @@ class StageOffsetStore(abc.ABC):
                 batch[mq] = row.progress()
         if batch:
             await self._write_stored(group, batch)
+
+    # -- fencing (consumer groups across processes) ----------------------------------
+
+    async def _claim_stored(self, group: str, mq: MessageQueue, fence: int) -> QueueProgress | None:
+        """Raise the stored fence of ``mq`` to ``fence`` and return its progress, in one
+        transaction; raise :class:`StoreFencedError` when the stored fence is higher."""
+        raise StoreConfigurationError(f"{type(self).__name__} does not support fencing tokens")
+
+    async def _write_fenced(
+        self,
+        group: str,
+        progress: Mapping[MessageQueue, QueueProgress],
+        fences: Mapping[MessageQueue, int],
+    ) -> set[MessageQueue]:
+        """Persist ``progress`` (increase-only, as :meth:`_write_stored`) for every queue
+        whose stored fence is at most its token in ``fences``, in one transaction;
+        returns the queues skipped because their stored fence is higher."""
+        raise StoreConfigurationError(f"{type(self).__name__} does not support fencing tokens")
+
+    async def claim(self, group: str, mq: MessageQueue, fence: int) -> QueueProgress | None:
+        """Take over ``mq`` with fencing token ``fence`` (a queue lock's epoch).
+
+        Raises the stored fence to ``fence`` (so writes with an older token are
+        refused from now on) and returns the stored progress, also loaded into the
+        in-memory table (``None`` when there is none). Raises
+        :class:`~offsetstore.StoreFencedError` when a newer owner already claimed it.
+        """
+        progress = await self._claim_stored(group, mq, fence)
+        if progress is None:
+            self.remove_offset(group, mq)
+        else:
+            self.update_progress(group, mq, progress)
+        return progress
+
+    async def persist_fenced(self, group: str, fences: Mapping[MessageQueue, int]) -> None:
+        """Like :meth:`persist_all` for the queues of ``fences``, each written only if
+        its token is at least the stored fence (the one of its last :meth:`claim`).
+
+        The queues that pass are written in one transaction; then, if any queue was
+        refused, :class:`~offsetstore.StoreFencedError` is raised with those queues in
+        its ``queues``: their owner lost them and must stop without committing.
+        """
+        batch: dict[MessageQueue, QueueProgress] = {}
+        tokens: dict[MessageQueue, int] = {}
+        for mq, fence in fences.items():
+            row = self._table.get((group, mq))
+            if row is not None:
+                batch[mq] = row.progress()
+                tokens[mq] = fence
+        if not batch:
+            return
+        fenced = await self._write_fenced(group, batch, tokens)
+        if fenced:
+            raise StoreFencedError(
+                f"group {group!r}: progress of {', '.join(map(str, sorted(fenced)))} not"
+                " written: another consumer took over the queue (newer fencing token)",
+                queues=fenced,
+            )
 
     def remove_offset(self, group: str, mq: MessageQueue) -> None:
         """Forget the in-memory progress of ``mq`` (its stored progress stays)."""

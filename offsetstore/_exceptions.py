@@ -14,6 +14,12 @@ Driver and SQLAlchemy errors are wrapped at the boundary (``raise ... from exc``
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._types import MessageQueue
+
 __all__ = (
     "OffsetStoreError",
     "StoreCommitError",
@@ -53,7 +59,12 @@ class StoreCommitError(OffsetStoreError):
 
 
 class StoreFencedError(OffsetStoreError):
-    """A write carried a fencing token older than the queue's current owner's."""
+    """A write carried a fencing token older than the queue's current owner's.
 
-    def __init__(self, message: str) -> None:
+    ``queues`` are the queues refused (their writer lost them); other queues of the
+    same write may have been written.
+    """
+
+    def __init__(self, message: str, *, queues: Iterable[MessageQueue] = ()) -> None:
         super().__init__(message, retriable=False)
+        self.queues: frozenset[MessageQueue] = frozenset(queues)

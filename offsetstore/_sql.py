@@ -8,6 +8,8 @@ Layout (``prefix`` defaults to ``stagedconsumer_``)::
     <prefix>progress   consumer_group, topic, queue_id   (primary key)
                        consume_offset BIGINT NULL
                        stage_offsets  TEXT  JSON [[strategy_id, group_id|null, offset], ...]
+                       fence BIGINT NOT NULL DEFAULT 0   (schema version 2) the highest
+                       fencing token (queue lock epoch) that claimed the queue
 
 One row per queue holds the whole unit of progress (consume offset and the stage
 offsets of every stage key of the queue), so writing one queue's progress is a single
@@ -48,13 +50,15 @@ from ._exceptions import (
     OffsetStoreError,
     StoreCommitError,
     StoreConfigurationError,
+    StoreFencedError,
     StoreUnavailableError,
 )
 from ._types import MessageQueue, QueueProgress, StageKey
 
 __all__ = ("SCHEMA_VERSION", "SqlOffsetStore")
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+"""Version 2 added the ``fence`` column (fencing tokens of consumer groups)."""
 """Version of the table layout this module writes and reads."""
 
 _COMPONENT: Final = "offsetstore"
@@ -111,6 +115,7 @@ def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table]:
             sa.Text().with_variant(mysql_dialect.MEDIUMTEXT(), "mysql", "mariadb"),
             nullable=False,
         ),
+        sa.Column("fence", sa.BigInteger, nullable=False, server_default="0"),
         mysql_engine="InnoDB",
     )
     return metadata, schema, progress
@@ -487,7 +492,32 @@ class SqlOffsetStore(StageOffsetStore):
                 f"the offset store in {self.url} has schema version {version}, newer than"
                 f" this stagedconsumer's {SCHEMA_VERSION}: upgrade stagedconsumer"
             )
-        # version < SCHEMA_VERSION: migrations go here when there is a version 2.
+        if version < 2:
+            self._migrate_to_2()
+
+    def _migrate_to_2(self) -> None:
+        """Version 1 -> 2: add the ``fence`` column (idempotent; processes may race)."""
+        t = self._progress
+        with self._engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
+        if "fence" not in columns:
+            try:
+                with self._write_transaction() as conn:
+                    conn.exec_driver_sql(
+                        f"ALTER TABLE {t.name} ADD COLUMN fence BIGINT NOT NULL DEFAULT 0"
+                    )
+            except (sa_exc.ProgrammingError, sa_exc.OperationalError):
+                with self._engine.connect() as conn:
+                    columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
+                if "fence" not in columns:
+                    raise
+        schema = self._schema_table
+        with self._write_transaction() as conn:
+            conn.execute(
+                sa.update(schema)
+                .where(schema.c.component == _COMPONENT, schema.c.version < 2)
+                .values(version=2)
+            )
 
     @contextmanager
     def _write_transaction(self) -> Iterator[sa.Connection]:
@@ -613,6 +643,83 @@ class SqlOffsetStore(StageOffsetStore):
 
         await self._run(
             f"persisting the progress of {len(items)} queue(s) of group {group!r}",
+            write,
+            writes=True,
+        )
+
+    def _lock_row(self, conn: sa.Connection, group: str, mq: MessageQueue) -> Any:
+        """The row of ``mq`` (consume offset, stage offsets, fence), locked for update."""
+        t = self._progress
+        stmt = sa.select(t.c.consume_offset, t.c.stage_offsets, t.c.fence).where(
+            t.c.consumer_group == group, t.c.topic == mq.topic, t.c.queue_id == mq.queue_id
+        )
+        if self._backend != "sqlite":  # SQLite: BEGIN IMMEDIATE already serializes writers
+            stmt = stmt.with_for_update()
+        return conn.execute(stmt).first()
+
+    async def _claim_stored(self, group: str, mq: MessageQueue, fence: int) -> QueueProgress | None:
+        t = self._progress
+        where = (t.c.consumer_group == group, t.c.topic == mq.topic, t.c.queue_id == mq.queue_id)
+
+        def claim() -> QueueProgress | None:
+            for attempt in range(2):
+                try:
+                    with self._write_transaction() as conn:
+                        row = self._lock_row(conn, group, mq)
+                        if row is None:
+                            conn.execute(
+                                sa.insert(t).values(
+                                    consumer_group=group,
+                                    topic=mq.topic,
+                                    queue_id=mq.queue_id,
+                                    consume_offset=None,
+                                    stage_offsets="[]",
+                                    fence=fence,
+                                )
+                            )
+                            return None
+                        if int(row.fence) > fence:
+                            raise StoreFencedError(
+                                f"group {group!r}: {mq} was claimed with fencing token"
+                                f" {row.fence} > {fence}",
+                                queues=(mq,),
+                            )
+                        conn.execute(sa.update(t).where(*where).values(fence=fence))
+                        rows = [(mq.topic, mq.queue_id, row.consume_offset, row.stage_offsets)]
+                        return self._rows_to_progress(rows)[mq]
+                except sa_exc.IntegrityError:
+                    if attempt:  # a concurrent claim inserted the row first: look again
+                        raise
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return await self._run(f"claiming {mq} ({group}) with fence {fence}", claim, writes=True)
+
+    async def _write_fenced(
+        self,
+        group: str,
+        progress: Mapping[MessageQueue, QueueProgress],
+        fences: Mapping[MessageQueue, int],
+    ) -> set[MessageQueue]:
+        stmt = self._write_stmt
+        queues = sorted(progress)
+
+        def write() -> set[MessageQueue]:
+            fenced: set[MessageQueue] = set()
+            with self._write_transaction() as conn:
+                # Lock each row (sorted: no deadlocks), then write those not fenced off.
+                for mq in queues:
+                    row = self._lock_row(conn, group, mq)
+                    if row is not None and int(row.fence) > fences[mq]:
+                        fenced.add(mq)
+                params = [
+                    self._params(group, mq, progress[mq]) for mq in queues if mq not in fenced
+                ]
+                if params:
+                    conn.execute(stmt, params)
+            return fenced
+
+        return await self._run(
+            f"persisting the progress of {len(queues)} queue(s) of group {group!r} (fenced)",
             write,
             writes=True,
         )
