@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 __all__ = (
     "Scenario",
+    "arrival_gaps",
     "batch_sizes",
     "concurrency_limits",
     "degenerate_orderly_sizes",
@@ -69,6 +70,11 @@ def durations(*, max_cost: int = 4) -> st.SearchStrategy[list[int]]:
     return st.lists(st.integers(0, max_cost), min_size=1, max_size=8)
 
 
+def arrival_gaps() -> st.SearchStrategy[list[int]]:
+    """Gaps between message arrivals: often none (all sent up front), else a schedule."""
+    return st.one_of(st.just([0]), st.lists(st.integers(0, 3), min_size=1, max_size=6))
+
+
 def failure_schedules(
     counts: Sequence[int], *, max_attempt: int = 3, max_failures: int = 6
 ) -> st.SearchStrategy[frozenset[tuple[int, int, int]]]:
@@ -102,6 +108,9 @@ class Scenario:
     failures: frozenset[tuple[int, int, int]]
     max_reconsume_times: int | None
     suspend_millis: int
+    gaps: tuple[int, ...] = (0,)
+    """Time units between the arrivals of consecutive messages of a queue, cycled by
+    global message index; ``(0,)``: everything is in the broker before consuming starts."""
 
     @property
     def queue_count(self) -> int:
@@ -114,6 +123,11 @@ class Scenario:
     def cost(self, queue_id: int, offset: int) -> int:
         index = sum(self.counts[:queue_id]) + offset
         return self.costs[index % len(self.costs)]
+
+    def arrival(self, queue_id: int, offset: int) -> int:
+        """When message ``offset`` of ``queue_id`` is sent (non-decreasing per queue)."""
+        start = sum(self.counts[:queue_id])
+        return sum(self.gaps[(start + k) % len(self.gaps)] for k in range(1, offset + 1))
 
     def fails(self, queue_id: int, offset: int, reconsume_times: int) -> bool:
         return (queue_id, offset, reconsume_times) in self.failures
@@ -148,4 +162,5 @@ def scenarios(
         failures=failures,
         max_reconsume_times=limit,
         suspend_millis=draw(st.sampled_from([10, 500, 1000, 2500])),
+        gaps=tuple(draw(arrival_gaps())),
     )
