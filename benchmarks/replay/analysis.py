@@ -127,7 +127,11 @@ def compute_bounds(messages: DataFrame, w: Workload, modes: Sequence[str]) -> Da
     def per_consumer(pdf: pd.DataFrame) -> pd.DataFrame:
         return consumer_bounds(pdf, chosen, workers, limit)
 
-    return messages.groupBy("consumer").applyInPandas(per_consumer, schema=BOUND_SCHEMA)
+    from .spark import by_consumer
+
+    return by_consumer(messages).groupBy("consumer").applyInPandas(
+        per_consumer, schema=BOUND_SCHEMA
+    )
 
 
 def message_outcomes(events: DataFrame) -> DataFrame:

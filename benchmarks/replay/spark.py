@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BooleanType,
     DoubleType,
@@ -30,7 +31,7 @@ from pyspark.sql.types import (
 
 from .runner import ReplayConfig, replay_consumer
 
-__all__ = ("EVENT_SCHEMA", "get_session", "replay_events", "ship_code")
+__all__ = ("EVENT_SCHEMA", "by_consumer", "get_session", "replay_events", "ship_code")
 
 EVENT_SCHEMA = StructType(
     [
@@ -110,4 +111,17 @@ def replay_events(
     def replay_all(pdf: pd.DataFrame) -> pd.DataFrame:
         return pd.concat(list(replay_group(pdf)), ignore_index=True)
 
-    return messages.groupBy("consumer").applyInPandas(replay_all, schema=EVENT_SCHEMA)
+    return by_consumer(messages).groupBy("consumer").applyInPandas(replay_all, schema=EVENT_SCHEMA)
+
+
+def by_consumer(messages: DataFrame) -> DataFrame:
+    """One partition per consumer instance (so one Spark task each).
+
+    Range partitioning on ``consumer`` with as many partitions as consumers satisfies
+    the grouping without another shuffle, and an explicit partition count keeps
+    adaptive query execution from coalescing the (small in bytes, long to replay)
+    partitions into one task, which would serialise the replay on one core.
+    """
+    first = messages.agg(F.max("consumer")).first()
+    consumers = 1 if first is None or first[0] is None else int(first[0]) + 1
+    return messages.repartitionByRange(consumers, "consumer")
