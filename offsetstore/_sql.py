@@ -216,8 +216,13 @@ class SqlOffsetStore(StageOffsetStore):
     :class:`~offsetstore.OffsetStoreError` subclasses (``retriable`` says whether a
     retry can help), with the driver's error as ``__cause__``.
 
-    ``connect_timeout`` (seconds, default 10) bounds connecting to a server;
-    ``engine_options`` go to :func:`sqlalchemy.create_engine` unchanged.
+    ``connect_timeout`` (seconds, default 10) bounds connecting to a server (and,
+    for SQLite, waiting for a locked file). ``operation_timeout`` (seconds, default
+    60, ``None``: no limit) bounds every call: a call that takes longer (a frozen
+    server, a half-open connection) raises a retriable
+    :class:`~offsetstore.StoreUnavailableError` and is left to finish in its thread;
+    should it commit late, the increase-only rule keeps it from moving progress
+    back. ``engine_options`` go to :func:`sqlalchemy.create_engine` unchanged.
     """
 
     def __init__(
@@ -227,6 +232,7 @@ class SqlOffsetStore(StageOffsetStore):
         table_prefix: str = "stagedconsumer_",
         create_tables: bool = True,
         connect_timeout: float = 10.0,
+        operation_timeout: float | None = 60.0,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -253,6 +259,11 @@ class SqlOffsetStore(StageOffsetStore):
         self._table_prefix = table_prefix
         self._create_tables = create_tables
         self._metadata, self._schema_table, self._progress = _build_tables(table_prefix)
+        if operation_timeout is not None and operation_timeout <= 0:
+            raise StoreConfigurationError(
+                f"operation_timeout must be > 0 or None, got {operation_timeout!r}"
+            )
+        self._operation_timeout = operation_timeout
         self._engine = self._create_engine(connect_timeout, dict(engine_options or {}))
         self._write_stmt = self._build_write_statement()
         self._overwrite_stmt = self._build_overwrite_statement()
@@ -298,8 +309,14 @@ class SqlOffsetStore(StageOffsetStore):
                 connect_args["check_same_thread"] = False
         elif self._backend == "postgresql":
             connect_args["connect_timeout"] = max(int(connect_timeout), 1)
+            # Notice a server that vanished without closing the connection.
+            connect_args.update(keepalives=1, keepalives_idle=10, keepalives_interval=5)
+            connect_args["keepalives_count"] = 3
         else:
             connect_args["connect_timeout"] = max(int(connect_timeout), 1)
+            if self._operation_timeout is not None:
+                io_timeout = max(int(self._operation_timeout), 1)
+                connect_args.update(read_timeout=io_timeout, write_timeout=io_timeout)
             options.setdefault("isolation_level", "READ COMMITTED")
         connect_args.update(options.pop("connect_args", {}))
         options.setdefault("pool_pre_ping", self._backend != "sqlite")
@@ -382,7 +399,21 @@ class SqlOffsetStore(StageOffsetStore):
     async def _run(self, action: str, func: Callable[[], _T], *, writes: bool) -> _T:
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
-        return await anyio.to_thread.run_sync(self._call, action, func, writes)
+        return await self._in_thread(action, self._call, action, func, writes)
+
+    async def _in_thread(self, action: str, func: Callable[..., _T], *args: Any) -> _T:
+        """Run ``func`` in a worker thread, for at most ``operation_timeout`` seconds."""
+        timeout = self._operation_timeout
+        if timeout is None:
+            return await anyio.to_thread.run_sync(func, *args)
+        with anyio.move_on_after(timeout) as scope:
+            return await anyio.to_thread.run_sync(func, *args, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            raise StoreUnavailableError(
+                f"{action} on {self.url} took longer than {timeout:g} s (operation_timeout);"
+                " abandoned it"
+            )
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _call(self, action: str, func: Callable[[], _T], writes: bool) -> _T:
         try:
@@ -439,7 +470,7 @@ class SqlOffsetStore(StageOffsetStore):
         """
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
-        await anyio.to_thread.run_sync(self._load_sync)
+        await self._in_thread("preparing the offset store", self._load_sync)
 
     def _load_sync(self) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import anyio
 import pytest
 import sqlalchemy as sa
 
@@ -141,8 +142,6 @@ async def test_load_creates_tables_with_a_schema_version_row(sql_backend: Backen
 
 
 async def test_two_stores_creating_tables_at_once_both_succeed(sql_backend: Backend) -> None:
-    import anyio
-
     stores = [sql_backend.new_store() for _ in range(4)]
     async with anyio.create_task_group() as tg:
         for store in stores:
@@ -266,3 +265,42 @@ def test_stage_offsets_encoding_is_canonical_and_strict() -> None:
         with pytest.raises(ValueError, match="stage offset"):
             decode_stage_offsets(bad)
 
+
+
+async def test_operation_timeout_abandons_a_stuck_call_and_late_commits_never_regress(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "progress.db"
+    store = SqlOffsetStore(f"sqlite:///{path}", connect_timeout=3, operation_timeout=0.3)
+    try:
+        await store.load()
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN EXCLUSIVE")
+            store.update_offset("g", MQ, 10)
+            with pytest.raises(StoreUnavailableError, match="operation_timeout") as info:
+                await store.persist("g", MQ)  # stuck on the lock, abandoned after 0.3 s
+            assert info.value.retriable is True
+            store.update_offset("g", MQ, 5)  # an older value, also left stuck
+            with pytest.raises(StoreUnavailableError, match="operation_timeout"):
+                await store.persist("g", MQ)
+        finally:
+            blocker.rollback()
+            blocker.close()
+        # Both abandoned writes now finish in their threads, in either order.
+        reader = SqlOffsetStore(f"sqlite:///{path}")
+        try:
+            with anyio.fail_after(10):
+                while await reader.read_offset("g", MQ, ReadOffsetType.READ_FROM_STORE) != 10:
+                    await anyio.sleep(0.05)
+            await anyio.sleep(0.5)
+            assert await reader.read_offset("g", MQ, ReadOffsetType.READ_FROM_STORE) == 10
+        finally:
+            await reader.aclose()
+    finally:
+        await store.aclose()
+
+
+def test_operation_timeout_must_be_positive() -> None:
+    with pytest.raises(StoreConfigurationError, match="operation_timeout"):
+        SqlOffsetStore("sqlite://", operation_timeout=0)
