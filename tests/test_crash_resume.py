@@ -100,7 +100,12 @@ def _crash_and_resume(store_url: str, prefix: str, tmp_path: Path, seed: int) ->
                     proc.kill()
                 proc.wait(timeout=30)
         final = start(KILLS)
-        assert final.wait(timeout=60) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+        try:
+            assert final.wait(timeout=60) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+        finally:
+            if final.poll() is None:
+                final.kill()
+                final.wait()
     finally:
         stderr.close()
     _check_log(_read_log(log), seed)
