@@ -14,7 +14,13 @@ import anyio
 import anyio.abc
 import attrs
 
-from offsetstore import MemoryOffsetStore, OffsetStoreError, QueueProgress, StageOffsetStore
+from offsetstore import (
+    MemoryOffsetStore,
+    OffsetStoreError,
+    QueueProgress,
+    StageOffsetStore,
+    StoreFencedError,
+)
 
 from ._core import (
     Batch,
@@ -43,6 +49,7 @@ from ._listeners import (
 )
 from ._message import Message, MessageQueue
 from ._options import ConsumerOptions
+from ._rebalance import GroupCoordinator, new_client_id
 from ._source import (
     PROPERTY_RETRY_TOPIC,
     RETRY_PREFIX,
@@ -60,6 +67,9 @@ _SEND_BACK_FAILED_DELAY = 5.0
 locally (RocketMQ's value)."""
 _MAX_PULL_BACKOFF = 30.0
 _MAX_PERSIST_BACKOFF = 60.0
+_LOCK_RETRY_INTERVAL = 1.0
+"""Seconds between attempts to lock a queue allocated here but still locked by its
+previous owner (which is draining it, or dead until its lock expires)."""
 _CHECKPOINT_EVERY = 64
 """Batches a worker runs back to back before it yields to other tasks."""
 _CONSUME_SUCCESS = ConsumeConcurrentlyStatus.CONSUME_SUCCESS
@@ -245,6 +255,16 @@ class PushConsumer:
         self._pull_errors = 0
         self._commit_errors = 0
         self._commits = 0
+        # Consumer groups across processes (only when the source coordinates them).
+        self._coordinator: GroupCoordinator | None = source.group_coordinator()
+        self.client_id = new_client_id()
+        """This consumer's identity among the members of its group."""
+        self._group_queues: dict[MessageQueue, TagFilter] = {}
+        self._fences: dict[MessageQueue, int] = {}
+        self._lock_valid_until: dict[MessageQueue, float] = {}
+        self._releasing: set[MessageQueue] = set()
+        self._lost: set[MessageQueue] = set()
+        self._rebalance_scope: anyio.CancelScope | None = None
 
     # -- configuration ---------------------------------------------------------------
 
@@ -279,10 +299,14 @@ class PushConsumer:
         # before the task group exists, so the error surfaces as itself.
         try:
             await self.offset_store.load()
-            states = [
-                await self._load_queue(mq, tag_filter)
-                for mq, tag_filter in await self._resolve_queues()
-            ]
+            if self._coordinator is None:
+                states = [
+                    await self._load_queue(mq, tag_filter)
+                    for mq, tag_filter in await self._resolve_queues()
+                ]
+            else:  # queues come from the rebalance loop, once their locks are held
+                states = []
+                self._group_queues = dict(await self._resolve_queues())
         except BaseException:
             self._closed = True
             raise
@@ -297,6 +321,8 @@ class PushConsumer:
             await tg.start(self._run_workers)
             tg.start_soon(self._timer_loop)
             tg.start_soon(self._persist_loop)
+            if self._coordinator is not None:
+                await tg.start(self._rebalance_loop)
         except BaseException:
             tg.cancel_scope.cancel()
             self._closed = True
@@ -323,6 +349,8 @@ class PushConsumer:
 
     async def _shutdown(self) -> None:
         self._stopping = True
+        if self._rebalance_scope is not None:
+            self._rebalance_scope.cancel()
         for state in list(self._states.values()):
             if state.pull_scope is not None:
                 state.pull_scope.cancel()
@@ -344,6 +372,9 @@ class PushConsumer:
             await self._persist(list(self._states.values()))
         except Exception:
             logger.exception("group %s: could not persist progress on shutdown", self.group)
+        else:
+            if self._coordinator is not None:
+                await self._leave_group()
 
     async def _resolve_queues(self) -> list[tuple[MessageQueue, TagFilter]]:
         queues: list[tuple[MessageQueue, TagFilter]] = []
@@ -407,6 +438,222 @@ class PushConsumer:
         self.offset_store.remove_offset(self.group, mq)
         self._states.pop(mq, None)
         self._paused.pop(state.pq, None)
+
+    # -- consumer groups across processes ----------------------------------------------------
+    #
+    # With a coordinator (RedisBroker), a consumer is one member of its group: the
+    # rebalance loop heartbeats, allocates the group's queues among the live members,
+    # renews the locks of its queues and acquires the locks of queues allocated to it.
+    # A queue is consumed only while its lock is held:
+    #
+    #   acquire: lock (epoch e) -> claim the store row with fence e (later writes with
+    #            an older token are refused) -> load progress -> start pulling
+    #   release: stop pulling -> drain in-flight handlers -> commit with fence e ->
+    #            unlock
+    #   lost:    the lock was not renewed in time (local_lock_ttl after the renewal
+    #            request was sent, before the server expires it), or a commit came
+    #            back fenced -> release at once; its commit is refused if the new
+    #            owner already claimed the queue.
+
+    async def _rebalance_loop(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        coordinator = self._coordinator
+        assert coordinator is not None
+        options = coordinator.options
+        started = False
+        with anyio.CancelScope() as scope:
+            self._rebalance_scope = scope
+            async with anyio.create_task_group() as releases:
+                while not self._stopping:
+                    pending = False
+                    try:
+                        pending = await self._rebalance_once(coordinator, releases)
+                    except (SourceError, OffsetStoreError, OSError) as exc:
+                        logger.warning(
+                            "group %s: rebalance of %s failed (%s); retrying",
+                            self.group,
+                            self.client_id,
+                            exc,
+                        )
+                    self._release_expired(releases)
+                    if not started:
+                        started = True
+                        task_status.started()
+                    delay = options.tick
+                    if pending:
+                        delay = min(delay, _LOCK_RETRY_INTERVAL)
+                    soonest = min(self._lock_valid_until.values(), default=None)
+                    if soonest is not None:
+                        delay = min(delay, max(0.01, soonest - anyio.current_time()))
+                    await anyio.sleep(delay)
+
+    async def _rebalance_once(
+        self, coordinator: GroupCoordinator, releases: anyio.abc.TaskGroup
+    ) -> bool:
+        """One round: heartbeat, allocate, release, renew and acquire. Returns whether
+        a queue allocated here is still locked by another member."""
+        options = coordinator.options
+        limit = options.lock_renew_interval
+        with anyio.fail_after(limit):
+            members = await coordinator.heartbeat(self.group, self.client_id)
+        if self.client_id not in members:
+            members = sorted([*members, self.client_id])
+        queues = sorted(self._group_queues)
+        mine = set(options.allocate_strategy.allocate(self.group, self.client_id, queues, members))
+        held = set(self._fences) - self._releasing
+        for mq in sorted(held - mine):
+            self._start_release(releases, mq, lost=False)
+        keep = held & mine
+        wanted = sorted(keep | (mine - held - self._releasing))
+        sent = anyio.current_time()
+        with anyio.fail_after(limit):
+            locked = await coordinator.lock(self.group, self.client_id, wanted)
+        for mq in keep:
+            if mq in locked and locked[mq] == self._fences.get(mq):
+                self._lock_valid_until[mq] = sent + options.local_lock_ttl
+            elif mq not in self._releasing:
+                logger.warning(
+                    "group %s: %s lost the lock of %s; releasing it", self.group, self.client_id, mq
+                )
+                self._start_release(releases, mq, lost=True)
+        pending = False
+        for mq in wanted:
+            if mq in keep or self._stopping:
+                continue
+            epoch = locked.get(mq)
+            if epoch is None:
+                pending = True
+                continue
+            await self._take_queue(coordinator, mq, epoch, sent + options.local_lock_ttl)
+        return pending
+
+    async def _take_queue(
+        self, coordinator: GroupCoordinator, mq: MessageQueue, epoch: int, valid_until: float
+    ) -> None:
+        try:
+            await self.offset_store.claim(self.group, mq, epoch)
+            state = await self._load_queue(mq, self._group_queues[mq])
+        except (SourceError, OffsetStoreError, OSError) as exc:
+            logger.warning(
+                "group %s: could not take over %s (%s); unlocking it", self.group, mq, exc
+            )
+            with anyio.move_on_after(coordinator.options.lock_renew_interval):
+                await coordinator.unlock(self.group, self.client_id, [mq])
+            return
+        if self._stopping:
+            return
+        self._fences[mq] = epoch
+        self._lock_valid_until[mq] = valid_until
+        self._lost.discard(mq)
+        self._start_queue(state)
+        logger.info(
+            "group %s: %s took %s at offset %d (epoch %d)",
+            self.group,
+            self.client_id,
+            mq,
+            state.pq.committed_offset,
+            epoch,
+        )
+
+    def _release_expired(self, releases: anyio.abc.TaskGroup) -> None:
+        now = anyio.current_time()
+        for mq, until in list(self._lock_valid_until.items()):
+            if now >= until and mq not in self._releasing:
+                logger.warning(
+                    "group %s: the lock of %s was not renewed in time; releasing it",
+                    self.group,
+                    mq,
+                )
+                self._start_release(releases, mq, lost=True)
+        for mq in list(self._lost):
+            if mq in self._fences and mq not in self._releasing:
+                self._start_release(releases, mq, lost=True)
+
+    def _start_release(
+        self, releases: anyio.abc.TaskGroup, mq: MessageQueue, *, lost: bool
+    ) -> None:
+        self._releasing.add(mq)
+        self._lock_valid_until.pop(mq, None)
+        releases.start_soon(self._release_owned, mq, lost)
+
+    async def _release_owned(self, mq: MessageQueue, lost: bool) -> None:
+        """Drain ``mq``, commit its progress (fenced), then unlock it."""
+        coordinator = self._coordinator
+        assert coordinator is not None
+        committed = False
+        try:
+            try:
+                await self.release_queue(mq)
+                committed = mq not in self._lost
+            except (OffsetStoreError, OSError) as exc:
+                logger.warning(
+                    "group %s: could not commit %s on release (%s); its lock will expire",
+                    self.group,
+                    mq,
+                    exc,
+                )
+                state = self._states.pop(mq, None)
+                if state is not None:
+                    self._paused.pop(state.pq, None)
+                self.offset_store.remove_offset(self.group, mq)
+            self._fences.pop(mq, None)
+            self._lost.discard(mq)
+            if committed:
+                try:
+                    with anyio.fail_after(coordinator.options.lock_renew_interval):
+                        await coordinator.unlock(self.group, self.client_id, [mq])
+                except (SourceError, TimeoutError) as exc:
+                    logger.warning("group %s: unlocking %s failed (%s)", self.group, mq, exc)
+            logger.info(
+                "group %s: %s released %s%s",
+                self.group,
+                self.client_id,
+                mq,
+                " (lock lost)" if lost else "",
+            )
+        finally:
+            self._releasing.discard(mq)
+
+    async def _persist_fenced(self, changed: Sequence[tuple[_QueueState, QueueProgress]]) -> None:
+        fences = {
+            state.mq: self._fences[state.mq] for state, _ in changed if state.mq in self._fences
+        }
+        fenced: frozenset[MessageQueue] = frozenset()
+        try:
+            await self.offset_store.persist_fenced(self.group, fences)
+        except StoreFencedError as exc:
+            fenced = exc.queues
+            logger.warning(
+                "group %s: %s; releasing %s without committing",
+                self.group,
+                exc,
+                ", ".join(map(str, sorted(fenced))),
+            )
+            self._lost.update(fenced)
+        self._commits += 1
+        for state, progress in changed:
+            if state.mq in fences and state.mq not in fenced:
+                state.persisted = progress
+
+    async def _leave_group(self) -> None:
+        """Unlock every held queue (progress already committed) and leave the group."""
+        coordinator = self._coordinator
+        assert coordinator is not None
+        held = sorted(mq for mq in self._fences if mq not in self._lost)
+        try:
+            with anyio.fail_after(coordinator.options.lock_renew_interval):
+                await coordinator.unlock(self.group, self.client_id, held)
+                await coordinator.leave(self.group, self.client_id)
+        except (SourceError, TimeoutError) as exc:
+            logger.warning(
+                "group %s: %s could not leave cleanly (%s); its locks will expire",
+                self.group,
+                self.client_id,
+                exc,
+            )
+        self._fences.clear()
+        self._lock_valid_until.clear()
 
     # -- signalling ------------------------------------------------------------------------
 
@@ -787,6 +1034,9 @@ class PushConsumer:
                 store.update_progress(self.group, state.mq, progress)
                 changed.append((state, progress))
         if not changed:
+            return
+        if self._coordinator is not None:
+            await self._persist_fenced(changed)
             return
         await store.persist_all(self.group, [state.mq for state, _ in changed])
         self._commits += 1

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.redis
 def redis_error(url: str) -> str | None:
     parsed = urlparse(url)
     try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), 3) as s:
+        with socket.create_connection(
+            (parsed.hostname or "127.0.0.1", parsed.port or 6379), 3
+        ) as s:
             s.sendall(b"PING\r\n")
             reply = s.recv(64)
     except OSError as exc:

@@ -177,7 +177,8 @@ async def test_concurrent_producers_get_distinct_consecutive_offsets(
 
         async def produce(b: RedisBroker) -> None:
             for _ in range(100):
-                offsets.append((await b.send("t", b"x", queue_id=0)).queue_offset)
+                message = await b.send("t", b"x", queue_id=0)
+                offsets.append(message.queue_offset)
 
         async with anyio.create_task_group() as tg:
             for b in (broker, other, broker, other):

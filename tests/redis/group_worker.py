@@ -1,0 +1,124 @@
+"""One consumer process of a group, for the failover tests (run as a subprocess).
+
+    python -m tests.redis.group_worker CONFIG_JSON
+
+Consumes a topic over RedisBroker with a staged listener and a SqlOffsetStore, and
+appends one line per handler start and end to its event log, fsynced before the
+handler goes on, so a SIGKILL loses nothing that happened:
+
+    S <queue_id> <offset> <stage_index> <time> <pid>
+    E <queue_id> <offset> <stage_index> <time> <pid>
+
+Prints ``READY <client_id>`` once started; leaves gracefully on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from offsetstore import SqlOffsetStore
+from stagedconsumer import (
+    ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
+    GroupOptions,
+    Message,
+    MessageListenerStagedConcurrently,
+    PushConsumer,
+)
+from stagedconsumer._redis_broker import RedisBroker
+
+STAGES = (40, 80, 120)
+
+
+def stage_of(offset: int) -> int:
+    """The stage index a message at ``offset`` must get (no resets in these tests)."""
+    bound = 0
+    for index, size in enumerate(STAGES):
+        bound += size
+        if offset < bound:
+            return index
+    return -1
+
+
+class EventLog:
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def write(self, kind: str, message: Message, stage: int) -> None:
+        at = time.time()
+        line = f"{kind} {message.queue_id} {message.queue_offset} {stage} {at:.6f} {self._pid}\n"
+        with self._lock:
+            os.write(self._fd, line.encode())
+            os.fsync(self._fd)
+
+
+class LoggingStagedListener(MessageListenerStagedConcurrently):
+    """Sleeps ``cost`` seconds (jittered) per message, logging start and end."""
+
+    def __init__(self, log: EventLog, cost: float) -> None:
+        self._log = log
+        self._cost = cost
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return STAGES
+
+    def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        for message in msgs:
+            self._log.write("S", message, context.stage_index)
+        time.sleep(self._cost * random.uniform(0.5, 1.5))
+        for message in msgs:
+            self._log.write("E", message, context.stage_index)
+
+
+async def run(config: dict[str, Any]) -> None:
+    group_options = GroupOptions(**config["group_options"])
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    log = EventLog(config["log"])
+    async with RedisBroker(
+        config["redis_url"], namespace=config["namespace"], group_options=group_options
+    ) as broker:
+        store = SqlOffsetStore(config["store_url"], table_prefix=config["table_prefix"])
+        consumer = PushConsumer(
+            config["group"],
+            broker,
+            LoggingStagedListener(log, config["cost"]),
+            offset_store=store,
+            options=ConsumerOptions(
+                persist_consumer_offset_interval=config["persist_interval"],
+                consume_thread_max=config.get("threads", 20),
+                pull_long_polling_timeout=1.0,
+                pull_time_delay_when_exception=0.2,
+                shutdown_timeout=10.0,
+            ),
+        )
+        consumer.subscribe(config["topic"])
+        try:
+            async with consumer:
+                print(f"READY {consumer.client_id}", flush=True)
+                await stop.wait()
+        finally:
+            await store.aclose()
+
+
+def main(argv: Sequence[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(run(json.loads(argv[1])))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

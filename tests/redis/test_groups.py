@@ -1,0 +1,185 @@
+"""Consumer groups in one process over real Redis and PostgreSQL: joining and
+leaving while consuming, a stolen lock, and the embedded broker's unchanged path."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import anyio
+import pytest
+
+from offsetstore import MemoryOffsetStore, QueueProgress, SqlOffsetStore
+from stagedconsumer import (
+    ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
+    GroupOptions,
+    MemoryBroker,
+    Message,
+    MessageListenerStagedConcurrently,
+    MessageQueue,
+    PushConsumer,
+)
+from stagedconsumer._redis_broker import RedisBroker
+from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
+
+from ._events import Event, check_stages_and_barrier
+from .group_worker import STAGES
+
+pytestmark = [pytest.mark.anyio, pytest.mark.redis]
+
+FAST_GROUP = GroupOptions(
+    lock_ttl=3.0, lock_renew_interval=0.3, rebalance_interval=0.3, member_ttl=1.0
+)
+OPTIONS = ConsumerOptions(
+    persist_consumer_offset_interval=0.3, pull_long_polling_timeout=0.5, shutdown_timeout=5
+)
+
+
+class Recorder(MessageListenerStagedConcurrently):
+    def __init__(self, name: int, events: list[Event], cost: float = 0.002) -> None:
+        self.name = name
+        self.events = events
+        self.cost = cost
+        self.lock = threading.Lock()
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return STAGES
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        for m in msgs:
+            self.events.append(
+                Event("S", m.queue_id, m.queue_offset, context.stage_index, time.time(), self.name)
+            )
+        await anyio.sleep(self.cost)
+        for m in msgs:
+            self.events.append(
+                Event("E", m.queue_id, m.queue_offset, context.stage_index, time.time(), self.name)
+            )
+
+
+@pytest.fixture
+def pg_prefix() -> Iterator[tuple[str, str]]:
+    url = require_url("PostgreSQL", POSTGRES_URL)
+    prefix = f"g{uuid.uuid4().hex[:10]}_"
+    yield url, prefix
+    drop_tables(url, prefix)
+
+
+@pytest.fixture
+async def group_broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
+    async with RedisBroker(redis_url, namespace=namespace, group_options=FAST_GROUP) as broker:
+        try:
+            yield broker
+        finally:
+            await broker.delete_namespace()
+
+
+async def _wait_for(condition: object, timeout: float = 15) -> None:
+    with anyio.fail_after(timeout):
+        while not condition():  # type: ignore[operator]
+            await anyio.sleep(0.05)
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+async def test_members_joining_and_leaving_while_consuming_lose_and_repeat_nothing(
+    group_broker: RedisBroker, pg_prefix: tuple[str, str], tmp_path: Path
+) -> None:
+    url, prefix = pg_prefix
+    broker = group_broker
+    await broker.create_topic("t", 6)
+    events: list[Event] = []
+    stores = [SqlOffsetStore(url, table_prefix=prefix) for _ in range(3)]
+    consumers = [
+        PushConsumer("grp", broker, Recorder(i, events), offset_store=stores[i], options=OPTIONS)
+        for i in range(3)
+    ]
+    for c in consumers:
+        c.subscribe("t")
+    total = 0
+
+    async def produce(n: int) -> None:
+        nonlocal total
+        for _ in range(n // 60):
+            await broker.send_many("t", [b"x"] * 60)
+            total += 60
+            await anyio.sleep(0.02)
+
+    a, b, c = consumers
+    async with a:
+        assert len(a.assigned_queues) == 6  # alone: everything
+        await produce(600)
+        async with b:  # joins while a consumes
+            await produce(600)
+            await _wait_for(lambda: len(a.assigned_queues) == 3 and len(b.assigned_queues) == 3)
+            assert set(a.assigned_queues).isdisjoint(b.assigned_queues)
+            async with c:
+                await produce(600)
+                await _wait_for(lambda: all(len(x.assigned_queues) == 2 for x in consumers))
+                await produce(600)
+            # c left gracefully: its queues go back to a and b.
+            await _wait_for(lambda: len(a.assigned_queues) + len(b.assigned_queues) == 6)
+            await produce(600)
+        await _wait_for(lambda: len(a.assigned_queues) == 6)
+        await produce(600)
+        await a.wait_caught_up(timeout=30)
+    for store in stores:
+        await store.aclose()
+
+    finished = {(e.queue, e.offset) for e in events if e.kind == "E"}
+    per_queue = total // 6
+    assert finished == {(q, o) for q in range(6) for o in range(per_queue)}
+    starts = [(e.queue, e.offset) for e in events if e.kind == "S"]
+    # Graceful hand-overs drain and commit before unlocking: nothing runs twice.
+    assert len(starts) == len(set(starts)) == total
+    check_stages_and_barrier(events)
+    assert {e.pid for e in events} == {0, 1, 2}
+
+
+async def test_a_member_whose_lock_was_taken_releases_the_queue_without_committing(
+    group_broker: RedisBroker,
+) -> None:
+    broker = group_broker
+    await broker.create_topic("t", 2)
+    store = MemoryOffsetStore()
+    events: list[Event] = []
+    consumer = PushConsumer("grp", broker, Recorder(0, events), offset_store=store, options=OPTIONS)
+    consumer.subscribe("t")
+    coordinator = broker.group_coordinator()
+    mq = MessageQueue("t", 0)
+    async with consumer:
+        assert consumer.assigned_queues == [mq, MessageQueue("t", 1)]
+        await broker.send_many("t", [b"x"] * 100)
+        await consumer.wait_caught_up(timeout=10)
+        await anyio.sleep(0.5)  # a persist round
+        # Another member takes the queue behind the consumer's back (its lock
+        # expired during a pause, say) and claims the row with its newer epoch.
+        await broker.redis.delete(coordinator._lock_key("grp", mq))
+        epoch = (await coordinator.lock("grp", "thief", [mq]))[mq]
+        claimed = await store.claim("grp", mq, epoch)
+        assert claimed == QueueProgress(consume_offset=50, stage_offsets=claimed.stage_offsets)
+        await broker.send_many("t", [b"y"] * 20, queue_id=0)
+        await _wait_for(lambda: mq not in consumer.assigned_queues, timeout=5)
+        await anyio.sleep(1.0)
+        # It keeps its other queue and does not take the stolen one back.
+        assert consumer.assigned_queues == [MessageQueue("t", 1)]
+        assert await coordinator.lock_owner("grp", mq) == "thief"
+    stored = await store.list_progress("grp")
+    assert stored[mq].consume_offset == 50  # the late commit was fenced off
+
+
+async def test_embedded_broker_keeps_one_owner_for_everything() -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 3)
+    assert broker.group_coordinator() is None
+    events: list[Event] = []
+    consumer = PushConsumer("grp", broker, Recorder(0, events), options=OPTIONS)
+    consumer.subscribe("t")
+    async with consumer:
+        assert len(consumer.assigned_queues) == 3
