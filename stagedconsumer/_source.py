@@ -96,6 +96,15 @@ class MessageSource(abc.ABC):
     async def max_offset(self, mq: MessageQueue) -> int:
         """The offset the next message sent to ``mq`` will get."""
 
+    def topic_exists(self, topic: str) -> bool | None:
+        """Whether ``topic`` exists, if the source knows without I/O; ``None`` if not.
+
+        Lets ``subscribe()`` reject an unknown topic at once. The default is ``None``
+        (checked when the consumer starts).
+        """
+        del topic
+        return None
+
     async def min_offset(self, mq: MessageQueue) -> int:
         """The lowest offset still stored in ``mq`` (default 0)."""
         del mq
