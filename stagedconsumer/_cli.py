@@ -18,9 +18,9 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 
 
 def _registrars() -> list[Registrar]:
-    from . import _cli_offsets, _demo
+    from . import _cli_offsets, _cli_trace, _demo
 
-    return [_demo.register, _cli_offsets.register]
+    return [_demo.register, _cli_offsets.register, _cli_trace.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,15 @@ from ._core import (
 )
 from ._exceptions import ConfigurationError, ConsumerStateError, ListenerTypeError, SourceError
 from ._filter import TagFilter
+from ._hooks import (
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    ConsumeReturnType,
+    HookRunner,
+    PullContext,
+    SettleOutcome,
+    loop_wall_offset,
+)
 from ._listeners import (
     ConsumeConcurrentlyContext,
     ConsumeConcurrentlyStatus,
@@ -57,6 +66,7 @@ from ._source import (
     SendBackResult,
     retry_topic,
 )
+from ._trace import ConsumeMessageTraceHook
 
 __all__ = ("ConsumerStatistics", "PushConsumer")
 
@@ -99,6 +109,10 @@ class ConsumerStatistics:
     commits: int
     """Successful persists of progress."""
     queues: Mapping[MessageQueue, ProcessQueueStatistics]
+    hook_errors: int = 0
+    """Exceptions raised by consume hooks (logged and ignored)."""
+    trace_records_dropped: int = 0
+    """Message trace records dropped because a trace dispatcher's queue was full."""
 
     @property
     def committed_offsets(self) -> Mapping[MessageQueue, int]:
@@ -255,6 +269,8 @@ class PushConsumer:
         self._pull_errors = 0
         self._commit_errors = 0
         self._commits = 0
+        self._hook_list: list[ConsumeMessageHook] = []
+        self._hooks: HookRunner | None = None
         # Consumer groups across processes (only when the source coordinates them).
         self._coordinator: GroupCoordinator | None = source.group_coordinator()
         self.client_id = new_client_id()
@@ -271,6 +287,22 @@ class PushConsumer:
     @property
     def mode(self) -> ConsumeMode:
         return self._mode
+
+    def register_consume_message_hook(self, hook: ConsumeMessageHook) -> None:
+        """Run ``hook`` around every handler call (see :class:`ConsumeMessageHook`).
+
+        Call before starting. Message trace and OpenTelemetry are hooks:
+        :class:`ConsumeMessageTraceHook`, ``stagedconsumer.otel.OpenTelemetryHook``.
+        """
+        if self._started:
+            raise ConsumerStateError(
+                "register_consume_message_hook() must be called before the consumer starts"
+            )
+        if not isinstance(hook, ConsumeMessageHook):
+            raise ConfigurationError(
+                f"hook must be a ConsumeMessageHook, got {type(hook).__name__}"
+            )
+        self._hook_list.append(hook)
 
     def subscribe(self, topic: str, expression: str = "*") -> None:
         """Consume ``topic``, only messages whose tag matches ``expression``.
@@ -314,6 +346,10 @@ class PushConsumer:
         await tg.__aenter__()
         self._tg = tg
         try:
+            if self._hook_list:
+                self._hooks = HookRunner(self._hook_list)
+                for hook in self._hooks.services():
+                    await tg.start(hook.run, self)
             self._pull_tg = await tg.start(self._run_pull_loops)
             for state in states:
                 self._start_queue(state)
@@ -375,6 +411,8 @@ class PushConsumer:
         else:
             if self._coordinator is not None:
                 await self._leave_group()
+        if self._hooks is not None:
+            await self._hooks.aclose()
 
     async def _resolve_queues(self) -> list[tuple[MessageQueue, TagFilter]]:
         queues: list[tuple[MessageQueue, TagFilter]] = []
@@ -720,6 +758,9 @@ class PushConsumer:
         delay = base_delay
         accept_all = state.filter.accepts_all
         tag_filter = state.filter
+        hooks = self._hooks
+        clock = anyio.current_time
+        started = 0.0
         with anyio.CancelScope() as scope:
             state.pull_scope = scope
             while not pq.dropped:
@@ -728,6 +769,8 @@ class PushConsumer:
                     self._paused[pq] = state
                     await state.space.wait()
                     continue
+                if hooks is not None:
+                    started = clock()
                 try:
                     result = await source.pull(mq, offset, batch_size, timeout=long_poll)
                 except SourceError as exc:
@@ -751,8 +794,25 @@ class PushConsumer:
                         messages = [_restore_retry_topic(m) for m in messages]
                     elif not accept_all:
                         messages = [m for m in messages if tag_filter(m)]
-                    if dispatcher.put_messages(pq, messages, highest_offset=highest):
-                        self._wake_workers()
+                    if hooks is None:
+                        if dispatcher.put_messages(pq, messages, highest_offset=highest):
+                            self._wake_workers()
+                    else:
+                        now = clock()
+                        if dispatcher.put_messages(pq, messages, highest_offset=highest, now=now):
+                            self._wake_workers()
+                        if hooks.wants_pull and messages:
+                            hooks.pulled(
+                                PullContext(
+                                    consumer_group=self.group,
+                                    message_queue=mq,
+                                    messages=messages,
+                                    start_time=started,
+                                    end_time=now,
+                                    wall_offset=loop_wall_offset(),
+                                    max_offset=result.max_offset,
+                                )
+                            )
                     if self._watched:
                         self._check_watched(pq)
                 offset = result.next_offset
@@ -798,6 +858,8 @@ class PushConsumer:
         concurrent = ConsumeMode.CONCURRENT
         staged = self._plan is not None
         suspend_ms = self._suspend_ms
+        hooks = self._hooks
+        hook_ctx: ConsumeMessageContext | None = None
         streak = 0
         while not self._stopping:
             batch = take(batch_max)
@@ -834,6 +896,9 @@ class PushConsumer:
             messages = batch.messages
             error: Exception | None = None
             result: Any = None
+            if hooks is not None:
+                hook_ctx = self._hook_context(batch, mq)
+                hooks.before(hook_ctx)
             self._in_flight += 1
             try:
                 if is_async:
@@ -844,6 +909,8 @@ class PushConsumer:
                 error = exc
             finally:
                 self._in_flight -= 1
+            if hook_ctx is not None:
+                hook_ctx.end_time = anyio.current_time()
             if error is None and (
                 result is None
                 or (
@@ -853,11 +920,18 @@ class PushConsumer:
                 )
             ) and (not is_concurrent or context.ack_index >= len(messages) - 1):
                 self._consumed_ok += len(messages)
-                finish(batch, _SUCCESS)  # this worker takes what it freed
+                if hook_ctx is None:
+                    finish(batch, _SUCCESS)  # this worker takes what it freed
+                else:
+                    hook_ctx.success = True
+                    finish(batch, _SUCCESS, hook_ctx.end_time)
             elif is_concurrent:
-                await self._concurrently_failed(batch, mq, context, error, result)
+                await self._concurrently_failed(batch, mq, context, error, result, hook_ctx)
             else:
-                await self._orderly_failed(batch, mq, context, error, result)
+                await self._orderly_failed(batch, mq, context, error, result, hook_ctx)
+            if hook_ctx is not None:
+                self._hooks_after(hook_ctx, error, result)
+                hook_ctx = None
             if self._paused:
                 self._check_space(pq)
             if self._watched:
@@ -866,6 +940,36 @@ class PushConsumer:
             if streak >= _CHECKPOINT_EVERY:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
+
+    def _hook_context(self, batch: Batch, mq: MessageQueue) -> ConsumeMessageContext:
+        return ConsumeMessageContext(
+            consumer_group=self.group,
+            message_queue=mq,
+            messages=batch.messages,
+            mode=self._mode.value,
+            stage_index=batch.stage_index,
+            strategy_id=batch.strategy_id,
+            group_id=batch.group_id,
+            attempt=batch.messages[0].reconsume_times + 1,
+            cached_times=batch.cached_times,
+            runnable_at=batch.runnable_at,
+            start_time=anyio.current_time(),
+            wall_offset=loop_wall_offset(),
+        )
+
+    def _hooks_after(
+        self, hook_ctx: ConsumeMessageContext, error: Exception | None, result: object
+    ) -> None:
+        assert self._hooks is not None
+        hook_ctx.exception = error
+        hook_ctx.result = result
+        if hook_ctx.success:
+            hook_ctx.status = ConsumeReturnType.SUCCESS
+        elif error is not None:
+            hook_ctx.status = ConsumeReturnType.EXCEPTION
+        else:
+            hook_ctx.status = ConsumeReturnType.FAILED
+        self._hooks.after(hook_ctx)
 
     async def _call_sync(self, messages: Sequence[Message], context: Any) -> Any:
         assert self._thread_limiter is not None
@@ -883,6 +987,7 @@ class PushConsumer:
         context: ConsumeConcurrentlyContext,
         error: Exception | None,
         result: object,
+        hook_ctx: ConsumeMessageContext | None = None,
     ) -> None:
         messages = batch.messages
         if error is None and (result is None or result is _CONSUME_SUCCESS):
@@ -905,6 +1010,8 @@ class PushConsumer:
             failed = list(messages)
         self._consumed_failed += len(failed)
         keep: list[Message] = []
+        retried: list[Message] = []
+        dead: list[Message] = []
         limit = self._max_reconsume if self._max_reconsume is not None else 2**31 - 1
         for message in failed:
             try:
@@ -926,16 +1033,29 @@ class PushConsumer:
                 continue
             if where is SendBackResult.DLQ:
                 self._dead_lettered += 1
+                dead.append(message)
             else:
                 self._sent_back += 1
+                retried.append(message)
+        now: float | None = None
+        if hook_ctx is not None:
+            now = anyio.current_time()
+            settled = hook_ctx.settled
+            for outcome, listed in (
+                (SettleOutcome.RETRY, retried),
+                (SettleOutcome.DLQ, dead),
+                (SettleOutcome.SUSPEND, keep),
+            ):
+                if listed:
+                    settled[outcome] = listed
         dispatcher = self._dispatcher
         if not keep:
-            if dispatcher.finish(batch, EraseStatus.SENT_BACK):
+            if dispatcher.finish(batch, EraseStatus.SENT_BACK, now):
                 self._wake_workers()
             return
         kept = {id(m) for m in keep}
         done = [m for m in messages if id(m) not in kept]
-        if done and dispatcher.finish_some(batch, done, EraseStatus.SENT_BACK):
+        if done and dispatcher.finish_some(batch, done, EraseStatus.SENT_BACK, now):
             self._wake_workers()
         self._suspend(batch, anyio.current_time() + _SEND_BACK_FAILED_DELAY)
 
@@ -946,6 +1066,7 @@ class PushConsumer:
         context: ConsumeOrderlyContext | ConsumeStagedConcurrentlyContext,
         error: Exception | None,
         result: object,
+        hook_ctx: ConsumeMessageContext | None = None,
     ) -> None:
         messages = batch.messages
         if error is not None:
@@ -982,12 +1103,22 @@ class PushConsumer:
                 continue
             moved.append(message)
         self._dead_lettered += len(moved)
+        now: float | None = None
+        if hook_ctx is not None:
+            now = anyio.current_time()
+            if moved:
+                hook_ctx.settled[SettleOutcome.DLQ] = moved
+            if len(moved) < len(messages):
+                moved_ids = {id(m) for m in moved}
+                hook_ctx.settled[SettleOutcome.SUSPEND] = [
+                    m for m in messages if id(m) not in moved_ids
+                ]
         dispatcher = self._dispatcher
         if moved and len(moved) == len(messages):
-            if dispatcher.finish(batch, EraseStatus.DEAD_LETTER):
+            if dispatcher.finish(batch, EraseStatus.DEAD_LETTER, now):
                 self._wake_workers()
             return
-        if moved and dispatcher.finish_some(batch, moved, EraseStatus.DEAD_LETTER):
+        if moved and dispatcher.finish_some(batch, moved, EraseStatus.DEAD_LETTER, now):
             self._wake_workers()
         delay_ms = clamp_suspend_millis(context.suspend_current_queue_time_millis)
         self._suspend(batch, anyio.current_time() + delay_ms / 1000)
@@ -1103,6 +1234,12 @@ class PushConsumer:
             pull_errors=self._pull_errors,
             commit_errors=self._commit_errors,
             commits=self._commits,
+            hook_errors=self._hooks.errors if self._hooks is not None else 0,
+            trace_records_dropped=sum(
+                hook.statistics().dropped
+                for hook in self._hook_list
+                if isinstance(hook, ConsumeMessageTraceHook)
+            ),
             queues={mq: state.pq.statistics() for mq, state in sorted(self._states.items())},
         )
 

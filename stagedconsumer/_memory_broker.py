@@ -15,6 +15,7 @@ import attrs
 from ._core import retry_delay_seconds
 from ._exceptions import ConfigurationError, UnknownTopicError
 from ._message import Message, MessageQueue
+from ._otel import with_traceparent
 from ._source import (
     DLQ_PREFIX,
     PROPERTY_ORIGIN_MESSAGE_ID,
@@ -139,7 +140,11 @@ class MemoryBroker(MessageSource):
         properties: Mapping[str, str] | None = None,
         queue_id: int | None = None,
     ) -> Message:
-        """Append a message to a queue of ``topic`` and return it as stored."""
+        """Append a message to a queue of ``topic`` and return it as stored.
+
+        When OpenTelemetry is loaded and a span is current, its context is added as
+        the W3C ``traceparent`` property (the message's creation context).
+        """
         queues = self._queues_of(topic)
         if not isinstance(body, (bytes, bytearray, memoryview)):
             raise TypeError(f"body must be bytes, got {type(body).__name__}")
@@ -161,7 +166,7 @@ class MemoryBroker(MessageSource):
             body=bytes(body),
             keys=key_tuple,
             tags=tags,
-            properties=properties or {},
+            properties=with_traceparent(properties) or {},
             msg_id=self._next_id(),
             born_timestamp=time.time(),
         )

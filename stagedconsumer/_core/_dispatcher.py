@@ -38,10 +38,18 @@ class Dispatcher:
             self._ready.append(pq)
 
     def put_messages(
-        self, pq: ProcessQueue, messages: Sequence[Message], *, highest_offset: int | None = None
+        self,
+        pq: ProcessQueue,
+        messages: Sequence[Message],
+        *,
+        highest_offset: int | None = None,
+        now: float | None = None,
     ) -> bool:
-        """Cache messages in ``pq``; returns whether a batch became ready."""
-        if pq.put_messages(messages, highest_offset=highest_offset):
+        """Cache messages in ``pq``; returns whether a batch became ready.
+
+        ``now`` (optional) is recorded for message trace and metrics (see
+        :meth:`ProcessQueue.put_messages`)."""
+        if pq.put_messages(messages, highest_offset=highest_offset, now=now):
             self._mark_ready(pq)
             return True
         return False
@@ -65,18 +73,24 @@ class Dispatcher:
     def has_ready(self) -> bool:
         return bool(self._ready)
 
-    def finish(self, batch: Batch, status: EraseStatus) -> bool:
+    def finish(self, batch: Batch, status: EraseStatus, now: float | None = None) -> bool:
         """Finish every message of ``batch``; returns whether a batch became ready."""
         pq = batch.process_queue
-        if pq.erase_messages(batch, status):
+        if pq.erase_messages(batch, status, now):
             self._mark_ready(pq)
             return True
         return False
 
-    def finish_some(self, batch: Batch, messages: Sequence[Message], status: EraseStatus) -> bool:
+    def finish_some(
+        self,
+        batch: Batch,
+        messages: Sequence[Message],
+        status: EraseStatus,
+        now: float | None = None,
+    ) -> bool:
         """Finish ``messages`` of ``batch``, keeping the rest pending."""
         pq = batch.process_queue
-        if pq.erase_some(batch, messages, status):
+        if pq.erase_some(batch, messages, status, now):
             self._mark_ready(pq)
             return True
         return False

@@ -119,6 +119,9 @@ class _Epoch:
     stage_index: int
     unfinished: int = 0
     queued: bool = False
+    runnable_at: float = 0.0
+    """When the epoch last became the head of its lane (its barrier opened); only
+    maintained when the shell passes ``now``."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -129,6 +132,8 @@ class _Entry:
     epoch: _Epoch
     stage_offset: int
     finished: bool = False
+    cached_at: float = 0.0
+    """When the message was cached (the ``now`` passed to ``put_messages``)."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -178,6 +183,17 @@ class Batch:
     @property
     def message_queue(self) -> MessageQueue:
         return self.process_queue.message_queue
+
+    @property
+    def cached_times(self) -> list[float]:
+        """When each message was cached (the ``now`` given to ``put_messages``)."""
+        return [entry.cached_at for entry in self._entries]
+
+    @property
+    def runnable_at(self) -> float:
+        """When the batch's stage last became runnable (its barrier opened), given
+        ``now`` was passed to ``put_messages`` and the ``erase_*`` calls."""
+        return self._entries[0].epoch.runnable_at if self._entries else 0.0
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -279,17 +295,24 @@ class ProcessQueue:
     # -- arrival -------------------------------------------------------------
 
     def put_messages(
-        self, messages: Sequence[Message], *, highest_offset: int | None = None
+        self,
+        messages: Sequence[Message],
+        *,
+        highest_offset: int | None = None,
+        now: float | None = None,
     ) -> bool:
         """Cache pulled messages (in offset order); returns whether new work is ready.
 
         Messages at or below the highest offset already seen are ignored, so a
         repeated pull cannot count a message twice. ``highest_offset`` records
         offsets pulled but filtered out (for example by tag), so that the committed
-        offset can move past them.
+        offset can move past them. ``now`` (optional) is recorded as the messages'
+        cached time and, for a stage that becomes runnable, its runnable time (the
+        shell passes it when message trace or metrics need them).
         """
+        at = 0.0 if now is None else now
         if self._plan is None:
-            return self._put_unstaged(messages, highest_offset)
+            return self._put_unstaged(messages, highest_offset, at)
         became_ready = False
         for message in messages:
             offset = message.queue_offset
@@ -298,10 +321,12 @@ class ProcessQueue:
             self.highest_offset = offset
             lane, epoch, stage_offset = self._assign(message)
             size = len(message.body)
-            entry = _Entry(message, size, lane, epoch, stage_offset)
+            entry = _Entry(message, size, lane, epoch, stage_offset, False, at)
             epoch.unfinished += 1
             if not epoch.queued:
                 epoch.queued = True
+                if not lane.epochs:
+                    epoch.runnable_at = at
                 lane.epochs.append(epoch)
             lane.cached.append(entry)
             self._order.append(entry)
@@ -315,7 +340,9 @@ class ProcessQueue:
             self.highest_offset = highest_offset
         return became_ready
 
-    def _put_unstaged(self, messages: Sequence[Message], highest_offset: int | None) -> bool:
+    def _put_unstaged(
+        self, messages: Sequence[Message], highest_offset: int | None, at: float
+    ) -> bool:
         """:meth:`put_messages` for concurrent and orderly mode: one lane, one epoch."""
         lane = self._lanes[None]
         epoch = lane.current_epoch
@@ -323,6 +350,7 @@ class ProcessQueue:
             epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
         if not epoch.queued:
             epoch.queued = True
+            epoch.runnable_at = at
             lane.epochs.append(epoch)
         cached = lane.cached
         order = self._order
@@ -335,7 +363,7 @@ class ProcessQueue:
                 continue
             highest = offset
             size = len(message.body)
-            entry = _Entry(message, size, lane, epoch, -1)
+            entry = _Entry(message, size, lane, epoch, -1, False, at)
             cached.append(entry)
             order.append(entry)
             added += 1
@@ -474,7 +502,7 @@ class ProcessQueue:
 
     # -- finishing ---------------------------------------------------------------
 
-    def erase_messages(self, batch: Batch, status: EraseStatus) -> bool:
+    def erase_messages(self, batch: Batch, status: EraseStatus, now: float | None = None) -> bool:
         """Mark every message of ``batch`` finished; returns whether new work is ready.
 
         Finished means: the handler succeeded, or the message was handed to the retry
@@ -484,13 +512,21 @@ class ProcessQueue:
         del status  # every status finishes the message; the caller keeps the counts
         lane = batch._lane
         lane.in_flight -= 1
-        return self._finish_entries(batch._entries, lane)
+        return self._finish_entries(batch._entries, lane, now)
 
-    def erase_fifo_message(self, batch: Batch, status: EraseStatus) -> bool:
+    def erase_fifo_message(
+        self, batch: Batch, status: EraseStatus, now: float | None = None
+    ) -> bool:
         """:meth:`erase_messages` for a batch taken by :meth:`try_take_fifo_message`."""
-        return self.erase_messages(batch, status)
+        return self.erase_messages(batch, status, now)
 
-    def erase_some(self, batch: Batch, messages: Sequence[Message], status: EraseStatus) -> bool:
+    def erase_some(
+        self,
+        batch: Batch,
+        messages: Sequence[Message],
+        status: EraseStatus,
+        now: float | None = None,
+    ) -> bool:
         """Finish only ``messages`` of ``batch``; the rest stay pending in the batch.
 
         Used when some messages of a failed batch go to the dead-letter queue and the
@@ -502,15 +538,15 @@ class ProcessQueue:
         batch._entries = [e for e in batch._entries if id(e.message) not in wanted]
         batch.messages = [e.message for e in batch._entries]
         if not batch._entries:
-            return self._finish(batch, done)
-        return self._finish_entries(done, batch._lane)
+            return self._finish(batch, done, now)
+        return self._finish_entries(done, batch._lane, now)
 
-    def _finish(self, batch: Batch, entries: list[_Entry]) -> bool:
+    def _finish(self, batch: Batch, entries: list[_Entry], now: float | None = None) -> bool:
         lane = batch._lane
         lane.in_flight -= 1
-        return self._finish_entries(entries, lane)
+        return self._finish_entries(entries, lane, now)
 
-    def _finish_entries(self, entries: list[_Entry], lane: _Lane) -> bool:
+    def _finish_entries(self, entries: list[_Entry], lane: _Lane, now: float | None = None) -> bool:
         size = 0
         for entry in entries:
             entry.finished = True
@@ -521,6 +557,8 @@ class ProcessQueue:
         epochs = lane.epochs
         while epochs and not epochs[0].unfinished:
             epochs.popleft().queued = False
+            if epochs and now is not None:
+                epochs[0].runnable_at = now  # the next stage's barrier opens
         order = self._order
         while order and order[0].finished:
             head = order.popleft()

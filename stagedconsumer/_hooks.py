@@ -1,0 +1,284 @@
+"""Consume hooks: code that runs before and after every handler call.
+
+After RocketMQ's ``ConsumeMessageHook`` (``consumeMessageBefore`` /
+``consumeMessageAfter``), which its message trace and OpenTracing integrations are
+built on. A hook sees every handler call of one consumer: the batch, its stage, its
+attempt, when its messages were cached, when their stage's barrier opened, when the
+handler ran, and how the batch was settled (succeeded, handed to the retry queue,
+suspended for a local retry, or moved to the dead-letter queue).
+
+Hooks run inline in the worker task that runs the handler, so they must be cheap and
+must not block: a hook that needs I/O hands its data to a background task (see
+:class:`~stagedconsumer.AsyncTraceDispatcher`). A hook that raises is logged
+(at most once per hook and method every 10 seconds) and counted in
+:attr:`~stagedconsumer.ConsumerStatistics.hook_errors`; it never stops consumption.
+With no hook registered the consumer's hot path pays one ``if`` per batch.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import attrs
+
+from ._message import Message, MessageQueue
+
+if TYPE_CHECKING:
+    from ._consumer import PushConsumer
+
+__all__ = (
+    "ConsumeMessageContext",
+    "ConsumeMessageHook",
+    "ConsumeReturnType",
+    "PullContext",
+    "SettleOutcome",
+)
+
+logger = logging.getLogger("stagedconsumer.hooks")
+
+_LOG_EVERY = 10.0
+"""Seconds between two log records of the same failing hook method."""
+
+
+class ConsumeReturnType(enum.Enum):
+    """How a handler call ended (RocketMQ's ``ConsumeReturnType``; the value is the
+    ``contextCode`` of a ``SubAfter`` trace record)."""
+
+    SUCCESS = 0
+    TIME_OUT = 1
+    """Not produced here (handlers have no consume timeout); decoded from RocketMQ traces."""
+    EXCEPTION = 2
+    """The handler raised."""
+    RETURNNULL = 3
+    """Not produced here: ``None`` means success in this library."""
+    FAILED = 4
+    """The handler returned ``RECONSUME_LATER`` / ``SUSPEND_CURRENT_QUEUE_A_MOMENT``
+    (or acknowledged only part of a concurrent batch)."""
+
+
+class SettleOutcome(enum.Enum):
+    """What happened to the messages of a failed handler call."""
+
+    RETRY = "retry"
+    """Handed to the group's retry queue (concurrent mode)."""
+    SUSPEND = "suspend"
+    """Held back and retried locally (orderly and staged mode, or a failed send-back)."""
+    DLQ = "dlq"
+    """Moved to the group's dead-letter queue."""
+
+
+@attrs.define(eq=False, kw_only=True, slots=True)
+class ConsumeMessageContext:
+    """One handler call, as seen by :class:`ConsumeMessageHook`.
+
+    Times (``*_time``, ``*_at``, ``cached_times``) are on the event loop's clock
+    (``anyio.current_time()``; virtual under a mock clock); :meth:`wall` turns one
+    into seconds since the epoch. ``props`` is scratch space a hook may use to carry
+    its own state from :meth:`ConsumeMessageHook.consume_message_before` to
+    :meth:`ConsumeMessageHook.consume_message_after` (RocketMQ's ``mqTraceContext``);
+    use your own key.
+    """
+
+    consumer_group: str
+    message_queue: MessageQueue
+    messages: Sequence[Message]
+    mode: str
+    """``"concurrent"``, ``"orderly"`` or ``"staged"``."""
+    stage_index: int
+    """Stage of the batch (``-1``: tail stage, or no stage in concurrent/orderly mode)."""
+    strategy_id: str | None
+    group_id: str | None
+    attempt: int
+    """Delivery attempt: ``reconsume_times + 1`` of the first message (1 on the first
+    call; counts local retries and retries through the retry queue alike)."""
+    cached_times: Sequence[float]
+    """When each message was pulled and cached, in the order of ``messages``."""
+    runnable_at: float
+    """When the batch's stage last became runnable: its barrier opened."""
+    start_time: float
+    """When the handler call started."""
+    wall_offset: float
+    """Add to a loop-clock time to get seconds since the epoch."""
+    end_time: float = 0.0
+    """When the handler call returned or raised (set before ``consume_message_after``)."""
+    success: bool = False
+    status: ConsumeReturnType | None = None
+    exception: BaseException | None = None
+    result: object = None
+    """What the handler returned."""
+    settled: dict[SettleOutcome, list[Message]] = attrs.Factory(dict)
+    """After a failure: which messages were handed to the retry queue, suspended for
+    a local retry, or dead-lettered."""
+    props: dict[str, Any] = attrs.Factory(dict)
+
+    def wall(self, loop_time: float) -> float:
+        """``loop_time`` as seconds since the epoch."""
+        return loop_time + self.wall_offset
+
+    @property
+    def handler_duration(self) -> float:
+        """Seconds the handler ran."""
+        return max(0.0, self.end_time - self.start_time)
+
+    def await_times(self) -> list[float]:
+        """Per message: seconds from cached to this handler call's start."""
+        start = self.start_time
+        return [max(0.0, start - cached) for cached in self.cached_times]
+
+    def barrier_waits(self) -> list[float]:
+        """Per message: seconds it was cached while its stage's barrier was closed
+        (0 when the stage was already runnable on arrival)."""
+        opened = self.runnable_at
+        return [max(0.0, opened - cached) for cached in self.cached_times]
+
+
+@attrs.define(eq=False, kw_only=True, slots=True)
+class PullContext:
+    """One pull that returned messages (for :meth:`ConsumeMessageHook.messages_pulled`)."""
+
+    consumer_group: str
+    message_queue: MessageQueue
+    messages: Sequence[Message]
+    """The messages cached by this pull (after tag filtering)."""
+    start_time: float
+    end_time: float
+    wall_offset: float
+    max_offset: int
+    """The queue's next offset to be written, as reported by the source."""
+
+    def wall(self, loop_time: float) -> float:
+        return loop_time + self.wall_offset
+
+
+class ConsumeMessageHook(abc.ABC):
+    """Code run around every handler call of a consumer.
+
+    Register with :meth:`PushConsumer.register_consume_message_hook` before the
+    consumer starts. Hooks run in registration order before the call and in the
+    same order after it, inline in the worker task: keep them short and never
+    block. Ordering: for one batch, ``consume_message_before`` happens before the
+    handler starts and ``consume_message_after`` after the batch was settled
+    (finished, sent back, suspended or dead-lettered); calls for different batches
+    interleave freely.
+    """
+
+    @property
+    def hook_name(self) -> str:
+        """A name for logs (RocketMQ's ``hookName()``); the class name by default."""
+        return type(self).__name__
+
+    @abc.abstractmethod
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        """Called right before the handler runs on ``context.messages``."""
+
+    @abc.abstractmethod
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        """Called after the handler returned or raised and the batch was settled."""
+
+    def messages_pulled(self, context: PullContext) -> None:  # noqa: B027 - optional
+        """Called after a pull that cached messages. The default does nothing (and a
+        consumer whose hooks all keep the default does not build the context)."""
+
+    async def run(
+        self,
+        consumer: PushConsumer,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Background work of the hook (e.g. a trace dispatcher).
+
+        Started in the consumer's task group when the consumer starts, before the
+        first pull, and cancelled when it stops (after :meth:`aclose`). The default
+        starts nothing.
+        """
+        del consumer
+        task_status.started()
+
+    async def aclose(self) -> None:  # noqa: B027 - optional
+        """Called once when the consumer stops, after the last handler call returned
+        (flush buffered data here). The default does nothing."""
+
+
+def _overrides(hook: ConsumeMessageHook, name: str) -> bool:
+    return getattr(type(hook), name) is not getattr(ConsumeMessageHook, name)
+
+
+class HookRunner:
+    """Calls the hooks of one consumer, isolating their failures (shell helper)."""
+
+    __slots__ = ("_last_logged", "_suppressed", "errors", "hooks", "pull_hooks", "wants_pull")
+
+    def __init__(self, hooks: Sequence[ConsumeMessageHook]) -> None:
+        self.hooks = tuple(hooks)
+        self.pull_hooks = tuple(h for h in self.hooks if _overrides(h, "messages_pulled"))
+        self.wants_pull = bool(self.pull_hooks)
+        self.errors = 0
+        self._last_logged: dict[tuple[int, str], float] = {}
+        self._suppressed: dict[tuple[int, str], int] = {}
+
+    def services(self) -> tuple[ConsumeMessageHook, ...]:
+        """Hooks with background work (:meth:`ConsumeMessageHook.run` overridden)."""
+        return tuple(h for h in self.hooks if _overrides(h, "run"))
+
+    def failed(self, hook: ConsumeMessageHook, method: str, exc: BaseException) -> None:
+        """Count a hook failure and log it, at most once per 10 s per hook method."""
+        self.errors += 1
+        key = (id(hook), method)
+        now = time.monotonic()
+        last = self._last_logged.get(key)
+        if last is not None and now - last < _LOG_EVERY:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last_logged[key] = now
+        suppressed = self._suppressed.pop(key, 0)
+        try:
+            name = hook.hook_name
+        except Exception:  # a broken hook_name must not hide the original failure
+            name = type(hook).__name__
+        logger.error(
+            "consume hook %s failed in %s (ignored; %d similar failure(s) not logged)",
+            name,
+            method,
+            suppressed,
+            exc_info=exc,
+        )
+
+    def before(self, context: ConsumeMessageContext) -> None:
+        for hook in self.hooks:
+            try:
+                hook.consume_message_before(context)
+            except Exception as exc:
+                self.failed(hook, "consume_message_before", exc)
+
+    def after(self, context: ConsumeMessageContext) -> None:
+        for hook in self.hooks:
+            try:
+                hook.consume_message_after(context)
+            except Exception as exc:
+                self.failed(hook, "consume_message_after", exc)
+
+    def pulled(self, context: PullContext) -> None:
+        for hook in self.pull_hooks:
+            try:
+                hook.messages_pulled(context)
+            except Exception as exc:
+                self.failed(hook, "messages_pulled", exc)
+
+    async def aclose(self) -> None:
+        for hook in self.hooks:
+            try:
+                await hook.aclose()
+            except Exception as exc:
+                self.failed(hook, "aclose", exc)
+
+
+def loop_wall_offset() -> float:
+    """Seconds to add to ``anyio.current_time()`` to get seconds since the epoch."""
+    return time.time() - anyio.current_time()

@@ -1,0 +1,834 @@
+"""Message trace after RocketMQ 4.x (``org.apache.rocketmq.client.trace``).
+
+Every handler call produces two trace contexts: ``SubBefore`` when the handler
+starts and ``SubAfter`` when the batch was settled, paired by a shared request id.
+Both hold one bean per message. Contexts are encoded in RocketMQ's wire format
+(fields joined by U+0001, each record ended by U+0002, RocketMQ's field order), so
+a RocketMQ trace decoder reads them; our additions (stage index, barrier wait,
+cached time, queue position, attempt, settlement) are appended after RocketMQ's
+fields, where its decoder ignores them.
+
+Field order written here (``*``: our additions)::
+
+    SubBefore: type, timeStamp, regionId, groupName, requestId, msgId, retryTimes, keys,
+               *stageIndex, *barrierWaitMs, *cachedTimeStamp, *topic, *queueId,
+               *queueOffset, *attempt, *strategyId, *stageGroupId
+    SubAfter:  type, requestId, msgId, costTime, isSuccess, keys, contextCode,
+               timeStamp, groupName, *stageIndex, *settlement, *attempt
+
+:class:`AsyncTraceDispatcher` batches contexts off the hot path (RocketMQ's
+``AsyncTraceDispatcher`` after apache/rocketmq PR #8430: a bounded queue of 2048,
+batches of 10, at most 20, a flush every 5 s) and writes them to a
+:class:`TraceSink`: the trace topic of the source (``RMQ_SYS_TRACE_TOPIC``, keyed by
+message id and business keys) or a JSON-lines file. Unlike RocketMQ, records
+dropped on a full queue are counted in :meth:`AsyncTraceDispatcher.statistics` and
+in the consumer's statistics, not only logged.
+
+A retried message (concurrent mode: a new message in the retry queue) is traced
+under the id of its first delivery (property ``ORIGIN_MESSAGE_ID``), as RocketMQ
+traces retries under the message's unique key.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import itertools
+import json
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import attrs
+
+from ._exceptions import ConfigurationError, UnknownTopicError
+from ._hooks import ConsumeMessageContext, ConsumeMessageHook, SettleOutcome
+from ._message import Message
+from ._source import PROPERTY_ORIGIN_MESSAGE_ID, MessageSource
+
+if TYPE_CHECKING:
+    from ._consumer import PushConsumer
+
+__all__ = (
+    "CONTENT_SPLITOR",
+    "FIELD_SPLITOR",
+    "RMQ_SYS_TRACE_TOPIC",
+    "AsyncTraceDispatcher",
+    "ConsumeMessageTraceHook",
+    "FileTraceSink",
+    "SourceTraceSink",
+    "TraceBean",
+    "TraceContext",
+    "TraceDispatcherStatistics",
+    "TraceMessage",
+    "TraceSink",
+    "TraceType",
+    "decode_trace_data",
+    "encode_trace_context",
+    "query_message_trace",
+    "read_trace_file",
+    "trace_messages_of",
+)
+
+logger = logging.getLogger("stagedconsumer.trace")
+
+CONTENT_SPLITOR = "\u0001"
+"""Separates the fields of one record (RocketMQ's ``TraceConstants.CONTENT_SPLITOR``)."""
+FIELD_SPLITOR = "\u0002"
+"""Ends a record (RocketMQ's ``TraceConstants.FIELD_SPLITOR``)."""
+RMQ_SYS_TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"
+"""RocketMQ's default trace topic (``TopicValidator.RMQ_SYS_TRACE_TOPIC``)."""
+DEFAULT_REGION = "DefaultRegion"
+PROPERTY_TRACE_SWITCH = "TRACE_ON"
+"""A message whose property ``TRACE_ON`` is ``"false"`` is not traced."""
+PROPERTY_MSG_REGION = "MSG_REGION"
+KEY_SEPARATOR = " "
+"""Separates the business keys of one bean (RocketMQ's ``MessageConst.KEY_SEPARATOR``)."""
+MAX_MSG_SIZE = 128_000
+"""Characters of encoded records per trace message (RocketMQ's ``maxMsgSize``)."""
+
+_LOG_EVERY = 10.0
+
+
+class TraceType(enum.Enum):
+    """RocketMQ's ``TraceType`` (this library writes ``SubBefore`` and ``SubAfter``)."""
+
+    Pub = "Pub"
+    Recall = "Recall"
+    SubBefore = "SubBefore"
+    SubAfter = "SubAfter"
+    EndTransaction = "EndTransaction"
+
+
+@attrs.define(kw_only=True)
+class TraceBean:
+    """One message of a trace context (RocketMQ's ``TraceBean`` plus our fields)."""
+
+    msg_id: str = ""
+    topic: str = ""
+    tags: str = ""
+    keys: str = ""
+    """Business keys joined by a space."""
+    store_host: str = ""
+    body_length: int = 0
+    retry_times: int = 0
+    msg_type: int = 0
+    offset_msg_id: str = ""
+    client_host: str = ""
+    # Our additions.
+    barrier_wait_ms: int | None = None
+    cached_timestamp: int | None = None
+    """When the consumer cached the message (ms since the epoch)."""
+    queue_id: int | None = None
+    queue_offset: int | None = None
+
+
+@attrs.define(kw_only=True)
+class TraceContext:
+    """One trace record group (RocketMQ's ``TraceContext`` plus our fields).
+
+    ``timestamp`` is in milliseconds since the epoch: the handler start for
+    ``SubBefore``, the handler end for ``SubAfter``. ``cost_time`` is RocketMQ's
+    per-message average, ``handler time / batch size`` in ms.
+    """
+
+    trace_type: TraceType
+    timestamp: int = 0
+    region_id: str = ""
+    region_name: str = ""
+    group_name: str = ""
+    cost_time: int = 0
+    success: bool = True
+    request_id: str = ""
+    context_code: int = 0
+    beans: list[TraceBean] = attrs.Factory(list)
+    # Our additions.
+    stage_index: int | None = None
+    attempt: int | None = None
+    strategy_id: str = ""
+    stage_group_id: str = ""
+    settlement: str = ""
+    """``SubAfter`` only: ``""`` (finished), ``"retry"``, ``"suspend"`` or ``"dlq"``."""
+
+
+def _clean(value: object) -> str:
+    """A field value without separators (RocketMQ does not escape; we drop them)."""
+    text = str(value)
+    if CONTENT_SPLITOR in text or FIELD_SPLITOR in text:
+        text = text.replace(CONTENT_SPLITOR, "").replace(FIELD_SPLITOR, "")
+    return text
+
+
+def _opt(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def encode_trace_context(ctx: TraceContext) -> str:
+    """Encode ``ctx`` as RocketMQ's ``TraceDataEncoder.encoderFromContextBean`` does:
+    one record per bean for ``SubBefore``/``SubAfter``, plus our appended fields."""
+    out: list[str] = []
+    j = CONTENT_SPLITOR.join
+    if ctx.trace_type is TraceType.SubBefore:
+        for bean in ctx.beans:
+            fields = [
+                "SubBefore",
+                ctx.timestamp,
+                ctx.region_id,
+                ctx.group_name,
+                ctx.request_id,
+                bean.msg_id,
+                bean.retry_times,
+                bean.keys,
+                _opt(ctx.stage_index),
+                _opt(bean.barrier_wait_ms),
+                _opt(bean.cached_timestamp),
+                bean.topic,
+                _opt(bean.queue_id),
+                _opt(bean.queue_offset),
+                _opt(ctx.attempt),
+                ctx.strategy_id,
+                ctx.stage_group_id,
+            ]
+            out.append(j(_clean(f) for f in fields) + FIELD_SPLITOR)
+    elif ctx.trace_type is TraceType.SubAfter:
+        for bean in ctx.beans:
+            fields = [
+                "SubAfter",
+                ctx.request_id,
+                bean.msg_id,
+                ctx.cost_time,
+                _bool(ctx.success),
+                bean.keys,
+                ctx.context_code,
+                ctx.timestamp,
+                ctx.group_name,
+                _opt(ctx.stage_index),
+                ctx.settlement,
+                _opt(ctx.attempt),
+            ]
+            out.append(j(_clean(f) for f in fields) + FIELD_SPLITOR)
+    elif ctx.trace_type is TraceType.Pub:
+        for bean in ctx.beans:
+            fields = [
+                "Pub",
+                ctx.timestamp,
+                ctx.region_id,
+                ctx.group_name,
+                bean.topic,
+                bean.msg_id,
+                bean.tags,
+                bean.keys,
+                bean.store_host,
+                bean.body_length,
+                ctx.cost_time,
+                bean.msg_type,
+                bean.offset_msg_id,
+                _bool(ctx.success),
+            ]
+            out.append(j(_clean(f) for f in fields) + FIELD_SPLITOR)
+    else:
+        raise ValueError(f"encoding {ctx.trace_type.value} records is not supported")
+    return "".join(out)
+
+
+def _int(value: str, default: int = 0) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def _opt_int(fields: list[str], index: int) -> int | None:
+    if len(fields) <= index or fields[index] == "":
+        return None
+    try:
+        return int(fields[index])
+    except ValueError:
+        return None
+
+
+def _get(fields: list[str], index: int) -> str:
+    return fields[index] if len(fields) > index else ""
+
+
+def decode_trace_data(data: str) -> list[TraceContext]:
+    """Decode a trace message body (RocketMQ's ``decoderFromTraceDataString``).
+
+    Returns one context per record, each with one bean. ``Pub``, ``SubBefore`` and
+    ``SubAfter`` records are decoded (RocketMQ's compatibility rules for short and
+    long ``Pub``/``SubAfter`` records included); other record types are skipped.
+    """
+    contexts: list[TraceContext] = []
+    for record in data.split(FIELD_SPLITOR):
+        if not record:
+            continue
+        f = record.split(CONTENT_SPLITOR)
+        kind = f[0]
+        if kind == "SubBefore" and len(f) >= 8:
+            contexts.append(
+                TraceContext(
+                    trace_type=TraceType.SubBefore,
+                    timestamp=_int(f[1]),
+                    region_id=f[2],
+                    group_name=f[3],
+                    request_id=f[4],
+                    stage_index=_opt_int(f, 8),
+                    attempt=_opt_int(f, 14),
+                    strategy_id=_get(f, 15),
+                    stage_group_id=_get(f, 16),
+                    beans=[
+                        TraceBean(
+                            msg_id=f[5],
+                            retry_times=_int(f[6]),
+                            keys=f[7],
+                            barrier_wait_ms=_opt_int(f, 9),
+                            cached_timestamp=_opt_int(f, 10),
+                            topic=_get(f, 11),
+                            queue_id=_opt_int(f, 12),
+                            queue_offset=_opt_int(f, 13),
+                        )
+                    ],
+                )
+            )
+        elif kind == "SubAfter" and len(f) >= 6:
+            contexts.append(
+                TraceContext(
+                    trace_type=TraceType.SubAfter,
+                    request_id=f[1],
+                    cost_time=_int(f[3]),
+                    success=f[4] == "true",
+                    context_code=_int(f[6]) if len(f) >= 7 else 0,
+                    timestamp=_int(f[7]) if len(f) >= 9 else 0,
+                    group_name=f[8] if len(f) >= 9 else "",
+                    stage_index=_opt_int(f, 9),
+                    settlement=_get(f, 10),
+                    attempt=_opt_int(f, 11),
+                    beans=[TraceBean(msg_id=f[2], keys=f[5])],
+                )
+            )
+        elif kind == "Pub" and len(f) >= 13:
+            bean = TraceBean(
+                topic=f[4],
+                msg_id=f[5],
+                tags=f[6],
+                keys=f[7],
+                store_host=f[8],
+                body_length=_int(f[9]),
+                msg_type=_int(f[11]),
+            )
+            if len(f) == 13:  # old format: no offsetMsgId, [12] is success
+                success = f[12] == "true"
+            else:
+                bean.offset_msg_id = f[12]
+                success = f[13] == "true"
+                if len(f) >= 15:
+                    bean.client_host = f[14]
+            contexts.append(
+                TraceContext(
+                    trace_type=TraceType.Pub,
+                    timestamp=_int(f[1]),
+                    region_id=f[2],
+                    group_name=f[3],
+                    cost_time=_int(f[10]),
+                    success=success,
+                    beans=[bean],
+                )
+            )
+    return contexts
+
+
+def trace_keys(contexts: Iterable[TraceContext]) -> list[str]:
+    """Keys of a trace message: every bean's message id and business keys
+    (RocketMQ's ``TraceTransferBean.transKey``), in first-seen order."""
+    keys: dict[str, None] = {}
+    for ctx in contexts:
+        for bean in ctx.beans:
+            if bean.msg_id:
+                keys[bean.msg_id] = None
+            for key in bean.keys.split(KEY_SEPARATOR):
+                if key:
+                    keys[key] = None
+    return list(keys)
+
+
+# -- sinks ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class TraceMessage:
+    """One stored trace message: encoded records and the keys it is indexed by."""
+
+    topic: str
+    keys: tuple[str, ...]
+    body: str
+
+    @classmethod
+    def from_message(cls, message: Message) -> TraceMessage:
+        return cls(topic=message.topic, keys=message.keys, body=message.body.decode("utf-8"))
+
+    def to_json(self) -> str:
+        return json.dumps({"topic": self.topic, "keys": list(self.keys), "body": self.body})
+
+    @classmethod
+    def from_json(cls, line: str) -> TraceMessage:
+        data = json.loads(line)
+        return cls(topic=str(data["topic"]), keys=tuple(data["keys"]), body=str(data["body"]))
+
+
+class TraceSink(abc.ABC):
+    """Where :class:`AsyncTraceDispatcher` writes trace messages.
+
+    Ordering guarantee: :meth:`write` is called by one task at a time, in the
+    order the dispatcher took the contexts from its queue.
+    """
+
+    @abc.abstractmethod
+    async def write(self, message: TraceMessage) -> None:
+        """Store one trace message; raise to report a failure (it is counted)."""
+
+    async def prepare(self, consumer: PushConsumer) -> None:  # noqa: B027 - optional
+        """Called when the consumer starts, before any write. The default does nothing."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional
+        """Release resources. The default does nothing."""
+
+
+class FileTraceSink(TraceSink):
+    """Appends trace messages to a JSON-lines file, one message per line:
+    ``{"topic": ..., "keys": [...], "body": "<RocketMQ-encoded records>"}``.
+
+    ``stagedconsumer trace MSG_ID_OR_KEY --trace-file PATH`` reads it. Writes run in
+    a worker thread and append whole lines, so several consumers of one process may
+    share a file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def _append(self, line: str) -> None:
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(line + "\n")
+
+    async def write(self, message: TraceMessage) -> None:
+        await anyio.to_thread.run_sync(self._append, message.to_json())
+
+
+class SourceTraceSink(TraceSink):
+    """Sends trace messages to the trace topic of a source, keyed by message id and
+    business keys, as RocketMQ's trace producer does.
+
+    The source needs a producer method ``send(topic, body, *, keys=...)`` (sync or
+    async), as :class:`~stagedconsumer.MemoryBroker` has; a missing trace topic is
+    created on a :class:`~stagedconsumer.MemoryBroker` with one queue (RocketMQ's
+    broker creates it with one queue too). With ``source=None`` the consumer's
+    source is used.
+    """
+
+    def __init__(self, source: MessageSource | None = None) -> None:
+        self.source = source
+
+    async def prepare(self, consumer: PushConsumer) -> None:
+        if self.source is None:
+            self.source = consumer.source
+        if not callable(getattr(self.source, "send", None)):
+            raise ConfigurationError(
+                f"{type(self.source).__name__} has no send(); message trace needs a source"
+                " it can write the trace topic to, or a FileTraceSink"
+            )
+
+    async def write(self, message: TraceMessage) -> None:
+        source = self.source
+        send = getattr(source, "send", None)
+        if send is None:
+            raise ConfigurationError("SourceTraceSink used before prepare()")
+        body = message.body.encode("utf-8")
+        try:
+            result = send(message.topic, body, keys=message.keys)
+        except UnknownTopicError:
+            create = getattr(source, "create_topic", None)
+            if create is None:
+                raise
+            create(message.topic, 1)
+            result = send(message.topic, body, keys=message.keys)
+        if hasattr(result, "__await__"):
+            await result
+
+
+@attrs.frozen(kw_only=True)
+class TraceDispatcherStatistics:
+    """A snapshot of an :class:`AsyncTraceDispatcher`."""
+
+    queued: int
+    """Contexts waiting to be written."""
+    appended: int
+    """Contexts accepted since creation."""
+    dropped: int
+    """Contexts dropped because the queue was full (RocketMQ only logs these)."""
+    written: int
+    """Contexts written to the sink."""
+    messages: int
+    """Trace messages written to the sink."""
+    write_errors: int
+    """Failed sink writes."""
+    lost: int
+    """Contexts lost in failed writes."""
+
+
+class AsyncTraceDispatcher:
+    """Buffers trace contexts and writes them in batches from a background task.
+
+    After RocketMQ's ``AsyncTraceDispatcher``: :meth:`append` never blocks; when
+    the queue (``queue_size``, default 2048) is full the context is dropped and
+    counted. The task started by :meth:`run` writes ``batch_num`` contexts
+    (default 10, at most 20) per trace message as soon as that many are queued,
+    and whatever is queued every ``flush_interval`` seconds (default 5). A trace
+    message holds at most ``max_msg_size`` characters of records (128000);
+    :meth:`flush` writes everything left (called when the consumer stops).
+    Ordering guarantee: contexts are written in the order they were appended.
+    """
+
+    def __init__(
+        self,
+        sink: TraceSink,
+        *,
+        trace_topic: str = RMQ_SYS_TRACE_TOPIC,
+        queue_size: int = 2048,
+        batch_num: int = 10,
+        flush_interval: float = 5.0,
+        max_msg_size: int = MAX_MSG_SIZE,
+    ) -> None:
+        for name, value in (
+            ("queue_size", queue_size),
+            ("batch_num", batch_num),
+            ("max_msg_size", max_msg_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+        if not flush_interval > 0:
+            raise ConfigurationError(f"flush_interval must be > 0, got {flush_interval!r}")
+        if not trace_topic:
+            raise ConfigurationError("trace_topic must be a non-empty string")
+        self.sink = sink
+        self.trace_topic = trace_topic
+        self.queue_size = queue_size
+        self.batch_num = min(batch_num, 20)
+        self.flush_interval = flush_interval
+        self.max_msg_size = max_msg_size
+        self._queue: deque[TraceContext] = deque()
+        self._wakeup: anyio.Event | None = None
+        self._lock: anyio.Lock | None = None
+        self._appended = 0
+        self._dropped = 0
+        self._written = 0
+        self._messages = 0
+        self._write_errors = 0
+        self._lost = 0
+        self._last_drop_log = -_LOG_EVERY
+        self._last_error_log = -_LOG_EVERY
+
+    def append(self, ctx: TraceContext) -> bool:
+        """Queue ``ctx`` for writing; returns ``False`` (and counts it) when full."""
+        queue = self._queue
+        if len(queue) >= self.queue_size:
+            self._dropped += 1
+            now = time.monotonic()
+            if now - self._last_drop_log >= _LOG_EVERY:
+                self._last_drop_log = now
+                logger.warning(
+                    "trace buffer full (%d contexts): dropped %d so far",
+                    self.queue_size,
+                    self._dropped,
+                )
+            return False
+        queue.append(ctx)
+        self._appended += 1
+        wakeup = self._wakeup
+        if wakeup is not None and len(queue) >= self.batch_num:
+            wakeup.set()
+        return True
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Write batches until cancelled (run it in the owner's task group)."""
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        self._wakeup = anyio.Event()
+        task_status.started()
+        last_flush = anyio.current_time()
+        while True:
+            if len(self._queue) < self.batch_num:
+                deadline = last_flush + self.flush_interval
+                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                    await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+            due = anyio.current_time() - last_flush >= self.flush_interval
+            await self._write_batches(everything=due)
+            if due:
+                last_flush = anyio.current_time()
+
+    async def flush(self) -> None:
+        """Write everything queued now."""
+        await self._write_batches(everything=True)
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Flush for at most ``timeout`` seconds (RocketMQ waits 5 s on shutdown);
+        contexts still queued then are counted as lost."""
+        with anyio.move_on_after(timeout):
+            await self.flush()
+        self._lost += len(self._queue)
+        self._queue.clear()
+
+    async def _write_batches(self, *, everything: bool) -> None:
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        queue = self._queue
+        async with self._lock:
+            while len(queue) >= self.batch_num or (everything and queue):
+                batch = [queue.popleft() for _ in range(min(self.batch_num, len(queue)))]
+                await self._send(batch)
+
+    async def _send(self, batch: list[TraceContext]) -> None:
+        """Encode ``batch`` into trace messages of at most ``max_msg_size`` characters
+        (RocketMQ's ``AsyncDataSendTask``) and write them."""
+        chunk: list[TraceContext] = []
+        parts: list[str] = []
+        size = 0
+        for ctx in batch:
+            data = encode_trace_context(ctx)
+            chunk.append(ctx)
+            parts.append(data)
+            size += len(data)
+            if size >= self.max_msg_size:
+                await self._write(chunk, parts)
+                chunk, parts, size = [], [], 0
+        if chunk:
+            await self._write(chunk, parts)
+
+    async def _write(self, contexts: list[TraceContext], parts: list[str]) -> None:
+        message = TraceMessage(
+            topic=self.trace_topic, keys=tuple(trace_keys(contexts)), body="".join(parts)
+        )
+        try:
+            await self.sink.write(message)
+        except Exception as exc:
+            self._write_errors += 1
+            self._lost += len(contexts)
+            now = time.monotonic()
+            if now - self._last_error_log >= _LOG_EVERY:
+                self._last_error_log = now
+                logger.warning(
+                    "writing %d trace context(s) to %s failed (%d failures so far)",
+                    len(contexts),
+                    self.trace_topic,
+                    self._write_errors,
+                    exc_info=exc,
+                )
+            return
+        self._written += len(contexts)
+        self._messages += 1
+
+    def statistics(self) -> TraceDispatcherStatistics:
+        return TraceDispatcherStatistics(
+            queued=len(self._queue),
+            appended=self._appended,
+            dropped=self._dropped,
+            written=self._written,
+            messages=self._messages,
+            write_errors=self._write_errors,
+            lost=self._lost,
+        )
+
+
+# -- the hook ------------------------------------------------------------------------------
+
+_PROPS_KEY = "stagedconsumer.trace.before"
+_SETTLEMENT_ORDER = (SettleOutcome.DLQ, SettleOutcome.RETRY, SettleOutcome.SUSPEND)
+
+
+def _trace_id(message: Message) -> str:
+    return message.properties.get(PROPERTY_ORIGIN_MESSAGE_ID) or message.msg_id
+
+
+class ConsumeMessageTraceHook(ConsumeMessageHook):
+    """Message trace: ``SubBefore``/``SubAfter`` records of every handler call.
+
+    RocketMQ's ``ConsumeMessageTraceHookImpl``; enable it with::
+
+        consumer.register_consume_message_hook(ConsumeMessageTraceHook())  # trace topic
+        consumer.register_consume_message_hook(
+            ConsumeMessageTraceHook(FileTraceSink("trace.jsonl"))  # or a file
+        )
+
+    The default sink is :class:`SourceTraceSink` on the consumer's source (trace
+    topic ``trace_topic``, default ``RMQ_SYS_TRACE_TOPIC``). The dispatcher task
+    runs in the consumer's task group and is flushed when the consumer stops (for
+    at most ``shutdown_timeout`` seconds, default 5).
+    Messages with property ``TRACE_ON=false`` are not traced.
+    """
+
+    def __init__(
+        self,
+        sink: TraceSink | None = None,
+        *,
+        trace_topic: str = RMQ_SYS_TRACE_TOPIC,
+        queue_size: int = 2048,
+        batch_num: int = 10,
+        flush_interval: float = 5.0,
+        region_id: str = DEFAULT_REGION,
+        shutdown_timeout: float = 5.0,
+    ) -> None:
+        self.dispatcher = AsyncTraceDispatcher(
+            sink if sink is not None else SourceTraceSink(),
+            trace_topic=trace_topic,
+            queue_size=queue_size,
+            batch_num=batch_num,
+            flush_interval=flush_interval,
+        )
+        self.region_id = region_id
+        self.shutdown_timeout = shutdown_timeout
+        self._props_key = f"{_PROPS_KEY}.{id(self):x}"  # several trace hooks may share a call
+        prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
+        self._request_ids = (f"{prefix}{n:016X}" for n in itertools.count())
+
+    @property
+    def hook_name(self) -> str:
+        return "ConsumeMessageTraceHook"
+
+    def statistics(self) -> TraceDispatcherStatistics:
+        return self.dispatcher.statistics()
+
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        wall = context.wall_offset
+        opened = context.runnable_at
+        beans: list[TraceBean] = []
+        region = ""
+        for message, cached in zip(context.messages, context.cached_times, strict=True):
+            props = message.properties
+            if props.get(PROPERTY_TRACE_SWITCH) == "false":
+                continue
+            if not region:
+                region = props.get(PROPERTY_MSG_REGION, "")
+            beans.append(
+                TraceBean(
+                    msg_id=_trace_id(message),
+                    topic=message.topic,
+                    tags=message.tags or "",
+                    keys=KEY_SEPARATOR.join(message.keys),
+                    body_length=len(message.body),
+                    retry_times=message.reconsume_times,
+                    barrier_wait_ms=round(max(0.0, opened - cached) * 1000),
+                    cached_timestamp=round((cached + wall) * 1000),
+                    queue_id=message.queue_id,
+                    queue_offset=message.queue_offset,
+                )
+            )
+        if not beans:
+            return
+        ctx = TraceContext(
+            trace_type=TraceType.SubBefore,
+            timestamp=round((context.start_time + wall) * 1000),
+            region_id=region or self.region_id,
+            group_name=context.consumer_group,
+            request_id=next(self._request_ids),
+            beans=beans,
+            stage_index=context.stage_index,
+            attempt=context.attempt,
+            strategy_id=context.strategy_id or "",
+            stage_group_id=context.group_id or "",
+        )
+        self.dispatcher.append(ctx)
+        context.props[self._props_key] = ctx
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        before = context.props.get(self._props_key)
+        if not isinstance(before, TraceContext):
+            return
+        settlement = ""
+        for outcome in _SETTLEMENT_ORDER:
+            if outcome in context.settled:
+                settlement = outcome.value
+                break
+        status = context.status
+        self.dispatcher.append(
+            TraceContext(
+                trace_type=TraceType.SubAfter,
+                timestamp=round(context.wall(context.end_time) * 1000),
+                region_id=before.region_id,
+                group_name=before.group_name,
+                request_id=before.request_id,
+                cost_time=int(context.handler_duration * 1000 / max(1, len(context.messages))),
+                success=context.success,
+                context_code=status.value if status is not None else 0,
+                beans=before.beans,
+                stage_index=before.stage_index,
+                attempt=before.attempt,
+                settlement=settlement,
+            )
+        )
+
+    async def run(
+        self,
+        consumer: PushConsumer,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self.dispatcher.sink.prepare(consumer)
+        await self.dispatcher.run(task_status=task_status)
+
+    async def aclose(self) -> None:
+        await self.dispatcher.aclose(self.shutdown_timeout)
+        await self.dispatcher.sink.aclose()
+
+
+# -- reading traces back -------------------------------------------------------------
+
+
+def read_trace_file(path: str | os.PathLike[str]) -> Iterator[TraceMessage]:
+    """The trace messages of a :class:`FileTraceSink` file (blank lines skipped)."""
+    with Path(path).open(encoding="utf-8") as file:
+        for line in file:
+            if line.strip():
+                yield TraceMessage.from_json(line)
+
+
+def trace_messages_of(source: Any, topic: str = RMQ_SYS_TRACE_TOPIC) -> Iterator[TraceMessage]:
+    """The trace messages stored in ``topic`` of a :class:`~stagedconsumer.MemoryBroker`."""
+    try:
+        count = source.statistics().topics.get(topic, 0)
+    except AttributeError as exc:
+        raise ConfigurationError(
+            f"cannot read trace messages from {type(source).__name__}"
+        ) from exc
+    for queue_id in range(count):
+        for message in source.messages(topic, queue_id):
+            yield TraceMessage.from_message(message)
+
+
+def query_message_trace(messages: Iterable[TraceMessage], key: str) -> list[TraceContext]:
+    """The trace contexts of the message whose id or business key is ``key``.
+
+    Uses the key index first (a trace message is keyed by every message id and
+    business key it holds), then keeps only records of matching beans, as
+    RocketMQ's ``TraceView`` does for ids; matching by business key is our
+    addition. Returned in the order stored.
+    """
+    found: list[TraceContext] = []
+    for message in messages:
+        if key not in message.keys:
+            continue
+        for ctx in decode_trace_data(message.body):
+            bean = ctx.beans[0]
+            if bean.msg_id == key or key in bean.keys.split(KEY_SEPARATOR):
+                found.append(ctx)
+    return found

@@ -1,0 +1,239 @@
+"""Trace records: RocketMQ's field order and separators, round trip, compatibility."""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stagedconsumer._trace import (
+    CONTENT_SPLITOR,
+    FIELD_SPLITOR,
+    TraceBean,
+    TraceContext,
+    TraceType,
+    decode_trace_data,
+    encode_trace_context,
+    trace_keys,
+)
+
+
+def _before(**overrides: object) -> TraceContext:
+    values: dict[str, object] = {
+        "trace_type": TraceType.SubBefore,
+        "timestamp": 1_700_000_000_123,
+        "region_id": "DefaultRegion",
+        "group_name": "g",
+        "request_id": "REQ1",
+        "stage_index": 2,
+        "attempt": 1,
+        "strategy_id": "default",
+        "beans": [
+            TraceBean(
+                msg_id="M1",
+                retry_times=0,
+                keys="k1 k2",
+                topic="t",
+                barrier_wait_ms=17,
+                cached_timestamp=1_700_000_000_100,
+                queue_id=3,
+                queue_offset=42,
+            )
+        ],
+    }
+    values.update(overrides)
+    return TraceContext(**values)  # type: ignore[arg-type]
+
+
+def test_sub_before_keeps_rocketmq_field_order() -> None:
+    data = encode_trace_context(_before())
+    assert data.endswith(FIELD_SPLITOR)
+    assert data.count(FIELD_SPLITOR) == 1
+    fields = data[:-1].split(CONTENT_SPLITOR)
+    # RocketMQ's 8 fields first, then ours.
+    assert fields[:8] == [
+        "SubBefore",
+        "1700000000123",
+        "DefaultRegion",
+        "g",
+        "REQ1",
+        "M1",
+        "0",
+        "k1 k2",
+    ]
+    assert fields[8:14] == ["2", "17", "1700000000100", "t", "3", "42"]
+
+
+def test_sub_after_keeps_rocketmq_field_order() -> None:
+    ctx = TraceContext(
+        trace_type=TraceType.SubAfter,
+        timestamp=1_700_000_000_200,
+        group_name="g",
+        request_id="REQ1",
+        cost_time=12,
+        success=False,
+        context_code=2,
+        stage_index=-1,
+        settlement="suspend",
+        attempt=1,
+        beans=[TraceBean(msg_id="M1", keys="k1"), TraceBean(msg_id="M2", keys="")],
+    )
+    data = encode_trace_context(ctx)
+    records = data.split(FIELD_SPLITOR)
+    assert records[-1] == ""  # every record ends with U+0002
+    first = records[0].split(CONTENT_SPLITOR)
+    assert first[:9] == ["SubAfter", "REQ1", "M1", "12", "false", "k1", "2", "1700000000200", "g"]
+    assert first[9:] == ["-1", "suspend", "1"]
+    assert records[1].split(CONTENT_SPLITOR)[2] == "M2"
+
+
+def test_decodes_records_written_by_rocketmq() -> None:
+    s, e = CONTENT_SPLITOR, FIELD_SPLITOR
+    data = (
+        s.join(["SubBefore", "1000", "DefaultRegion", "cg", "R", "MID", "1", "a b"])
+        + e
+        + s.join(["SubAfter", "R", "MID", "5", "true", "a b", "0", "1005", "cg"])
+        + e
+        # An AccessChannel.CLOUD SubAfter: 7 fields and a trailing separator.
+        + s.join(["SubAfter", "R2", "MID", "7", "false", "a b", "4", ""])
+        + e
+        + s.join(
+            [
+                "Pub",
+                "900",
+                "DefaultRegion",
+                "pg",
+                "t",
+                "MID",
+                "tag",
+                "a b",
+                "host:10911",
+                "16",
+                "3",
+                "0",
+                "OFF",
+                "true",
+            ]
+        )
+        + e
+        + s.join(
+            ["Pub", "901", "r", "pg", "t", "MID2", "", "", "h", "1", "2", "0", "false"]
+        )  # old, 13
+        + e
+        + s.join(
+            ["EndTransaction", "1", "r", "g", "t", "m", "", "", "h", "1", "x", "COMMIT", "false"]
+        )
+        + e
+    )
+    contexts = decode_trace_data(data)
+    assert [c.trace_type for c in contexts] == [
+        TraceType.SubBefore,
+        TraceType.SubAfter,
+        TraceType.SubAfter,
+        TraceType.Pub,
+        TraceType.Pub,
+    ]
+    before, after, cloud, pub, old_pub = contexts
+    assert (before.timestamp, before.group_name, before.request_id) == (1000, "cg", "R")
+    assert (before.beans[0].msg_id, before.beans[0].retry_times, before.beans[0].keys) == (
+        "MID",
+        1,
+        "a b",
+    )
+    assert before.stage_index is None
+    assert before.beans[0].barrier_wait_ms is None
+    assert (after.request_id, after.cost_time, after.success, after.timestamp) == (
+        "R",
+        5,
+        True,
+        1005,
+    )
+    assert (cloud.context_code, cloud.success, cloud.timestamp, cloud.group_name) == (
+        4,
+        False,
+        0,
+        "",
+    )
+    assert (pub.beans[0].offset_msg_id, pub.success, pub.cost_time) == ("OFF", True, 3)
+    assert (old_pub.beans[0].offset_msg_id, old_pub.success) == ("", False)
+
+
+def test_separators_inside_values_cannot_break_records() -> None:
+    bean = TraceBean(msg_id="M\u00011", keys="a\u0002b")
+    data = encode_trace_context(_before(beans=[bean], group_name="g\u0001x"))
+    [decoded] = decode_trace_data(data)
+    assert decoded.beans[0].msg_id == "M1"
+    assert decoded.beans[0].keys == "ab"
+    assert decoded.group_name == "gx"
+
+
+def test_trace_keys_are_message_ids_and_business_keys() -> None:
+    ctx = _before(beans=[TraceBean(msg_id="M1", keys="k1 k2"), TraceBean(msg_id="M2", keys="k2")])
+    assert trace_keys([ctx]) == ["M1", "k1", "k2", "M2"]
+
+
+_text = st.text(
+    alphabet=st.characters(blacklist_characters="\u0001\u0002", blacklist_categories=("Cs",)),
+    max_size=12,
+)
+_word = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=8)
+_ms = st.integers(min_value=0, max_value=2**42)
+_opt_int = st.none() | st.integers(min_value=-1, max_value=10**6)
+
+
+@st.composite
+def _contexts(draw: st.DrawFn) -> TraceContext:
+    kind = draw(st.sampled_from([TraceType.SubBefore, TraceType.SubAfter]))
+    keys = st.lists(_word, max_size=3).map(" ".join)
+    if kind is TraceType.SubBefore:
+        beans = draw(
+            st.lists(
+                st.builds(
+                    TraceBean,
+                    msg_id=_word,
+                    keys=keys,
+                    retry_times=st.integers(0, 100),
+                    barrier_wait_ms=_opt_int,
+                    cached_timestamp=st.none() | _ms,
+                    topic=_text,
+                    queue_id=_opt_int,
+                    queue_offset=_opt_int,
+                ),
+                min_size=1,
+                max_size=3,
+            )
+        )
+        return TraceContext(
+            trace_type=kind,
+            timestamp=draw(_ms),
+            region_id=draw(_text),
+            group_name=draw(_text),
+            request_id=draw(_word),
+            stage_index=draw(_opt_int),
+            attempt=draw(_opt_int),
+            strategy_id=draw(_text),
+            stage_group_id=draw(_text),
+            beans=beans,
+        )
+    beans = draw(st.lists(st.builds(TraceBean, msg_id=_word, keys=keys), min_size=1, max_size=3))
+    return TraceContext(
+        trace_type=kind,
+        timestamp=draw(_ms),
+        group_name=draw(_text),
+        request_id=draw(_word),
+        cost_time=draw(st.integers(0, 10**6)),
+        success=draw(st.booleans()),
+        context_code=draw(st.integers(0, 4)),
+        stage_index=draw(_opt_int),
+        attempt=draw(_opt_int),
+        settlement=draw(st.sampled_from(["", "retry", "suspend", "dlq"])),
+        beans=beans,
+    )
+
+
+@given(st.lists(_contexts(), min_size=1, max_size=4))
+def test_round_trip(contexts: list[TraceContext]) -> None:
+    data = "".join(encode_trace_context(c) for c in contexts)
+    decoded = decode_trace_data(data)
+    expected = [attrs.evolve(c, beans=[bean]) for c in contexts for bean in c.beans]
+    assert [attrs.asdict(d) for d in decoded] == [attrs.asdict(e) for e in expected]

@@ -1,0 +1,171 @@
+"""Message trace end to end: consumer -> hook -> dispatcher -> sink -> query / CLI."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import pytest
+
+from stagedconsumer import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
+    ConsumerOptions,
+    MemoryBroker,
+    Message,
+    MessageListenerConcurrently,
+    PushConsumer,
+)
+from stagedconsumer._cli import main
+from stagedconsumer._cli_trace import message_life
+from stagedconsumer._trace import (
+    RMQ_SYS_TRACE_TOPIC,
+    ConsumeMessageTraceHook,
+    FileTraceSink,
+    TraceMessage,
+    TraceSink,
+    TraceType,
+    query_message_trace,
+    read_trace_file,
+    trace_messages_of,
+)
+
+from .test_hooks import Staged, broker_with
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_staged_trace_to_file_and_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    broker = broker_with(5)
+    consumer = PushConsumer(
+        "g",
+        broker,
+        Staged([2, 2], cost=0.02, fail_once=b"3"),
+        options=ConsumerOptions(suspend_current_queue_time_millis=10),
+    )
+    consumer.subscribe("t")
+    hook = ConsumeMessageTraceHook(FileTraceSink(path), flush_interval=3600)
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    # Flushed on shutdown: 6 handler calls, one SubBefore and one SubAfter each.
+    stats = hook.statistics()
+    assert (stats.appended, stats.written, stats.dropped, stats.queued) == (12, 12, 0, 0)
+    stored = list(read_trace_file(path))
+    assert all(m.topic == RMQ_SYS_TRACE_TOPIC for m in stored)
+
+    msg3 = broker.messages("t")[3]
+    contexts = query_message_trace(stored, msg3.msg_id)
+    assert contexts == query_message_trace(stored, "k3")  # by id or by business key
+    assert [c.trace_type for c in contexts] == [TraceType.SubBefore, TraceType.SubAfter] * 2
+    rows = message_life(contexts)
+    assert [(r.attempt, r.stage_index, r.success, r.settlement) for r in rows] == [
+        (1, 1, False, "suspend"),
+        (2, 1, True, ""),
+    ]
+    first = rows[0]
+    assert (first.topic, first.queue_id, first.queue_offset, first.group) == ("t", 0, 3, "g")
+    assert first.context_code == 2  # EXCEPTION
+    assert first.barrier_wait_ms is not None
+    assert first.barrier_wait_ms >= 15
+    assert first.cached_ms is not None
+    assert first.cached_ms <= first.start_ms
+    assert first.end_ms is not None
+    assert first.end_ms - first.start_ms >= 15
+    assert first.cost_ms is not None
+    assert first.cost_ms >= 15
+
+    assert main(["trace", "k3", "--trace-file", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert msg3.msg_id in out
+    assert "failed (EXCEPTION) -> suspend" in out
+    assert "success" in out
+    assert main(["trace", "k3", "--trace-file", str(path), "--json"]) == 0
+    assert [r["attempt"] for r in json.loads(capsys.readouterr().out)] == [1, 2]
+    assert main(["trace", "nope", "--trace-file", str(path)]) == 1
+
+
+async def test_default_sink_is_the_trace_topic_of_the_broker() -> None:
+    broker = broker_with(3)
+    consumer = PushConsumer("g", broker, Staged([]))
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(ConsumeMessageTraceHook())
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    assert broker.statistics().topics[RMQ_SYS_TRACE_TOPIC] == 1  # created, one queue
+    stored = list(trace_messages_of(broker))
+    sent = broker.messages("t")
+    for i, message in enumerate(sent):
+        assert message.msg_id in {k for m in stored for k in m.keys}
+        contexts = query_message_trace(stored, f"k{i}")
+        assert {c.trace_type for c in contexts} == {TraceType.SubBefore, TraceType.SubAfter}
+        assert {c.beans[0].msg_id for c in contexts} == {message.msg_id}
+
+
+async def test_trace_switch_off_and_retries_traced_under_the_first_id() -> None:
+    class FailFirst(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> ConsumeConcurrentlyStatus:
+            context.delay_level_when_next_consume = 1
+            if msgs[0].reconsume_times == 0:
+                return ConsumeConcurrentlyStatus.RECONSUME_LATER
+            return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    traced = broker.send("t", b"a", keys="traced")
+    broker.send("t", b"b", keys="silent", properties={"TRACE_ON": "false"})
+
+    class Sink(TraceSink):
+        def __init__(self) -> None:
+            self.messages: list[TraceMessage] = []
+
+        async def write(self, message: TraceMessage) -> None:
+            self.messages.append(message)
+
+    sink = Sink()
+    consumer = PushConsumer("g", broker, FailFirst())
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(ConsumeMessageTraceHook(sink))
+    async with consumer:
+        with anyio.fail_after(10):
+            while consumer.statistics().consumed_ok < 2:
+                await anyio.sleep(0.05)
+    assert query_message_trace(sink.messages, "silent") == []
+    rows = message_life(query_message_trace(sink.messages, traced.msg_id))
+    assert [(r.attempt, r.success, r.settlement) for r in rows] == [
+        (1, False, "retry"),
+        (2, True, ""),
+    ]
+    assert rows[0].context_code == 4  # FAILED: RECONSUME_LATER
+
+
+async def test_full_trace_queue_drops_are_in_consumer_statistics() -> None:
+    gate = anyio.Event()
+
+    class Stuck(TraceSink):
+        async def write(self, message: TraceMessage) -> None:
+            await gate.wait()
+
+    broker = broker_with(30)
+    listener = Staged([])
+    consumer = PushConsumer("g", broker, listener)
+    consumer.subscribe("t")
+    hook = ConsumeMessageTraceHook(Stuck(), queue_size=8, batch_num=4)
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+        stats = consumer.statistics()
+        gate.set()
+    assert len(listener.consumed) == 30  # tracing never holds consumption back
+    # 60 contexts: 8 queued, at most 4 more taken by the stuck write, the rest dropped.
+    appended = hook.statistics().appended
+    assert 8 <= appended <= 12
+    assert stats.trace_records_dropped == 60 - appended
+    assert hook.statistics().dropped == stats.trace_records_dropped
