@@ -1,0 +1,490 @@
+"""OpenTelemetry spans and metrics for a consumer (extra ``stagedconsumer[otel]``).
+
+Follows the messaging semantic conventions v1.44 (status: development):
+
+- ``receive <topic>`` (CLIENT) per pull that cached messages, timed from the pull's
+  start to its return, with a link per message to its creation context;
+- ``process <topic>`` (CONSUMER) per handler call, the current span while the
+  handler runs (spans the handler starts are its children), child of the receive
+  span that brought its first message, with a link per message to the creation
+  context found in its W3C ``traceparent`` property (per-link
+  ``messaging.message.id``; a single-message call also carries it on the span);
+- ``retry|suspend|dead_letter <topic>`` (CLIENT, ``messaging.operation.type=settle``),
+  children of the process span, for the messages of a failed call handed to the
+  retry queue, suspended for a local retry, or moved to the dead-letter queue.
+
+Metrics (names as OpenTelemetry instruments; see the README for the Prometheus
+names): ``messaging.process.duration`` and ``messaging.client.consumed.messages``
+(semconv; duration buckets ``0.005 .. 10`` s), plus
+``stagedconsumer.consumer.await.duration`` (cached to handler start, per message),
+``stagedconsumer.consumer.barrier_wait.duration`` (cached while the stage's barrier
+was closed, per message), ``stagedconsumer.consumer.cached.messages`` /
+``.cached.bytes`` / ``.lag`` (gauges per queue), and
+``stagedconsumer.consumer.dlq.messages`` / ``.retried.messages`` (counters).
+
+This module imports OpenTelemetry; the rest of the package does not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import attrs
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TracerProvider,
+    TraceState,
+)
+from opentelemetry.util.types import AttributeValue
+
+from ._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext, SettleOutcome
+from ._message import Message, MessageQueue
+from ._otel import TRACEPARENT, TRACESTATE, parse_traceparent
+from ._source import PROPERTY_ORIGIN_MESSAGE_ID
+
+if TYPE_CHECKING:
+    from ._consumer import PushConsumer
+
+__all__ = (
+    "DURATION_BUCKETS",
+    "SCHEMA_URL",
+    "OpenTelemetryHook",
+    "PrometheusEndpoint",
+    "serve_prometheus",
+)
+
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
+DURATION_BUCKETS: Sequence[float] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10,
+)  # fmt: skip
+"""Semconv's advisory bucket boundaries of ``messaging.process.duration`` (seconds)."""
+
+STAGE_INDEX = "stagedconsumer.stage.index"
+STAGE_STRATEGY = "stagedconsumer.stage.strategy_id"
+STAGE_GROUP = "stagedconsumer.stage.group_id"
+ATTEMPT = "stagedconsumer.attempt"
+
+_PROPS_KEY = "stagedconsumer.otel"
+_SETTLE_NAMES = {
+    SettleOutcome.RETRY: "retry",
+    SettleOutcome.SUSPEND: "suspend",
+    SettleOutcome.DLQ: "dead_letter",
+}
+
+
+def _creation_context(message: Message) -> SpanContext | None:
+    value = message.properties.get(TRACEPARENT)
+    if not value:
+        return None
+    parsed = parse_traceparent(value)
+    if parsed is None:
+        return None
+    trace_id, span_id, flags = parsed
+    state = message.properties.get(TRACESTATE)
+    return SpanContext(
+        trace_id,
+        span_id,
+        is_remote=True,
+        trace_flags=TraceFlags(flags & 0xFF),
+        trace_state=TraceState.from_header([state]) if state else None,
+    )
+
+
+def _message_id(message: Message) -> str:
+    return message.properties.get(PROPERTY_ORIGIN_MESSAGE_ID) or message.msg_id
+
+
+def _links(messages: Iterable[Message]) -> list[Link]:
+    links: list[Link] = []
+    for message in messages:
+        creation = _creation_context(message)
+        if creation is not None:
+            links.append(Link(creation, {"messaging.message.id": _message_id(message)}))
+    return links
+
+
+def _ns(wall_seconds: float) -> int:
+    return int(wall_seconds * 1e9)
+
+
+def _error_type(context: ConsumeMessageContext) -> str:
+    exc = context.exception
+    if exc is not None:
+        cls = type(exc)
+        return (
+            cls.__qualname__
+            if cls.__module__ == "builtins"
+            else f"{cls.__module__}.{cls.__qualname__}"
+        )
+    result = context.result
+    name = getattr(result, "name", None)
+    if isinstance(name, str):
+        return name  # RECONSUME_LATER, SUSPEND_CURRENT_QUEUE_A_MOMENT
+    if result is None:
+        return "PARTIAL_ACK"  # a concurrent batch acknowledged only in part
+    return "_OTHER"
+
+
+class OpenTelemetryHook(ConsumeMessageHook):
+    """Spans and metrics of one consumer, after the messaging semantic conventions.
+
+    ``tracer_provider`` / ``meter_provider`` default to the global ones.
+    ``messaging_system`` is the ``messaging.system`` attribute (default
+    ``"stagedconsumer"``; set e.g. ``"redis"`` for the Redis broker).
+    Register one hook per consumer::
+
+        consumer.register_consume_message_hook(OpenTelemetryHook())
+    """
+
+    def __init__(
+        self,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        messaging_system: str = "stagedconsumer",
+    ) -> None:
+        from . import __version__
+
+        self.messaging_system = messaging_system
+        self._tracer = trace.get_tracer(
+            "stagedconsumer", __version__, tracer_provider, schema_url=SCHEMA_URL
+        )
+        meter = metrics.get_meter("stagedconsumer", __version__, meter_provider, SCHEMA_URL)
+        self._process_duration = meter.create_histogram(
+            "messaging.process.duration",
+            unit="s",
+            description="Duration of processing operation.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self._consumed = meter.create_counter(
+            "messaging.client.consumed.messages",
+            unit="{message}",
+            description="Number of messages that were delivered to the application.",
+        )
+        self._await = meter.create_histogram(
+            "stagedconsumer.consumer.await.duration",
+            unit="s",
+            description="Time from caching a message to the start of its handler call.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self._barrier = meter.create_histogram(
+            "stagedconsumer.consumer.barrier_wait.duration",
+            unit="s",
+            description="Time a cached message waited for its stage's barrier to open.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self._dlq = meter.create_counter(
+            "stagedconsumer.consumer.dlq.messages",
+            unit="{message}",
+            description="Messages moved to the dead-letter queue.",
+        )
+        self._retried = meter.create_counter(
+            "stagedconsumer.consumer.retried.messages",
+            unit="{message}",
+            description="Messages of failed handler calls, retried (retry queue or locally).",
+        )
+        self._meter = meter
+        self._props_key = f"{_PROPS_KEY}.{id(self):x}"
+        self._consumer: PushConsumer | None = None
+        self._gauges_created = False
+        self._max_offsets: dict[MessageQueue, int] = {}
+        # Receive span of each cached message, to parent its process span.
+        self._received: dict[tuple[MessageQueue, int], SpanContext] = {}
+
+    @property
+    def hook_name(self) -> str:
+        return "OpenTelemetryHook"
+
+    # -- attributes ---------------------------------------------------------------------
+
+    def _base(
+        self, operation: str, op_type: str, topic: str, group: str, queue_id: int
+    ) -> dict[str, AttributeValue]:
+        return {
+            "messaging.system": self.messaging_system,
+            "messaging.operation.name": operation,
+            "messaging.operation.type": op_type,
+            "messaging.destination.name": topic,
+            "messaging.consumer.group.name": group,
+            "messaging.destination.partition.id": str(queue_id),
+        }
+
+    def _metric_attrs(self, topic: str, group: str, queue_id: int) -> dict[str, AttributeValue]:
+        return {
+            "messaging.system": self.messaging_system,
+            "messaging.operation.name": "process",
+            "messaging.destination.name": topic,
+            "messaging.consumer.group.name": group,
+            "messaging.destination.partition.id": str(queue_id),
+        }
+
+    # -- receive ----------------------------------------------------------------------
+
+    def messages_pulled(self, context: PullContext) -> None:
+        messages = context.messages
+        mq = context.message_queue
+        self._max_offsets[mq] = context.max_offset
+        topic = messages[0].topic
+        attributes = self._base("receive", "receive", topic, context.consumer_group, mq.queue_id)
+        if len(messages) == 1:
+            attributes["messaging.message.id"] = _message_id(messages[0])
+        else:
+            attributes["messaging.batch.message_count"] = len(messages)
+        span = self._tracer.start_span(
+            f"receive {topic}",
+            context=otel_context.Context(),
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+            links=_links(messages),
+            start_time=_ns(context.wall(context.start_time)),
+        )
+        span.end(end_time=_ns(context.wall(context.end_time)))
+        span_context = span.get_span_context()
+        if span_context.is_valid:
+            received = self._received
+            for message in messages:
+                received[(mq, message.queue_offset)] = span_context
+
+    # -- process ------------------------------------------------------------------------
+
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        messages = context.messages
+        mq = context.message_queue
+        first = messages[0]
+        topic = first.topic
+        attributes = self._base("process", "process", topic, context.consumer_group, mq.queue_id)
+        if len(messages) == 1:
+            attributes["messaging.message.id"] = _message_id(first)
+        else:
+            attributes["messaging.batch.message_count"] = len(messages)
+        attributes[STAGE_INDEX] = context.stage_index
+        if context.strategy_id is not None:
+            attributes[STAGE_STRATEGY] = context.strategy_id
+        if context.group_id is not None:
+            attributes[STAGE_GROUP] = context.group_id
+        attributes[ATTEMPT] = context.attempt
+        received = self._received.get((mq, first.queue_offset))
+        parent = otel_context.Context()
+        if received is not None:
+            parent = trace.set_span_in_context(NonRecordingSpan(received), parent)
+        span = self._tracer.start_span(
+            f"process {topic}",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+            links=_links(messages),
+            start_time=_ns(context.wall(context.start_time)),
+        )
+        token = otel_context.attach(trace.set_span_in_context(span))
+        context.props[self._props_key] = (span, token)
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        state = context.props.pop(self._props_key, None)
+        messages = context.messages
+        mq = context.message_queue
+        topic = messages[0].topic if messages else mq.topic
+        group = context.consumer_group
+        metric_attrs = self._metric_attrs(topic, group, mq.queue_id)
+        error_type: str | None = None
+        if not context.success:
+            error_type = _error_type(context)
+            metric_attrs["error.type"] = error_type
+        now_ns = time.time_ns()
+        if state is not None:
+            span, token = state
+            try:
+                if error_type is not None:
+                    span.set_attribute("error.type", error_type)
+                    span.set_status(Status(StatusCode.ERROR, error_type))
+                    if context.exception is not None:
+                        span.record_exception(context.exception)
+                parent = trace.set_span_in_context(span, otel_context.Context())
+                for outcome, settled in context.settled.items():
+                    self._settle_span(context, outcome, settled, parent, topic, now_ns)
+                span.end(end_time=_ns(context.wall(context.end_time)))
+            finally:
+                otel_context.detach(token)
+        # Metrics.
+        self._process_duration.record(context.handler_duration, metric_attrs)
+        self._consumed.add(len(messages), metric_attrs)
+        queue_attrs = self._metric_attrs(topic, group, mq.queue_id)
+        record_await = self._await.record
+        for seconds in context.await_times():
+            record_await(seconds, queue_attrs)
+        if context.mode == "staged":
+            record_barrier = self._barrier.record
+            for seconds in context.barrier_waits():
+                record_barrier(seconds, queue_attrs)
+        dead = context.settled.get(SettleOutcome.DLQ)
+        if dead:
+            self._dlq.add(len(dead), queue_attrs)
+        retried = len(context.settled.get(SettleOutcome.RETRY, ())) + len(
+            context.settled.get(SettleOutcome.SUSPEND, ())
+        )
+        if retried:
+            self._retried.add(retried, queue_attrs)
+        # Forget receive contexts of messages that will not be handled again here.
+        if SettleOutcome.SUSPEND not in context.settled:
+            received = self._received
+            for message in messages:
+                received.pop((mq, message.queue_offset), None)
+
+    def _settle_span(
+        self,
+        context: ConsumeMessageContext,
+        outcome: SettleOutcome,
+        settled: Sequence[Message],
+        parent: otel_context.Context,
+        topic: str,
+        now_ns: int,
+    ) -> None:
+        name = _SETTLE_NAMES[outcome]
+        attributes = self._base(
+            name, "settle", topic, context.consumer_group, context.message_queue.queue_id
+        )
+        if len(settled) == 1:
+            attributes["messaging.message.id"] = _message_id(settled[0])
+        else:
+            attributes["messaging.batch.message_count"] = len(settled)
+        attributes[STAGE_INDEX] = context.stage_index
+        start_ns = min(_ns(context.wall(context.end_time)), now_ns)
+        span = self._tracer.start_span(
+            f"{name} {topic}",
+            context=parent,
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+            links=_links(settled),
+            start_time=start_ns,
+        )
+        span.end(end_time=now_ns)
+
+    # -- gauges -------------------------------------------------------------------------
+
+    def _observe(self, value_of: Any) -> list[Observation]:
+        consumer = self._consumer
+        if consumer is None:
+            return []
+        stats = consumer.statistics()
+        return [
+            Observation(
+                value_of(mq, queue),
+                {
+                    "messaging.system": self.messaging_system,
+                    "messaging.destination.name": mq.topic,
+                    "messaging.consumer.group.name": stats.group,
+                    "messaging.destination.partition.id": str(mq.queue_id),
+                },
+            )
+            for mq, queue in stats.queues.items()
+        ]
+
+    def _cached_messages(self, options: CallbackOptions) -> Iterable[Observation]:
+        del options
+        return self._observe(lambda mq, q: q.cached_count + q.pending_count)
+
+    def _cached_bytes(self, options: CallbackOptions) -> Iterable[Observation]:
+        del options
+        return self._observe(lambda mq, q: q.cached_bytes)
+
+    def _lag(self, options: CallbackOptions) -> Iterable[Observation]:
+        del options
+        max_offsets = self._max_offsets
+        return self._observe(
+            lambda mq, q: max(0, max_offsets.get(mq, q.highest_offset + 1) - q.committed_offset)
+        )
+
+    async def run(
+        self,
+        consumer: PushConsumer,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        if self._consumer is not None:
+            raise RuntimeError("an OpenTelemetryHook serves one consumer; create one per consumer")
+        self._consumer = consumer
+        if not self._gauges_created:
+            self._gauges_created = True
+            meter = self._meter
+            meter.create_observable_gauge(
+                "stagedconsumer.consumer.cached.messages",
+                [self._cached_messages],
+                unit="{message}",
+                description="Messages pulled and not finished (cached or in a handler).",
+            )
+            meter.create_observable_gauge(
+                "stagedconsumer.consumer.cached.bytes",
+                [self._cached_bytes],
+                unit="By",
+                description="Body bytes of messages pulled and not finished.",
+            )
+            meter.create_observable_gauge(
+                "stagedconsumer.consumer.lag",
+                [self._lag],
+                unit="{message}",
+                description="Messages in the queue past the committed consume offset.",
+            )
+        task_status.started()
+
+    async def aclose(self) -> None:
+        self._consumer = None
+        self._received.clear()
+
+
+@attrs.define(eq=False)
+class PrometheusEndpoint:
+    """A Prometheus scrape endpoint for consumer metrics (see :func:`serve_prometheus`)."""
+
+    meter_provider: Any
+    """An SDK ``MeterProvider``: pass it to :class:`OpenTelemetryHook`."""
+    port: int
+    _server: Any
+    _thread: Any
+    _reader: Any
+
+    def close(self) -> None:
+        """Stop serving and shut the meter provider down."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+        self.meter_provider.shutdown()
+
+
+def serve_prometheus(
+    port: int = 9464, addr: str = "0.0.0.0", *, registry: Any = None
+) -> PrometheusEndpoint:
+    """Serve metrics for Prometheus on ``http://addr:port/metrics``.
+
+    Needs ``opentelemetry-exporter-prometheus`` and ``prometheus_client`` (both in
+    the ``otel`` extra). Returns the endpoint; pass its ``meter_provider`` to
+    :class:`OpenTelemetryHook`. ``port=0`` picks a free port (see ``.port``).
+    ``registry`` defaults to ``prometheus_client``'s global registry.
+    """
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+    from prometheus_client import REGISTRY, start_http_server
+
+    if registry is None:
+        registry = REGISTRY
+    reader = PrometheusMetricReader(registry=registry)
+    provider = SdkMeterProvider(metric_readers=[reader])
+    server, thread = start_http_server(port, addr, registry=registry)
+    return PrometheusEndpoint(
+        meter_provider=provider,
+        port=server.server_port,
+        server=server,
+        thread=thread,
+        reader=reader,
+    )

@@ -1,0 +1,30 @@
+"""OpenTelemetry integration (``pip install 'stagedconsumer[otel]'``).
+
+A public module of its own, not re-exported by the package, because it imports
+OpenTelemetry and the package must work without it::
+
+    from stagedconsumer.otel import OpenTelemetryHook, serve_prometheus
+
+    endpoint = serve_prometheus(9464)
+    consumer.register_consume_message_hook(
+        OpenTelemetryHook(meter_provider=endpoint.meter_provider)
+    )
+"""
+
+from ._otel import format_traceparent as format_traceparent
+from ._otel import inject_traceparent as inject_traceparent
+from ._otel import parse_traceparent as parse_traceparent
+from ._otel_hook import DURATION_BUCKETS as DURATION_BUCKETS
+from ._otel_hook import OpenTelemetryHook as OpenTelemetryHook
+from ._otel_hook import PrometheusEndpoint as PrometheusEndpoint
+from ._otel_hook import serve_prometheus as serve_prometheus
+
+__all__ = (
+    "DURATION_BUCKETS",
+    "OpenTelemetryHook",
+    "PrometheusEndpoint",
+    "format_traceparent",
+    "inject_traceparent",
+    "parse_traceparent",
+    "serve_prometheus",
+)

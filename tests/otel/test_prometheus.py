@@ -1,0 +1,78 @@
+"""serve_prometheus: the consumer's metrics on a scrape endpoint, with the README's names."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Sequence
+
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry
+
+from stagedconsumer import (
+    ConsumeStagedConcurrentlyContext,
+    MemoryBroker,
+    Message,
+    MessageListenerStagedConcurrently,
+    PushConsumer,
+)
+from stagedconsumer.otel import OpenTelemetryHook, serve_prometheus
+
+pytestmark = pytest.mark.anyio
+
+# The names the README documents.
+EXPECTED = (
+    "messaging_process_duration_seconds_bucket{",
+    'le="0.005"',
+    'le="10",',
+    "messaging_client_consumed_messages_total{",
+    "stagedconsumer_consumer_await_duration_seconds_bucket{",
+    "stagedconsumer_consumer_barrier_wait_duration_seconds_bucket{",
+    "stagedconsumer_consumer_cached_messages{",
+    "stagedconsumer_consumer_cached_bytes{",
+    "stagedconsumer_consumer_lag{",
+    'messaging_consumer_group_name="g"',
+    'messaging_destination_name="t"',
+)
+
+
+class Staged(MessageListenerStagedConcurrently):
+    def get_stage_definitions(self) -> Sequence[int]:
+        return [1]
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        return None
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+async def test_metrics_are_served_for_prometheus() -> None:
+    endpoint = serve_prometheus(0, "127.0.0.1", registry=CollectorRegistry())
+    try:
+        broker = MemoryBroker()
+        broker.create_topic("t", 1)
+        for i in range(3):
+            broker.send("t", str(i).encode())
+        consumer = PushConsumer("g", broker, Staged())
+        consumer.subscribe("t")
+        consumer.register_consume_message_hook(
+            OpenTelemetryHook(meter_provider=endpoint.meter_provider)
+        )
+        async with consumer:
+            await consumer.wait_caught_up(timeout=10)
+            text = await anyio.to_thread.run_sync(scrape, endpoint.port)
+    finally:
+        endpoint.close()
+    for expected in EXPECTED:
+        assert expected in text, expected
+    consumed = [
+        line
+        for line in text.splitlines()
+        if line.startswith("messaging_client_consumed_messages_total{")
+    ]
+    assert [float(line.rsplit(" ", 1)[1]) for line in consumed] == [3.0]

@@ -1,0 +1,306 @@
+"""OpenTelemetry spans and metrics of the three modes, after semconv v1.44."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, NumberDataPoint
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanKind, StatusCode
+
+from stagedconsumer import (
+    ConsumeConcurrentlyContext,
+    ConsumeOrderlyContext,
+    ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
+    MemoryBroker,
+    Message,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
+    PushConsumer,
+)
+from stagedconsumer.otel import DURATION_BUCKETS, OpenTelemetryHook
+
+from .conftest import Otel
+
+pytestmark = pytest.mark.anyio
+
+REQUIRED = {
+    "messaging.system": "stagedconsumer",
+    "messaging.destination.name": "t",
+    "messaging.consumer.group.name": "g",
+    "messaging.destination.partition.id": "0",
+}
+
+
+def ids(contexts: Sequence[Any]) -> list[tuple[int, int]]:
+    return [(c.trace_id, c.span_id) for c in contexts]
+
+
+class Concurrent(MessageListenerConcurrently):
+    def __init__(self, fail: bool = False, tracer: trace.Tracer | None = None) -> None:
+        self.fail = fail
+        self.tracer = tracer or trace.get_tracer("app")
+        self.inner_parents: list[int] = []
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        # A span the handler starts is a child of the process span.
+        with self.tracer.start_as_current_span("handler work") as span:
+            parent = getattr(span, "parent", None)
+            self.inner_parents.append(parent.span_id if parent else 0)
+        if self.fail:
+            raise ValueError("handler bug")
+
+
+class Orderly(MessageListenerOrderly):
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
+        context.suspend_current_queue_time_millis = 10
+        if msgs[0].body == b"1" and msgs[0].reconsume_times == 0:
+            raise KeyError("once")
+
+
+class Staged(MessageListenerStagedConcurrently):
+    def get_stage_definitions(self) -> Sequence[int]:
+        return [2, 1]
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        await anyio.sleep(0.01)
+
+
+def produce(otel: Otel, n: int) -> tuple[MemoryBroker, list[Message], list[Any]]:
+    """Send ``n`` messages, each inside its own producer span."""
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    tracer = otel.tracer_provider.get_tracer("producer")
+    sent, contexts = [], []
+    for i in range(n):
+        with tracer.start_as_current_span("create t", kind=SpanKind.PRODUCER) as span:
+            sent.append(broker.send("t", str(i).encode(), keys=[f"k{i}"]))
+            contexts.append(span.get_span_context())
+    return broker, sent, contexts
+
+
+async def consume(otel: Otel, broker: MemoryBroker, listener: Any, **options: Any) -> PushConsumer:
+    consumer = PushConsumer("g", broker, listener, options=ConsumerOptions(**options))
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(
+        OpenTelemetryHook(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+    )
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    return consumer
+
+
+def assert_required(span: ReadableSpan, operation: str, op_type: str) -> None:
+    attributes = dict(span.attributes or {})
+    for key, value in REQUIRED.items():
+        assert attributes[key] == value, key
+    assert attributes["messaging.operation.name"] == operation
+    assert attributes["messaging.operation.type"] == op_type
+
+
+async def test_producer_injects_traceparent(otel: Otel) -> None:
+    _, sent, contexts = produce(otel, 1)
+    context = contexts[0]
+    assert sent[0].properties["traceparent"] == (
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+    )
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    assert "traceparent" not in broker.send("t", b"no span").properties
+
+
+async def test_concurrent_span_tree_links_and_metrics(otel: Otel) -> None:
+    broker, sent, creation = produce(otel, 3)
+    listener = Concurrent(tracer=otel.tracer_provider.get_tracer("app"))
+    await consume(otel, broker, listener)
+    [receive] = otel.spans("receive")
+    processes = otel.spans("process")
+    assert len(otel.spans("handler work")) == 3
+    assert receive.name == "receive t"
+    assert receive.kind is SpanKind.CLIENT
+    assert receive.parent is None
+    assert_required(receive, "receive", "receive")
+    assert receive.attributes["messaging.batch.message_count"] == 3  # type: ignore[index]
+    assert ids([link.context for link in receive.links]) == ids(creation)
+    assert len(processes) == 3
+    for span in processes:
+        assert span.name == "process t"
+        assert span.kind is SpanKind.CONSUMER
+        assert span.parent is not None
+        assert span.parent.span_id == receive.context.span_id
+        assert_required(span, "process", "process")
+        attributes = dict(span.attributes or {})
+        i = int([m.msg_id for m in sent].index(attributes["messaging.message.id"]))
+        [link] = span.links
+        assert ids([link.context]) == ids([creation[i]])
+        assert link.attributes == {"messaging.message.id": sent[i].msg_id}
+        assert attributes["stagedconsumer.stage.index"] == -1
+        assert "error.type" not in attributes
+        assert span.status.status_code is StatusCode.UNSET
+    assert sorted(listener.inner_parents) == sorted(s.context.span_id for s in processes)
+
+    metrics = otel.metrics()
+    [duration] = metrics["messaging.process.duration"]
+    assert isinstance(duration, HistogramDataPoint)
+    assert duration.count == 3
+    assert tuple(duration.explicit_bounds) == tuple(DURATION_BUCKETS)
+    assert dict(duration.attributes or {}) == {**REQUIRED, "messaging.operation.name": "process"}
+    [consumed] = metrics["messaging.client.consumed.messages"]
+    assert isinstance(consumed, NumberDataPoint)
+    assert consumed.value == 3
+    [awaited] = metrics["stagedconsumer.consumer.await.duration"]
+    assert isinstance(awaited, HistogramDataPoint)
+    assert awaited.count == 3
+
+
+async def test_batch_process_span_has_per_link_ids(otel: Otel) -> None:
+    broker, sent, creation = produce(otel, 3)
+    await consume(otel, broker, Concurrent(), consume_message_batch_max_size=3, pull_batch_size=3)
+    [process] = otel.spans("process")
+    attributes = dict(process.attributes or {})
+    assert attributes["messaging.batch.message_count"] == 3
+    assert "messaging.message.id" not in attributes
+    assert ids([link.context for link in process.links]) == ids(creation)
+    assert [dict(link.attributes or {}) for link in process.links] == [
+        {"messaging.message.id": m.msg_id} for m in sent
+    ]
+
+
+async def test_concurrent_failure_goes_to_dlq_with_settle_span(otel: Otel) -> None:
+    broker, sent, creation = produce(otel, 1)
+    consumer = await consume(otel, broker, Concurrent(fail=True), max_reconsume_times=0)
+    assert consumer.statistics().dead_lettered == 1
+    [process] = otel.spans("process")
+    assert process.status.status_code is StatusCode.ERROR
+    assert process.attributes["error.type"] == "ValueError"  # type: ignore[index]
+    assert any(event.name == "exception" for event in process.events)
+    [settle] = otel.spans("dead_letter")
+    assert settle.name == "dead_letter t"
+    assert settle.kind is SpanKind.CLIENT
+    assert settle.parent is not None
+    assert settle.parent.span_id == process.context.span_id
+    assert_required(settle, "dead_letter", "settle")
+    assert settle.attributes["messaging.message.id"] == sent[0].msg_id  # type: ignore[index]
+    assert ids([link.context for link in settle.links]) == ids(creation)
+    metrics = otel.metrics()
+    [dlq] = metrics["stagedconsumer.consumer.dlq.messages"]
+    assert isinstance(dlq, NumberDataPoint)
+    assert dlq.value == 1
+    [duration] = metrics["messaging.process.duration"]
+    assert dict(duration.attributes or {})["error.type"] == "ValueError"  # type: ignore[attr-defined]
+
+
+async def test_concurrent_failure_retried_through_the_retry_queue(otel: Otel) -> None:
+    class FailOnce(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            context.delay_level_when_next_consume = 1
+            if msgs[0].reconsume_times == 0:
+                raise ValueError("once")
+
+    broker, sent, creation = produce(otel, 1)
+    consumer = PushConsumer("g", broker, FailOnce())
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(
+        OpenTelemetryHook(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+    )
+    async with consumer:
+        with anyio.fail_after(10):
+            while consumer.statistics().consumed_ok < 1:
+                await anyio.sleep(0.05)
+    first, second = otel.spans("process")
+    [retry] = otel.spans("retry")
+    assert retry.parent is not None
+    assert retry.parent.span_id == first.context.span_id
+    assert first.attributes["stagedconsumer.attempt"] == 1  # type: ignore[index]
+    assert second.attributes["stagedconsumer.attempt"] == 2  # type: ignore[index]
+    # The retry is a new message of the retry queue, reported under its first id,
+    # still linked to the original creation context.
+    assert second.attributes["messaging.message.id"] == sent[0].msg_id  # type: ignore[index]
+    assert ids([link.context for link in second.links]) == ids(creation)
+    assert second.status.status_code is StatusCode.UNSET
+
+
+async def test_orderly_failure_is_suspended_and_retried(otel: Otel) -> None:
+    broker, sent, creation = produce(otel, 3)
+    await consume(otel, broker, Orderly())
+    processes = otel.spans("process")
+    message_ids = [s.attributes["messaging.message.id"] for s in processes]  # type: ignore[index]
+    assert message_ids == [sent[0].msg_id, sent[1].msg_id, sent[1].msg_id, sent[2].msg_id]
+    failed = processes[1]
+    assert failed.attributes["error.type"] == "KeyError"  # type: ignore[index]
+    [suspend] = otel.spans("suspend")
+    assert suspend.parent is not None
+    assert suspend.parent.span_id == failed.context.span_id
+    assert_required(suspend, "suspend", "settle")
+    assert processes[2].attributes["stagedconsumer.attempt"] == 2  # type: ignore[index]
+    assert ids([processes[2].links[0].context]) == ids([creation[1]])
+    [retried] = otel.metrics()["stagedconsumer.consumer.retried.messages"]
+    assert retried.value == 1  # type: ignore[attr-defined]
+
+
+async def test_staged_spans_carry_the_stage_and_barrier_wait_is_measured(otel: Otel) -> None:
+    broker, sent, _ = produce(otel, 5)
+    await consume(otel, broker, Staged())
+    by_id = {
+        s.attributes["messaging.message.id"]: s  # type: ignore[index]
+        for s in otel.spans("process")
+    }
+    assert [by_id[m.msg_id].attributes["stagedconsumer.stage.index"] for m in sent] == [  # type: ignore[index]
+        0,
+        0,
+        1,
+        -1,
+        -1,
+    ]
+    assert by_id[sent[0].msg_id].attributes["stagedconsumer.stage.strategy_id"] == "default"  # type: ignore[index]
+    # Stage 1 starts only after both stage-0 spans ended.
+    stage0_end = max(by_id[m.msg_id].end_time or 0 for m in sent[:2])
+    assert (by_id[sent[2].msg_id].start_time or 0) >= stage0_end
+    [barrier] = otel.metrics()["stagedconsumer.consumer.barrier_wait.duration"]
+    assert isinstance(barrier, HistogramDataPoint)
+    assert barrier.count == 5
+    assert barrier.max >= 0.005  # the tail waited for stage 0 and stage 1 (10 ms each)
+
+
+async def test_gauges_report_cache_and_lag_while_running(otel: Otel) -> None:
+    gate = anyio.Event()
+
+    class Blocked(MessageListenerOrderly):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+        ) -> None:
+            await gate.wait()
+
+    broker, _, _ = produce(otel, 4)
+    consumer = PushConsumer("g", broker, Blocked())
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(
+        OpenTelemetryHook(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+    )
+    async with consumer:
+        with anyio.fail_after(10):
+            while consumer.statistics().in_flight < 1:
+                await anyio.sleep(0.01)
+        metrics = otel.metrics()
+        gate.set()
+    [cached] = metrics["stagedconsumer.consumer.cached.messages"]
+    [size] = metrics["stagedconsumer.consumer.cached.bytes"]
+    [lag] = metrics["stagedconsumer.consumer.lag"]
+    assert cached.value == 4  # type: ignore[attr-defined]
+    assert size.value == 4  # type: ignore[attr-defined]
+    assert lag.value == 4  # type: ignore[attr-defined]
+    assert dict(lag.attributes or {}) == REQUIRED  # type: ignore[attr-defined]

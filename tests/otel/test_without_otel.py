@@ -1,0 +1,60 @@
+"""The core package imports and runs (message trace included) without OpenTelemetry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("opentelemetry", "prometheus_client"):
+                raise ImportError(f"{name} is blocked in this test")
+            return None
+
+    sys.meta_path.insert(0, Block())
+
+    import anyio
+    from stagedconsumer import MemoryBroker, MessageListenerStagedConcurrently, PushConsumer
+    from stagedconsumer._trace import ConsumeMessageTraceHook, trace_messages_of
+
+    class L(MessageListenerStagedConcurrently):
+        def get_stage_definitions(self):
+            return [1, 2]
+
+        async def consume_message(self, msgs, context):
+            return None
+
+    async def main():
+        broker = MemoryBroker()
+        broker.create_topic("t", 1)
+        sent = [broker.send("t", b"x", properties={"a": "b"}) for _ in range(5)]
+        assert all("traceparent" not in m.properties for m in sent)
+        consumer = PushConsumer("g", broker, L())
+        consumer.subscribe("t")
+        consumer.register_consume_message_hook(ConsumeMessageTraceHook())
+        async with consumer:
+            await consumer.wait_caught_up(timeout=10)
+        assert consumer.statistics().consumed_ok == 5
+        assert len(list(trace_messages_of(broker))) >= 1
+
+    anyio.run(main)
+    assert not any(name.startswith("opentelemetry") for name in sys.modules)
+    try:
+        import stagedconsumer.otel  # noqa: F401
+    except ImportError:
+        print("OK")
+    """
+)
+
+
+def test_core_runs_without_opentelemetry() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "OK"
