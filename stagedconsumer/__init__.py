@@ -22,6 +22,11 @@ from ._exceptions import SourceClosedError as SourceClosedError
 from ._exceptions import SourceError as SourceError
 from ._exceptions import StagedConsumerError as StagedConsumerError
 from ._exceptions import UnknownTopicError as UnknownTopicError
+from ._hooks import ConsumeMessageContext as ConsumeMessageContext
+from ._hooks import ConsumeMessageHook as ConsumeMessageHook
+from ._hooks import ConsumeReturnType as ConsumeReturnType
+from ._hooks import PullContext as PullContext
+from ._hooks import SettleOutcome as SettleOutcome
 from ._listeners import ConsumeConcurrentlyContext as ConsumeConcurrentlyContext
 from ._listeners import ConsumeConcurrentlyStatus as ConsumeConcurrentlyStatus
 from ._listeners import ConsumeOrderlyContext as ConsumeOrderlyContext
@@ -36,6 +41,7 @@ from ._memory_broker import MemoryBrokerStatistics as MemoryBrokerStatistics
 from ._message import Message as Message
 from ._message import MessageQueue as MessageQueue
 from ._options import ConsumerOptions as ConsumerOptions
+from ._otel import inject_traceparent as inject_traceparent
 from ._rebalance import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
 from ._rebalance import (
     AllocateMessageQueueByConsistentHash as AllocateMessageQueueByConsistentHash,
@@ -46,6 +52,22 @@ from ._rebalance import GroupOptions as GroupOptions
 from ._source import MessageSource as MessageSource
 from ._source import PullResult as PullResult
 from ._source import SendBackResult as SendBackResult
+from ._trace import RMQ_SYS_TRACE_TOPIC as RMQ_SYS_TRACE_TOPIC
+from ._trace import AsyncTraceDispatcher as AsyncTraceDispatcher
+from ._trace import ConsumeMessageTraceHook as ConsumeMessageTraceHook
+from ._trace import FileTraceSink as FileTraceSink
+from ._trace import SourceTraceSink as SourceTraceSink
+from ._trace import TraceBean as TraceBean
+from ._trace import TraceContext as TraceContext
+from ._trace import TraceDispatcherStatistics as TraceDispatcherStatistics
+from ._trace import TraceMessage as TraceMessage
+from ._trace import TraceSink as TraceSink
+from ._trace import TraceType as TraceType
+from ._trace import decode_trace_data as decode_trace_data
+from ._trace import encode_trace_context as encode_trace_context
+from ._trace import query_message_trace as query_message_trace
+from ._trace import read_trace_file as read_trace_file
+from ._trace import trace_messages_of as trace_messages_of
 
 if TYPE_CHECKING:
     from ._redis_broker import RedisBroker as RedisBroker
@@ -64,19 +86,26 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = (
+    "RMQ_SYS_TRACE_TOPIC",
     "TAIL_STAGE",
     "AllocateMessageQueueAveragely",
     "AllocateMessageQueueByConsistentHash",
     "AllocateMessageQueueStrategy",
+    "AsyncTraceDispatcher",
     "ConfigurationError",
     "ConsumeConcurrentlyContext",
     "ConsumeConcurrentlyStatus",
+    "ConsumeMessageContext",
+    "ConsumeMessageHook",
+    "ConsumeMessageTraceHook",
     "ConsumeOrderlyContext",
     "ConsumeOrderlyStatus",
+    "ConsumeReturnType",
     "ConsumeStagedConcurrentlyContext",
     "ConsumerOptions",
     "ConsumerStateError",
     "ConsumerStatistics",
+    "FileTraceSink",
     "GroupCoordinator",
     "GroupOptions",
     "HandlerError",
@@ -93,14 +122,29 @@ __all__ = (
     "MessageQueue",
     "MessageSource",
     "ProcessQueueStatistics",
+    "PullContext",
     "PullResult",
     "PushConsumer",
     "RedisBroker",
     "SendBackResult",
+    "SettleOutcome",
     "SourceClosedError",
     "SourceError",
+    "SourceTraceSink",
     "StageDefinition",
     "StageKey",
     "StagedConsumerError",
+    "TraceBean",
+    "TraceContext",
+    "TraceDispatcherStatistics",
+    "TraceMessage",
+    "TraceSink",
+    "TraceType",
     "UnknownTopicError",
+    "decode_trace_data",
+    "encode_trace_context",
+    "inject_traceparent",
+    "query_message_trace",
+    "read_trace_file",
+    "trace_messages_of",
 )
