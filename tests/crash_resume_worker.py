@@ -43,7 +43,7 @@ SEED = 22
 TOPIC = "orders"
 GROUP = "crash-resume"
 QUEUES = 4
-PER_QUEUE = 50
+PER_QUEUE = 100
 STAGES = (3, 4, 6)
 """Per stage key (one per order key): stages of 3, 4 and 6 messages, then the tail."""
 KEYS = ("k0", "k1")

@@ -57,16 +57,16 @@ def _read_log(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _wait_for_run_record(log: Path, run: int, proc: subprocess.Popen[bytes]) -> None:
-    needle = f'"ev":"run","run":{run},'
-    deadline = time.monotonic() + 30
+def _wait_for(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait until ``needle`` is in the log; ``False`` when the process exited first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if log.exists() and needle in log.read_text():
-            return
+            return True
         if proc.poll() is not None:
-            raise AssertionError(f"run {run} exited early with {proc.returncode}")
-        time.sleep(0.01)
-    raise AssertionError(f"run {run} did not start")
+            return False
+        time.sleep(0.005)
+    raise AssertionError(f"{needle!r} did not appear in the log within {timeout} s")
 
 
 def _crash_and_resume(store_url: str, prefix: str, tmp_path: Path, seed: int) -> None:
@@ -91,8 +91,11 @@ def _crash_and_resume(store_url: str, prefix: str, tmp_path: Path, seed: int) ->
         for run in range(KILLS):
             proc = start(run)
             try:
-                _wait_for_run_record(log, run, proc)
-                time.sleep(rng.uniform(0.05, 0.6))
+                # Kill at a random moment after the run began handling messages (the
+                # start-up time varies too much with the machine's load to aim at).
+                assert _wait_for(log, f'"ev":"run","run":{run},', proc, 30), "died early"
+                if _wait_for(log, f'"ev":"start","run":{run},', proc, 30):
+                    time.sleep(rng.uniform(0.0, 0.3))
                 if proc.poll() is None:
                     os.kill(proc.pid, signal.SIGKILL)
             finally:
@@ -143,7 +146,15 @@ def _check_log(records: list[dict[str, Any]], seed: int) -> None:
     killed_mid_work = [
         run for run in range(KILLS) if run not in finished and any(r["run"] == run for r in handled)
     ]
-    assert len(killed_mid_work) >= 2, f"too few kills hit a working consumer {where}"
+    summary = {
+        run: (
+            "finished" if run in finished else "killed",
+            sum(1 for r in handled if r["run"] == run and r["ev"] == "start"),
+            sum(1 for r in handled if r["run"] == run and r["ev"] == "done"),
+        )
+        for run in runs
+    }
+    assert len(killed_mid_work) >= 2, f"too few kills hit a working consumer {summary} {where}"
 
     # Stages kept, in every run and every attempt.
     for r in handled:
