@@ -7,8 +7,9 @@ at its next persist). Stage keys are written ``STRATEGY`` (no stage group) or
 ``STRATEGY/GROUP`` (``STRATEGY/`` is the empty group, distinct from none); the
 default strategy is ``default``.
 
-Lag is not shown: it needs the queue's max offset from the source, and the embedded
-broker lives inside the consumer's process.
+Lag (messages in the queue beyond the consume offset) needs the queue's max offset
+from the source: ``show --redis URL`` reads it from a :class:`RedisBroker`; without
+it there is no lag column (the embedded broker lives inside the consumer's process).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rich.table import Table
 
 from offsetstore import OffsetStoreError, QueueProgress, SqlOffsetStore, StageKey
 
+from ._exceptions import StagedConsumerError
 from ._message import MessageQueue
 
 __all__ = ("format_stage_key", "parse_stage_key", "register")
@@ -118,8 +120,14 @@ async def _show(args: argparse.Namespace) -> int:
         return _fail(err, str(exc))
     finally:
         await store.aclose()
+    lags: dict[MessageQueue, int] | None = None
+    if args.redis and progress:
+        lags = await _lags(args, progress, err)
     if args.json:
         queues = [_progress_json(mq, p) for mq, p in progress.items()]
+        if lags is not None:
+            for entry, mq in zip(queues, progress, strict=True):
+                entry["lag"] = lags.get(mq)
         sys.stdout.write(json.dumps({"group": args.group, "queues": queues}, indent=2) + "\n")
         return 0
     console = Console()
@@ -133,11 +141,39 @@ async def _show(args: argparse.Namespace) -> int:
     table.add_column("Queue")
     table.add_column("Consume offset", justify="right")
     table.add_column("Stage offsets")
+    if lags is not None:
+        table.add_column("Lag", justify="right")
     for mq, value in progress.items():
         offset = "-" if value.consume_offset is None else str(value.consume_offset)
-        table.add_row(str(mq), offset, _format_stages(value.stage_offsets))
+        row = [str(mq), offset, _format_stages(value.stage_offsets)]
+        if lags is not None:
+            row.append(str(lags[mq]) if mq in lags else "?")
+        table.add_row(*row)
     console.print(table)
     return 0
+
+
+async def _lags(
+    args: argparse.Namespace, progress: Mapping[MessageQueue, QueueProgress], err: Console
+) -> dict[MessageQueue, int]:
+    """Max offset minus consume offset of every queue, from a RedisBroker."""
+    try:
+        from ._redis_broker import RedisBroker  # optional: needs redis-py
+    except ImportError as exc:
+        err.print(f"[yellow]no lag: {exc} (pip install 'stagedconsumer[redis]')[/]")
+        return {}
+    lags: dict[MessageQueue, int] = {}
+    try:
+        # An operator command: give up on an unreachable Redis after seconds, not 30.
+        async with RedisBroker(
+            args.redis, namespace=args.redis_namespace, send_timeout=2.0, socket_timeout=2.0
+        ) as broker:
+            for mq, value in progress.items():
+                max_offset = await broker.max_offset(mq)
+                lags[mq] = max(max_offset - (value.consume_offset or 0), 0)
+    except StagedConsumerError as exc:
+        err.print(f"[yellow]no lag: {exc}[/]", highlight=False)
+    return lags
 
 
 # -- reset -----------------------------------------------------------------------------------
@@ -260,6 +296,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     show = commands.add_parser("show", help="print the progress of every queue of a group")
     common(show, topic_required=False)
     show.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    show.add_argument(
+        "--redis", metavar="URL", help="RedisBroker holding the queues: adds a lag column"
+    )
+    show.add_argument(
+        "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
+    )
     show.set_defaults(handler=_run(_show))
 
     reset = commands.add_parser(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import uuid
 from pathlib import Path
 
 import anyio
@@ -181,3 +182,47 @@ def test_reset_rejects_bad_stage_assignments(bad: str) -> None:
 def test_stage_key_syntax_round_trips(text: str, key: StageKey) -> None:
     assert parse_stage_key(text) == key
     assert format_stage_key(key) == text
+
+
+@pytest.mark.redis
+def test_show_with_a_redis_broker_adds_lag(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stagedconsumer._redis_broker import RedisBroker
+    from tests.redis.conftest import require_redis
+
+    redis_url = require_redis()
+    namespace = f"test-{uuid.uuid4().hex[:12]}"
+
+    async def fill() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            await broker.create_topic("orders", 3)
+            for q in range(3):
+                for _ in range(20):
+                    await broker.send("orders", b"x", queue_id=q)
+
+    async def clean() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            await broker.delete_namespace()
+
+    anyio.run(fill)
+    try:
+        args = ["offsets", "show", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+        assert main([*args, "--redis", redis_url, "--redis-namespace", namespace, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert [q["lag"] for q in data["queues"]] == [10, 9, 8]  # 20 - (10 + q)
+        assert main([*args, "--redis", redis_url, "--redis-namespace", namespace]) == 0
+        assert "Lag" in capsys.readouterr().out
+    finally:
+        anyio.run(clean)
+
+
+def test_show_with_an_unreachable_redis_still_shows_progress(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("redis")
+    args = ["offsets", "show", "--store", store_url, "--group", GROUP, "--json"]
+    assert main([*args, "--redis", "redis://127.0.0.1:1/0"]) == 0
+    captured = capsys.readouterr()
+    assert "no lag" in captured.err
+    assert len(json.loads(captured.out)["queues"]) == 4
