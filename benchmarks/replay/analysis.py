@@ -119,7 +119,10 @@ def consumer_bounds(pdf: pd.DataFrame, modes: Sequence[str], workers: int,
 
 
 def compute_bounds(messages: DataFrame, w: Workload, modes: Sequence[str]) -> DataFrame:
-    """Per (mode, consumer) lower bound, Graham bound and total work, in Spark."""
+    """Per (mode, consumer) lower bound, Graham bound and total work, in Spark.
+
+    ``messages`` is best partitioned by :func:`~benchmarks.replay.spark.by_consumer`.
+    """
     chosen = tuple(modes)
     workers = w.threads
     limit = w.failures.max_reconsume_times
@@ -127,11 +130,11 @@ def compute_bounds(messages: DataFrame, w: Workload, modes: Sequence[str]) -> Da
     def per_consumer(pdf: pd.DataFrame) -> pd.DataFrame:
         return consumer_bounds(pdf, chosen, workers, limit)
 
-    from .spark import by_consumer
+    from .spark import _is_by_consumer, by_consumer
 
-    return by_consumer(messages).groupBy("consumer").applyInPandas(
-        per_consumer, schema=BOUND_SCHEMA
-    )
+    if not _is_by_consumer(messages):
+        messages = by_consumer(messages)
+    return messages.groupBy("consumer").applyInPandas(per_consumer, schema=BOUND_SCHEMA)
 
 
 def message_outcomes(events: DataFrame) -> DataFrame:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pandas as pd
+from pyspark import Accumulator
 from pyspark.sql import DataFrame, SparkSession
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -32,7 +33,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from . import analysis, report
 from .generate import generate_messages
 from .runner import ReplayConfig
-from .spark import get_session, replay_events, ship_code
+from .spark import by_consumer, get_session, replay_events, ship_code
 from .workload import MODES, Workload, WorkloadError, load_workload
 
 __all__ = ("BenchResult", "build_parser", "main", "run_bench")
@@ -92,7 +93,12 @@ class BenchResult:
     """What :func:`run_bench` produced (pandas frames are small: per mode/queue)."""
 
     def __init__(self, out: Path, summary: pd.DataFrame, queues: pd.DataFrame,
-                 timings: dict[str, float], report_path: Path) -> None:
+                 timings: dict[str, float], report_path: Path, replay_cpu: dict[str, float],
+                 replays: int) -> None:
+        self.replay_cpu = replay_cpu
+        """CPU seconds the Python workers spent replaying, per clock."""
+        self.replays = replays
+        """Messages times modes replayed (per clock)."""
         self.out = out
         self.summary = summary
         self.queues = queues
@@ -132,8 +138,11 @@ def run_bench(
         return spark.read.parquet(messages_path)
 
     messages = _timed(timings, "generate", partial(tracker.run, "generate", generate))
+    consumers = w.consumers if w.recorded is None else None
+    messages = by_consumer(messages, consumers, persist=True)
     config = ReplayConfig.from_workload(w)
     clocks = ["virtual", *(["wall"] if wall_clock else [])]
+    cpu_info: dict[str, float] = {}
     summaries: list[pd.DataFrame] = []
     queue_frames: list[pd.DataFrame] = []
     quantile_frames: list[pd.DataFrame] = []
@@ -147,14 +156,20 @@ def run_bench(
     for clock in clocks:
         events_path = str(out / f"events-{clock}.parquet")
 
-        def replay(clock: str = clock, events_path: str = events_path) -> DataFrame:
-            events = replay_events(messages, config, modes, wall_clock=clock == "wall")
+        cpu = spark.sparkContext.accumulator(0.0)
+
+        def replay(clock: str = clock, events_path: str = events_path,
+                   cpu: Accumulator[float] = cpu) -> DataFrame:
+            events = replay_events(
+                messages, config, modes, wall_clock=clock == "wall", cpu_seconds=cpu
+            )
             events.write.mode("overwrite").parquet(events_path)
             return spark.read.parquet(events_path)
 
         events = _timed(
             timings, f"replay ({clock} time)", partial(tracker.run, f"replay {clock}", replay)
         )
+        cpu_info[clock] = float(cpu.value)
 
         def analyse(events: DataFrame = events) -> tuple[pd.DataFrame, ...]:
             outcomes = analysis.message_outcomes(events).cache()
@@ -184,8 +199,10 @@ def run_bench(
     queues.to_parquet(out / "queues.parquet", index=False)
     charts = report.write_charts(summary, quantiles, out)
     timings["report"] = time.perf_counter() - t0
-    path = report.write_markdown(out, w, summary, queues, timings, command, master, charts)
-    return BenchResult(out, summary, queues, timings, path)
+    path = report.write_markdown(out, w, summary, queues, timings, command, master, charts,
+                                 replay_cpu=cpu_info, replays=total_messages * len(modes))
+    messages.unpersist()
+    return BenchResult(out, summary, queues, timings, path, cpu_info, total_messages * len(modes))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -221,6 +238,11 @@ def _bench(args: argparse.Namespace) -> int:
     total = time.perf_counter() - t0
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
     console.print(f"wall time {total:.1f} s ({phases})")
+    for clock, cpu in result.replay_cpu.items():
+        console.print(
+            f"replay ({clock} time): {result.replays:,} message-replays, {cpu:.1f} CPU s in the"
+            f" Python workers = {cpu / max(1, result.replays) * 1e6:.1f} us per message and mode"
+        )
     console.print(f"report: {result.report_path}")
     return 0
 

@@ -171,6 +171,9 @@ def write_markdown(
     command: str,
     master: str,
     charts: Sequence[Path],
+    *,
+    replay_cpu: Mapping[str, float] | None = None,
+    replays: int = 0,
 ) -> Path:
     cols = ([("clock", "clock")] if "clock" in summary.columns else []) + list(SUMMARY_COLUMNS)
     parts = [
@@ -228,6 +231,12 @@ def write_markdown(
         )
     parts += ["", "## Wall time of this run", ""]
     parts += [f"- {phase}: {seconds:.1f} s" for phase, seconds in timings.items()]
+    for clock, cpu in (replay_cpu or {}).items():
+        parts.append(
+            f"- replay CPU ({clock} time): {cpu:.1f} s in the Python workers for {replays:,}"
+            f" message-replays = {cpu / max(1, replays) * 1e6:.1f} us per message and mode"
+            " (independent of other load on the machine, unlike the wall times)"
+        )
     parts += ["", "## Charts", ""]
     parts += [f"![{p.stem}]({p.name})" for p in charts]
     parts += [

@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
+import weakref
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pandas as pd
+from pyspark import Accumulator, StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
@@ -99,22 +102,43 @@ def ship_code(spark: SparkSession) -> None:
 
 
 def replay_events(
-    messages: DataFrame, config: ReplayConfig, modes: Sequence[str], *, wall_clock: bool = False
+    messages: DataFrame, config: ReplayConfig, modes: Sequence[str], *, wall_clock: bool = False,
+    cpu_seconds: Accumulator[float] | None = None,
 ) -> DataFrame:
-    """The event log of replaying every consumer instance in every mode."""
+    """The event log of replaying every consumer instance in every mode.
+
+    ``messages`` should come from :func:`by_consumer` (one partition per consumer
+    instance); otherwise it is partitioned here. ``cpu_seconds``, when given, adds up
+    the CPU time the Python workers spent replaying (a measure of the work that does
+    not depend on what else the machine runs).
+    """
     chosen = tuple(modes)
 
     def replay_group(pdf: pd.DataFrame) -> Iterator[pd.DataFrame]:
         for mode in chosen:
-            yield replay_consumer(pdf, mode, config, wall_clock=wall_clock)
+            start = time.process_time()
+            events = replay_consumer(pdf, mode, config, wall_clock=wall_clock)
+            if cpu_seconds is not None:
+                cpu_seconds.add(time.process_time() - start)
+            yield events
 
     def replay_all(pdf: pd.DataFrame) -> pd.DataFrame:
         return pd.concat(list(replay_group(pdf)), ignore_index=True)
 
-    return by_consumer(messages).groupBy("consumer").applyInPandas(replay_all, schema=EVENT_SCHEMA)
+    if not _is_by_consumer(messages):
+        messages = by_consumer(messages)
+    return messages.groupBy("consumer").applyInPandas(replay_all, schema=EVENT_SCHEMA)
 
 
-def by_consumer(messages: DataFrame) -> DataFrame:
+_BY_CONSUMER: weakref.WeakSet[DataFrame] = weakref.WeakSet()
+
+
+def _is_by_consumer(df: DataFrame) -> bool:
+    return df in _BY_CONSUMER
+
+
+def by_consumer(messages: DataFrame, consumers: int | None = None, *,
+                persist: bool = False) -> DataFrame:
     """One partition per consumer instance (so one Spark task each).
 
     Range partitioning on ``consumer`` with as many partitions as consumers satisfies
@@ -122,6 +146,12 @@ def by_consumer(messages: DataFrame) -> DataFrame:
     adaptive query execution from coalescing the (small in bytes, long to replay)
     partitions into one task, which would serialise the replay on one core.
     """
-    first = messages.agg(F.max("consumer")).first()
-    consumers = 1 if first is None or first[0] is None else int(first[0]) + 1
-    return messages.repartitionByRange(consumers, "consumer")
+    if consumers is None:
+        first = messages.agg(F.max("consumer")).first()
+        consumers = 1 if first is None or first[0] is None else int(first[0]) + 1
+    out = messages.repartitionByRange(consumers, "consumer")
+    if persist:
+        # bounds and replay (and a wall-clock replay) all read it: shuffle once
+        out = out.persist(StorageLevel.MEMORY_AND_DISK)
+    _BY_CONSUMER.add(out)
+    return out
