@@ -260,3 +260,23 @@ async def test_consumer_keeps_consuming_while_the_database_is_down(sql_backend: 
     for mq in queues:
         offsets = [h[mq].consume_offset or 0 for h in history if mq in h]
         assert offsets == sorted(offsets), f"stored progress of {mq} went backwards"
+
+
+async def test_consumer_start_with_an_unreachable_database_is_a_clear_error() -> None:
+    import socket
+
+    from offsetstore import SqlOffsetStore, StoreUnavailableError
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    broker = MemoryBroker()
+    broker.create_topic(TOPIC, 1)
+    store = SqlOffsetStore(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test")
+    consumer = _consumer(broker, store, Recorder())
+    try:
+        with pytest.raises(StoreUnavailableError, match="cannot reach the offset store"):
+            async with consumer:
+                pytest.fail("the consumer started without its offset store")
+    finally:
+        await store.aclose()
