@@ -139,4 +139,13 @@ async def sql_backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIt
         yield value
 
 
+@pytest.fixture(params=BACKENDS[2:])
+async def server_backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Backend]:
+    """The SQL store on the database servers (PostgreSQL, MariaDB)."""
+    async for value in _backend_fixture(request.param, tmp_path):
+        yield value
+
+
 StoreFactory = Callable[..., StageOffsetStore]
