@@ -215,7 +215,7 @@ class SqlOffsetStore(StageOffsetStore):
     included. Only :meth:`reset_progress` moves it back.
 
     Every database call runs in a worker thread, so the store works on asyncio and
-    trio and never blocks the event loop. Failures raise
+    trio and keeps database work and waiting off the event loop. Failures raise
     :class:`~offsetstore.OffsetStoreError` subclasses (``retriable`` says whether a
     retry can help), with the driver's error as ``__cause__``.
 
@@ -239,10 +239,15 @@ class SqlOffsetStore(StageOffsetStore):
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if not table_prefix.replace("_", "a").isalnum() or not table_prefix[:1].isalpha():
+        if (
+            not table_prefix.isascii()
+            or not table_prefix.replace("_", "a").isalnum()
+            or not table_prefix[:1].isalpha()
+            or len(table_prefix) > 48  # MySQL names have at most 64 characters
+        ):
             raise StoreConfigurationError(
-                f"table_prefix must be letters, digits and '_', starting with a letter;"
-                f" got {table_prefix!r}"
+                "table_prefix must be at most 48 ASCII letters, digits and '_', starting"
+                f" with a letter; got {table_prefix!r}"
             )
         try:
             self._url = sa.make_url(url)

@@ -56,7 +56,7 @@ def test_malformed_or_unsupported_url_is_a_configuration_error(url: str, match: 
     assert "secret" not in str(info.value)
 
 
-@pytest.mark.parametrize("prefix", ["", "1abc_", "drop table;", "a-b"])
+@pytest.mark.parametrize("prefix", ["", "1abc_", "drop table;", "a-b", "é_", "a" * 49])
 def test_bad_table_prefix_is_a_configuration_error(prefix: str) -> None:
     with pytest.raises(StoreConfigurationError, match="table_prefix"):
         SqlOffsetStore("sqlite://", table_prefix=prefix)
