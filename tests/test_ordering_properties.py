@@ -25,6 +25,7 @@ real time with tiny costs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import defaultdict
@@ -54,6 +55,7 @@ from stagedconsumer import (
     MessageQueue,
     PushConsumer,
 )
+from stagedconsumer._core import retry_delay_seconds
 
 from .strategies import Scenario, degenerate_orderly_sizes, scenarios, stage_sizes
 
@@ -366,9 +368,14 @@ async def consume(
     store: MemoryOffsetStore,
     *,
     stop_after: int | None = None,
+    until: Callable[[], bool] | None = None,
     timeout: float = 100_000,
 ) -> PushConsumer:
-    """Run one consumer until caught up (or until ``stop_after`` handler calls ended)."""
+    """Run one consumer until caught up (or until ``stop_after`` handler calls ended).
+
+    ``until``: also wait for this condition (checked every virtual second), for
+    concurrent mode, where a message handed to the retry queue counts as caught up.
+    """
     consumer = PushConsumer(GROUP, broker, listener, offset_store=store, options=options)
     consumer.subscribe(TOPIC)
     log.stop = anyio.Event()
@@ -385,6 +392,10 @@ async def consume(
         if isinstance(broker, ScheduledBroker) and broker.pending:
             await broker.produce()
         await consumer.wait_caught_up(timeout=timeout)
+        if until is not None:
+            with anyio.fail_after(timeout):
+                while not until():
+                    await anyio.sleep(1)
         assert log.stop is not None
         log.stop.set()
 
@@ -692,7 +703,7 @@ def test_empty_definition_behaves_as_concurrent(scenario: Scenario) -> None:
         check_concurrency_bound(log, scenario.workers)
     staged, concurrent = logs["staged"], logs["concurrent"]
     assert all(a.stage == TAIL_STAGE for a in staged.attempts)
-    if min(scenario.costs) >= 1 and scenario.batch_size == 1:
+    if min(scenario.costs) >= 1 and scenario.batch_size == 1 and set(scenario.gaps) == {0}:
         # everything is pulled at time 0 and every call takes time: all workers busy
         expected = min(scenario.workers, scenario.total)
         assert staged.max_running == concurrent.max_running == expected, (
@@ -986,3 +997,85 @@ def test_staged_makespan_is_the_sum_of_stage_rounds(
         per_stage[naive_stage(sizes, o)] += 1
     bound = sum(math.ceil(count / workers) for count in per_stage.values())
     assert staged_makespan(constant(sizes, messages, workers)) == bound
+
+
+# -- concurrent mode: failures go through the retry queue ---------------------------
+
+
+class ConcurrentWithRetries(MessageListenerConcurrently):
+    """Records each call by original message (retries come from ``%RETRY%<group>``)."""
+
+    def __init__(self, scenario: Scenario, sent: Mapping[QueueOffset, Message]) -> None:
+        self.scenario = scenario
+        self.sent = sent  # grows while messages arrive
+        self.origin: dict[str, QueueOffset] = {}
+        self.calls: list[tuple[QueueOffset, int, bool, float, float]] = []
+        """(original queue and offset, reconsume_times, failed, start, end)."""
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        if len(self.origin) < len(self.sent):
+            self.origin = {m.msg_id: key for key, m in self.sent.items()}
+        keys = [self.origin[m.properties.get(ORIGIN_ID, m.msg_id)] for m in msgs]
+        assert all(m.topic == TOPIC for m in msgs), "retry topic not restored"
+        start = anyio.current_time()
+        await anyio.sleep(max(self.scenario.cost(q, o) for q, o in keys))
+        failed = any(
+            self.scenario.fails(q, o, m.reconsume_times)
+            for (q, o), m in zip(keys, msgs, strict=True)
+        )
+        end = anyio.current_time()
+        for key, m in zip(keys, msgs, strict=True):
+            self.calls.append((key, m.reconsume_times, failed, start, end))
+        if failed:
+            raise Boom("planned failure")
+
+
+@given(scenarios(max_messages=15))
+def test_concurrent_failures_retry_with_delay_then_dead_letter(scenario: Scenario) -> None:
+    """(c) for concurrent mode: every message finishes once, as success or DLQ, after
+    retries through the retry queue that each wait RocketMQ's delay for its level."""
+    broker = ScheduledBroker()
+    sent = fill(broker, scenario)
+    limit = scenario.max_reconsume_times
+    effective = 16 if limit is None else limit
+    log = Log()
+    listener = ConcurrentWithRetries(scenario, sent)
+
+    def all_final() -> bool:
+        final = {k for k, rt, failed, _, _ in listener.calls if not failed or rt >= effective}
+        return len(final) == scenario.total and not broker.pending
+
+    run_virtual(
+        functools.partial(
+            consume,
+            broker,
+            listener,
+            log,
+            options_for(scenario),
+            RecordingStore(log),
+            until=all_final,
+        )
+    )
+    calls: dict[QueueOffset, list[tuple[int, bool, float, float]]] = defaultdict(list)
+    for key, rt, failed, start, end in listener.calls:
+        calls[key].append((rt, failed, start, end))
+    assert set(calls) == set(sent), "a message was never consumed"
+    dead = set()
+    for key, tries in calls.items():
+        tries.sort(key=lambda t: t[2])
+        assert [t[0] for t in tries] == list(range(len(tries))), f"{key}: {tries}"
+        assert all(t[1] for t in tries[:-1]), f"{key} consumed again after success"
+        rt, failed, _, _ = tries[-1]
+        assert not failed or rt >= effective, f"{key} never finished"
+        assert all(t[0] < effective for t in tries[:-1]), f"{key} retried after the DLQ"
+        for (rt0, _, _, end0), (_, _, start1, _) in itertools.pairwise(tries):
+            assert start1 >= end0 + retry_delay_seconds(rt0), f"{key} retried too early"
+        if failed:
+            dead.add(sent[key].msg_id)
+    dlq_topic = f"%DLQ%{GROUP}"
+    dlq = broker.messages(dlq_topic) if dlq_topic in broker.statistics().topics else ()
+    assert sorted(m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq) == sorted(dead)
+    _, _, offsets = log.samples[-1]
+    assert offsets == dict(enumerate(scenario.counts))
