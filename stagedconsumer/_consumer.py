@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -43,6 +44,7 @@ from ._hooks import (
     HookRunner,
     PullContext,
     SettleOutcome,
+    loop_clock,
     loop_wall_offset,
 )
 from ._listeners import (
@@ -759,7 +761,7 @@ class PushConsumer:
         accept_all = state.filter.accepts_all
         tag_filter = state.filter
         hooks = self._hooks
-        clock = anyio.current_time
+        clock = loop_clock()
         started = 0.0
         with anyio.CancelScope() as scope:
             state.pull_scope = scope
@@ -809,7 +811,7 @@ class PushConsumer:
                                     messages=messages,
                                     start_time=started,
                                     end_time=now,
-                                    wall_offset=loop_wall_offset(),
+                                    wall_offset=loop_wall_offset(clock),
                                     max_offset=result.max_offset,
                                 )
                             )
@@ -860,6 +862,7 @@ class PushConsumer:
         suspend_ms = self._suspend_ms
         hooks = self._hooks
         hook_ctx: ConsumeMessageContext | None = None
+        clock = loop_clock() if hooks is not None else anyio.current_time
         streak = 0
         while not self._stopping:
             batch = take(batch_max)
@@ -897,7 +900,7 @@ class PushConsumer:
             error: Exception | None = None
             result: Any = None
             if hooks is not None:
-                hook_ctx = self._hook_context(batch, mq)
+                hook_ctx = self._hook_context(batch, mq, clock)
                 hooks.before(hook_ctx)
             self._in_flight += 1
             try:
@@ -910,7 +913,7 @@ class PushConsumer:
             finally:
                 self._in_flight -= 1
             if hook_ctx is not None:
-                hook_ctx.end_time = anyio.current_time()
+                hook_ctx.end_time = clock()
             if error is None and (
                 result is None
                 or (
@@ -941,7 +944,10 @@ class PushConsumer:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
 
-    def _hook_context(self, batch: Batch, mq: MessageQueue) -> ConsumeMessageContext:
+    def _hook_context(
+        self, batch: Batch, mq: MessageQueue, clock: Callable[[], float]
+    ) -> ConsumeMessageContext:
+        start = clock()
         return ConsumeMessageContext(
             consumer_group=self.group,
             message_queue=mq,
@@ -953,8 +959,8 @@ class PushConsumer:
             attempt=batch.messages[0].reconsume_times + 1,
             cached_times=batch.cached_times,
             runnable_at=batch.runnable_at,
-            start_time=anyio.current_time(),
-            wall_offset=loop_wall_offset(),
+            start_time=start,
+            wall_offset=time.time() - start,
         )
 
     def _hooks_after(

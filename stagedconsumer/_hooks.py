@@ -18,15 +18,17 @@ With no hook registered the consumer's hot path pays one ``if`` per batch.
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 import attrs
+import sniffio
 
 from ._message import Message, MessageQueue
 
@@ -279,6 +281,23 @@ class HookRunner:
                 self.failed(hook, "aclose", exc)
 
 
-def loop_wall_offset() -> float:
-    """Seconds to add to ``anyio.current_time()`` to get seconds since the epoch."""
-    return time.time() - anyio.current_time()
+def loop_clock() -> Callable[[], float]:
+    """The running event loop's clock: the function ``anyio.current_time()`` ends up
+    calling, without its per-call backend lookup (hooks read the clock several times
+    per handler call). Call from inside the event loop."""
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return anyio.current_time
+    if library == "asyncio":
+        return asyncio.get_running_loop().time
+    if library == "trio":
+        import trio
+
+        return trio.current_time
+    return anyio.current_time
+
+
+def loop_wall_offset(clock: Callable[[], float] = anyio.current_time) -> float:
+    """Seconds to add to a time of ``clock`` (the loop's) to get seconds since the epoch."""
+    return time.time() - clock()

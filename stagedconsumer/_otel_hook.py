@@ -35,7 +35,8 @@ import anyio
 import anyio.abc
 import attrs
 from opentelemetry import context as otel_context
-from opentelemetry import metrics, trace
+from opentelemetry import metrics as otel_metrics
+from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 from opentelemetry.trace import (
     Link,
@@ -78,6 +79,7 @@ STAGE_GROUP = "stagedconsumer.stage.group_id"
 ATTEMPT = "stagedconsumer.attempt"
 
 _PROPS_KEY = "stagedconsumer.otel"
+_EMPTY = otel_context.Context()
 _SETTLE_NAMES = {
     SettleOutcome.RETRY: "retry",
     SettleOutcome.SUSPEND: "suspend",
@@ -138,12 +140,38 @@ def _error_type(context: ConsumeMessageContext) -> str:
     return "_OTHER"
 
 
+class _Counts:
+    """Monotonic counts per attribute set, for an asynchronous counter."""
+
+    __slots__ = ("_counts",)
+
+    def __init__(self) -> None:
+        # Keyed by the identity of a cached attribute dict, or its items when fresh.
+        self._counts: dict[object, tuple[dict[str, AttributeValue], int]] = {}
+
+    def add(self, amount: int, attributes: dict[str, AttributeValue]) -> None:
+        key: object = (
+            id(attributes) if "error.type" not in attributes else tuple(sorted(attributes.items()))
+        )
+        current = self._counts.get(key)
+        self._counts[key] = (attributes, amount + (current[1] if current else 0))
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        del options
+        return [Observation(count, attrs) for attrs, count in list(self._counts.values())]
+
+
 class OpenTelemetryHook(ConsumeMessageHook):
     """Spans and metrics of one consumer, after the messaging semantic conventions.
 
     ``tracer_provider`` / ``meter_provider`` default to the global ones.
     ``messaging_system`` is the ``messaging.system`` attribute (default
     ``"stagedconsumer"``; set e.g. ``"redis"`` for the Redis broker).
+    ``spans=False`` / ``metrics=False`` turn either half off. Cost: the Python SDK
+    spends tens of microseconds per span and per histogram measurement, which is
+    more than the consumer's own per-message overhead; for very fast handlers,
+    sample spans (the tracer provider's sampler) or turn metrics off (see
+    ``benchmarks/tracing_overhead.py``).
     Register one hook per consumer::
 
         consumer.register_consume_message_hook(OpenTelemetryHook())
@@ -155,22 +183,33 @@ class OpenTelemetryHook(ConsumeMessageHook):
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
         messaging_system: str = "stagedconsumer",
+        spans: bool = True,
+        metrics: bool = True,
     ) -> None:
         from . import __version__
 
         self.messaging_system = messaging_system
+        self.spans = spans
+        self.metrics = metrics
         self._tracer = trace.get_tracer(
             "stagedconsumer", __version__, tracer_provider, schema_url=SCHEMA_URL
         )
-        meter = metrics.get_meter("stagedconsumer", __version__, meter_provider, SCHEMA_URL)
+        meter = otel_metrics.get_meter("stagedconsumer", __version__, meter_provider, SCHEMA_URL)
         self._process_duration = meter.create_histogram(
             "messaging.process.duration",
             unit="s",
             description="Duration of processing operation.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
-        self._consumed = meter.create_counter(
+        # Counters are kept here and observed at collection time (asynchronous
+        # counters export exactly like counters): one dict update per handler call
+        # instead of an SDK measurement.
+        self._consumed_counts = _Counts()
+        self._dlq_counts = _Counts()
+        self._retried_counts = _Counts()
+        meter.create_observable_counter(
             "messaging.client.consumed.messages",
+            [self._consumed_counts.observe],
             unit="{message}",
             description="Number of messages that were delivered to the application.",
         )
@@ -186,18 +225,21 @@ class OpenTelemetryHook(ConsumeMessageHook):
             description="Time a cached message waited for its stage's barrier to open.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
-        self._dlq = meter.create_counter(
+        meter.create_observable_counter(
             "stagedconsumer.consumer.dlq.messages",
+            [self._dlq_counts.observe],
             unit="{message}",
             description="Messages moved to the dead-letter queue.",
         )
-        self._retried = meter.create_counter(
+        meter.create_observable_counter(
             "stagedconsumer.consumer.retried.messages",
+            [self._retried_counts.observe],
             unit="{message}",
             description="Messages of failed handler calls, retried (retry queue or locally).",
         )
         self._meter = meter
         self._props_key = f"{_PROPS_KEY}.{id(self):x}"
+        self._metric_attrs_cache: dict[tuple[str, str, int], dict[str, AttributeValue]] = {}
         self._consumer: PushConsumer | None = None
         self._gauges_created = False
         self._max_offsets: dict[MessageQueue, int] = {}
@@ -223,13 +265,18 @@ class OpenTelemetryHook(ConsumeMessageHook):
         }
 
     def _metric_attrs(self, topic: str, group: str, queue_id: int) -> dict[str, AttributeValue]:
-        return {
-            "messaging.system": self.messaging_system,
-            "messaging.operation.name": "process",
-            "messaging.destination.name": topic,
-            "messaging.consumer.group.name": group,
-            "messaging.destination.partition.id": str(queue_id),
-        }
+        """Metric attributes of a queue, built once (do not mutate the result)."""
+        key = (topic, group, queue_id)
+        cached = self._metric_attrs_cache.get(key)
+        if cached is None:
+            cached = self._metric_attrs_cache[key] = {
+                "messaging.system": self.messaging_system,
+                "messaging.operation.name": "process",
+                "messaging.destination.name": topic,
+                "messaging.consumer.group.name": group,
+                "messaging.destination.partition.id": str(queue_id),
+            }
+        return cached
 
     # -- receive ----------------------------------------------------------------------
 
@@ -237,6 +284,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
         messages = context.messages
         mq = context.message_queue
         self._max_offsets[mq] = context.max_offset
+        if not self.spans:
+            return
         topic = messages[0].topic
         attributes = self._base("receive", "receive", topic, context.consumer_group, mq.queue_id)
         if len(messages) == 1:
@@ -245,7 +294,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
             attributes["messaging.batch.message_count"] = len(messages)
         span = self._tracer.start_span(
             f"receive {topic}",
-            context=otel_context.Context(),
+            context=_EMPTY,
             kind=SpanKind.CLIENT,
             attributes=attributes,
             links=_links(messages),
@@ -261,6 +310,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
     # -- process ------------------------------------------------------------------------
 
     def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        if not self.spans:
+            return
         messages = context.messages
         mq = context.message_queue
         first = messages[0]
@@ -277,9 +328,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
             attributes[STAGE_GROUP] = context.group_id
         attributes[ATTEMPT] = context.attempt
         received = self._received.get((mq, first.queue_offset))
-        parent = otel_context.Context()
+        parent = _EMPTY
         if received is not None:
-            parent = trace.set_span_in_context(NonRecordingSpan(received), parent)
+            parent = trace.set_span_in_context(NonRecordingSpan(received), _EMPTY)
         span = self._tracer.start_span(
             f"process {topic}",
             context=parent,
@@ -297,12 +348,11 @@ class OpenTelemetryHook(ConsumeMessageHook):
         mq = context.message_queue
         topic = messages[0].topic if messages else mq.topic
         group = context.consumer_group
-        metric_attrs = self._metric_attrs(topic, group, mq.queue_id)
+        queue_attrs = metric_attrs = self._metric_attrs(topic, group, mq.queue_id)
         error_type: str | None = None
         if not context.success:
             error_type = _error_type(context)
-            metric_attrs["error.type"] = error_type
-        now_ns = time.time_ns()
+            metric_attrs = {**queue_attrs, "error.type": error_type}
         if state is not None:
             span, token = state
             try:
@@ -311,16 +361,23 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     span.set_status(Status(StatusCode.ERROR, error_type))
                     if context.exception is not None:
                         span.record_exception(context.exception)
-                parent = trace.set_span_in_context(span, otel_context.Context())
-                for outcome, settled in context.settled.items():
-                    self._settle_span(context, outcome, settled, parent, topic, now_ns)
+                if context.settled:
+                    now_ns = time.time_ns()
+                    parent = trace.set_span_in_context(span, _EMPTY)
+                    for outcome, settled in context.settled.items():
+                        self._settle_span(context, outcome, settled, parent, topic, now_ns)
                 span.end(end_time=_ns(context.wall(context.end_time)))
             finally:
                 otel_context.detach(token)
-        # Metrics.
+        # Forget receive contexts of messages that will not be handled again here.
+        if SettleOutcome.SUSPEND not in context.settled and self._received:
+            received = self._received
+            for message in messages:
+                received.pop((mq, message.queue_offset), None)
+        if not self.metrics:
+            return
         self._process_duration.record(context.handler_duration, metric_attrs)
-        self._consumed.add(len(messages), metric_attrs)
-        queue_attrs = self._metric_attrs(topic, group, mq.queue_id)
+        self._consumed_counts.add(len(messages), metric_attrs)
         record_await = self._await.record
         for seconds in context.await_times():
             record_await(seconds, queue_attrs)
@@ -328,19 +385,15 @@ class OpenTelemetryHook(ConsumeMessageHook):
             record_barrier = self._barrier.record
             for seconds in context.barrier_waits():
                 record_barrier(seconds, queue_attrs)
-        dead = context.settled.get(SettleOutcome.DLQ)
-        if dead:
-            self._dlq.add(len(dead), queue_attrs)
-        retried = len(context.settled.get(SettleOutcome.RETRY, ())) + len(
-            context.settled.get(SettleOutcome.SUSPEND, ())
-        )
-        if retried:
-            self._retried.add(retried, queue_attrs)
-        # Forget receive contexts of messages that will not be handled again here.
-        if SettleOutcome.SUSPEND not in context.settled:
-            received = self._received
-            for message in messages:
-                received.pop((mq, message.queue_offset), None)
+        if context.settled:
+            dead = context.settled.get(SettleOutcome.DLQ)
+            if dead:
+                self._dlq_counts.add(len(dead), queue_attrs)
+            retried = len(context.settled.get(SettleOutcome.RETRY, ())) + len(
+                context.settled.get(SettleOutcome.SUSPEND, ())
+            )
+            if retried:
+                self._retried_counts.add(retried, queue_attrs)
 
     def _settle_span(
         self,

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import abc
 import enum
+import inspect
 import itertools
 import json
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ import anyio.abc
 import attrs
 
 from ._exceptions import ConfigurationError, UnknownTopicError
-from ._hooks import ConsumeMessageContext, ConsumeMessageHook, SettleOutcome
+from ._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType, SettleOutcome
 from ._message import Message
 from ._source import PROPERTY_ORIGIN_MESSAGE_ID, MessageSource
 
@@ -396,6 +397,17 @@ class TraceSink(abc.ABC):
     async def write(self, message: TraceMessage) -> None:
         """Store one trace message; raise to report a failure (it is counted)."""
 
+    def write_nowait(self, message: TraceMessage) -> bool:
+        """Store one trace message without waiting, if the sink can; return ``False``
+        to have it written by :meth:`write` from the dispatcher's task instead.
+
+        Override only for sinks whose write is a cheap in-memory operation (the
+        embedded broker): the dispatcher then writes full batches right where they
+        fill up. The default declines.
+        """
+        del message
+        return False
+
     async def prepare(self, consumer: PushConsumer) -> None:  # noqa: B027 - optional
         """Called when the consumer starts, before any write. The default does nothing."""
 
@@ -436,30 +448,45 @@ class SourceTraceSink(TraceSink):
 
     def __init__(self, source: MessageSource | None = None) -> None:
         self.source = source
+        self._sync_send = False
 
     async def prepare(self, consumer: PushConsumer) -> None:
         if self.source is None:
             self.source = consumer.source
-        if not callable(getattr(self.source, "send", None)):
+        send = getattr(self.source, "send", None)
+        if not callable(send):
             raise ConfigurationError(
                 f"{type(self.source).__name__} has no send(); message trace needs a source"
                 " it can write the trace topic to, or a FileTraceSink"
             )
+        self._sync_send = not inspect.iscoroutinefunction(send)
 
-    async def write(self, message: TraceMessage) -> None:
+    def write_nowait(self, message: TraceMessage) -> bool:
+        """Sends at once when the source's ``send`` is synchronous (the embedded
+        broker appends to memory)."""
+        if not self._sync_send:
+            return False
+        result = self._send(message)
+        assert result is None or not hasattr(result, "__await__")
+        return True
+
+    def _send(self, message: TraceMessage) -> Any:
         source = self.source
         send = getattr(source, "send", None)
         if send is None:
             raise ConfigurationError("SourceTraceSink used before prepare()")
         body = message.body.encode("utf-8")
         try:
-            result = send(message.topic, body, keys=message.keys)
+            return send(message.topic, body, keys=message.keys)
         except UnknownTopicError:
             create = getattr(source, "create_topic", None)
             if create is None:
                 raise
             create(message.topic, 1)
-            result = send(message.topic, body, keys=message.keys)
+            return send(message.topic, body, keys=message.keys)
+
+    async def write(self, message: TraceMessage) -> None:
+        result = self._send(message)
         if hasattr(result, "__await__"):
             await result
 
@@ -524,13 +551,14 @@ class AsyncTraceDispatcher:
         self.batch_num = min(batch_num, 20)
         self.flush_interval = flush_interval
         self.max_msg_size = max_msg_size
-        self._queue: deque[TraceContext] = deque()
+        self._queue: deque[tuple[str, Sequence[str]]] = deque()
+        self._sync_sink = type(sink).write_nowait is not TraceSink.write_nowait
         self._wakeup: anyio.Event | None = None
         self._lock: anyio.Lock | None = None
         self._appended = 0
         self._dropped = 0
         self._written = 0
-        self._messages = 0
+        self._messages_written = 0
         self._write_errors = 0
         self._lost = 0
         self._last_drop_log = -_LOG_EVERY
@@ -538,6 +566,16 @@ class AsyncTraceDispatcher:
 
     def append(self, ctx: TraceContext) -> bool:
         """Queue ``ctx`` for writing; returns ``False`` (and counts it) when full."""
+        return self.append_encoded(encode_trace_context(ctx), trace_keys([ctx]))
+
+    def append_encoded(self, data: str, keys: Sequence[str]) -> bool:
+        """Queue one context already encoded (``data``, with its index ``keys``).
+
+        When the queue holds a full batch and the sink can write without waiting
+        (:meth:`TraceSink.write_nowait`, e.g. the embedded broker's trace topic), the
+        batch is written right here, so a fast consumer does not outrun the
+        background task; otherwise the task is woken.
+        """
         queue = self._queue
         if len(queue) >= self.queue_size:
             self._dropped += 1
@@ -550,12 +588,20 @@ class AsyncTraceDispatcher:
                     self._dropped,
                 )
             return False
-        queue.append(ctx)
+        queue.append((data, keys))
         self._appended += 1
-        wakeup = self._wakeup
-        if wakeup is not None and len(queue) >= self.batch_num:
-            wakeup.set()
+        batch_num = self.batch_num
+        if len(queue) >= batch_num:
+            if self._sync_sink and (self._lock is None or not self._lock.locked()):
+                while len(queue) >= batch_num and self._send_nowait(self._take(batch_num)):
+                    pass
+            if len(queue) >= batch_num and self._wakeup is not None:
+                self._wakeup.set()
         return True
+
+    def _take(self, count: int) -> list[tuple[str, Sequence[str]]]:
+        queue = self._queue
+        return [queue.popleft() for _ in range(min(count, len(queue)))]
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -595,48 +641,75 @@ class AsyncTraceDispatcher:
         queue = self._queue
         async with self._lock:
             while len(queue) >= self.batch_num or (everything and queue):
-                batch = [queue.popleft() for _ in range(min(self.batch_num, len(queue)))]
+                batch = self._take(self.batch_num)
+                if self._sync_sink and self._send_nowait(batch):
+                    continue
                 await self._send(batch)
 
-    async def _send(self, batch: list[TraceContext]) -> None:
-        """Encode ``batch`` into trace messages of at most ``max_msg_size`` characters
-        (RocketMQ's ``AsyncDataSendTask``) and write them."""
-        chunk: list[TraceContext] = []
+    def _messages(self, batch: list[tuple[str, Sequence[str]]]) -> list[tuple[int, TraceMessage]]:
+        """``batch`` as trace messages of at most ``max_msg_size`` characters, each
+        with the number of contexts it holds (RocketMQ's ``AsyncDataSendTask``)."""
+        out: list[tuple[int, TraceMessage]] = []
         parts: list[str] = []
+        keys: dict[str, None] = {}
         size = 0
-        for ctx in batch:
-            data = encode_trace_context(ctx)
-            chunk.append(ctx)
+        for data, data_keys in batch:
             parts.append(data)
+            keys.update(dict.fromkeys(data_keys))
             size += len(data)
             if size >= self.max_msg_size:
-                await self._write(chunk, parts)
-                chunk, parts, size = [], [], 0
-        if chunk:
-            await self._write(chunk, parts)
+                out.append((len(parts), self._message(parts, keys)))
+                parts, keys, size = [], {}, 0
+        if parts:
+            out.append((len(parts), self._message(parts, keys)))
+        return out
 
-    async def _write(self, contexts: list[TraceContext], parts: list[str]) -> None:
-        message = TraceMessage(
-            topic=self.trace_topic, keys=tuple(trace_keys(contexts)), body="".join(parts)
-        )
-        try:
-            await self.sink.write(message)
-        except Exception as exc:
-            self._write_errors += 1
-            self._lost += len(contexts)
-            now = time.monotonic()
-            if now - self._last_error_log >= _LOG_EVERY:
-                self._last_error_log = now
-                logger.warning(
-                    "writing %d trace context(s) to %s failed (%d failures so far)",
-                    len(contexts),
-                    self.trace_topic,
-                    self._write_errors,
-                    exc_info=exc,
-                )
-            return
-        self._written += len(contexts)
-        self._messages += 1
+    def _message(self, parts: list[str], keys: dict[str, None]) -> TraceMessage:
+        return TraceMessage(topic=self.trace_topic, keys=tuple(keys), body="".join(parts))
+
+    def _send_nowait(self, batch: list[tuple[str, Sequence[str]]]) -> bool:
+        """Write ``batch`` through the sink's synchronous path; ``False`` (with the
+        batch put back in front of the queue) when the sink declined."""
+        messages = self._messages(batch)
+        for i, (count, message) in enumerate(messages):
+            try:
+                written = self.sink.write_nowait(message)
+            except Exception as exc:
+                self._failed(count, exc)
+                continue
+            if not written:
+                if i == 0:  # the sink writes asynchronously: leave it to the task
+                    self._sync_sink = False
+                    self._queue.extendleft(reversed(batch))
+                    return False
+                raise RuntimeError("a TraceSink must not decline write_nowait() halfway")
+            self._written += count
+            self._messages_written += 1
+        return True
+
+    async def _send(self, batch: list[tuple[str, Sequence[str]]]) -> None:
+        for count, message in self._messages(batch):
+            try:
+                await self.sink.write(message)
+            except Exception as exc:
+                self._failed(count, exc)
+                continue
+            self._written += count
+            self._messages_written += 1
+
+    def _failed(self, count: int, exc: Exception) -> None:
+        self._write_errors += 1
+        self._lost += count
+        now = time.monotonic()
+        if now - self._last_error_log >= _LOG_EVERY:
+            self._last_error_log = now
+            logger.warning(
+                "writing %d trace context(s) to %s failed (%d failures so far)",
+                count,
+                self.trace_topic,
+                self._write_errors,
+                exc_info=exc,
+            )
 
     def statistics(self) -> TraceDispatcherStatistics:
         return TraceDispatcherStatistics(
@@ -644,7 +717,7 @@ class AsyncTraceDispatcher:
             appended=self._appended,
             dropped=self._dropped,
             written=self._written,
-            messages=self._messages,
+            messages=self._messages_written,
             write_errors=self._write_errors,
             lost=self._lost,
         )
@@ -654,6 +727,18 @@ class AsyncTraceDispatcher:
 
 _PROPS_KEY = "stagedconsumer.trace.before"
 _SETTLEMENT_ORDER = (SettleOutcome.DLQ, SettleOutcome.RETRY, SettleOutcome.SUSPEND)
+_CODES: dict[ConsumeReturnType | None, int] = {None: 0, **{t: t.value for t in ConsumeReturnType}}
+
+
+_S = CONTENT_SPLITOR
+_E = FIELD_SPLITOR
+
+
+def _c(text: str) -> str:
+    """``text`` without separators (fast when there are none, the normal case)."""
+    if _S in text or _E in text:
+        return text.replace(_S, "").replace(_E, "")
+    return text
 
 
 def _trace_id(message: Message) -> str:
@@ -698,8 +783,10 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         self.region_id = region_id
         self.shutdown_timeout = shutdown_timeout
         self._props_key = f"{_PROPS_KEY}.{id(self):x}"  # several trace hooks may share a call
-        prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
-        self._request_ids = (f"{prefix}{n:016X}" for n in itertools.count())
+        self._request_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
+        self._request_seq = itertools.count()
+        # Encoded fields that repeat from call to call, per (region, group, stage key).
+        self._static: dict[tuple[object, ...], tuple[str, str, str]] = {}
 
     @property
     def hook_name(self) -> str:
@@ -708,73 +795,95 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
     def statistics(self) -> TraceDispatcherStatistics:
         return self.dispatcher.statistics()
 
+    # The two methods below write RocketMQ's records straight from the hook context
+    # (the layout of encode_trace_context, which the tests hold them to): building
+    # TraceBean/TraceContext objects per message would cost more than the handler
+    # call of a fast consumer.
+
     def consume_message_before(self, context: ConsumeMessageContext) -> None:
         wall = context.wall_offset
         opened = context.runnable_at
-        beans: list[TraceBean] = []
         region = ""
-        for message, cached in zip(context.messages, context.cached_times, strict=True):
+        beans: list[tuple[str, str]] = []
+        records: list[str] = []
+        keys: list[str] = []
+        head = ""
+        tail = ""
+        for message, cached in zip(context.messages, context.cached_times):  # noqa: B905
             props = message.properties
-            if props.get(PROPERTY_TRACE_SWITCH) == "false":
-                continue
-            if not region:
-                region = props.get(PROPERTY_MSG_REGION, "")
-            beans.append(
-                TraceBean(
-                    msg_id=_trace_id(message),
-                    topic=message.topic,
-                    tags=message.tags or "",
-                    keys=KEY_SEPARATOR.join(message.keys),
-                    body_length=len(message.body),
-                    retry_times=message.reconsume_times,
-                    barrier_wait_ms=round(max(0.0, opened - cached) * 1000),
-                    cached_timestamp=round((cached + wall) * 1000),
-                    queue_id=message.queue_id,
-                    queue_offset=message.queue_offset,
+            if props:
+                if props.get(PROPERTY_TRACE_SWITCH) == "false":
+                    continue
+                if not region:
+                    region = props.get(PROPERTY_MSG_REGION, "")
+            if not head:
+                request_id = f"{self._request_prefix}{next(self._request_seq):016X}"
+                static_key = (
+                    region,
+                    context.consumer_group,
+                    context.strategy_id,
+                    context.group_id,
+                    context.stage_index,
                 )
+                static = self._static.get(static_key)
+                if static is None:
+                    static = self._static[static_key] = (
+                        f"{_S}{_c(region or self.region_id)}{_S}{_c(context.consumer_group)}{_S}",
+                        f"{_S}{_c(context.strategy_id or '')}{_S}{_c(context.group_id or '')}{_E}",
+                        f"{_S}{_c(context.consumer_group)}{_S}{context.stage_index}{_S}",
+                    )
+                head = (
+                    f"SubBefore{_S}{round((context.start_time + wall) * 1000)}{static[0]}"
+                    f"{request_id}{_S}"
+                )
+                tail = f"{_S}{context.attempt}{static[1]}"
+                group_stage = static[2]
+                stage = context.stage_index
+            msg_id = _trace_id(message)
+            if _S in msg_id or _E in msg_id:
+                msg_id = _c(msg_id)
+            key_text = _c(KEY_SEPARATOR.join(message.keys)) if message.keys else ""
+            barrier_ms = round((opened - cached) * 1000) if opened > cached else 0
+            records.append(
+                f"{head}{msg_id}{_S}{message.reconsume_times}{_S}{key_text}{_S}{stage}"
+                f"{_S}{barrier_ms}{_S}{round((cached + wall) * 1000)}"
+                f"{_S}{_c(message.topic)}{_S}{message.queue_id}{_S}{message.queue_offset}{tail}"
             )
-        if not beans:
+            beans.append((msg_id, key_text))
+            keys.append(msg_id)
+            if key_text:
+                keys.extend(key_text.split(KEY_SEPARATOR))
+        if not records:
             return
-        ctx = TraceContext(
-            trace_type=TraceType.SubBefore,
-            timestamp=round((context.start_time + wall) * 1000),
-            region_id=region or self.region_id,
-            group_name=context.consumer_group,
-            request_id=next(self._request_ids),
-            beans=beans,
-            stage_index=context.stage_index,
-            attempt=context.attempt,
-            strategy_id=context.strategy_id or "",
-            stage_group_id=context.group_id or "",
-        )
-        self.dispatcher.append(ctx)
-        context.props[self._props_key] = ctx
+        self.dispatcher.append_encoded("".join(records), keys)
+        context.props[self._props_key] = (request_id, beans, keys, group_stage)
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
         before = context.props.get(self._props_key)
-        if not isinstance(before, TraceContext):
+        if before is None:
             return
+        request_id, beans, keys, group_stage = before
         settlement = ""
-        for outcome in _SETTLEMENT_ORDER:
-            if outcome in context.settled:
-                settlement = outcome.value
-                break
+        if context.settled:
+            for outcome in _SETTLEMENT_ORDER:
+                if outcome in context.settled:
+                    settlement = outcome.value
+                    break
         status = context.status
-        self.dispatcher.append(
-            TraceContext(
-                trace_type=TraceType.SubAfter,
-                timestamp=round(context.wall(context.end_time) * 1000),
-                region_id=before.region_id,
-                group_name=before.group_name,
-                request_id=before.request_id,
-                cost_time=int(context.handler_duration * 1000 / max(1, len(context.messages))),
-                success=context.success,
-                context_code=status.value if status is not None else 0,
-                beans=before.beans,
-                stage_index=before.stage_index,
-                attempt=before.attempt,
-                settlement=settlement,
-            )
+        end = context.end_time
+        cost = int(max(0.0, end - context.start_time) * 1000 / max(1, len(context.messages)))
+        head = f"SubAfter{_S}{request_id}{_S}"
+        tail = (
+            f"{_S}{_CODES[status]}{_S}{round((end + context.wall_offset) * 1000)}"
+            f"{group_stage}{settlement}{_S}{context.attempt}{_E}"
+        )
+        success = "true" if context.success else "false"
+        self.dispatcher.append_encoded(
+            "".join(
+                f"{head}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
+                for msg_id, key_text in beans
+            ),
+            keys,
         )
 
     async def run(

@@ -304,3 +304,23 @@ async def test_gauges_report_cache_and_lag_while_running(otel: Otel) -> None:
     assert size.value == 4  # type: ignore[attr-defined]
     assert lag.value == 4  # type: ignore[attr-defined]
     assert dict(lag.attributes or {}) == REQUIRED  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("spans", "metrics"), [(False, True), (True, False)])
+async def test_spans_or_metrics_can_be_turned_off(otel: Otel, spans: bool, metrics: bool) -> None:
+    broker, _, _ = produce(otel, 2)
+    consumer = PushConsumer("g", broker, Concurrent())
+    consumer.subscribe("t")
+    hook = OpenTelemetryHook(
+        tracer_provider=otel.tracer_provider,
+        meter_provider=otel.meter_provider,
+        spans=spans,
+        metrics=metrics,
+    )
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    assert len(otel.spans("process")) == (2 if spans else 0)
+    assert len(otel.spans("receive")) == (1 if spans else 0)
+    assert ("messaging.process.duration" in otel.metrics()) is metrics
+    assert not hook._received  # nothing left behind either way

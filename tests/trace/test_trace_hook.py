@@ -27,8 +27,11 @@ from stagedconsumer._trace import (
     TraceMessage,
     TraceSink,
     TraceType,
+    decode_trace_data,
+    encode_trace_context,
     query_message_trace,
     read_trace_file,
+    trace_keys,
     trace_messages_of,
 )
 
@@ -58,6 +61,11 @@ async def test_staged_trace_to_file_and_cli(
     assert (stats.appended, stats.written, stats.dropped, stats.queued) == (12, 12, 0, 0)
     stored = list(read_trace_file(path))
     assert all(m.topic == RMQ_SYS_TRACE_TOPIC for m in stored)
+    # The hook writes records directly; they are exactly what the encoder makes.
+    for message in stored:
+        decoded = decode_trace_data(message.body)
+        assert "".join(encode_trace_context(c) for c in decoded) == message.body
+        assert set(message.keys) == set(trace_keys(decoded))
 
     msg3 = broker.messages("t")[3]
     contexts = query_message_trace(stored, msg3.msg_id)

@@ -1,0 +1,272 @@
+"""Observability overhead: no-op throughput with tracing off, message trace on,
+OpenTelemetry on, and everything on, measured in one run.
+
+Reuses the consumers of ``benchmarks/overhead.py`` (no-op ``async`` handler, the same
+backlog from the embedded broker, 20 workers). Every message carries a W3C
+``traceparent`` (sent inside a producer span), so the OpenTelemetry cases pay for
+parsing it and linking to it. Cases:
+
+- ``off``: no hook registered (the default);
+- ``message trace``: ``ConsumeMessageTraceHook`` writing to the broker's trace topic;
+- ``opentelemetry``: ``OpenTelemetryHook`` on an SDK ``TracerProvider`` with a
+  ``BatchSpanProcessor`` (discarding exporter) and an SDK ``MeterProvider``;
+- ``everything``: both hooks;
+- ``everything, spans sampled 1%``: both, with ``ParentBased(TraceIdRatioBased(0.01))``
+  as the tracer provider's sampler (metrics stay complete).
+
+The target (issue 6) is ``everything >= 50%`` of ``off`` for every mode. The machine
+is shared and noisy: compare ratios within one run, not across runs.
+
+    python -m benchmarks.tracing_overhead                 # 100,000 messages, 8 queues
+    python -m benchmarks.tracing_overhead --messages 200000 --repeat 3
+    python -m benchmarks.tracing_overhead --messages 20000 --handler-ms 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.overhead import TOPIC, NoopConcurrently, NoopOrderly, NoopStaged, fill
+from stagedconsumer import (
+    ConsumeMessageHook,
+    ConsumeMessageTraceHook,
+    ConsumerOptions,
+    MemoryBroker,
+    PushConsumer,
+)
+from stagedconsumer.otel import OpenTelemetryHook
+
+
+class DiscardingExporter(SpanExporter):
+    """Counts spans and drops them (the export itself is not what we measure)."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def traced_fill(messages: int, queues: int) -> MemoryBroker:
+    """The backlog of ``overhead.py``, sent inside a producer span (so every message
+    has a ``traceparent``)."""
+    provider = TracerProvider()
+    with provider.get_tracer("producer").start_as_current_span("produce"):
+        broker = fill(messages, queues)
+    provider.shutdown()
+    return broker
+
+
+Case = Callable[[], tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]]
+
+
+def case_off() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
+    return [], dict
+
+
+def case_trace() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
+    hook = ConsumeMessageTraceHook()
+
+    def extra() -> dict[str, Any]:
+        stats = hook.statistics()
+        return {"trace_written": stats.written, "trace_dropped": stats.dropped}
+
+    return [hook], extra
+
+
+def _otel(sampled: float = 1.0) -> tuple[OpenTelemetryHook, Callable[[], dict[str, Any]]]:
+    exporter = DiscardingExporter()
+    tracer_provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(sampled)))
+    tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    hook = OpenTelemetryHook(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+    def extra() -> dict[str, Any]:
+        tracer_provider.force_flush()
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+        return {"spans": exporter.spans}
+
+    return hook, extra
+
+
+def case_otel() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
+    hook, extra = _otel()
+    return [hook], extra
+
+
+def case_all() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
+    otel_hook, otel_extra = _otel()
+    trace_hook, trace_extra = case_trace()
+    return [*trace_hook, otel_hook], lambda: {**trace_extra(), **otel_extra()}
+
+
+def case_all_sampled() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
+    otel_hook, otel_extra = _otel(sampled=0.01)
+    trace_hook, trace_extra = case_trace()
+    return [*trace_hook, otel_hook], lambda: {**trace_extra(), **otel_extra()}
+
+
+CASES: dict[str, Case] = {
+    "off": case_off,
+    "message trace": case_trace,
+    "opentelemetry": case_otel,
+    "everything": case_all,
+    "everything, spans sampled 1%": case_all_sampled,
+}
+
+
+def with_cost(listener: Any, seconds: float) -> Any:
+    """``listener`` with a handler that sleeps ``seconds`` (0: the no-op handler)."""
+    if seconds > 0:
+
+        async def consume_message(msgs: Any, context: Any) -> None:
+            await anyio.sleep(seconds)
+
+        listener.consume_message = consume_message
+    return listener
+
+
+async def run_consumer(
+    broker: MemoryBroker, listener: Any, hooks: list[ConsumeMessageHook], expected: int
+) -> float:
+    consumer = PushConsumer(
+        "bench", broker, listener, options=ConsumerOptions(consume_thread_max=20)
+    )
+    consumer.subscribe(TOPIC)
+    for hook in hooks:
+        consumer.register_consume_message_hook(hook)
+    start = time.perf_counter()
+    async with consumer:
+        await consumer.wait_caught_up()
+        elapsed = time.perf_counter() - start
+        stats = consumer.statistics()
+    if stats.consumed_ok != expected:
+        raise RuntimeError(f"consumed {stats.consumed_ok} messages, expected {expected}")
+    return elapsed
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    n, queues = args.messages, args.queues
+    per_queue = -(-n // queues)
+    rows: list[dict[str, Any]] = []
+    modes: list[tuple[str, Callable[[], Any]]] = [
+        ("concurrent", NoopConcurrently),
+        (
+            f"staged [{args.stage_size}]*k",
+            lambda: NoopStaged(args.stage_size, -(-per_queue // args.stage_size)),
+        ),
+        (f"orderly, {queues} queues", NoopOrderly),
+    ]
+    for _ in range(args.repeat):
+        for mode, make_listener in modes:
+            # Interleave the cases so that drifting machine load hits them alike.
+            for case, make_case in CASES.items():
+                broker = traced_fill(n, queues)  # a fresh broker: no trace topic left over
+                hooks, extra = make_case()
+                gc.collect()
+                listener = with_cost(make_listener(), args.handler_ms / 1000)
+                elapsed = anyio.run(run_consumer, broker, listener, hooks, n, backend=args.backend)
+                rows.append(
+                    {"mode": mode, "case": case, "seconds": elapsed, "rate": n / elapsed, **extra()}
+                )
+    return rows
+
+
+def best(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["mode"], row["case"])
+        if key not in out or row["rate"] > out[key]["rate"]:
+            out[key] = row
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--queues", type=int, default=8)
+    parser.add_argument("--stage-size", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per case; the best is reported")
+    parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument(
+        "--handler-ms",
+        type=float,
+        default=0.0,
+        help="handler cost (async sleep) in ms; 0, the default, is the no-op handler",
+    )
+    parser.add_argument("--json", type=Path, help="also write results as JSON here")
+    args = parser.parse_args(argv)
+
+    rows = best(measure(args))
+    handler = f"{args.handler_ms:g} ms handler" if args.handler_ms else "no-op handler"
+    table = Table(
+        title=f"Observability overhead, {handler}, {args.messages:,} messages,"
+        f" {args.queues} queues, {args.backend}"
+    )
+    for column in (
+        "mode",
+        "case",
+        "seconds",
+        "messages/s",
+        "vs off",
+        "µs/msg added",
+        "spans",
+        "trace dropped",
+    ):
+        table.add_column(column, justify="left" if column in ("mode", "case") else "right")
+    worst = 1.0
+    for (mode, case), row in rows.items():
+        off = rows[(mode, "off")]
+        ratio = row["rate"] / off["rate"]
+        if case == "everything":
+            worst = min(worst, ratio)
+        table.add_row(
+            mode,
+            case,
+            f"{row['seconds']:.3f}",
+            f"{row['rate']:,.0f}",
+            f"{ratio:.0%}",
+            f"{(1 / row['rate'] - 1 / off['rate']) * 1e6:.1f}",
+            f"{row['spans']:,}" if "spans" in row else "",
+            f"{row['trace_dropped']:,}" if "trace_dropped" in row else "",
+        )
+    console = Console()
+    console.print(table)
+    verdict = "met" if worst >= 0.5 else "NOT met"
+    console.print(f"target everything >= 50% of off: {verdict} (worst mode {worst:.0%})")
+    console.print(f"python {platform.python_version()}, best of {args.repeat}")
+    console.print(
+        "reproduce: python -m benchmarks.tracing_overhead "
+        + " ".join(argv if argv is not None else sys.argv[1:])
+    )
+    if args.json:
+        args.json.write_text(json.dumps([{**row} for row in rows.values()], indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
