@@ -35,7 +35,13 @@ from ._core import (
     StagePlan,
     clamp_suspend_millis,
 )
-from ._exceptions import ConfigurationError, ConsumerStateError, ListenerTypeError, SourceError
+from ._exceptions import (
+    ConfigurationError,
+    ConsumerStateError,
+    ListenerTypeError,
+    SourceError,
+    UnknownTopicError,
+)
 from ._filter import TagFilter
 from ._hooks import (
     ConsumeMessageContext,
@@ -271,8 +277,6 @@ class PushConsumer:
         self._pull_errors = 0
         self._commit_errors = 0
         self._commits = 0
-        self._hook_list: list[ConsumeMessageHook] = []
-        self._hooks: HookRunner | None = None
         # Consumer groups across processes (only when the source coordinates them).
         self._coordinator: GroupCoordinator | None = source.group_coordinator()
         self.client_id = new_client_id()
@@ -283,6 +287,8 @@ class PushConsumer:
         self._releasing: set[MessageQueue] = set()
         self._lost: set[MessageQueue] = set()
         self._rebalance_scope: anyio.CancelScope | None = None
+        self._hook_list: list[ConsumeMessageHook] = []
+        self._hooks: HookRunner | None = None
 
     # -- configuration ---------------------------------------------------------------
 
@@ -310,7 +316,8 @@ class PushConsumer:
         """Consume ``topic``, only messages whose tag matches ``expression``.
 
         ``expression`` is ``"*"`` (everything) or ``"tag1 || tag2"``. Call before
-        starting; an unknown topic raises :class:`UnknownTopicError` on start.
+        starting. An unknown topic raises :class:`UnknownTopicError` here when the
+        source can tell at once (the embedded broker can), otherwise on start.
         """
         if self._started:
             raise ConsumerStateError("subscribe() must be called before the consumer starts")
@@ -318,7 +325,12 @@ class PushConsumer:
             raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
         if topic.startswith("%"):
             raise ConfigurationError(f"cannot subscribe to system topic {topic!r}")
-        self._subscriptions[topic] = TagFilter.parse(expression)
+        tag_filter = TagFilter.parse(expression)
+        if self.source.topic_exists(topic) is False:
+            raise UnknownTopicError(
+                f"topic {topic!r} does not exist in {type(self.source).__name__}"
+            )
+        self._subscriptions[topic] = tag_filter
 
     # -- lifecycle -----------------------------------------------------------------------
 

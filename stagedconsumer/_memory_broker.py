@@ -191,6 +191,9 @@ class MemoryBroker(MessageSource):
 
     # -- MessageSource -----------------------------------------------------------
 
+    def topic_exists(self, topic: str) -> bool:
+        return topic in self._topics or topic.startswith((RETRY_PREFIX, DLQ_PREFIX))
+
     async def get_queues(self, topic: str) -> Sequence[MessageQueue]:
         return [MessageQueue(topic, i) for i in range(len(self._queues_of(topic)))]
 

@@ -157,8 +157,19 @@ def test_bad_group_source_and_options() -> None:
         PushConsumer("g", MemoryBroker(), Concurrent(), options={"consume_thread_max": 2})  # type: ignore[arg-type]
 
 
-async def test_unknown_topic_fails_at_start() -> None:
+def test_unknown_topic_fails_at_subscribe() -> None:
     consumer = PushConsumer("g", broker_with(1), Concurrent())
+    with pytest.raises(UnknownTopicError, match="nope"):
+        consumer.subscribe("nope")
+
+
+async def test_unknown_topic_fails_at_start_when_the_source_cannot_tell_earlier() -> None:
+    class Opaque(MemoryBroker):
+        def topic_exists(self, topic: str) -> None:
+            return None
+
+    broker = Opaque()
+    consumer = PushConsumer("g", broker, Concurrent())
     consumer.subscribe("nope")
     with pytest.raises(UnknownTopicError, match="nope"):
         async with consumer:
