@@ -47,3 +47,10 @@ def test_failures_are_retried_after_the_suspend_time() -> None:
     assert list(third["attempt"]) == [0, 1, 2]
     assert list(third["ok"]) == [False, False, True]
     assert (third["start"].diff().dropna() == 1.5).all()
+
+
+def test_wall_clock_replay_really_waits() -> None:
+    events = replay_consumer(one_queue(10, 5_000), "orderly", config(()), wall_clock=True)
+    ordered = events.sort_values("offset")
+    assert ordered["end"].max() >= 10 * 0.005  # ten 5 ms handlers one after the other
+    assert (ordered["start"].to_numpy()[1:] >= ordered["end"].to_numpy()[:-1]).all()
