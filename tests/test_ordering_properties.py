@@ -53,7 +53,10 @@ from stagedconsumer import (
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
     MessageQueue,
+    PullResult,
     PushConsumer,
+    SendBackResult,
+    SourceError,
 )
 from stagedconsumer._core import retry_delay_seconds
 
@@ -101,9 +104,16 @@ class Log:
     """(seq, run, committed offset per queue of TOPIC)."""
     writes: list[tuple[int, int, dict[int, int]]] = attrs.Factory(list)
     """Every consume offset the store persisted: (seq, run, offset per queue)."""
+    dead: list[tuple[int, int, QueueOffset, str]] = attrs.Factory(list)
+    """Messages moved to the DLQ: (seq, run, queue and offset, original msg id)."""
     stop_after: int | None = None
     stop: anyio.Event | None = None
     poke: anyio.Event | None = None
+
+    def dead_letter(self, message: Message) -> None:
+        self.seq += 1
+        origin = message.properties.get(ORIGIN_ID, message.msg_id)
+        self.dead.append((self.seq, self.run, (message.queue_id, message.queue_offset), origin))
 
     def sample(self) -> None:
         consumer = self.consumer
@@ -308,6 +318,12 @@ class ScheduledBroker(MemoryBroker):
         """(arrival, queue, offset, keys) of the messages :func:`consume` still sends."""
         self.sent: dict[QueueOffset, Message] = {}
         self.unit = 1.0
+        self.log: Log | None = None
+
+    async def send_to_dlq(self, group: str, message: Message) -> None:
+        await super().send_to_dlq(group, message)
+        if self.log is not None:
+            self.log.dead_letter(message)
 
     def send_one(self, q: int, o: int, keys: tuple[str, ...]) -> None:
         message = self.send(TOPIC, b"x" * (o % 3), keys=keys, queue_id=q)
@@ -376,6 +392,8 @@ async def consume(
     ``until``: also wait for this condition (checked every virtual second), for
     concurrent mode, where a message handed to the retry queue counts as caught up.
     """
+    if isinstance(broker, ScheduledBroker):
+        broker.log = log
     consumer = PushConsumer(GROUP, broker, listener, offset_store=store, options=options)
     consumer.subscribe(TOPIC)
     log.stop = anyio.Event()
@@ -489,47 +507,56 @@ def per_message(log: Log) -> dict[QueueOffset, list[Attempt]]:
     return out
 
 
-def is_final(attempt: Attempt, limit: int | None) -> bool:
-    """Did this attempt finish its messages (success, or failure that goes to the DLQ)?"""
-    return not attempt.failed or (limit is not None and attempt.reconsume >= limit)
-
-
-def finish_seq(log: Log, limit: int | None) -> dict[QueueOffset, int]:
-    """Sequence number of the first end event that finished each message."""
+def finish_seq(log: Log, limit: int | None = None) -> dict[QueueOffset, int]:
+    """Sequence number of the first event that finished each message: the end of a
+    successful call, or its move to the DLQ."""
     done: dict[QueueOffset, int] = {}
-    for attempt in sorted(log.attempts, key=lambda a: a.end_seq):
+    for attempt in log.attempts:
         assert attempt.end_seq > 0, "a handler call never ended"
-        if is_final(attempt, limit):
+        if not attempt.failed:
             for o in attempt.offsets:
-                done.setdefault((attempt.queue, o), attempt.end_seq)
+                key = (attempt.queue, o)
+                done[key] = min(done.get(key, attempt.end_seq), attempt.end_seq)
+    for seq, _, key, _ in log.dead:
+        done[key] = min(done.get(key, seq), seq)
     return done
 
 
 def check_exactly_once(
     log: Log, broker: MemoryBroker, sent: Mapping[QueueOffset, Message], limit: int | None
 ) -> None:
-    """(c): one final attempt per message, retries consecutive, DLQ topic exact."""
+    """(c): each message finishes once (success or DLQ), retries are consecutive and
+    never overlap, nothing runs after it finished, the DLQ topic is exact."""
     attempts = per_message(log)
     assert set(attempts) == set(sent), "some message was never consumed (lost)"
-    dead: set[str] = set()
+    dead: dict[QueueOffset, list[int]] = defaultdict(list)
+    for seq, _, key, _ in log.dead:
+        dead[key].append(seq)
+    assert set(dead) <= set(sent)
     for key, tries in attempts.items():
         tries.sort(key=lambda a: a.start_seq)
         assert [a.reconsume for a in tries] == list(range(len(tries))), (
             f"{key}: attempts {[a.reconsume for a in tries]} are not 0, 1, 2, ..."
         )
-        assert all(a.failed for a in tries[:-1]), f"{key} consumed again after success"
-        assert all(not is_final(a, limit) for a in tries[:-1]), f"{key} retried after the DLQ"
-        last = tries[-1]
-        assert is_final(last, limit), f"{key} never finished"
+        successes = [a.end_seq for a in tries if not a.failed]
+        assert len(successes) + len(dead[key]) == 1, (
+            f"{key} finished {len(successes)} times by success, {len(dead[key])} by DLQ"
+        )
+        finished = successes[0] if successes else dead[key][0]
+        assert all(a.start_seq < finished for a in tries), f"{key} consumed after it finished"
         for earlier, later in itertools.pairwise(tries):
             assert earlier.end_seq < later.start_seq, f"{key}: a retry overlaps its attempt"
-        if last.failed:
-            dead.add(sent[key].msg_id)
-    dlq = broker.messages(f"%DLQ%{GROUP}") if f"%DLQ%{GROUP}" in broker.statistics().topics else ()
+        if dead[key]:
+            last = tries[-1]
+            assert last.failed
+            assert limit is not None, f"{key} dead-lettered with unlimited retries"
+            assert last.reconsume >= limit, f"{key} dead-lettered after {last.reconsume} retries"
+            assert last.end_seq < finished
+    dlq_topic = f"%DLQ%{GROUP}"
+    dlq = broker.messages(dlq_topic) if dlq_topic in broker.statistics().topics else ()
     in_dlq = [m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq]
-    assert sorted(in_dlq) == sorted(dead), "the DLQ does not hold exactly the spent messages"
-    if limit is None:
-        assert not dead
+    expected = [sent[key].msg_id for key, seqs in dead.items() if seqs]
+    assert sorted(in_dlq) == sorted(expected), "the DLQ does not hold exactly the spent messages"
 
 
 def check_committed(
@@ -1032,11 +1059,79 @@ class ConcurrentWithRetries(MessageListenerConcurrently):
             raise Boom("planned failure")
 
 
-@given(scenarios(max_messages=15))
-def test_concurrent_failures_retry_with_delay_then_dead_letter(scenario: Scenario) -> None:
+class FlakyBroker(ScheduledBroker):
+    """Fails the n-th call of pull (of TOPIC), send_back and send_to_dlq as planned."""
+
+    def __init__(self, failures: Mapping[str, frozenset[int]]) -> None:
+        super().__init__()
+        self.failures = failures
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def _maybe_fail(self, what: str) -> None:
+        n = self.calls[what]
+        self.calls[what] += 1
+        if n in self.failures.get(what, frozenset()):
+            raise SourceError(f"planned {what} failure #{n}")
+
+    async def pull(
+        self, mq: MessageQueue, offset: int, max_count: int, *, timeout: float = 0.0
+    ) -> PullResult:
+        if mq.topic == TOPIC:
+            self._maybe_fail("pull")
+        return await super().pull(mq, offset, max_count, timeout=timeout)
+
+    async def send_back(
+        self, group: str, message: Message, *, delay_level: int = 0, max_reconsume_times: int = 16
+    ) -> SendBackResult:
+        self._maybe_fail("send_back")
+        return await super().send_back(
+            group, message, delay_level=delay_level, max_reconsume_times=max_reconsume_times
+        )
+
+    async def send_to_dlq(self, group: str, message: Message) -> None:
+        self._maybe_fail("dlq")
+        await super().send_to_dlq(group, message)
+
+
+source_failures = st.fixed_dictionaries(
+    {
+        "pull": st.frozensets(st.integers(0, 30), max_size=5),
+        "send_back": st.frozensets(st.integers(0, 8), max_size=3),
+        "dlq": st.frozensets(st.integers(0, 4), max_size=3),
+    }
+)
+
+
+@given(scenarios(), st.sampled_from(["staged", "orderly"]), source_failures)
+def test_source_failures_do_not_break_guarantees(
+    scenario: Scenario, mode: str, failures: Mapping[str, frozenset[int]]
+) -> None:
+    """Failed pulls and failed moves to the DLQ are retried; every guarantee holds."""
+    broker = FlakyBroker(failures)
+    sent = fill(broker, scenario)
+    log = Log()
+    behaviour = Behaviour(scenario, log, 1.0)
+    listener: Any = Staged(behaviour, scenario.sizes) if mode == "staged" else Orderly(behaviour)
+    run_virtual(consume, broker, listener, log, options_for(scenario), RecordingStore(log))
+    limit = scenario.max_reconsume_times
+    check_exactly_once(log, broker, sent, limit)
+    check_committed(log, scenario.counts, limit)
+    check_concurrency_bound(log, scenario.workers)
+    if mode == "staged":
+        check_barrier(log, naive_assign(sent, {"default": scenario.sizes}), limit)
+    else:
+        for q in range(scenario.queue_count):
+            check_orderly(log, q)
+
+
+@given(scenarios(max_messages=15), source_failures)
+def test_concurrent_failures_retry_with_delay_then_dead_letter(
+    scenario: Scenario, failures: Mapping[str, frozenset[int]]
+) -> None:
     """(c) for concurrent mode: every message finishes once, as success or DLQ, after
-    retries through the retry queue that each wait RocketMQ's delay for its level."""
-    broker = ScheduledBroker()
+    retries through the retry queue that each wait RocketMQ's delay for its level (or
+    5 s locally when the source could not take it back)."""
+    broker = FlakyBroker(failures)
     sent = fill(broker, scenario)
     limit = scenario.max_reconsume_times
     effective = 16 if limit is None else limit
@@ -1044,7 +1139,8 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(scenario: Scenari
     listener = ConcurrentWithRetries(scenario, sent)
 
     def all_final() -> bool:
-        final = {k for k, rt, failed, _, _ in listener.calls if not failed or rt >= effective}
+        final = {k for k, _, failed, _, _ in listener.calls if not failed}
+        final |= {listener.origin[origin] for _, _, _, origin in log.dead}
         return len(final) == scenario.total and not broker.pending
 
     run_virtual(
@@ -1062,20 +1158,26 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(scenario: Scenari
     for key, rt, failed, start, end in listener.calls:
         calls[key].append((rt, failed, start, end))
     assert set(calls) == set(sent), "a message was never consumed"
-    dead = set()
+    dead: dict[QueueOffset, int] = defaultdict(int)
+    for _, _, _, origin in log.dead:
+        dead[listener.origin[origin]] += 1
+    flaky = bool(failures["send_back"] or failures["dlq"])
     for key, tries in calls.items():
         tries.sort(key=lambda t: t[2])
         assert [t[0] for t in tries] == list(range(len(tries))), f"{key}: {tries}"
         assert all(t[1] for t in tries[:-1]), f"{key} consumed again after success"
         rt, failed, _, _ = tries[-1]
-        assert not failed or rt >= effective, f"{key} never finished"
-        assert all(t[0] < effective for t in tries[:-1]), f"{key} retried after the DLQ"
-        for (rt0, _, _, end0), (_, _, start1, _) in itertools.pairwise(tries):
-            assert start1 >= end0 + retry_delay_seconds(rt0), f"{key} retried too early"
+        assert (0 if failed else 1) + dead[key] == 1, f"{key} did not finish exactly once"
         if failed:
-            dead.add(sent[key].msg_id)
+            assert rt >= effective, f"{key} dead-lettered after {rt} retries"
+        for (rt0, _, _, end0), (_, _, start1, _) in itertools.pairwise(tries):
+            delay = retry_delay_seconds(rt0)
+            if flaky:
+                delay = min(delay, 5.0)  # kept and retried locally when send_back failed
+            assert start1 >= end0 + delay, f"{key} retried too early"
     dlq_topic = f"%DLQ%{GROUP}"
     dlq = broker.messages(dlq_topic) if dlq_topic in broker.statistics().topics else ()
-    assert sorted(m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq) == sorted(dead)
+    expected = [sent[key].msg_id for key, n in dead.items() if n]
+    assert sorted(m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq) == sorted(expected)
     _, _, offsets = log.samples[-1]
     assert offsets == dict(enumerate(scenario.counts))
