@@ -636,9 +636,17 @@ class AsyncTraceDispatcher:
         self._queue.clear()
 
     async def _write_batches(self, *, everything: bool) -> None:
+        queue = self._queue
+        if self._sync_sink and (self._lock is None or not self._lock.locked()):
+            # No await in between: appenders cannot interleave, no lock needed (taking
+            # one would yield, and appenders would find it held and not write inline).
+            while len(queue) >= self.batch_num or (everything and queue):
+                if not self._send_nowait(self._take(self.batch_num)):
+                    break
+            if not (len(queue) >= self.batch_num or (everything and queue)):
+                return
         if self._lock is None:
             self._lock = anyio.Lock()
-        queue = self._queue
         async with self._lock:
             while len(queue) >= self.batch_num or (everything and queue):
                 batch = self._take(self.batch_num)
@@ -827,6 +835,8 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                 )
                 static = self._static.get(static_key)
                 if static is None:
+                    if len(self._static) >= 4096:  # group ids may be per key: stay bounded
+                        self._static.clear()
                     static = self._static[static_key] = (
                         f"{_S}{_c(region or self.region_id)}{_S}{_c(context.consumer_group)}{_S}",
                         f"{_S}{_c(context.strategy_id or '')}{_S}{_c(context.group_id or '')}{_E}",

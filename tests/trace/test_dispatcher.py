@@ -132,3 +132,32 @@ async def test_aclose_gives_up_after_timeout_and_counts_the_rest() -> None:
     stats = dispatcher.statistics()
     assert stats.queued == 0
     assert stats.lost == 3  # the batch being written when the timeout hit is not counted
+
+
+def test_sync_sink_is_written_where_batches_fill_up() -> None:
+    class SyncSink(ListSink):
+        def write_nowait(self, message: TraceMessage) -> bool:
+            self.messages.append(message)
+            return True
+
+    sink = SyncSink()
+    dispatcher = AsyncTraceDispatcher(sink, batch_num=10, queue_size=12)
+    for i in range(25):  # more than queue_size: nothing is dropped, no task needed
+        assert dispatcher.append(ctx(i))
+    assert [len(batch) for batch in ids(sink)] == [10, 10]
+    stats = dispatcher.statistics()
+    assert (stats.written, stats.queued, stats.dropped) == (20, 5, 0)
+
+
+async def test_sink_declining_write_nowait_falls_back_to_the_task() -> None:
+    class Declining(ListSink):
+        def write_nowait(self, message: TraceMessage) -> bool:
+            return False
+
+    sink = Declining()
+    dispatcher = AsyncTraceDispatcher(sink, batch_num=2)
+    for i in range(3):
+        dispatcher.append(ctx(i))
+    assert sink.messages == []
+    await dispatcher.flush()
+    assert ids(sink) == [["M0", "M1"], ["M2"]]
