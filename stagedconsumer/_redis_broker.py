@@ -355,6 +355,7 @@ class RedisBroker(MessageSource):
         self._release_script = client.register_script(_RELEASE_LUA)
         # Raw XRANGE replies ([id, [field, value, ...]]): _decode reads them positionally.
         client.set_response_callback("XRANGE", _raw_reply)
+        client.set_response_callback("XREAD", _raw_reply)
         self._delay_script = client.register_script(_DELAY_LUA)
         self._topic_cache: dict[str, int] = {}
         self._round_robin: dict[str, itertools.count[int]] = {}
@@ -624,7 +625,10 @@ class RedisBroker(MessageSource):
             block = min(remaining, _MAX_BLOCK)
             if wait_ms >= 0:
                 block = min(block, max(wait_ms, 1) / 1000)
-            await self._once(what, functools.partial(self._wait_for_entry, stream, offset, block))
+            wait = functools.partial(self._wait_for_entries, stream, offset, max_count, block)
+            entries = await self._once(what, wait)
+            if entries:
+                break
         if entries:
             messages = [_decode(topic, queue_id, entry[0], entry[1]) for entry in entries]
             next_offset = messages[-1].queue_offset + 1
@@ -643,9 +647,19 @@ class RedisBroker(MessageSource):
         next_offset = messages[-1].queue_offset + 1 if messages else min(offset, max_offset)
         return PullResult(messages=messages, next_offset=next_offset, max_offset=max_offset)
 
-    async def _wait_for_entry(self, stream: str, offset: int, block: float) -> None:
+    async def _wait_for_entries(
+        self, stream: str, offset: int, count: int, block: float
+    ) -> list[Any]:
+        """``XREAD BLOCK``: the entries from ``offset`` on once there are any (raw)."""
         block_ms = max(1, int(block * 1000))
-        await self._redis.xread({stream: b"%d-0" % offset}, count=1, block=block_ms)
+        reply = await self._redis.execute_command(  # type: ignore[no-untyped-call]
+            "XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", stream, b"%d-0" % offset
+        )
+        if not reply:
+            return []
+        if isinstance(reply, dict):  # RESP3: a map of stream -> entries
+            return list(next(iter(reply.values())))
+        return list(reply[0][1])
 
     async def max_offset(self, mq: MessageQueue) -> int:
         if mq.topic.startswith(RETRY_PREFIX):

@@ -198,8 +198,9 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
                         if q not in moved_at and owners[q] not in (None, victim):
                             moved_at[q] = time.monotonic() - killed_at
                     await anyio.sleep(0.05)
-        # Moved within the lock expiry (plus one lock-retry round of the new owner).
-        assert max(moved_at.values()) <= LOCK_TTL + 1.5, moved_at
+        # Moved once the lock expired: at most LOCK_TTL after the last renewal, plus a
+        # lock-retry round of the new owner (0.5 s) and scheduling slack on a busy machine.
+        assert max(moved_at.values()) <= LOCK_TTL + 2.5, moved_at
         print(f"victim queues {victim_queues} moved after {moved_at}")
 
         await _wait_all_committed(store, group, PER_QUEUE, timeout=60)
