@@ -108,6 +108,10 @@ class Scenario:
     failures: frozenset[tuple[int, int, int]]
     max_reconsume_times: int | None
     suspend_millis: int
+    pull_threshold: int = 1000
+    """``pull_threshold_for_queue``: small values make pulling pause and resume."""
+    pull_batch: int = 7
+    """``pull_batch_size``."""
     gaps: tuple[int, ...] = (0,)
     """Time units between the arrivals of consecutive messages of a queue, cycled by
     global message index; ``(0,)``: everything is in the broker before consuming starts."""
@@ -163,4 +167,6 @@ def scenarios(
         max_reconsume_times=limit,
         suspend_millis=draw(st.sampled_from([10, 500, 1000, 2500])),
         gaps=tuple(draw(arrival_gaps())),
+        pull_threshold=draw(st.sampled_from([1000, 1000, 1, 2, 3, 5])),
+        pull_batch=draw(st.sampled_from([7, 1, 2, 32])),
     )
