@@ -285,6 +285,8 @@ class PushConsumer:
         self._fences: dict[MessageQueue, int] = {}
         self._lock_valid_until: dict[MessageQueue, float] = {}
         self._releasing: set[MessageQueue] = set()
+        self._draining: set[MessageQueue] = set()
+        """Queues released gracefully: their locks stay renewed until committed."""
         self._lost: set[MessageQueue] = set()
         self._rebalance_scope: anyio.CancelScope | None = None
         self._hook_list: list[ConsumeMessageHook] = []
@@ -558,9 +560,10 @@ class PushConsumer:
             self._start_release(releases, mq, lost=False)
         keep = held & mine
         wanted = sorted(keep | (mine - held - self._releasing))
+        draining = sorted(self._draining & set(self._fences))
         sent = anyio.current_time()
         with anyio.fail_after(limit):
-            locked = await coordinator.lock(self.group, self.client_id, wanted)
+            locked = await coordinator.lock(self.group, self.client_id, wanted + draining)
         for mq in keep:
             if mq in locked and locked[mq] == self._fences.get(mq):
                 self._lock_valid_until[mq] = sent + options.local_lock_ttl
@@ -626,6 +629,8 @@ class PushConsumer:
         self, releases: anyio.abc.TaskGroup, mq: MessageQueue, *, lost: bool
     ) -> None:
         self._releasing.add(mq)
+        if not lost:
+            self._draining.add(mq)
         self._lock_valid_until.pop(mq, None)
         releases.start_soon(self._release_owned, mq, lost)
 
@@ -666,6 +671,7 @@ class PushConsumer:
             )
         finally:
             self._releasing.discard(mq)
+            self._draining.discard(mq)
 
     async def _persist_fenced(self, changed: Sequence[tuple[_QueueState, QueueProgress]]) -> None:
         fences = {
