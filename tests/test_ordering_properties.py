@@ -109,6 +109,8 @@ class Log:
     stop_after: int | None = None
     stop: anyio.Event | None = None
     poke: anyio.Event | None = None
+    marks: list[tuple[int, anyio.Event]] = attrs.Factory(list)
+    """Events to set once so many handler calls ended."""
 
     def dead_letter(self, message: Message) -> None:
         self.seq += 1
@@ -165,6 +167,9 @@ class Log:
         self.sample()
         if self.stop is not None and self.stop_after is not None and self.ends >= self.stop_after:
             self.stop.set()
+        for after, event in self.marks:
+            if self.ends >= after:
+                event.set()
         self._poke()
 
 
@@ -386,12 +391,15 @@ async def consume(
     *,
     stop_after: int | None = None,
     until: Callable[[], bool] | None = None,
+    midway: tuple[int, Callable[[PushConsumer], Awaitable[None]]] | None = None,
     timeout: float = 100_000,
 ) -> PushConsumer:
     """Run one consumer until caught up (or until ``stop_after`` handler calls ended).
 
     ``until``: also wait for this condition (checked every virtual second), for
     concurrent mode, where a message handed to the retry queue counts as caught up.
+    ``midway = (n, action)``: run ``action(consumer)`` once ``n`` handler calls ended
+    (unless everything is consumed before), then go on until caught up.
     """
     if isinstance(broker, ScheduledBroker):
         broker.log = log
@@ -407,9 +415,32 @@ async def consume(
             await anyio.lowlevel.checkpoint()
             log.sample()
 
+    async def in_the_middle(after: int, action: Callable[[PushConsumer], Awaitable[None]]) -> None:
+        started = False
+        marked = anyio.Event()
+        log.marks.append((after, marked))
+        async with anyio.create_task_group() as tg:
+
+            async def when_marked() -> None:
+                nonlocal started
+                await marked.wait()
+                started = True
+                await action(consumer)
+                tg.cancel_scope.cancel()
+
+            async def when_done() -> None:
+                await consumer.wait_caught_up(timeout=timeout)
+                if not started:
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(when_marked)
+            tg.start_soon(when_done)
+
     async def caught_up() -> None:
         if isinstance(broker, ScheduledBroker) and broker.pending:
             await broker.produce()
+        if midway is not None:
+            await in_the_middle(*midway)
         await consumer.wait_caught_up(timeout=timeout)
         if until is not None:
             with anyio.fail_after(timeout):
@@ -1184,3 +1215,100 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(
     assert sorted(m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq) == sorted(expected)
     _, _, offsets = log.samples[-1]
     assert offsets == dict(enumerate(scenario.counts))
+
+
+# -- releasing and re-assigning a queue (rebalance) -------------------------------------
+
+
+@given(
+    scenarios(),
+    st.sampled_from(["staged", "orderly"]),
+    st.integers(0, 30),
+    st.integers(0, 2),
+    st.sampled_from(sorted(RESETS)),
+)
+def test_release_and_reassign_keeps_stages_and_loses_nothing(
+    scenario: Scenario, mode: str, after: int, which: int, reset: str
+) -> None:
+    """Releasing a queue mid-run and assigning it again resumes from its committed
+    progress: same stages as without it, nothing committed consumed again, no loss,
+    and (orderly) no overlap with the handler calls of the released queue."""
+    scenario = attrs.evolve(scenario, gaps=(0,))
+    q = which % scenario.queue_count
+    limit = scenario.max_reconsume_times
+
+    def listener_for(log: Log) -> Any:
+        if mode == "orderly":
+            return Orderly(Behaviour(scenario, log, 1.0))
+        return restart_listener(scenario, log, reset)
+
+    broker = ScheduledBroker()
+    sent = fill(broker, scenario)
+    log = Log()
+    run_virtual(consume, broker, listener_for(log), log, options_for(scenario), MemoryOffsetStore())
+    expected = {(a.queue, o): a.stage for a in log.attempts for o in a.offsets}
+
+    broker = ScheduledBroker()
+    fill(broker, scenario)
+    log = Log()
+    store = RecordingStore(log)
+    released: list[int] = []
+
+    async def rebalance(consumer: PushConsumer) -> None:
+        mq = MessageQueue(TOPIC, q)
+        await consumer.release_queue(mq)
+        assert mq not in consumer.statistics().queues
+        released.append(log.seq)
+        log.run = 1  # attempts after the release
+        await consumer.assign_queue(mq)
+
+    run_virtual(
+        functools.partial(
+            consume,
+            broker,
+            listener_for(log),
+            log,
+            options_for(scenario),
+            store,
+            midway=(after, rebalance),
+        )
+    )
+    for a in log.attempts:
+        for o in a.offsets:
+            assert a.stage == expected[a.queue, o], f"{a.queue}:{o} changed stage"
+    assert set(per_message(log)) == set(sent), "a message was lost"
+    if released:
+        committed = max(
+            (offsets.get(q, 0) for seq, _, offsets in log.writes if seq <= released[0]),
+            default=0,
+        )
+        for a in log.attempts:
+            if a.queue == q and a.start_seq > released[0]:
+                assert a.offsets[-1] >= committed, "a committed message was consumed again"
+        for a in log.attempts:
+            if a.queue == q and a.start_seq <= released[0]:
+                assert a.end_seq <= released[0], "release returned with a handler running"
+    if mode == "orderly":
+        for queue in range(scenario.queue_count):
+            check_orderly_at_least_once(log, queue)
+    else:
+        done = finish_seq(log)
+        by_key = naive_assign(sent, {"default": scenario.sizes}, reset=RESETS[reset])
+        for a in log.attempts:
+            first = by_key[a.queue, a.offsets[0]]
+            for (queue, o), assigned in by_key.items():
+                if queue == a.queue and assigned.key == first.key and assigned.epoch < first.epoch:
+                    assert done.get((queue, o), math.inf) < a.start_seq, "barrier broken"
+    check_committed(log, scenario.counts, limit)
+
+
+def check_orderly_at_least_once(log: Log, queue: int) -> None:
+    """(b) when messages may be delivered again: calls of ``queue`` never overlap, and
+    each call starts at or below where the previous one ended + 1 only after a retry or
+    a re-assignment (offsets never skip an unfinished message)."""
+    calls = sorted((a for a in log.attempts if a.queue == queue), key=lambda a: a.start_seq)
+    for previous, call in itertools.pairwise(calls):
+        assert previous.end_seq < call.start_seq, f"orderly calls overlap on queue {queue}"
+        assert list(call.offsets) == sorted(call.offsets)
+        if call.run == previous.run and call.offsets[0] <= previous.offsets[-1]:
+            assert previous.failed, f"queue {queue}: {call.offsets} ran after {previous.offsets}"
