@@ -14,11 +14,14 @@ import pytest
 
 from offsetstore import MemoryOffsetStore, QueueProgress, SqlOffsetStore
 from stagedconsumer import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     GroupOptions,
     MemoryBroker,
     Message,
+    MessageListenerConcurrently,
     MessageListenerStagedConcurrently,
     MessageQueue,
     PushConsumer,
@@ -183,3 +186,42 @@ async def test_embedded_broker_keeps_one_owner_for_everything() -> None:
     consumer.subscribe("t")
     async with consumer:
         assert len(consumer.assigned_queues) == 3
+
+
+class FailOnce(MessageListenerConcurrently):
+    """Fails the first delivery of every message whose body starts with ``fail``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes, int, float]] = []
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
+        context.delay_level_when_next_consume = 1  # 1 s
+        for m in msgs:
+            self.calls.append((m.topic, m.body, m.reconsume_times, time.monotonic()))
+        if any(m.body.startswith(b"fail") and m.reconsume_times == 0 for m in msgs):
+            return ConsumeConcurrentlyStatus.RECONSUME_LATER
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+
+async def test_concurrent_member_retries_through_the_redis_retry_queue(
+    group_broker: RedisBroker,
+) -> None:
+    broker = group_broker
+    await broker.create_topic("t", 2)
+    listener = FailOnce()
+    consumer = PushConsumer("grp", broker, listener, options=OPTIONS)
+    consumer.subscribe("t")
+    async with consumer:
+        assert MessageQueue("%RETRY%grp", 0) in consumer.assigned_queues
+        await broker.send("t", b"ok-1")
+        await broker.send("t", b"fail-1")
+        await _wait_for(lambda: len(listener.calls) == 3, timeout=10)
+        stats = consumer.statistics()
+    first, retried = [c for c in listener.calls if c[1] == b"fail-1"]
+    assert first[2] == 0
+    assert retried[0] == "t"  # delivered under its original topic
+    assert retried[2] == 1
+    assert 0.5 <= retried[3] - first[3] <= 4.0  # delay level 1 = 1 s
+    assert stats.sent_back == 1
