@@ -46,7 +46,6 @@ import sqlalchemy as sa  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-import stagedconsumer  # noqa: E402, F401  # before offsetstore (import cycle)
 from offsetstore import (  # noqa: E402
     MemoryOffsetStore,
     OffsetStoreError,

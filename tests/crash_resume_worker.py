@@ -27,7 +27,6 @@ from typing import Any
 
 import anyio
 
-import stagedconsumer  # noqa: F401  # before offsetstore (import cycle)
 from offsetstore import QueueProgress, SqlOffsetStore, StageKey
 from stagedconsumer import (
     ConsumerOptions,
