@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row['spans']:,}" if "spans" in row else "",
             f"{row['trace_dropped']:,}" if "trace_dropped" in row else "",
         )
-    console = Console()
+    console = Console(width=max(Console().width, 130))
     console.print(table)
     verdict = "met" if worst >= 0.5 else "NOT met"
     console.print(f"target everything >= 50% of off: {verdict} (worst mode {worst:.0%})")
