@@ -319,8 +319,8 @@ class ScheduledBroker(MemoryBroker):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pending: list[tuple[int, int, int, tuple[str, ...]]] = []
-        """(arrival, queue, offset, keys) of the messages :func:`consume` still sends."""
+        self.pending: list[tuple[int, int, int, tuple[str, ...], str | None]] = []
+        """(arrival, queue, offset, keys, tag) of the messages :func:`consume` still sends."""
         self.sent: dict[QueueOffset, Message] = {}
         self.unit = 1.0
         self.log: Log | None = None
@@ -330,8 +330,8 @@ class ScheduledBroker(MemoryBroker):
         if self.log is not None:
             self.log.dead_letter(message)
 
-    def send_one(self, q: int, o: int, keys: tuple[str, ...]) -> None:
-        message = self.send(TOPIC, b"x" * (o % 3), keys=keys, queue_id=q)
+    def send_one(self, q: int, o: int, keys: tuple[str, ...], tag: str | None = None) -> None:
+        message = self.send(TOPIC, b"x" * (o % 3), keys=keys, tags=tag, queue_id=q)
         assert message.queue_offset == o
         self.sent[q, o] = message
 
@@ -339,11 +339,11 @@ class ScheduledBroker(MemoryBroker):
         """Send the pending messages at their arrival times (virtual or scaled)."""
         started = anyio.current_time()
         pending, self.pending = sorted(self.pending), []
-        for arrival, q, o, keys in pending:
+        for arrival, q, o, keys, tag in pending:
             delay = started + arrival * self.unit - anyio.current_time()
             if delay > 0:
                 await anyio.sleep(delay)
-            self.send_one(q, o, keys)
+            self.send_one(q, o, keys, tag)
 
 
 def fill(
@@ -352,6 +352,7 @@ def fill(
     keys: Callable[[int, int], Sequence[str]] | None = None,
     *,
     unit: float = 1.0,
+    tags: Callable[[int, int], str | None] | None = None,
 ) -> dict[QueueOffset, Message]:
     """Create the topic and send the messages due at time 0; :func:`consume` sends the
     rest at their arrival times. Returns the (growing) map of sent messages."""
@@ -361,10 +362,11 @@ def fill(
         for o in range(n):
             arrival = scenario.arrival(q, o)
             message_keys = tuple(keys(q, o)) if keys else ()
+            tag = tags(q, o) if tags else None
             if arrival == 0:
-                broker.send_one(q, o, message_keys)
+                broker.send_one(q, o, message_keys, tag)
             else:
-                broker.pending.append((arrival, q, o, message_keys))
+                broker.pending.append((arrival, q, o, message_keys, tag))
     return broker.sent
 
 
@@ -392,6 +394,7 @@ async def consume(
     stop_after: int | None = None,
     until: Callable[[], bool] | None = None,
     midway: tuple[int, Callable[[PushConsumer], Awaitable[None]]] | None = None,
+    expression: str = "*",
     timeout: float = 100_000,
 ) -> PushConsumer:
     """Run one consumer until caught up (or until ``stop_after`` handler calls ended).
@@ -404,7 +407,7 @@ async def consume(
     if isinstance(broker, ScheduledBroker):
         broker.log = log
     consumer = PushConsumer(GROUP, broker, listener, offset_store=store, options=options)
-    consumer.subscribe(TOPIC)
+    consumer.subscribe(TOPIC, expression)
     log.stop = anyio.Event()
     log.stop_after = stop_after
 
@@ -592,10 +595,17 @@ def check_exactly_once(
 
 
 def check_committed(
-    log: Log, counts: Sequence[int], limit: int | None, *, final: bool = True
+    log: Log,
+    counts: Sequence[int],
+    limit: int | None,
+    *,
+    final: bool = True,
+    filtered: frozenset[QueueOffset] = frozenset(),
 ) -> None:
-    """(d): no sampled or persisted committed offset passes an unfinished message."""
+    """(d): no sampled or persisted committed offset passes an unfinished message
+    (``filtered`` messages are never consumed: the committed offset may pass them)."""
     done = finish_seq(log, limit)
+    done.update(dict.fromkeys(filtered, 0))
     for kind, records in (("sampled", log.samples), ("persisted", log.writes)):
         latest: dict[tuple[int, int], int] = {}
         for seq, run, offsets in records:
@@ -1312,3 +1322,67 @@ def check_orderly_at_least_once(log: Log, queue: int) -> None:
         assert list(call.offsets) == sorted(call.offsets)
         if call.run == previous.run and call.offsets[0] <= previous.offsets[-1]:
             assert previous.failed, f"queue {queue}: {call.offsets} ran after {previous.offsets}"
+
+
+# -- tag filtering ------------------------------------------------------------------------
+
+
+@given(
+    scenarios(),
+    st.lists(st.sampled_from(["a", "b", None]), min_size=1, max_size=7),
+    st.sampled_from(sorted(RESETS)),
+    st.integers(0, 30),
+)
+def test_filtered_messages_take_no_stage_and_never_hold_back_the_commit(
+    scenario: Scenario, tags: list[str | None], reset: str, stop_after: int
+) -> None:
+    """Messages the tag expression rejects are never consumed, count for no stage,
+    and the committed offset moves past them; a restart assigns the same stages."""
+    scenario = attrs.evolve(scenario, gaps=(0,))
+    limit = scenario.max_reconsume_times
+
+    def tag_of(q: int, o: int) -> str | None:
+        return tags[(q * 5 + o) % len(tags)]
+
+    broker = ScheduledBroker()
+    sent = fill(broker, scenario, tags=tag_of)
+    wanted = {k: m for k, m in sent.items() if m.tags == "a"}
+    filtered = frozenset(sent) - frozenset(wanted)
+    log = Log()
+    options = options_for(scenario)
+    run_virtual(
+        functools.partial(
+            consume,
+            broker,
+            restart_listener(scenario, log, reset),
+            log,
+            options,
+            RecordingStore(log),
+            expression="a",
+        )
+    )
+    check_exactly_once(log, broker, wanted, limit)
+    check_barrier(
+        log, naive_assign(wanted, {"default": scenario.sizes}, reset=RESETS[reset]), limit
+    )
+    check_committed(log, scenario.counts, limit, filtered=filtered)
+    expected = {(a.queue, o): a.stage for a in log.attempts for o in a.offsets}
+
+    broker = ScheduledBroker()
+    fill(broker, scenario, tags=tag_of)
+    log = Log()
+    store = RecordingStore(log)
+
+    async def twice() -> None:
+        listener = restart_listener(scenario, log, reset)
+        await consume(broker, listener, log, options, store, stop_after=stop_after, expression="a")
+        log.run = 1
+        listener = restart_listener(scenario, log, reset)
+        await consume(broker, listener, log, options, store, expression="a")
+
+    run_virtual(twice)
+    assert set(per_message(log)) == set(wanted)
+    for a in log.attempts:
+        for o in a.offsets:
+            assert a.stage == expected[a.queue, o], f"{a.queue}:{o} changed stage on restart"
+    check_committed(log, scenario.counts, limit, filtered=filtered)
