@@ -28,12 +28,15 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
 import attrs
+import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
@@ -1386,3 +1389,78 @@ def test_filtered_messages_take_no_stage_and_never_hold_back_the_commit(
         for o in a.offsets:
             assert a.stage == expected[a.queue, o], f"{a.queue}:{o} changed stage on restart"
     check_committed(log, scenario.counts, limit, filtered=filtered)
+
+
+# -- sync handlers run in worker threads ---------------------------------------------
+
+
+class SyncStaged(MessageListenerStagedConcurrently):
+    """A plain ``def`` handler (run in worker threads); logs under a lock."""
+
+    def __init__(self, scenario: Scenario, log: Log, unit: float) -> None:
+        self.scenario = scenario
+        self.log = log
+        self.unit = unit
+        self.lock = threading.Lock()
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return list(self.scenario.sizes)
+
+    def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> ConsumeOrderlyStatus | None:
+        log = self.log
+        q = msgs[0].queue_id
+        with self.lock:
+            log.seq += 1
+            attempt = Attempt(
+                run=log.run,
+                queue=q,
+                offsets=tuple(m.queue_offset for m in msgs),
+                msg_ids=tuple(m.msg_id for m in msgs),
+                stage=context.stage_index,
+                strategy=context.strategy_id,
+                group=context.group_id,
+                reconsume=msgs[0].reconsume_times,
+                start_seq=log.seq,
+                start_time=time.monotonic(),
+            )
+            log.attempts.append(attempt)
+            log.running += 1
+            log.max_running = max(log.max_running, log.running)
+        time.sleep(max(self.scenario.cost(q, m.queue_offset) for m in msgs) * self.unit)
+        failed = any(self.scenario.fails(q, m.queue_offset, m.reconsume_times) for m in msgs)
+        with self.lock:
+            log.seq += 1
+            attempt.end_seq = log.seq
+            attempt.end_time = time.monotonic()
+            attempt.failed = failed
+            log.running -= 1
+        return _fail_how(msgs) if failed else None
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=10)
+@given(scenarios(max_messages=12, sizes=stage_sizes(max_size=4)))
+def test_sync_handlers_in_threads_keep_the_guarantees(backend: str, scenario: Scenario) -> None:
+    """Plain ``def`` handlers run in worker threads: the barrier, the concurrency
+    bound (shared with async handlers: consume_thread_max) and exactly-once hold."""
+    scenario = attrs.evolve(scenario, suspend_millis=10, gaps=(0,))
+    broker = ScheduledBroker()
+    sent = fill(broker, scenario)
+    log = Log()
+    listener = SyncStaged(scenario, log, 0.0005)
+    anyio.run(
+        consume,
+        broker,
+        listener,
+        log,
+        options_for(scenario),
+        RecordingStore(log),
+        backend=backend,
+    )
+    limit = scenario.max_reconsume_times
+    check_exactly_once(log, broker, sent, limit)
+    check_barrier(log, naive_assign(sent, {"default": scenario.sizes}), limit)
+    check_concurrency_bound(log, scenario.workers)
+    check_committed(log, scenario.counts, limit)
