@@ -421,7 +421,8 @@ class PushConsumer:
                     self._workers_scope.cancel()
                 await self._workers_done.wait()
         try:
-            await self._persist(list(self._states.values()))
+            with anyio.fail_after(self.options.shutdown_timeout):
+                await self._persist(list(self._states.values()))
         except Exception:
             logger.exception("group %s: could not persist progress on shutdown", self.group)
         else:
@@ -1184,8 +1185,13 @@ class PushConsumer:
         store = self.offset_store
         changed: list[tuple[_QueueState, QueueProgress]] = []
         for state in states:
+            persisted = state.persisted
+            # Stage offsets move only when the committed offset does, so comparing
+            # the offset alone finds every change (cheap with thousands of queues).
+            if persisted is not None and persisted.consume_offset == state.pq.committed_offset:
+                continue
             progress = self._progress_of(state)
-            if progress != state.persisted:
+            if progress != persisted:
                 store.update_progress(self.group, state.mq, progress)
                 changed.append((state, progress))
         if not changed:
@@ -1243,7 +1249,7 @@ class PushConsumer:
 
     @property
     def assigned_queues(self) -> Sequence[MessageQueue]:
-        return sorted(self._states)
+        return sorted(self._states, key=lambda mq: (mq.topic, mq.queue_id))
 
     def statistics(self) -> ConsumerStatistics:
         """A frozen snapshot of counters and per-queue state."""
@@ -1264,7 +1270,12 @@ class PushConsumer:
                 for hook in self._hook_list
                 if isinstance(hook, ConsumeMessageTraceHook)
             ),
-            queues={mq: state.pq.statistics() for mq, state in sorted(self._states.items())},
+            queues={
+                mq: state.pq.statistics()
+                for mq, state in sorted(
+                    self._states.items(), key=lambda item: (item[0].topic, item[0].queue_id)
+                )
+            },
         )
 
 
