@@ -775,7 +775,12 @@ def test_empty_definition_behaves_as_concurrent(scenario: Scenario) -> None:
         check_concurrency_bound(log, scenario.workers)
     staged, concurrent = logs["staged"], logs["concurrent"]
     assert all(a.stage == TAIL_STAGE for a in staged.attempts)
-    if min(scenario.costs) >= 1 and scenario.batch_size == 1 and set(scenario.gaps) == {0}:
+    if (
+        min(scenario.costs) >= 1
+        and scenario.batch_size == 1
+        and set(scenario.gaps) == {0}
+        and scenario.pull_threshold >= max(scenario.counts)
+    ):
         # everything is pulled at time 0 and every call takes time: all workers busy
         expected = min(scenario.workers, scenario.total)
         assert staged.max_running == concurrent.max_running == expected, (
