@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 import anyio
 import attrs
+import sniffio
 
 from ._core import retry_delay_seconds
 from ._exceptions import ConfigurationError, SourceClosedError, SourceError, UnknownTopicError
@@ -68,7 +69,19 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisBroker needs redis-py: pip install 'stagedconsumer[redis]'") from exc
 
-__all__ = ("RedisBroker", "RedisCoordinator")
+__all__ = ("RedisBroker", "RedisBrokerStatistics", "RedisCoordinator")
+
+
+@attrs.frozen(kw_only=True)
+class RedisBrokerStatistics:
+    """A snapshot of a :class:`RedisBroker`."""
+
+    namespace: str
+    topics: Mapping[str, int]
+    """Queue count of the topics this broker has used."""
+    connection_errors: int
+    """Redis calls that failed on the connection (each retried or reported)."""
+
 
 logger = logging.getLogger("stagedconsumer.redis")
 
@@ -364,6 +377,7 @@ class RedisBroker(MessageSource):
         self._coordinator = RedisCoordinator(self, group_options or GroupOptions())
         self._closed = False
         self.connection_errors = 0
+        self._on_asyncio = False
         """Redis calls that failed on the connection (each retried or reported)."""
 
     # -- keys ----------------------------------------------------------------------------
@@ -418,6 +432,13 @@ class RedisBroker(MessageSource):
     async def _once(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T:
         """One Redis call; connection trouble becomes ``SourceError(retriable=True)``."""
         self._check_open()
+        if not self._on_asyncio:
+            library = sniffio.current_async_library()
+            if library != "asyncio":
+                raise ConfigurationError(
+                    f"RedisBroker runs on asyncio only (redis-py's asyncio client), not {library}"
+                )
+            self._on_asyncio = True
         try:
             return await call()
         except _CONNECTION_ERRORS as exc:
@@ -740,6 +761,13 @@ class RedisBroker(MessageSource):
             await self._retrying(
                 "counting delayed retries", lambda: self._redis.zcard(self._delay_key(group))
             )
+        )
+
+    def statistics(self) -> RedisBrokerStatistics:
+        return RedisBrokerStatistics(
+            namespace=self.namespace,
+            topics=dict(self._topic_cache),
+            connection_errors=self.connection_errors,
         )
 
     async def delete_namespace(self) -> int:

@@ -206,3 +206,22 @@ async def test_unreachable_redis_is_reported_as_retriable_and_sends_retry() -> N
         assert sent.value.retriable
         assert time.monotonic() - started >= 0.3  # retried with backoff first
         assert broker.connection_errors >= 3
+
+
+async def test_statistics(broker: RedisBroker) -> None:
+    await broker.create_topic("t", 3)
+    stats = broker.statistics()
+    assert stats.namespace == broker.namespace
+    assert stats.topics == {"t": 3}
+    assert stats.connection_errors == 0
+
+
+def test_trio_gets_a_clear_error(redis_url: str) -> None:
+    import trio
+
+    async def use() -> None:
+        broker = RedisBroker(redis_url, namespace="trio-check")
+        with pytest.raises(ConfigurationError, match="asyncio only"):
+            await broker.pull(MessageQueue("t", 0), 0, 1)
+
+    trio.run(use)
