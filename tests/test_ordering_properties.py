@@ -211,6 +211,16 @@ class Behaviour:
     log: Log
     unit: float
     slow: Mapping[QueueOffset, float] = attrs.Factory(dict)
+    vary_suspend: bool = True
+    """On failure, set ``context.suspend_current_queue_time_millis`` (see
+    :func:`chosen_suspend`); off in real time, where 30 s would be real."""
+
+    def on_failure(self, msgs: Sequence[Message], context: Any) -> ConsumeOrderlyStatus:
+        if self.vary_suspend:
+            chosen = chosen_suspend(msgs[0].queue_offset, msgs[0].reconsume_times)
+            if chosen is not None:
+                context.suspend_current_queue_time_millis = chosen
+        return _fail_how(msgs)
 
     async def handle(self, msgs: Sequence[Message], context: Any) -> bool:
         attempt = self.log.start(msgs, context)
@@ -226,6 +236,14 @@ class Behaviour:
 
 class Boom(Exception):
     pass
+
+
+SUSPEND_CHOICES = (None, 5, 10, 250, 40_000)
+
+
+def chosen_suspend(offset: int, reconsume_times: int) -> int | None:
+    """What a failing handler sets as its suspend time (None: leave the default)."""
+    return SUSPEND_CHOICES[(offset + reconsume_times) % len(SUSPEND_CHOICES)]
 
 
 def _fail_how(msgs: Sequence[Message]) -> ConsumeOrderlyStatus:
@@ -248,7 +266,7 @@ class Staged(MessageListenerStagedConcurrently):
         self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
     ) -> ConsumeOrderlyStatus | None:
         if await self.behaviour.handle(msgs, context):
-            return _fail_how(msgs)
+            return self.behaviour.on_failure(msgs, context)
         return None
 
 
@@ -299,7 +317,7 @@ class Orderly(MessageListenerOrderly):
         self, msgs: Sequence[Message], context: ConsumeOrderlyContext
     ) -> ConsumeOrderlyStatus | None:
         if await self.behaviour.handle(msgs, context):
-            return _fail_how(msgs)
+            return self.behaviour.on_failure(msgs, context)
         return None
 
 
@@ -691,11 +709,30 @@ def check_concurrency_bound(log: Log, workers: int) -> None:
 # -- (a) (c) (d): staged, random everything ------------------------------------------
 
 
+def check_retry_delays(log: Log, scenario: Scenario, *, vary: bool, exact: bool) -> None:
+    """A failed batch is retried after its suspend time (clamped to [10, 30000] ms),
+    never earlier; ``exact``: exactly then (a worker is always free)."""
+    for key, tries in per_message(log).items():
+        tries.sort(key=lambda a: a.start_seq)
+        for failed, retry in itertools.pairwise(tries):
+            millis = scenario.suspend_millis
+            if vary:
+                chosen = chosen_suspend(failed.offsets[0], failed.reconsume)
+                millis = millis if chosen is None else chosen
+            due = failed.end_time + max(10, min(30_000, millis)) / 1000
+            assert retry.start_time >= due - 1e-6, f"{key} retried too early"
+            if exact:
+                assert math.isclose(retry.start_time, due, abs_tol=1e-6), (
+                    f"{key} retried at {retry.start_time}, due at {due}"
+                )
+
+
 def staged_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> None:
     broker = ScheduledBroker()
     sent = fill(broker, scenario, unit=unit)
     log = Log()
-    listener = Staged(Behaviour(scenario, log, unit), scenario.sizes)
+    vary = runner is run_virtual
+    listener = Staged(Behaviour(scenario, log, unit, vary_suspend=vary), scenario.sizes)
     store = RecordingStore(log)
     runner(lambda: consume(broker, listener, log, options_for(scenario), store))
     limit = scenario.max_reconsume_times
@@ -704,6 +741,7 @@ def staged_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> N
     check_barrier(log, model, limit)
     check_committed(log, scenario.counts, limit)
     check_concurrency_bound(log, scenario.workers)
+    check_retry_delays(log, scenario, vary=vary, exact=False)
     if scenario.sizes and all(s == 1 for s in scenario.sizes):
         for q in range(scenario.queue_count):
             check_orderly(log, q, upto=len(scenario.sizes))
@@ -731,13 +769,17 @@ def orderly_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> 
     broker = ScheduledBroker()
     sent = fill(broker, scenario, unit=unit)
     log = Log()
-    listener = Orderly(Behaviour(scenario, log, unit))
+    vary = runner is run_virtual
+    listener = Orderly(Behaviour(scenario, log, unit, vary_suspend=vary))
     store = RecordingStore(log)
     runner(lambda: consume(broker, listener, log, options_for(scenario), store))
     limit = scenario.max_reconsume_times
     check_exactly_once(log, broker, sent, limit)
     check_committed(log, scenario.counts, limit)
     check_concurrency_bound(log, scenario.workers)
+    # in virtual time, with a worker per queue, a due retry starts at once
+    exact = vary and scenario.workers >= scenario.queue_count
+    check_retry_delays(log, scenario, vary=vary, exact=exact)
     for q in range(scenario.queue_count):
         check_orderly(log, q)
     return log
