@@ -156,3 +156,48 @@ async def test_consumer_and_producer_survive_a_redis_restart(redis_server: Redis
             offsets = sorted(m.queue_offset for m in sent if m.queue_id == q)
             assert offsets == list(range(len(offsets)))
             assert await broker.max_offset(MessageQueue("t", q)) == len(offsets)
+
+
+async def test_a_member_cut_off_from_redis_stops_consuming_when_its_locks_lapse(
+    redis_server: RedisServer,
+) -> None:
+    """Without renewals, a member must assume its locks expired: it stops handing out
+    messages of its queues ``lock_ttl / 2`` after the last renewal was sent, commits
+    what finished, and takes the queues again once Redis is back."""
+    group_options = GroupOptions(lock_ttl=2, lock_renew_interval=0.3, rebalance_interval=0.3)
+    listener = Collect()
+    store = MemoryOffsetStore()
+    async with RedisBroker(redis_server.url, namespace="r", group_options=group_options) as broker:
+        await broker.create_topic("t", 2)
+        await broker.send_many("t", [b"x"] * 100)
+        consumer = PushConsumer(
+            "grp",
+            broker,
+            listener,
+            offset_store=store,
+            options=ConsumerOptions(
+                pull_long_polling_timeout=0.5, pull_time_delay_when_exception=0.1
+            ),
+        )
+        consumer.subscribe("t")
+        async with consumer:
+            await consumer.wait_caught_up(timeout=10)
+            assert len(consumer.assigned_queues) == 3  # 2 queues + the retry queue
+            await anyio.to_thread.run_sync(redis_server.stop)
+            cut_at = time.monotonic()
+            with anyio.fail_after(5):
+                while consumer.assigned_queues:
+                    await anyio.sleep(0.05)
+            released_after = time.monotonic() - cut_at
+            assert released_after <= group_options.local_lock_ttl + 1.0
+            # What finished was committed before letting go.
+            stored = await store.list_progress("grp", "t")
+            assert sum(p.consume_offset or 0 for p in stored.values()) == 100
+            await anyio.to_thread.run_sync(redis_server.start)
+            with anyio.fail_after(10):
+                while len(consumer.assigned_queues) < 3:
+                    await anyio.sleep(0.05)
+            await broker.send_many("t", [b"y"] * 10)
+            await consumer.wait_caught_up(timeout=10)
+    assert len(listener.seen) == 110
+    assert len(set(listener.seen)) == 110
