@@ -92,6 +92,8 @@ class Attempt:
     end_seq: int = -1
     end_time: float = -1.0
     failed: bool = False
+    cancelled: bool = False
+    """The call was cancelled (shutdown timeout): it finished nothing."""
 
 
 @attrs.define(eq=False)
@@ -160,11 +162,12 @@ class Log:
         self._poke()
         return attempt
 
-    def end(self, attempt: Attempt, failed: bool) -> None:
+    def end(self, attempt: Attempt, failed: bool, *, cancelled: bool = False) -> None:
         self.seq += 1
         attempt.end_seq = self.seq
         attempt.end_time = anyio.current_time()
-        attempt.failed = failed
+        attempt.failed = failed or cancelled
+        attempt.cancelled = cancelled
         self.running -= 1
         self.ends += 1
         self.sample()
@@ -228,7 +231,11 @@ class Behaviour:
         cost = max(
             self.slow.get((q, m.queue_offset), self.scenario.cost(q, m.queue_offset)) for m in msgs
         )
-        await anyio.sleep(cost * self.unit)
+        try:
+            await anyio.sleep(cost * self.unit)
+        except anyio.get_cancelled_exc_class():
+            self.log.end(attempt, False, cancelled=True)
+            raise
         failed = any(self.scenario.fails(q, m.queue_offset, m.reconsume_times) for m in msgs)
         self.log.end(attempt, failed)
         return failed
@@ -895,13 +902,24 @@ def restart_listener(scenario: Scenario, log: Log, reset: str) -> Staged:
     st.integers(0, 40),
     st.sampled_from(sorted(RESETS)),
     st.sampled_from([0.5, 3.0, 1000.0]),
+    st.sampled_from([30.0, 30.0, 0.5]),
 )
 def test_restart_assigns_the_same_stages(
-    scenario: Scenario, stop_after: int, reset: str, persist_interval: float
+    scenario: Scenario,
+    stop_after: int,
+    reset: str,
+    persist_interval: float,
+    shutdown_timeout: float,
 ) -> None:
+    """(f), including handler calls cancelled by a short shutdown timeout: their
+    messages stay uncommitted and are consumed again by the second consumer."""
     scenario = attrs.evolve(scenario, gaps=(0,))  # every message sent before the first run
     limit = scenario.max_reconsume_times
-    options = options_for(scenario, persist_consumer_offset_interval=persist_interval)
+    options = options_for(
+        scenario,
+        persist_consumer_offset_interval=persist_interval,
+        shutdown_timeout=shutdown_timeout,
+    )
     # uninterrupted
     broker = ScheduledBroker()
     sent = fill(broker, scenario)
