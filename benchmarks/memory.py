@@ -7,8 +7,8 @@ while Python's allocations are traced; the table shows the traced memory at 10%,
 the hand-written way: one task per message under a semaphore of 20, fed from the
 same backlog, which holds every not-yet-run task in memory.
 
-    python benchmarks/memory.py                      # 1,000,000 messages, 8 queues
-    python benchmarks/memory.py --messages 200000
+    python -m benchmarks.memory                      # 1,000,000 messages, 8 queues
+    python -m benchmarks.memory --messages 200000
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):
+    # Run as a script, benchmarks/ comes first on sys.path, where benchmarks/offsetstore.py
+    # would shadow the offsetstore package: put the repository root there instead.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import anyio
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from overhead import NoopConcurrently, NoopOrderly, NoopStaged
-
+from benchmarks.overhead import NoopConcurrently, NoopOrderly, NoopStaged
 from stagedconsumer import (
     ConsumerOptions,
     Message,
@@ -207,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         " holds; memory at 10% and 100% of the backlog should be alike."
     )
     console.print(
-        "reproduce: python "
-        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+        "reproduce: python -m benchmarks.memory "
+        + " ".join(argv if argv is not None else sys.argv[1:])
     )
     return 0
 

@@ -4,8 +4,9 @@ Every mode consumes the same backlog from the embedded broker with a no-op ``asy
 handler. The baseline, measured in the same process, is what a user would write by
 hand: an asyncio loop that spawns one task per message under a semaphore of 20.
 
-    python benchmarks/overhead.py                    # 200,000 messages, 8 queues
-    python benchmarks/overhead.py --messages 1000000 --memory
+    python -m benchmarks.overhead                    # 200,000 messages, 8 queues
+    python -m benchmarks.overhead --messages 1000000 --memory
+    python benchmarks/overhead.py                    # the same, as a script
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import tracemalloc
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):
+    # Run as a script, benchmarks/ comes first on sys.path, where benchmarks/offsetstore.py
+    # would shadow the offsetstore package: put the repository root there instead.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import anyio
 from rich.console import Console
@@ -206,8 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
     )
     console.print(
-        "reproduce: python "
-        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+        "reproduce: python -m benchmarks.overhead "
+        + " ".join(argv if argv is not None else sys.argv[1:])
     )
     if args.json:
         args.json.write_text(json.dumps(list(rows.values()), indent=2))
