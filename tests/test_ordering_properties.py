@@ -1165,8 +1165,14 @@ class ConcurrentWithRetries(MessageListenerConcurrently):
             for (q, o), m in zip(keys, msgs, strict=True)
         )
         end = anyio.current_time()
-        for key, m in zip(keys, msgs, strict=True):
-            self.calls.append((key, m.reconsume_times, failed, start, end))
+        ack = len(msgs) - 1
+        first, rt = keys[0][1], msgs[0].reconsume_times
+        if not failed and len(msgs) > 1 and (first + rt) % 2 == 0:
+            # partial success: messages after ack_index go back as failed
+            ack = min(len(msgs) - 2, (first + rt) % 3 - 1)
+            context.ack_index = ack
+        for i, (key, m) in enumerate(zip(keys, msgs, strict=True)):
+            self.calls.append((key, m.reconsume_times, failed or i > ack, start, end))
         if failed:
             raise Boom("planned failure")
 
