@@ -1535,3 +1535,48 @@ def test_sync_handlers_in_threads_keep_the_guarantees(backend: str, scenario: Sc
     check_barrier(log, naive_assign(sent, {"default": scenario.sizes}), limit)
     check_concurrency_bound(log, scenario.workers)
     check_committed(log, scenario.counts, limit)
+
+
+@given(
+    scenarios(),
+    stage_sizes(max_size=4),
+    st.lists(
+        st.tuples(st.sampled_from(TAGS), st.sampled_from(["", "a", "b"])), min_size=1, max_size=12
+    ),
+    st.integers(0, 40),
+)
+def test_restart_with_groups_and_strategies_assigns_the_same_stages(
+    scenario: Scenario, sizes2: list[int], tags: list[tuple[str, str]], stop_after: int
+) -> None:
+    """(f) with several stage keys per queue: each key's committed stage offset is its
+    counter at the queue's committed offset, so every key resumes where it was."""
+    scenario = attrs.evolve(scenario, gaps=(0,))
+    definitions = {"s1": list(scenario.sizes), "s2": sizes2}
+
+    def keys(q: int, o: int) -> tuple[str, str]:
+        return tags[(q * 7 + o) % len(tags)]
+
+    def listener_for(log: Log) -> StagedKeyed:
+        behaviour = Behaviour(scenario, log, 1.0)
+        return StagedKeyed(behaviour, definitions, keyed_strategy, keyed_group)
+
+    options = options_for(scenario, persist_consumer_offset_interval=2.0)
+    broker = ScheduledBroker()
+    sent = fill(broker, scenario, keys=keys)
+    model = naive_assign(sent, definitions, keyed_strategy, keyed_group)
+    broker2 = ScheduledBroker()
+    fill(broker2, scenario, keys=keys)
+    log = Log()
+    store = RecordingStore(log)
+
+    async def twice() -> None:
+        await consume(broker2, listener_for(log), log, options, store, stop_after=stop_after)
+        log.run = 1
+        await consume(broker2, listener_for(log), log, options, store)
+
+    run_virtual(twice)
+    for a in log.attempts:
+        for o in a.offsets:
+            assert a.stage == model[a.queue, o].stage, f"{a.queue}:{o} got another stage"
+    assert set(per_message(log)) == set(sent), "a message was lost across the restart"
+    check_committed(log, scenario.counts, scenario.max_reconsume_times)
