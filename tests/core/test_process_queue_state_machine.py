@@ -269,6 +269,8 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         return True
 
     def takeable(self, q: MQueue) -> bool:
+        if q.pq.dropped:
+            return False
         if any(b.state == "retry" and b.queue is q for b in self.batches):
             return True
         lanes = {m.lane for m in q.msgs.values() if m.state == "cached"}
@@ -424,7 +426,20 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         self.dispatcher.handle_timer(self.now)
         for b in suspended:
             if b.retry_at <= self.now:
-                b.state = "retry"
+                # a released queue never takes its retries back (they are pulled again)
+                b.state = "dead" if b.queue.pq.dropped else "retry"
+
+    @precondition(lambda self: any(not q.pq.dropped for q in self.queues))
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        """Release a queue: nothing more is taken from it; running batches may finish."""
+        q = data.draw(st.sampled_from([q for q in self.queues if not q.pq.dropped]))
+        q.pq.drop()
+        for b in self.batches:
+            if b.queue is q and b.state == "retry":
+                b.state = "dead"
+        assert q.pq.statistics().dropped
+        assert not q.pq.has_ready()
 
     @rule(data=st.data())
     def restart_assigns_same_stages(self, data: st.DataObject) -> None:
