@@ -1096,16 +1096,20 @@ def makespan(log: Log) -> float:
     return max(a.end_time for a in log.attempts) - min(a.start_time for a in log.attempts)
 
 
-def constant(sizes: Sequence[int], messages: int, workers: int) -> Scenario:
+def constant(
+    sizes: Sequence[int], messages: int | Sequence[int], workers: int, batch: int = 1
+) -> Scenario:
+    """Constant cost 1, every message in the broker up front, pulled in one go."""
     return Scenario(
         sizes=tuple(sizes),
-        counts=(messages,),
+        counts=(messages,) if isinstance(messages, int) else tuple(messages),
         costs=(1,),
-        batch_size=1,
+        batch_size=batch,
         workers=workers,
         failures=frozenset(),
         max_reconsume_times=None,
         suspend_millis=1000,
+        pull_batch=1024,
     )
 
 
@@ -1114,28 +1118,48 @@ def staged_makespan(scenario: Scenario, listener_kind: str = "staged") -> float:
     fill(broker, scenario)
     log = Log()
     behaviour = Behaviour(scenario, log, 1.0)
-    listener: Any = (
-        Staged(behaviour, scenario.sizes) if listener_kind == "staged" else Orderly(behaviour)
-    )
-    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), MemoryOffsetStore()))
-    return makespan(log)
+    listener: Any = {
+        "staged": lambda: Staged(behaviour, scenario.sizes),
+        "orderly": lambda: Orderly(behaviour),
+        "concurrent": lambda: Concurrent(behaviour),
+    }[listener_kind]()
+    run_virtual(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
+    return makespan(log) if log.attempts else 0
 
 
 def test_rip22_example_takes_six_units_staged_and_100_orderly() -> None:
     scenario = constant([10, 20, 70], 100, 20)
     assert staged_makespan(scenario) == 6
     assert staged_makespan(scenario, "orderly") == 100
+    assert staged_makespan(scenario, "concurrent") == 5
 
 
-@given(stage_sizes(max_size=12), st.integers(1, 60), st.integers(1, 12))
+@given(stage_sizes(max_size=12), st.integers(1, 60), st.integers(1, 12), st.integers(1, 5))
 def test_staged_makespan_is_the_sum_of_stage_rounds(
-    sizes: list[int], messages: int, workers: int
+    sizes: list[int], messages: int, workers: int, batch: int
 ) -> None:
+    """Each stage takes ceil(batches / workers) rounds; batches fill up to the batch
+    size but never cross a stage (RIP-22: 6 units for [10, 20, 70], 20 workers)."""
     per_stage: dict[int, int] = defaultdict(int)
     for o in range(messages):
         per_stage[naive_stage(sizes, o)] += 1
-    bound = sum(math.ceil(count / workers) for count in per_stage.values())
-    assert staged_makespan(constant(sizes, messages, workers)) == bound
+    bound = sum(math.ceil(math.ceil(count / batch) / workers) for count in per_stage.values())
+    assert staged_makespan(constant(sizes, messages, workers, batch)) == bound
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=4), st.integers(1, 5), st.integers(0, 4))
+def test_orderly_queues_run_in_parallel_and_concurrent_fills_every_worker(
+    counts: list[int], batch: int, spare: int
+) -> None:
+    """Orderly: one batch at a time per queue, queues in parallel when there are
+    enough workers (makespan = the longest queue). Concurrent: list scheduling of
+    equal calls (makespan = ceil(batches / workers))."""
+    workers = len(counts) + spare
+    orderly = staged_makespan(constant([], counts, workers, batch), "orderly")
+    assert orderly == max(math.ceil(n / batch) for n in counts)
+    batches = sum(math.ceil(n / batch) for n in counts)
+    concurrent = staged_makespan(constant([], counts, workers, batch), "concurrent")
+    assert concurrent == math.ceil(batches / workers)
 
 
 # -- concurrent mode: failures go through the retry queue ---------------------------
