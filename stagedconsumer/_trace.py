@@ -439,11 +439,12 @@ class SourceTraceSink(TraceSink):
     """Sends trace messages to the trace topic of a source, keyed by message id and
     business keys, as RocketMQ's trace producer does.
 
-    The source needs a producer method ``send(topic, body, *, keys=...)`` (sync or
-    async), as :class:`~stagedconsumer.MemoryBroker` has; a missing trace topic is
-    created on a :class:`~stagedconsumer.MemoryBroker` with one queue (RocketMQ's
-    broker creates it with one queue too). With ``source=None`` the consumer's
-    source is used.
+    The source needs a producer method ``send(topic, body, *, keys=...)``, sync (as
+    :class:`~stagedconsumer.MemoryBroker` has: batches are then written inline) or
+    async (written by the dispatcher's task). A missing trace topic is created with
+    one queue through the source's ``create_topic`` (sync or async), as RocketMQ's
+    broker creates it with one queue. With ``source=None`` the consumer's source is
+    used.
     """
 
     def __init__(self, source: MessageSource | None = None) -> None:
@@ -466,29 +467,42 @@ class SourceTraceSink(TraceSink):
         broker appends to memory)."""
         if not self._sync_send:
             return False
-        result = self._send(message)
-        assert result is None or not hasattr(result, "__await__")
+        try:
+            self._call_send(message)
+        except UnknownTopicError:
+            self._create_topic(message.topic)
+            self._call_send(message)
         return True
 
-    def _send(self, message: TraceMessage) -> Any:
-        source = self.source
-        send = getattr(source, "send", None)
+    async def write(self, message: TraceMessage) -> None:
+        try:
+            await _settle(self._call_send(message))
+        except UnknownTopicError:
+            await _settle(self._create_topic(message.topic))
+            await _settle(self._call_send(message))
+
+    def _call_send(self, message: TraceMessage) -> Any:
+        send = getattr(self.source, "send", None)
         if send is None:
             raise ConfigurationError("SourceTraceSink used before prepare()")
-        body = message.body.encode("utf-8")
-        try:
-            return send(message.topic, body, keys=message.keys)
-        except UnknownTopicError:
-            create = getattr(source, "create_topic", None)
-            if create is None:
-                raise
-            create(message.topic, 1)
-            return send(message.topic, body, keys=message.keys)
+        return send(message.topic, message.body.encode("utf-8"), keys=message.keys)
 
-    async def write(self, message: TraceMessage) -> None:
-        result = self._send(message)
-        if hasattr(result, "__await__"):
-            await result
+    def _create_topic(self, topic: str) -> Any:
+        """Create the trace topic with one queue (sync or async ``create_topic``)."""
+        create = getattr(self.source, "create_topic", None)
+        if create is None:
+            raise UnknownTopicError(
+                f"trace topic {topic!r} does not exist and"
+                f" {type(self.source).__name__} cannot create it"
+            )
+        return create(topic, 1)
+
+
+async def _settle(result: Any) -> Any:
+    """Await ``result`` if it is awaitable (sources may be sync or async)."""
+    if inspect.isawaitable(result):
+        return await result
+    return result
 
 
 @attrs.frozen(kw_only=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from stagedconsumer import (
@@ -16,6 +18,7 @@ from stagedconsumer import (
     MemoryBroker,
     Message,
     MessageListenerConcurrently,
+    MessageQueue,
     PushConsumer,
 )
 from stagedconsumer._cli import main
@@ -177,3 +180,32 @@ async def test_full_trace_queue_drops_are_in_consumer_statistics() -> None:
     assert 8 <= appended <= 12
     assert stats.trace_records_dropped == 60 - appended
     assert hook.statistics().dropped == stats.trace_records_dropped
+
+
+async def test_async_source_gets_its_trace_topic_created_and_written_by_the_task() -> None:
+    class AsyncBroker(MemoryBroker):
+        """A source whose producer side is async (as RedisBroker's is)."""
+
+        async def send(self, topic: str, body: bytes, **kwargs: Any) -> Message:  # type: ignore[override]
+            await anyio.lowlevel.checkpoint()
+            return super().send(topic, body, **kwargs)
+
+        async def create_topic(self, topic: str, queue_count: int = 8) -> list[MessageQueue]:  # type: ignore[override]
+            await anyio.lowlevel.checkpoint()
+            return super().create_topic(topic, queue_count)
+
+    broker = AsyncBroker()
+    await broker.create_topic("t", 1)
+    for i in range(12):
+        await broker.send("t", str(i).encode(), keys=[f"k{i}"])
+    hook = ConsumeMessageTraceHook(batch_num=5)
+    consumer = PushConsumer("g", broker, Staged([3]))
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    stats = hook.statistics()
+    assert (stats.written, stats.dropped, stats.write_errors) == (24, 0, 0)
+    assert broker.statistics().topics[RMQ_SYS_TRACE_TOPIC] == 1
+    rows = message_life(query_message_trace(trace_messages_of(broker), "k7"))
+    assert [(r.attempt, r.success) for r in rows] == [(1, True)]
