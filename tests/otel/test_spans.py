@@ -324,3 +324,21 @@ async def test_spans_or_metrics_can_be_turned_off(otel: Otel, spans: bool, metri
     assert len(otel.spans("receive")) == (1 if spans else 0)
     assert ("messaging.process.duration" in otel.metrics()) is metrics
     assert not hook._received  # nothing left behind either way
+
+
+async def test_sync_handler_runs_inside_the_process_span(otel: Otel) -> None:
+    tracer = otel.tracer_provider.get_tracer("app")
+
+    class SyncHandler(MessageListenerConcurrently):
+        def consume_message(  # type: ignore[override]
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            with tracer.start_as_current_span("work in a thread"):
+                pass
+
+    broker, _, _ = produce(otel, 2)
+    await consume(otel, broker, SyncHandler())
+    processes = {s.context.span_id for s in otel.spans("process")}
+    inner = otel.spans("work in a thread")
+    assert len(inner) == 2
+    assert {s.parent.span_id for s in inner if s.parent is not None} == processes
