@@ -570,7 +570,7 @@ def per_message(log: Log) -> dict[QueueOffset, list[Attempt]]:
     return out
 
 
-def finish_seq(log: Log, limit: int | None = None) -> dict[QueueOffset, int]:
+def finish_seq(log: Log) -> dict[QueueOffset, int]:
     """Sequence number of the first event that finished each message: the end of a
     successful call, or its move to the DLQ."""
     done: dict[QueueOffset, int] = {}
@@ -632,7 +632,7 @@ def check_committed(
 ) -> None:
     """(d): no sampled or persisted committed offset passes an unfinished message
     (``filtered`` messages are never consumed: the committed offset may pass them)."""
-    done = finish_seq(log, limit)
+    done = finish_seq(log)
     done.update(dict.fromkeys(filtered, 0))
     for kind, records in (("sampled", log.samples), ("persisted", log.writes)):
         latest: dict[tuple[int, int], int] = {}
@@ -654,7 +654,7 @@ def check_committed(
 
 def check_barrier(log: Log, model: Mapping[QueueOffset, Assigned], limit: int | None) -> None:
     """(a): stages as the model says; no later epoch of a key starts before earlier ones end."""
-    done = finish_seq(log, limit)
+    done = finish_seq(log)
     by_key: dict[tuple[int, str, str | None], list[tuple[int, int]]] = defaultdict(list)
     for (_, o), assigned in model.items():
         if assigned.key is not None:
