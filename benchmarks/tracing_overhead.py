@@ -7,6 +7,7 @@ backlog from the embedded broker, 20 workers). Every message carries a W3C
 parsing it and linking to it. Cases:
 
 - ``off``: no hook registered (the default);
+- ``no-op hook``: a hook that does nothing (the cost of the hook machinery);
 - ``message trace``: ``ConsumeMessageTraceHook`` writing to the broker's trace topic;
 - ``opentelemetry``: ``OpenTelemetryHook`` on an SDK ``TracerProvider`` with a
   ``BatchSpanProcessor`` (discarding exporter) and an SDK ``MeterProvider``;
@@ -45,6 +46,7 @@ from rich.table import Table
 
 from benchmarks.overhead import TOPIC, NoopConcurrently, NoopOrderly, NoopStaged, fill
 from stagedconsumer import (
+    ConsumeMessageContext,
     ConsumeMessageHook,
     ConsumeMessageTraceHook,
     ConsumerOptions,
@@ -83,6 +85,20 @@ Case = Callable[[], tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]
 
 def case_off() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
     return [], dict
+
+
+class NoopHook(ConsumeMessageHook):
+    """Measures the hook machinery alone (context, clock reads, calls)."""
+
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        return None
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        return None
+
+
+def case_noop_hook() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
+    return [NoopHook()], dict
 
 
 def case_trace() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
@@ -130,6 +146,7 @@ def case_all_sampled() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str,
 
 CASES: dict[str, Case] = {
     "off": case_off,
+    "no-op hook": case_noop_hook,
     "message trace": case_trace,
     "opentelemetry": case_otel,
     "everything": case_all,
