@@ -48,6 +48,7 @@ import sniffio
 from ._core import retry_delay_seconds
 from ._exceptions import ConfigurationError, SourceClosedError, SourceError, UnknownTopicError
 from ._message import EMPTY_PROPERTIES, Message, MessageQueue
+from ._otel import with_traceparent
 from ._rebalance import GroupCoordinator, GroupOptions
 from ._source import (
     DLQ_PREFIX,
@@ -547,11 +548,16 @@ class RedisBroker(MessageSource):
         properties: Mapping[str, str] | None = None,
         queue_id: int | None = None,
     ) -> Message:
-        """Append a message to a queue of ``topic`` and return it as stored."""
+        """Append a message to a queue of ``topic`` and return it as stored.
+
+        When OpenTelemetry is loaded and a span is current, its context is added as
+        the W3C ``traceparent`` property (the message's creation context).
+        """
         if not isinstance(body, (bytes, bytearray, memoryview)):
             raise TypeError(f"body must be bytes, got {type(body).__name__}")
         if _is_system(topic):
             raise ConfigurationError(f"cannot send to system topic {topic!r}")
+        properties = with_traceparent(properties)
         key_tuple = (keys,) if isinstance(keys, str) else tuple(keys)
         qid = await self._pick_queue(topic, key_tuple, queue_id)
         msg_id = self._next_id()
