@@ -52,13 +52,13 @@ from ._otel import with_traceparent
 from ._rebalance import GroupCoordinator, GroupOptions
 from ._source import (
     DLQ_PREFIX,
-    PROPERTY_ORIGIN_MESSAGE_ID,
-    PROPERTY_RETRY_TOPIC,
     RETRY_PREFIX,
     MessageSource,
     PullResult,
     SendBackResult,
     dlq_topic,
+    is_spent,
+    origin_properties,
     retry_topic,
 )
 
@@ -724,12 +724,10 @@ class RedisBroker(MessageSource):
         delay_level: int = 0,
         max_reconsume_times: int = 16,
     ) -> SendBackResult:
-        if delay_level < 0 or message.reconsume_times >= max_reconsume_times:
+        if is_spent(message, delay_level=delay_level, max_reconsume_times=max_reconsume_times):
             await self.send_to_dlq(group, message)
             return SendBackResult.DLQ
-        properties = dict(message.properties)
-        properties.setdefault(PROPERTY_RETRY_TOPIC, message.topic)
-        properties.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, message.msg_id)
+        properties = origin_properties(message)
         retried = attrs.evolve(
             message, reconsume_times=message.reconsume_times + 1, msg_id=self._next_id()
         )
@@ -743,10 +741,8 @@ class RedisBroker(MessageSource):
         return SendBackResult.RETRY
 
     async def send_to_dlq(self, group: str, message: Message) -> None:
-        properties = dict(message.properties)
-        properties.setdefault(PROPERTY_RETRY_TOPIC, message.topic)
-        properties.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, message.msg_id)
-        await self._append(dlq_topic(group), 0, [_message_fields(message, properties)])
+        fields = _message_fields(message, origin_properties(message))
+        await self._append(dlq_topic(group), 0, [fields])
 
     # -- inspection ---------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ __all__ = (
     "PullResult",
     "SendBackResult",
     "dlq_topic",
+    "is_spent",
+    "origin_properties",
     "retry_topic",
 )
 
@@ -32,6 +34,21 @@ PROPERTY_RETRY_TOPIC = "RETRY_TOPIC"
 """Property of a retried message: the topic it was first sent to."""
 PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
 """Property of a retried or dead-lettered message: the id of the first delivery."""
+
+
+def origin_properties(message: Message) -> dict[str, str]:
+    """``message``'s properties plus where it came from (``RETRY_TOPIC``,
+    ``ORIGIN_MESSAGE_ID``), kept from its first delivery when already set."""
+    properties = dict(message.properties)
+    properties.setdefault(PROPERTY_RETRY_TOPIC, message.topic)
+    properties.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, message.msg_id)
+    return properties
+
+
+def is_spent(message: Message, *, delay_level: int, max_reconsume_times: int) -> bool:
+    """Whether a message handed back goes to the DLQ rather than the retry queue
+    (RocketMQ's broker rule: attempts used up, or a negative delay level)."""
+    return delay_level < 0 or message.reconsume_times >= max_reconsume_times
 
 
 def retry_topic(group: str) -> str:
