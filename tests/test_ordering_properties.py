@@ -116,6 +116,9 @@ class Log:
     poke: anyio.Event | None = None
     marks: list[tuple[int, anyio.Event]] = attrs.Factory(list)
     """Events to set once so many handler calls ended."""
+    most_unfinished: dict[int, tuple[int, int]] = attrs.Factory(dict)
+    """Per queue: the most unfinished (cached + pending) messages and the widest
+    offset span seen in any sample."""
 
     def dead_letter(self, message: Message) -> None:
         self.seq += 1
@@ -126,7 +129,16 @@ class Log:
         consumer = self.consumer
         if consumer is None:
             return
-        committed = consumer.statistics().committed_offsets
+        statistics = consumer.statistics()
+        committed = statistics.committed_offsets
+        for mq, queue in statistics.queues.items():
+            if mq.topic == TOPIC:
+                unfinished = queue.cached_count + queue.pending_count
+                seen = self.most_unfinished.get(mq.queue_id, (0, 0))
+                self.most_unfinished[mq.queue_id] = (
+                    max(seen[0], unfinished),
+                    max(seen[1], queue.span),
+                )
         self.samples.append(
             (
                 self.seq,
@@ -652,6 +664,19 @@ def check_committed(
         assert offsets == dict(enumerate(counts)), "not everything committed at the end"
 
 
+def check_flow_control(log: Log, scenario: Scenario, *, max_span: int | None = None) -> None:
+    """Pulling stops at the thresholds: a queue never holds more than
+    ``threshold - 1 + pull batch`` unfinished messages (a pull is checked before it is
+    made), nor spans further (concurrent mode)."""
+    assert log.most_unfinished, "no sample saw the queues"
+    for q, (unfinished, span) in log.most_unfinished.items():
+        assert unfinished <= scenario.pull_threshold - 1 + scenario.pull_batch, (
+            f"queue {q} held {unfinished} unfinished messages"
+        )
+        if max_span is not None:
+            assert span <= max_span - 1 + scenario.pull_batch, f"queue {q} spanned {span}"
+
+
 def check_barrier(log: Log, model: Mapping[QueueOffset, Assigned], limit: int | None) -> None:
     """(a): stages as the model says; no later epoch of a key starts before earlier ones end."""
     done = finish_seq(log)
@@ -749,6 +774,8 @@ def staged_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> N
     check_committed(log, scenario.counts, limit)
     check_concurrency_bound(log, scenario.workers)
     check_retry_delays(log, scenario, vary=vary, exact=False)
+    if scenario.total:
+        check_flow_control(log, scenario)
     if scenario.sizes and all(s == 1 for s in scenario.sizes):
         for q in range(scenario.queue_count):
             check_orderly(log, q, upto=len(scenario.sizes))
@@ -787,6 +814,8 @@ def orderly_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> 
     # in virtual time, with a worker per queue, a due retry starts at once
     exact = vary and scenario.workers >= scenario.queue_count
     check_retry_delays(log, scenario, vary=vary, exact=exact)
+    if scenario.total:
+        check_flow_control(log, scenario)
     for q in range(scenario.queue_count):
         check_orderly(log, q)
     return log
@@ -1266,9 +1295,9 @@ def test_source_failures_do_not_break_guarantees(
             check_orderly(log, q)
 
 
-@given(scenarios(max_messages=15), source_failures)
+@given(scenarios(max_messages=15), source_failures, st.sampled_from([2000, 1, 3, 6]))
 def test_concurrent_failures_retry_with_delay_then_dead_letter(
-    scenario: Scenario, failures: Mapping[str, frozenset[int]]
+    scenario: Scenario, failures: Mapping[str, frozenset[int]], max_span: int
 ) -> None:
     """(c) for concurrent mode: every message finishes once, as success or DLQ, after
     retries through the retry queue that each wait RocketMQ's delay for its level (or
@@ -1291,7 +1320,7 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(
             broker,
             listener,
             log,
-            options_for(scenario),
+            options_for(scenario, consume_concurrently_max_span=max_span),
             RecordingStore(log),
             until=all_final,
         )
@@ -1323,6 +1352,8 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(
     assert sorted(m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq) == sorted(expected)
     _, _, offsets = log.samples[-1]
     assert offsets == dict(enumerate(scenario.counts))
+    if scenario.total:
+        check_flow_control(log, scenario, max_span=max_span)
 
 
 # -- releasing and re-assigning a queue (rebalance) -------------------------------------
