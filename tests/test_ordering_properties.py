@@ -1170,11 +1170,13 @@ def staged_makespan(scenario: Scenario, listener_kind: str = "staged") -> float:
     fill(broker, scenario)
     log = Log()
     behaviour = Behaviour(scenario, log, 1.0)
-    listener: Any = {
-        "staged": lambda: Staged(behaviour, scenario.sizes),
-        "orderly": lambda: Orderly(behaviour),
-        "concurrent": lambda: Concurrent(behaviour),
-    }[listener_kind]()
+    listener: Any
+    if listener_kind == "staged":
+        listener = Staged(behaviour, scenario.sizes)
+    elif listener_kind == "orderly":
+        listener = Orderly(behaviour)
+    else:
+        listener = Concurrent(behaviour)
     run_virtual(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
     return makespan(log) if log.attempts else 0
 

@@ -532,7 +532,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
 
 
 ProcessQueueMachine.TestCase.settings = settings(
-    max_examples=3 * settings.default.max_examples,
+    max_examples=3 * settings().max_examples,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
