@@ -42,7 +42,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offsetstore import MemoryOffsetStore, QueueProgress
+from offsetstore import MemoryOffsetStore, QueueProgress, StoreCommitError
 from stagedconsumer import (
     TAIL_STAGE,
     ConsumeConcurrentlyContext,
@@ -192,15 +192,24 @@ class Log:
 
 
 class RecordingStore(MemoryOffsetStore):
-    """A MemoryOffsetStore that logs every persisted consume offset."""
+    """A MemoryOffsetStore that logs every persisted consume offset.
 
-    def __init__(self, log: Log) -> None:
+    ``fail_writes``: numbers of the write transactions that fail (before writing).
+    """
+
+    def __init__(self, log: Log, fail_writes: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.log = log
+        self.fail_writes = fail_writes
+        self.attempted_writes = 0
 
     async def _write_stored(
         self, group: str, progress: Mapping[MessageQueue, QueueProgress]
     ) -> None:
+        attempt = self.attempted_writes
+        self.attempted_writes += 1
+        if attempt in self.fail_writes:
+            raise StoreCommitError(f"planned failure of write #{attempt}", retriable=True)
         self.log.writes.append(
             (
                 self.log.seq,
@@ -933,6 +942,13 @@ def test_all_ones_has_orderly_timing_on_one_queue(scenario: Scenario) -> None:
 # -- (f): restart from committed progress ----------------------------------------------
 
 
+def forget_memory(store: MemoryOffsetStore, scenario: Scenario) -> None:
+    """Drop the store's in-memory table, as a new process would start without it: the
+    next consumer reads only what the first one managed to persist."""
+    for q in range(scenario.queue_count):
+        store.remove_offset(GROUP, MessageQueue(TOPIC, q))
+
+
 RESETS: dict[str, Callable[[int], int] | None] = {
     "none": None,
     "cycle": lambda current: 0 if current >= 5 else current,
@@ -955,6 +971,7 @@ def restart_listener(scenario: Scenario, log: Log, reset: str) -> Staged:
     st.sampled_from(sorted(RESETS)),
     st.sampled_from([0.5, 3.0, 1000.0]),
     st.sampled_from([30.0, 30.0, 0.5]),
+    st.frozensets(st.integers(0, 8), max_size=4),
 )
 def test_restart_assigns_the_same_stages(
     scenario: Scenario,
@@ -962,9 +979,11 @@ def test_restart_assigns_the_same_stages(
     reset: str,
     persist_interval: float,
     shutdown_timeout: float,
+    fail_writes: frozenset[int],
 ) -> None:
-    """(f), including handler calls cancelled by a short shutdown timeout: their
-    messages stay uncommitted and are consumed again by the second consumer."""
+    """(f), including handler calls cancelled by a short shutdown timeout (their
+    messages stay uncommitted and are consumed again by the second consumer) and
+    failed store writes (the second consumer resumes from older, consistent progress)."""
     scenario = attrs.evolve(scenario, gaps=(0,))  # every message sent before the first run
     limit = scenario.max_reconsume_times
     options = options_for(
@@ -988,7 +1007,7 @@ def test_restart_assigns_the_same_stages(
     broker = ScheduledBroker()
     fill(broker, scenario)
     log = Log()
-    store = RecordingStore(log)
+    store = RecordingStore(log, fail_writes)
 
     async def twice() -> None:
         await consume(
@@ -1000,6 +1019,7 @@ def test_restart_assigns_the_same_stages(
             stop_after=stop_after,
         )
         log.run = 1
+        forget_memory(store, scenario)
         await consume(broker, restart_listener(scenario, log, reset), log, options, store)
 
     run_virtual(twice)
@@ -1531,6 +1551,7 @@ def test_filtered_messages_take_no_stage_and_never_hold_back_the_commit(
         listener = restart_listener(scenario, log, reset)
         await consume(broker, listener, log, options, store, stop_after=stop_after, expression="a")
         log.run = 1
+        forget_memory(store, scenario)
         listener = restart_listener(scenario, log, reset)
         await consume(broker, listener, log, options, store, expression="a")
 
@@ -1652,6 +1673,7 @@ def test_restart_with_groups_and_strategies_assigns_the_same_stages(
     async def twice() -> None:
         await consume(broker2, listener_for(log), log, options, store, stop_after=stop_after)
         log.run = 1
+        forget_memory(store, scenario)
         await consume(broker2, listener_for(log), log, options, store)
 
     run_virtual(twice)
