@@ -13,10 +13,12 @@ Violations (counted in messages):
 - ``queue_order_violations``: a handler call of a queue started before an earlier
   call holding lower offsets of that queue ended (calls ordered by their lowest
   offset, then start). Must be 0 for orderly.
-- ``stage_order_violations``: an attempt of a message of stage ``i`` started
-  before every attempt of the earlier stages of its stage key (queue, strategy,
-  group) ended; stages from the contract (the generation's ``stage`` column, not
-  the runtime's report), the tail last. Must be 0 for staged (and orderly).
+- ``stage_order_violations``: a handler call holding messages of stage ``i`` of a
+  stage key (queue, strategy, group) started before every call holding earlier
+  stages of that key ended; stages from the contract (the generation's ``stage``
+  column, not the runtime's report), the tail last; counted in message attempts. A
+  call is checked at the lowest stage among its messages, since an orderly batch
+  may span a stage boundary. Must be 0 for staged (and orderly).
 - ``stage_mismatches``: staged mode, the runtime reported another stage index than
   the contract assigns.
 """
@@ -130,11 +132,13 @@ def compute_bounds(messages: DataFrame, w: Workload, modes: Sequence[str]) -> Da
     def per_consumer(pdf: pd.DataFrame) -> pd.DataFrame:
         return consumer_bounds(pdf, chosen, workers, limit)
 
-    from .spark import _is_by_consumer, by_consumer
+    from .spark import _is_by_consumer, by_consumer, group_keys
 
     if not _is_by_consumer(messages):
         messages = by_consumer(messages)
-    return messages.groupBy("consumer").applyInPandas(per_consumer, schema=BOUND_SCHEMA)
+    return messages.groupBy(*group_keys(messages)).applyInPandas(
+        per_consumer, schema=BOUND_SCHEMA
+    )
 
 
 def message_outcomes(events: DataFrame) -> DataFrame:
@@ -203,7 +207,8 @@ def violations(events: DataFrame) -> DataFrame:
     )
 
     staged = events.select(
-        "mode", "qid", "offset", "start", "end", "stage", "expected_stage",
+        "mode", "consumer", "qid", "offset", "batch", "start", "end", "stage",
+        "expected_stage",
         F.coalesce(F.col("strategy"), F.lit(_NULL)).alias("strat"),
         F.coalesce(F.col("grp"), F.lit(_NULL)).alias("grp_key"),
     )
@@ -211,8 +216,16 @@ def violations(events: DataFrame) -> DataFrame:
         "rank",
         F.when(F.col("expected_stage") < 0, F.lit(_TAIL_RANK)).otherwise(F.col("expected_stage")),
     )
-    stage_ends = keyed.groupBy("mode", "qid", "strat", "grp_key", "rank").agg(
-        F.max("end").alias("stage_end")
+    # per handler call and stage key, at the call's lowest stage: an orderly batch may
+    # span a stage boundary, and its messages start together by design
+    parts = keyed.groupBy("mode", "consumer", "qid", "strat", "grp_key", "batch").agg(
+        F.min("rank").alias("rank"),
+        F.min("start").alias("s"),
+        F.max("end").alias("e"),
+        F.count(F.lit(1)).alias("n"),
+    )
+    stage_ends = parts.groupBy("mode", "qid", "strat", "grp_key", "rank").agg(
+        F.max("e").alias("stage_end")
     )
     earlier = (
         Window.partitionBy("mode", "qid", "strat", "grp_key").orderBy("rank")
@@ -220,12 +233,10 @@ def violations(events: DataFrame) -> DataFrame:
     )
     barrier = stage_ends.withColumn("barrier", F.max("stage_end").over(earlier)).drop("stage_end")
     stage_bad = (
-        keyed.join(barrier, ["mode", "qid", "strat", "grp_key", "rank"], "inner")
-        .where(F.col("start") < F.col("barrier"))
-        .select("mode", "qid", "offset")
-        .distinct()
+        parts.join(barrier, ["mode", "qid", "strat", "grp_key", "rank"], "inner")
+        .where(F.col("s") < F.col("barrier"))
         .groupBy("mode")
-        .agg(F.count(F.lit(1)).alias("stage_order_violations"))
+        .agg(F.sum("n").alias("stage_order_violations"))
     )
     mismatch = (
         staged.where(F.col("mode") == "staged")

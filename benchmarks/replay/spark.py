@@ -34,7 +34,9 @@ from pyspark.sql.types import (
 
 from .runner import ReplayConfig, replay_consumer
 
-__all__ = ("EVENT_SCHEMA", "by_consumer", "get_session", "replay_events", "ship_code")
+__all__ = (
+    "EVENT_SCHEMA", "by_consumer", "get_session", "group_keys", "replay_events", "ship_code",
+)
 
 EVENT_SCHEMA = StructType(
     [
@@ -127,7 +129,7 @@ def replay_events(
 
     if not _is_by_consumer(messages):
         messages = by_consumer(messages)
-    return messages.groupBy("consumer").applyInPandas(replay_all, schema=EVENT_SCHEMA)
+    return messages.groupBy(*group_keys(messages)).applyInPandas(replay_all, schema=EVENT_SCHEMA)
 
 
 _BY_CONSUMER: weakref.WeakSet[DataFrame] = weakref.WeakSet()
@@ -141,17 +143,38 @@ def by_consumer(messages: DataFrame, consumers: int | None = None, *,
                 persist: bool = False) -> DataFrame:
     """One partition per consumer instance (so one Spark task each).
 
-    Range partitioning on ``consumer`` with as many partitions as consumers satisfies
-    the grouping without another shuffle, and an explicit partition count keeps
-    adaptive query execution from coalescing the (small in bytes, long to replay)
-    partitions into one task, which would serialise the replay on one core.
+    Adds a ``part`` column whose Spark hash lands consumer ``c`` in partition ``c``
+    exactly, and hash-partitions on it into as many partitions as consumers: grouping
+    by ``("part", "consumer")`` then needs no other shuffle, no two consumers share a
+    task (range partitioning's sampled bounds can put two in one), and the explicit
+    partition count keeps adaptive query execution from coalescing the (small in
+    bytes, long to replay) partitions into one task.
     """
+    spark = messages.sparkSession
     if consumers is None:
         first = messages.agg(F.max("consumer")).first()
         consumers = 1 if first is None or first[0] is None else int(first[0]) + 1
-    out = messages.repartitionByRange(consumers, "consumer")
+    residues = (
+        spark.range(0, 64 * consumers + 4096)
+        .select("id", F.pmod(F.hash("id"), F.lit(consumers)).alias("p"))
+        .groupBy("p")
+        .agg(F.min("id").alias("id"))
+        .collect()
+    )
+    key_of = {int(r["p"]): int(r["id"]) for r in residues}
+    if len(key_of) < consumers:  # pragma: no cover - 64 draws per residue suffice
+        raise RuntimeError(f"no partition key found for some of {consumers} consumers")
+    mapping = F.create_map(
+        *(x for c in range(consumers) for x in (F.lit(c), F.lit(key_of[c]).cast("long")))
+    )
+    out = messages.withColumn("part", mapping[F.col("consumer")]).repartition(consumers, "part")
     if persist:
         # bounds and replay (and a wall-clock replay) all read it: shuffle once
         out = out.persist(StorageLevel.MEMORY_AND_DISK)
     _BY_CONSUMER.add(out)
     return out
+
+
+def group_keys(messages: DataFrame) -> list[str]:
+    """The grouping that matches :func:`by_consumer`'s partitioning."""
+    return ["part", "consumer"] if "part" in messages.columns else ["consumer"]

@@ -125,3 +125,22 @@ def test_a_failed_attempt_and_its_retry_are_not_violations(spark: SparkSession) 
     assert outcomes.loc[1, "attempts"] == 2
     assert outcomes.loc[1, "successes"] == 1
     assert (outcomes.loc[1, "first_start"], outcomes.loc[1, "finish"]) == (1, 6)
+
+
+def test_an_orderly_batch_spanning_a_stage_boundary_is_not_a_violation(
+    spark: SparkSession,
+) -> None:
+    rows = [
+        event("orderly", 0, 0, 1, batch=0),
+        event("orderly", 1, 1, 6, batch=1),  # offsets 1 (stage 0) and 2 (stage 1):
+        event("orderly", 2, 1, 6, batch=1),  # one handler call
+        event("orderly", 3, 6, 10, batch=2),
+        event("staged", 0, 0, 1, batch=0, stage=0),
+        event("staged", 1, 0, 2, batch=0, stage=0),
+        event("staged", 2, 1, 5, batch=1, stage=1),  # starts before stage 0 ended at 2
+        event("staged", 3, 1, 5, batch=1, stage=1),
+    ]
+    found = analysis.violations(events_df(spark, rows)).toPandas().set_index("mode")
+    assert found.loc["orderly", "stage_order_violations"] == 0
+    assert found.loc["orderly", "queue_order_violations"] == 0
+    assert found.loc["staged", "stage_order_violations"] == 2
