@@ -89,16 +89,19 @@ def get_session(
 
 
 def ship_code(spark: SparkSession) -> None:
-    """Send ``benchmarks``, ``stagedconsumer`` and ``offsetstore`` to the executors
-    as a zip (their third-party dependencies must be installed there)."""
+    """Send ``benchmarks.replay``, ``stagedconsumer`` and ``offsetstore`` to the
+    executors as a zip (their third-party dependencies must be installed there)."""
     app_id = spark.sparkContext.applicationId
     if app_id in _SHIPPED:
         return
     target = Path(tempfile.mkdtemp(prefix="replay-code-")) / "stagedconsumer_replay.zip"
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
-        for package in _PACKAGES:
-            for path in sorted((_ROOT / package).rglob("*.py")):
-                zf.write(path, path.relative_to(_ROOT).as_posix())
+        paths = [_ROOT / "benchmarks" / "__init__.py",
+                 *sorted((_ROOT / "benchmarks" / "replay").rglob("*.py"))]
+        for package in _PACKAGES[1:]:
+            paths += sorted((_ROOT / package).rglob("*.py"))
+        for path in paths:
+            zf.write(path, path.relative_to(_ROOT).as_posix())
     spark.sparkContext.addPyFile(str(target))
     _SHIPPED.add(app_id)
 
