@@ -956,8 +956,11 @@ class PushConsumer:
                 hook_ctx = None
             if self._paused:
                 self._check_space(pq)
-            if self._watched:
-                self._check_watched(pq)
+            watched = self._watched
+            if watched:
+                target = watched.get(pq)
+                if target is not None and pq.committed_offset >= target:
+                    self._signal_progress()
             streak += 1
             if streak >= _CHECKPOINT_EVERY:
                 streak = 0
