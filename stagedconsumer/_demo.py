@@ -345,7 +345,12 @@ def _handle(args: argparse.Namespace) -> int:
     }
     started = time.perf_counter()
     if args.virtual:
-        import trio.testing
+        try:
+            import trio.testing
+        except ImportError:
+            raise SystemExit(
+                "stagedconsumer demo --virtual runs on trio: pip install 'stagedconsumer[trio]'"
+            ) from None
 
         results: list[DemoResult] = anyio.run(
             lambda: run_demo(**kwargs),
