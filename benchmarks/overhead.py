@@ -103,10 +103,17 @@ async def baseline(messages: list[Message]) -> float:
 
 
 async def run_consumer(
-    broker: MemoryBroker, listener: Any, options: ConsumerOptions, expected: int
+    broker: MemoryBroker,
+    listener: Any,
+    options: ConsumerOptions,
+    expected: int,
+    hooks: Sequence[Any] = (),
 ) -> float:
+    """Consume the backlog once; returns the seconds until every message finished."""
     consumer = PushConsumer("bench", broker, listener, options=options)
     consumer.subscribe(TOPIC)
+    for hook in hooks:
+        consumer.register_consume_message_hook(hook)
     start = time.perf_counter()
     async with consumer:
         await consumer.wait_caught_up()

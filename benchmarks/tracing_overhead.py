@@ -30,7 +30,6 @@ import gc
 import json
 import platform
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,16 +43,23 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.overhead import TOPIC, NoopConcurrently, NoopOrderly, NoopStaged, fill
+from benchmarks.overhead import (
+    NoopConcurrently,
+    NoopOrderly,
+    NoopStaged,
+    fill,
+    run_consumer,
+)
 from stagedconsumer import (
     ConsumeMessageContext,
     ConsumeMessageHook,
     ConsumeMessageTraceHook,
     ConsumerOptions,
     MemoryBroker,
-    PushConsumer,
 )
 from stagedconsumer.otel import OpenTelemetryHook
+
+OPTIONS = ConsumerOptions(consume_thread_max=20)
 
 
 class DiscardingExporter(SpanExporter):
@@ -165,25 +171,6 @@ def with_cost(listener: Any, seconds: float) -> Any:
     return listener
 
 
-async def run_consumer(
-    broker: MemoryBroker, listener: Any, hooks: list[ConsumeMessageHook], expected: int
-) -> float:
-    consumer = PushConsumer(
-        "bench", broker, listener, options=ConsumerOptions(consume_thread_max=20)
-    )
-    consumer.subscribe(TOPIC)
-    for hook in hooks:
-        consumer.register_consume_message_hook(hook)
-    start = time.perf_counter()
-    async with consumer:
-        await consumer.wait_caught_up()
-        elapsed = time.perf_counter() - start
-        stats = consumer.statistics()
-    if stats.consumed_ok != expected:
-        raise RuntimeError(f"consumed {stats.consumed_ok} messages, expected {expected}")
-    return elapsed
-
-
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     n, queues = args.messages, args.queues
     per_queue = -(-n // queues)
@@ -204,7 +191,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 hooks, extra = make_case()
                 gc.collect()
                 listener = with_cost(make_listener(), args.handler_ms / 1000)
-                elapsed = anyio.run(run_consumer, broker, listener, hooks, n, backend=args.backend)
+                elapsed = anyio.run(
+                    run_consumer, broker, listener, OPTIONS, n, hooks, backend=args.backend
+                )
                 rows.append(
                     {"mode": mode, "case": case, "seconds": elapsed, "rate": n / elapsed, **extra()}
                 )
