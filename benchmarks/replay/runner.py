@@ -23,6 +23,7 @@ from typing import Any
 
 import anyio
 import attrs
+import numpy as np
 import pandas as pd
 import trio
 import trio.testing
@@ -98,7 +99,12 @@ class ReplayConfig:
 
 
 class _Recorder:
-    """Simulates handler costs and failures and records every attempt."""
+    """Simulates handler costs and failures and records every attempt.
+
+    Per handler call it keeps one entry (stage, start, end, ok, size) and per
+    message only its index and attempt: :meth:`columns` expands them with numpy, so
+    the recording costs little next to the runtime's own work per message.
+    """
 
     def __init__(self, costs: Sequence[float], fails: Sequence[int], limit: int | None,
                  total: int) -> None:
@@ -108,15 +114,13 @@ class _Recorder:
         self.remaining = total
         self.done = anyio.Event()
         self.t0 = 0.0
-        self.batches = 0
         self.index: list[int] = []
-        self.stage: list[int | None] = []
         self.attempt: list[int] = []
-        self.batch: list[int] = []
-        self.start: list[float] = []
-        self.end: list[float] = []
-        self.ok: list[bool] = []
-        self.dlq: list[bool] = []
+        self.call_stage: list[int | None] = []
+        self.call_start: list[float] = []
+        self.call_end: list[float] = []
+        self.call_ok: list[bool] = []
+        self.call_size: list[int] = []
         if total == 0:
             self.done.set()
 
@@ -124,31 +128,51 @@ class _Recorder:
         costs = self.costs
         fails = self.fails
         indexes = [int(m.body) for m in msgs]
+        attempts = [m.reconsume_times for m in msgs]
         start = anyio.current_time()
-        await anyio.sleep(sum(costs[i] for i in indexes))
+        await anyio.sleep(sum([costs[i] for i in indexes]))
         end = anyio.current_time()
-        failed = any(m.reconsume_times < fails[i] for m, i in zip(msgs, indexes, strict=True))
-        batch = self.batches
-        self.batches += 1
-        limit = self.limit
-        finished = 0
-        for m, i in zip(msgs, indexes, strict=True):
-            dlq = failed and limit is not None and m.reconsume_times >= limit
-            if dlq or not failed:
-                finished += 1
-            self.index.append(i)
-            self.stage.append(stage)
-            self.attempt.append(m.reconsume_times)
-            self.batch.append(batch)
-            self.start.append(start - self.t0)
-            self.end.append(end - self.t0)
-            self.ok.append(not failed)
-            self.dlq.append(dlq)
-        self.remaining -= finished
+        failed = any(a < fails[i] for a, i in zip(attempts, indexes, strict=True))
+        self.index += indexes
+        self.attempt += attempts
+        self.call_stage.append(stage)
+        self.call_start.append(start - self.t0)
+        self.call_end.append(end - self.t0)
+        self.call_ok.append(not failed)
+        self.call_size.append(len(indexes))
+        if not failed:
+            self.remaining -= len(indexes)
+        elif self.limit is not None:
+            limit = self.limit
+            self.remaining -= sum([1 for a in attempts if a >= limit])  # dead-lettered
         if self.remaining <= 0:
             self.done.set()
         if failed:
             raise HandlerFailed("simulated failure (failure schedule)")
+
+    def columns(self) -> dict[str, Any]:
+        """Per attempt: index, stage, attempt, batch, start, end, ok, dlq (numpy)."""
+        sizes = np.asarray(self.call_size, dtype=np.int64)
+        calls = len(sizes)
+
+        def per_message(values: Any, dtype: Any) -> Any:
+            return np.repeat(np.asarray(values, dtype=dtype).reshape(calls), sizes)
+
+        attempt = np.asarray(self.attempt, dtype=np.int32)
+        ok = per_message(self.call_ok, np.bool_)
+        stage = pd.array(per_message(self.call_stage, object), dtype="Int32")
+        limit = self.limit
+        dlq = ~ok & (attempt >= limit) if limit is not None else np.zeros(len(ok), np.bool_)
+        return {
+            "index": np.asarray(self.index, dtype=np.int64),
+            "stage": stage,
+            "attempt": attempt,
+            "batch": per_message(np.arange(calls), np.int64),
+            "start": per_message(self.call_start, np.float64),
+            "end": per_message(self.call_end, np.float64),
+            "ok": ok,
+            "dlq": dlq,
+        }
 
 
 class _Orderly(MessageListenerOrderly):
@@ -291,7 +315,8 @@ def replay_consumer(
             recorder = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         runtime_logger.setLevel(level)
-    index = recorder.index
+    rec = recorder.columns()
+    index = rec["index"]
     out: dict[str, Any] = {
         "mode": mode,
         "consumer": messages["consumer"].to_numpy()[index],
@@ -299,13 +324,13 @@ def replay_consumer(
         "queue": messages["queue"].to_numpy()[index],
         "qid": messages["qid"].to_numpy()[index],
         "offset": messages["offset"].to_numpy()[index],
-        "stage": pd.array(recorder.stage, dtype="Int32"),
-        "attempt": recorder.attempt,
-        "batch": recorder.batch,
-        "start": recorder.start,
-        "end": recorder.end,
-        "ok": recorder.ok,
-        "dlq": recorder.dlq,
+        "stage": rec["stage"],
+        "attempt": rec["attempt"],
+        "batch": rec["batch"],
+        "start": rec["start"],
+        "end": rec["end"],
+        "ok": rec["ok"],
+        "dlq": rec["dlq"],
         "publish": messages["publish_us"].to_numpy()[index] / 1e6,
         "strategy": messages["strategy"].to_numpy(dtype=object)[index],
         "grp": messages["grp"].to_numpy(dtype=object)[index],
