@@ -118,22 +118,13 @@ class _Epoch:
 
     stage_index: int
     unfinished: int = 0
+    cached: int = 0
+    """Messages of this epoch still cached (not taken); they sit at the head of the
+    lane's cache when this epoch is the head epoch."""
     queued: bool = False
     runnable_at: float = 0.0
     """When the epoch last became the head of its lane (its barrier opened); only
     maintained when the shell passes ``now``."""
-
-
-@attrs.define(eq=False, slots=True)
-class _Entry:
-    message: Message
-    size: int
-    lane: _Lane
-    epoch: _Epoch
-    stage_offset: int
-    finished: bool = False
-    cached_at: float = 0.0
-    """When the message was cached (the ``now`` passed to ``put_messages``)."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -142,7 +133,11 @@ class _Lane:
     definition: StageDefinition | None
     exclusive: bool
     counted: bool
-    cached: deque[_Entry] = attrs.Factory(deque)
+    cached: deque[Message] = attrs.Factory(deque)
+    """Cached messages in offset order; the head epoch's come first."""
+    cached_at: deque[float] = attrs.Factory(deque)
+    """When each cached message was cached: empty, or aligned with ``cached`` (kept
+    only once a ``now`` has been passed to ``put_messages``)."""
     epochs: deque[_Epoch] = attrs.Factory(deque)
     current_epoch: _Epoch | None = None
     next_stage_offset: int = 0
@@ -159,7 +154,7 @@ class _Lane:
             return False
         if self.exclusive and self.in_flight:
             return False
-        return self.cached[0].epoch is self.epochs[0]
+        return self.epochs[0].cached > 0
 
 
 @attrs.define(eq=False, slots=True)
@@ -175,8 +170,9 @@ class Batch:
     stage_index: int
     strategy_id: str | None
     group_id: str | None
-    _entries: list[_Entry]
     _lane: _Lane
+    _epoch: _Epoch
+    _cached_at: list[float] | None = None
     attempt: int = 1
     retry_at: float = 0.0
 
@@ -187,13 +183,14 @@ class Batch:
     @property
     def cached_times(self) -> list[float]:
         """When each message was cached (the ``now`` given to ``put_messages``)."""
-        return [entry.cached_at for entry in self._entries]
+        cached_at = self._cached_at
+        return list(cached_at) if cached_at is not None else [0.0] * len(self.messages)
 
     @property
     def runnable_at(self) -> float:
         """When the batch's stage last became runnable (its barrier opened), given
         ``now`` was passed to ``put_messages`` and the ``erase_*`` calls."""
-        return self._entries[0].epoch.runnable_at if self._entries else 0.0
+        return self._epoch.runnable_at
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -222,6 +219,13 @@ class ProcessQueueStatistics:
     dropped: bool
 
 
+def _align_cached_at(lane: _Lane) -> None:
+    """Pad ``lane.cached_at`` (on the left) to the length of ``lane.cached``."""
+    missing = len(lane.cached) - len(lane.cached_at)
+    if missing > 0:
+        lane.cached_at.extendleft([0.0] * missing)
+
+
 class ProcessQueue:
     """Cached and pending messages of one message queue, and its committed progress.
 
@@ -236,10 +240,13 @@ class ProcessQueue:
         "_cached_bytes",
         "_cached_count",
         "_direct_lane",
+        "_finished",
         "_flow",
         "_lanes",
         "_lanes_by_name",
         "_order",
+        "_order_lanes",
+        "_order_stages",
         "_pending_count",
         "_plan",
         "_ready",
@@ -274,7 +281,15 @@ class ProcessQueue:
         self._plan = plan
         self._flow = flow_control if flow_control is not None else FlowControl()
         self.highest_offset = start_offset - 1
-        self._order: deque[_Entry] = deque()
+        # Offsets of unfinished messages (cached or pending) in offset order, with
+        # finished offsets not yet at the head in ``_finished``. In staged mode two
+        # parallel deques hold each message's lane and stage offset, for the committed
+        # stage offsets. No object per message: the garbage collector's cost grows
+        # with the number of live container objects, and these are ints.
+        self._order: deque[int] = deque()
+        self._finished: set[int] = set()
+        self._order_lanes: deque[_Lane] | None = deque() if plan is not None else None
+        self._order_stages: deque[int] = deque()
         self._cached_count = 0
         self._pending_count = 0
         self._suspended_count = 0
@@ -310,51 +325,24 @@ class ProcessQueue:
         cached time and, for a stage that becomes runnable, its runnable time (the
         shell passes it when message trace or metrics need them).
         """
-        at = 0.0 if now is None else now
         if self._plan is None:
-            return self._put_unstaged(messages, highest_offset, at)
-        became_ready = False
-        for message in messages:
-            offset = message.queue_offset
-            if offset <= self.highest_offset:
-                continue
-            self.highest_offset = offset
-            lane, epoch, stage_offset = self._assign(message)
-            size = len(message.body)
-            entry = _Entry(message, size, lane, epoch, stage_offset, False, at)
-            epoch.unfinished += 1
-            if not epoch.queued:
-                epoch.queued = True
-                if not lane.epochs:
-                    epoch.runnable_at = at
-                lane.epochs.append(epoch)
-            lane.cached.append(entry)
-            self._order.append(entry)
-            self._cached_count += 1
-            self._cached_bytes += size
-            if not lane.in_ready and lane.dispatchable():
-                lane.in_ready = True
-                self._ready.append(lane)
-                became_ready = True
-        if highest_offset is not None and highest_offset > self.highest_offset:
-            self.highest_offset = highest_offset
-        return became_ready
-
-    def _put_unstaged(
-        self, messages: Sequence[Message], highest_offset: int | None, at: float
-    ) -> bool:
-        """:meth:`put_messages` for concurrent and orderly mode: one lane, one epoch."""
-        lane = self._lanes[None]
-        epoch = lane.current_epoch
-        if epoch is None:
-            epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
-        if not epoch.queued:
-            epoch.queued = True
-            epoch.runnable_at = at
-            lane.epochs.append(epoch)
-        cached = lane.cached
+            return self._put_unstaged(messages, highest_offset, now)
+        at = 0.0 if now is None else now
+        plan = self._plan
+        # With one strategy, no groups and no reset hook, every message of the queue
+        # joins one lane; within a stage the assignment is a counter increment.
+        one_lane = (
+            plan.compute_strategy is None and plan.compute_group is None and plan.reset is None
+        )
+        fast: _Lane | None = None
+        fast_epoch = _Epoch(TAIL_STAGE)  # replaced with fast's epoch before use
         order = self._order
+        order_lanes = self._order_lanes
+        assert order_lanes is not None
+        order_stages = self._order_stages
         highest = self.highest_offset
+        timed = now is not None
+        touched: list[_Lane] = []
         added = 0
         size_total = 0
         for message in messages:
@@ -362,18 +350,92 @@ class ProcessQueue:
             if offset <= highest:
                 continue
             highest = offset
-            size = len(message.body)
-            entry = _Entry(message, size, lane, epoch, -1, False, at)
-            cached.append(entry)
-            order.append(entry)
+            if fast is not None and fast.next_stage_offset < fast.stage_end:
+                lane = fast
+                stage_offset = lane.next_stage_offset
+                lane.next_stage_offset = stage_offset + 1
+                epoch = fast_epoch
+            else:
+                lane, epoch, stage_offset = self._assign(message)
+                if one_lane:
+                    fast, fast_epoch = lane, epoch
+                if not touched or touched[-1] is not lane:
+                    touched.append(lane)
+            size_total += len(message.body)
+            epoch.unfinished += 1
+            epoch.cached += 1
+            if not epoch.queued:
+                epoch.queued = True
+                if not lane.epochs:
+                    epoch.runnable_at = at
+                lane.epochs.append(epoch)
+            if timed or lane.cached_at:
+                _align_cached_at(lane)
+                lane.cached_at.append(at)
+            lane.cached.append(message)
+            order.append(offset)
+            order_lanes.append(lane)
+            order_stages.append(stage_offset)
             added += 1
-            size_total += size
         if highest_offset is not None and highest_offset > highest:
             highest = highest_offset
         self.highest_offset = highest
+        self._cached_count += added
+        self._cached_bytes += size_total
+        became_ready = False
+        for lane in touched:
+            if not lane.in_ready and lane.dispatchable():
+                lane.in_ready = True
+                self._ready.append(lane)
+                became_ready = True
+        return became_ready
+
+    def _put_unstaged(
+        self, messages: Sequence[Message], highest_offset: int | None, now: float | None
+    ) -> bool:
+        """:meth:`put_messages` for concurrent and orderly mode: one lane, one epoch."""
+        at = 0.0 if now is None else now
+        lane = self._lanes[None]
+        epoch = lane.current_epoch
+        if epoch is None:
+            epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
+        cached = lane.cached
+        order = self._order
+        highest = self.highest_offset
+        before = len(cached)
+        size_total = 0
+        if messages and messages[0].queue_offset > highest:  # the usual case: all new
+            for message in messages:
+                size_total += len(message.body)
+            cached.extend(messages)
+            order.extend([message.queue_offset for message in messages])
+            highest = messages[-1].queue_offset
+        else:
+            for message in messages:
+                offset = message.queue_offset
+                if offset <= highest:
+                    continue
+                highest = offset
+                size_total += len(message.body)
+                cached.append(message)
+                order.append(offset)
+        if highest_offset is not None and highest_offset > highest:
+            highest = highest_offset
+        self.highest_offset = highest
+        added = len(cached) - before
         if not added:
             return False
+        if now is not None or lane.cached_at:
+            cached_at = lane.cached_at
+            if len(cached_at) < before:
+                cached_at.extendleft([0.0] * (before - len(cached_at)))
+            cached_at.extend([at] * added)
+        if not epoch.queued:
+            epoch.queued = True
+            epoch.runnable_at = at
+            lane.epochs.append(epoch)
         epoch.unfinished += added
+        epoch.cached += added
         self._cached_count += added
         self._cached_bytes += size_total
         if not lane.in_ready and lane.dispatchable():
@@ -459,40 +521,39 @@ class ProcessQueue:
         while ready:
             lane = ready.popleft()
             cached = lane.cached
-            if (
-                not cached
-                or (lane.exclusive and lane.in_flight)
-                or cached[0].epoch is not lane.epochs[0]
-            ):
+            if not cached or (lane.exclusive and lane.in_flight):
                 lane.in_ready = False
                 continue
-            first = cached.popleft()
-            epoch = first.epoch
-            entries = [first]
-            if max_count > 1:
-                while cached and len(entries) < max_count and cached[0].epoch is epoch:
-                    entries.append(cached.popleft())
+            epoch = lane.epochs[0]
+            n = epoch.cached
+            if not n:  # the head stage is all taken: its barrier is closed
+                lane.in_ready = False
+                continue
+            if n > max_count:
+                n = max_count
+            messages = [cached.popleft()] if n == 1 else [cached.popleft() for _ in range(n)]
+            epoch.cached -= n
             lane.in_flight += 1
-            if cached and not lane.exclusive and cached[0].epoch is epoch:
+            if epoch.cached and not lane.exclusive:
                 ready.append(lane)
             else:
                 lane.in_ready = False
-            n = len(entries)
             self._cached_count -= n
             self._pending_count += n
+            cached_at = lane.cached_at
+            times = [cached_at.popleft() for _ in range(n)] if cached_at else None
             key = lane.key
             if key is None:
-                return Batch(
-                    self, [e.message for e in entries], epoch.stage_index, None, None, entries, lane
-                )
+                return Batch(self, messages, epoch.stage_index, None, None, lane, epoch, times)
             return Batch(
                 self,
-                [e.message for e in entries],
+                messages,
                 epoch.stage_index,
                 key.strategy_id,
                 key.group_id,
-                entries,
                 lane,
+                epoch,
+                times,
             )
         return None
 
@@ -512,7 +573,7 @@ class ProcessQueue:
         del status  # every status finishes the message; the caller keeps the counts
         lane = batch._lane
         lane.in_flight -= 1
-        return self._finish_entries(batch._entries, lane, now)
+        return self._finish_messages(batch.messages, lane, batch._epoch, now)
 
     def erase_fifo_message(
         self, batch: Batch, status: EraseStatus, now: float | None = None
@@ -534,25 +595,28 @@ class ProcessQueue:
         """
         del status
         wanted = {id(m) for m in messages}
-        done = [e for e in batch._entries if id(e.message) in wanted]
-        batch._entries = [e for e in batch._entries if id(e.message) not in wanted]
-        batch.messages = [e.message for e in batch._entries]
-        if not batch._entries:
-            return self._finish(batch, done, now)
-        return self._finish_entries(done, batch._lane, now)
-
-    def _finish(self, batch: Batch, entries: list[_Entry], now: float | None = None) -> bool:
+        keep = [i for i, m in enumerate(batch.messages) if id(m) not in wanted]
+        done = [m for m in batch.messages if id(m) in wanted]
+        if batch._cached_at is not None:
+            batch._cached_at = [batch._cached_at[i] for i in keep]
+        batch.messages = [batch.messages[i] for i in keep]
         lane = batch._lane
-        lane.in_flight -= 1
-        return self._finish_entries(entries, lane, now)
+        if not keep:
+            lane.in_flight -= 1
+        return self._finish_messages(done, lane, batch._epoch, now)
 
-    def _finish_entries(self, entries: list[_Entry], lane: _Lane, now: float | None = None) -> bool:
+    def _finish_messages(
+        self, messages: list[Message], lane: _Lane, epoch: _Epoch, now: float | None = None
+    ) -> bool:
+        """Mark ``messages`` (all of ``epoch`` of ``lane``) finished."""
+        finished = self._finished
         size = 0
-        for entry in entries:
-            entry.finished = True
-            size += entry.size
-            entry.epoch.unfinished -= 1
-        self._pending_count -= len(entries)
+        for message in messages:
+            size += len(message.body)
+            finished.add(message.queue_offset)
+        n = len(messages)
+        epoch.unfinished -= n
+        self._pending_count -= n
         self._cached_bytes -= size
         epochs = lane.epochs
         while epochs and not epochs[0].unfinished:
@@ -560,9 +624,16 @@ class ProcessQueue:
             if epochs and now is not None:
                 epochs[0].runnable_at = now  # the next stage's barrier opens
         order = self._order
-        while order and order[0].finished:
-            head = order.popleft()
-            head.lane.committed_stage_offset = head.stage_offset + 1
+        if order and order[0] in finished:
+            order_lanes = self._order_lanes
+            if order_lanes is None:
+                while order and order[0] in finished:
+                    finished.remove(order.popleft())
+            else:
+                order_stages = self._order_stages
+                while order and order[0] in finished:
+                    finished.remove(order.popleft())
+                    order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
         if not lane.in_ready and lane.dispatchable():
             lane.in_ready = True
             self._ready.append(lane)
@@ -579,12 +650,11 @@ class ProcessQueue:
         """
         batch.retry_at = retry_at
         batch.attempt += 1
-        for entry in batch._entries:
-            entry.message = attrs.evolve(
-                entry.message, reconsume_times=entry.message.reconsume_times + 1
-            )
-        batch.messages = [entry.message for entry in batch._entries]
-        self._suspended_count += len(batch._entries)
+        batch.messages = [
+            attrs.evolve(message, reconsume_times=message.reconsume_times + 1)
+            for message in batch.messages
+        ]
+        self._suspended_count += len(batch.messages)
 
     def resume(self, batch: Batch) -> bool:
         """Make a suspended ``batch`` ready to be taken again (its timer expired)."""
@@ -600,7 +670,7 @@ class ProcessQueue:
         """Lowest unfinished offset, or highest-seen + 1 when nothing is unfinished."""
         order = self._order
         if order:
-            return order[0].message.queue_offset
+            return order[0]
         return self.highest_offset + 1
 
     @property
@@ -633,7 +703,7 @@ class ProcessQueue:
         order = self._order
         if not order:
             return 0
-        return self.highest_offset - order[0].message.queue_offset
+        return self.highest_offset - order[0]
 
     def is_cache_full(self) -> bool:
         """Whether pulling should pause (flow control by count, bytes and span)."""
