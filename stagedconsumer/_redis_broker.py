@@ -47,7 +47,7 @@ import sniffio
 
 from ._core import retry_delay_seconds
 from ._exceptions import ConfigurationError, SourceClosedError, SourceError, UnknownTopicError
-from ._message import EMPTY_PROPERTIES, Message, MessageQueue
+from ._message import EMPTY_PROPERTIES, Message, MessageQueue, _slot_setters
 from ._otel import with_traceparent
 from ._rebalance import GroupCoordinator, GroupOptions
 from ._source import (
@@ -91,6 +91,10 @@ _MAX_BLOCK = 5.0
 """Longest single ``XREAD BLOCK`` (seconds); longer long polls loop, so a blocked
 read never outlives the socket timeout."""
 _RELEASE_BATCH = 256
+_MAX_BUFFERED = 1024
+"""Read-ahead buffers kept at most (one per queue and offset a pull will continue
+from); past this the oldest is dropped (a stale one is left by a consumer that moved
+elsewhere: reset, stopped, or lost the queue)."""
 
 # KEYS: seq, stream. ARGV: n, then per message: field count, fields and values.
 # Returns the offset of the first message.
@@ -264,43 +268,94 @@ def _message_fields(message: Message, properties: Mapping[str, str]) -> list[byt
 
 
 _new_message = object.__new__
-_set = object.__setattr__
+(
+    _set_topic,
+    _set_queue_id,
+    _set_queue_offset,
+    _set_body,
+    _set_keys,
+    _set_tags,
+    _set_properties,
+    _set_msg_id,
+    _set_born_timestamp,
+    _set_reconsume_times,
+) = _slot_setters(
+    "topic",
+    "queue_id",
+    "queue_offset",
+    "body",
+    "keys",
+    "tags",
+    "properties",
+    "msg_id",
+    "born_timestamp",
+    "reconsume_times",
+)
 
 
-def _decode(topic: str, queue_id: int, entry_id: bytes, raw: Sequence[bytes]) -> Message:
-    """An entry as a :class:`Message`, built without ``attrs``' validating ``__init__``
-    (this is the hot path of every pull; the fields are ours, already checked)."""
+def _entry_offset(entry_id: bytes) -> int:
+    return int(entry_id[:-2]) - 1
+
+
+def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[Message]:
+    """Raw ``XRANGE`` entries (``[id, [field, value, ...]]``) as :class:`Message` objects.
+
+    The hot path of every pull: messages are built through the slots' setters, without
+    attrs' ``__init__`` and its converters (the fields are ours, already in their stored
+    form). Entry ids are ``<offset + 1>-0``; when the first and last id span exactly the
+    number of entries (always, unless some were deleted) the offsets are counted instead
+    of parsed from every id. Entries with only the three fields every message has
+    (``i``, ``b``, ``t``, written in that order) skip the field lookup.
+    """
+    if not entries:
+        return []
+    first = _entry_offset(entries[0][0])
+    consecutive = _entry_offset(entries[-1][0]) - first == len(entries) - 1
+    out: list[Message] = []
+    append = out.append
+    new = _new_message
+    empty = EMPTY_PROPERTIES
+    offset = first
+    for entry_id, raw in entries:
+        message = new(Message)
+        _set_topic(message, topic)
+        _set_queue_id(message, queue_id)
+        _set_queue_offset(message, offset if consecutive else _entry_offset(entry_id))
+        if len(raw) == 6 and raw[0] == b"i" and raw[2] == b"b" and raw[4] == b"t":
+            _set_body(message, raw[3])
+            _set_keys(message, ())
+            _set_tags(message, None)
+            _set_properties(message, empty)
+            _set_msg_id(message, raw[1].decode())
+            _set_born_timestamp(message, int(raw[5]) / 1000)
+            _set_reconsume_times(message, 0)
+        else:
+            _set_fields(message, raw)
+        append(message)
+        offset += 1
+    return out
+
+
+def _set_fields(message: Message, raw: Sequence[bytes]) -> None:
+    """The general case of :func:`_decode_entries`: optional fields present."""
+    fields = dict(zip(raw[::2], raw[1::2], strict=True))
     keys: tuple[str, ...] = ()
     tags: str | None = None
     properties: Mapping[str, str] = EMPTY_PROPERTIES
-    reconsume_times = 0
-    if len(raw) == 6 and raw[0] == b"i" and raw[2] == b"b" and raw[4] == b"t":
-        msg_id, body, born = raw[1], raw[3], raw[5]
-    else:
-        fields = dict(zip(raw[::2], raw[1::2], strict=True))
-        msg_id = fields.get(b"i", b"")
-        body = fields.get(b"b", b"")
-        born = fields.get(b"t", b"0")
-        if (k := fields.get(b"k")) is not None:
-            keys = tuple(json.loads(k))
-        if (g := fields.get(b"g")) is not None:
-            tags = g.decode()
-        if (p := fields.get(b"p")) is not None:
-            properties = MappingProxyType(json.loads(p))
-        if (r := fields.get(b"r")) is not None:
-            reconsume_times = int(r)
-    message = _new_message(Message)
-    _set(message, "topic", topic)
-    _set(message, "queue_id", queue_id)
-    _set(message, "queue_offset", int(entry_id[:-2]) - 1)
-    _set(message, "body", body)
-    _set(message, "keys", keys)
-    _set(message, "tags", tags)
-    _set(message, "properties", properties)
-    _set(message, "msg_id", msg_id.decode())
-    _set(message, "born_timestamp", int(born) / 1000)
-    _set(message, "reconsume_times", reconsume_times)
-    return message
+    if (k := fields.get(b"k")) is not None:
+        keys = tuple(json.loads(k))
+    if (g := fields.get(b"g")) is not None:
+        tags = g.decode()
+    if (p := fields.get(b"p")) is not None:
+        properties = MappingProxyType(json.loads(p)) or EMPTY_PROPERTIES
+    r = fields.get(b"r")
+    _set_body(message, fields.get(b"b", b""))
+    _set_keys(message, keys)
+    _set_tags(message, tags)
+    _set_properties(message, properties)
+    _set_msg_id(message, fields.get(b"i", b"").decode())
+    _set_born_timestamp(message, int(fields.get(b"t", b"0")) / 1000)
+    _set_reconsume_times(message, int(r) if r is not None else 0)
 
 
 def _raw_reply(response: Any, **options: Any) -> Any:
@@ -335,6 +390,14 @@ class RedisBroker(MessageSource):
 
     :meth:`group_coordinator` provides membership and queue locks for consumer
     groups spread over several processes, with ``group_options``.
+
+    ``read_ahead`` (default 256): every ``XRANGE`` of a pull reads at least this many
+    entries, and the next pulls of that queue take the surplus without a round trip
+    (the consumer pulls ``pull_batch_size``, 32, at a time). Round trips dominate the
+    cost of a pull, so this is what lets a consumer process keep up with a busy
+    topic. Each consumed queue holds up to ``read_ahead - 1`` messages beyond the
+    consumer's own ``pull_threshold_*`` limits: lower it for large messages, 0
+    turns it off.
     """
 
     def __init__(
@@ -345,11 +408,18 @@ class RedisBroker(MessageSource):
         group_options: GroupOptions | None = None,
         send_timeout: float = 30.0,
         socket_timeout: float = 10.0,
+        read_ahead: int = 256,
     ) -> None:
         if not namespace or not isinstance(namespace, str):
             raise ConfigurationError(f"namespace must be a non-empty string, got {namespace!r}")
         if not send_timeout > 0:
             raise ConfigurationError(f"send_timeout must be positive, got {send_timeout!r}")
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+            raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
+        self.read_ahead = read_ahead
+        """Entries read per ``XRANGE`` at least (see :meth:`pull`); 0: only what a
+        pull asks for."""
+        self._buffered: dict[tuple[str, int, int], tuple[list[Message], int]] = {}
         self.url = url
         self.namespace = namespace
         self.send_timeout = send_timeout
@@ -367,7 +437,7 @@ class RedisBroker(MessageSource):
         self._redis = client
         self._send_script = client.register_script(_SEND_LUA)
         self._release_script = client.register_script(_RELEASE_LUA)
-        # Raw XRANGE replies ([id, [field, value, ...]]): _decode reads them positionally.
+        # Raw XRANGE replies ([id, [field, value, ...]]): _decode_entries reads them positionally.
         client.set_response_callback("XRANGE", _raw_reply)
         client.set_response_callback("XREAD", _raw_reply)
         self._delay_script = client.register_script(_DELAY_LUA)
@@ -414,6 +484,7 @@ class RedisBroker(MessageSource):
         if self._closed:
             return
         self._closed = True
+        self._buffered.clear()
         await self._redis.aclose()
 
     @property
@@ -444,6 +515,8 @@ class RedisBroker(MessageSource):
             return await call()
         except _CONNECTION_ERRORS as exc:
             self.connection_errors += 1
+            # Redis may have restarted without its data: offsets could be reused.
+            self._buffered.clear()
             raise SourceError(f"{what}: Redis at {self.url} unreachable: {exc}") from exc
         except redis_exc.RedisError as exc:
             raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
@@ -616,12 +689,22 @@ class RedisBroker(MessageSource):
         """Up to ``max_count`` messages from ``offset`` (one ``XRANGE``); long polls
         with ``XREAD BLOCK``. On the retry queue, due retries are released first.
 
-        ``max_offset`` of the result is exact when fewer than ``max_count`` messages
-        came back, and a lower bound (``next_offset``) on a full batch: reading the
-        counter too would cost a second round trip on every pull of a busy queue.
+        Each ``XRANGE`` asks for ``max(max_count, read_ahead)`` entries; what the pull
+        does not return is kept, and the next pull of the queue from where this one
+        ended takes its messages from there without a round trip (entries never
+        change once written, so they are the same messages a later ``XRANGE`` would
+        return).
+
+        ``max_offset`` of the result is exact when the ``XRANGE`` came back short,
+        and a lower bound (the end of what was read) otherwise: reading the counter
+        too would cost a second round trip on every pull of a busy queue.
         """
         topic, queue_id = mq.topic, mq.queue_id
         offset = max(offset, 0)
+        if self._buffered:
+            buffered = self._buffered.pop((topic, queue_id, offset), None)
+            if buffered is not None:
+                return self._serve(topic, queue_id, *buffered, max_count)
         stream = self._stream_key(topic, queue_id)
         seq = self._seq_key(topic, queue_id)
         release_keys: list[str] | None = None
@@ -630,6 +713,7 @@ class RedisBroker(MessageSource):
         deadline = time.monotonic() + timeout if timeout > 0 else 0.0
         what = f"pulling {mq} at {offset}"
         start = b"%d-0" % (offset + 1)
+        count = max(max_count, self.read_ahead)
         redis = self._redis
         while True:
             wait_ms = -1
@@ -641,7 +725,7 @@ class RedisBroker(MessageSource):
             entries = await self._once(
                 what,
                 lambda: redis.execute_command(  # type: ignore[no-untyped-call]
-                    "XRANGE", stream, start, "+", "COUNT", max_count
+                    "XRANGE", stream, start, "+", "COUNT", count
                 ),
             )
             if entries or not timeout:
@@ -652,27 +736,46 @@ class RedisBroker(MessageSource):
             block = min(remaining, _MAX_BLOCK)
             if wait_ms >= 0:
                 block = min(block, max(wait_ms, 1) / 1000)
-            wait = functools.partial(self._wait_for_entries, stream, offset, max_count, block)
+            wait = functools.partial(self._wait_for_entries, stream, offset, count, block)
             entries = await self._once(what, wait)
             if entries:
                 break
         if entries:
-            messages = [_decode(topic, queue_id, entry[0], entry[1]) for entry in entries]
-            next_offset = messages[-1].queue_offset + 1
-            if len(messages) >= max_count:
-                return PullResult(
-                    messages=messages, next_offset=next_offset, max_offset=next_offset
-                )
-            if messages[0].queue_offset == offset:
-                # Offsets are consecutive: nothing exists past the last one returned.
-                return PullResult(
-                    messages=messages, next_offset=next_offset, max_offset=next_offset
-                )
-        else:
-            messages = []
+            messages = _decode_entries(topic, queue_id, entries)
+            end = messages[-1].queue_offset + 1
+            if len(messages) >= count or messages[0].queue_offset == offset:
+                # A full read: ``end`` is a lower bound of the max offset. A short
+                # one from ``offset`` on: offsets are consecutive, so nothing exists
+                # past the last one returned.
+                return self._serve(topic, queue_id, messages, end, max_count)
+            max_offset = int(await self._once(what, lambda: redis.get(seq)) or 0)
+            return self._serve(topic, queue_id, messages, max(max_offset, end), max_count)
         max_offset = int(await self._once(what, lambda: redis.get(seq)) or 0)
-        next_offset = messages[-1].queue_offset + 1 if messages else min(offset, max_offset)
-        return PullResult(messages=messages, next_offset=next_offset, max_offset=max_offset)
+        return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
+
+    def _serve(
+        self,
+        topic: str,
+        queue_id: int,
+        messages: list[Message],
+        max_offset: int,
+        max_count: int,
+    ) -> PullResult:
+        """The first ``max_count`` of ``messages``; keeps the rest for the next pull."""
+        if len(messages) > max_count:
+            rest = messages[max_count:]
+            messages = messages[:max_count]
+            next_offset = messages[-1].queue_offset + 1
+            buffered = self._buffered
+            if len(buffered) >= _MAX_BUFFERED:
+                del buffered[next(iter(buffered))]  # the oldest
+            buffered[topic, queue_id, next_offset] = (rest, max_offset)
+            return PullResult(messages=messages, next_offset=next_offset, max_offset=max_offset)
+        return PullResult(
+            messages=messages,
+            next_offset=messages[-1].queue_offset + 1,
+            max_offset=max_offset,
+        )
 
     async def _wait_for_entries(
         self, stream: str, offset: int, count: int, block: float
@@ -778,6 +881,7 @@ class RedisBroker(MessageSource):
         async for key in self._redis.scan_iter(match=f"{self.namespace}:*", count=1000):
             deleted += int(await self._redis.delete(key))
         self._topic_cache.clear()
+        self._buffered.clear()
         return deleted
 
 

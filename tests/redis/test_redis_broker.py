@@ -5,9 +5,11 @@ from __future__ import annotations
 import socket
 import time
 import zlib
+from typing import Any
 
 import anyio
 import pytest
+import redis.exceptions
 
 from stagedconsumer import ConfigurationError, MessageQueue, SourceError, UnknownTopicError
 from stagedconsumer._redis_broker import RedisBroker
@@ -65,6 +67,88 @@ async def test_pull_by_offset_in_batches_round_trips_every_field(broker: RedisBr
     middle = await broker.pull(mq, 57, 3)
     assert [m.queue_offset for m in middle.messages] == [57, 58, 59]
     assert [m.body for m in middle.messages] == [b"56", b"57", b"58"]
+
+
+def _count_xranges(broker: RedisBroker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the COUNT of every XRANGE the broker sends."""
+    counts: list[int] = []
+    execute = broker.redis.execute_command
+
+    async def counting(*args: Any, **options: Any) -> Any:
+        if args[0] == "XRANGE":
+            counts.append(int(args[-1]))
+        return await execute(*args, **options)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(broker.redis, "execute_command", counting)
+    return counts
+
+
+async def test_read_ahead_serves_the_next_pulls_of_a_queue_without_a_round_trip(
+    broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await broker.create_topic("t", 1)
+    await broker.send_many("t", [b"%d" % i for i in range(100)], queue_id=0)
+    mq = MessageQueue("t", 0)
+    counts = _count_xranges(broker, monkeypatch)
+    broker.read_ahead = 64
+    first = await broker.pull(mq, 0, 16)
+    assert [m.queue_offset for m in first.messages] == list(range(16))
+    assert (first.next_offset, first.max_offset) == (16, 64)  # a lower bound
+    assert counts == [64]
+    offset, bodies = 16, [m.body for m in first.messages]
+    for _ in range(3):
+        result = await broker.pull(mq, offset, 16)
+        bodies += [m.body for m in result.messages]
+        offset = result.next_offset
+    assert offset == 64
+    assert counts == [64]  # served from what the first XRANGE read
+    assert bodies == [b"%d" % i for i in range(64)]
+    # A pull from elsewhere reads again, and reads only what is left.
+    again = await broker.pull(mq, 10, 4)
+    assert [m.body for m in again.messages] == [b"10", b"11", b"12", b"13"]
+    assert counts == [64, 64]
+    rest = await broker.pull(mq, 64, 100)
+    assert [m.queue_offset for m in rest.messages] == list(range(64, 100))
+    assert (rest.next_offset, rest.max_offset) == (100, 100)  # short read: exact
+    broker.read_ahead = 0
+    await broker.pull(mq, 0, 5)
+    assert counts == [64, 64, 100, 5]
+
+
+async def test_offsets_come_from_entry_ids_when_entries_were_deleted(
+    broker: RedisBroker,
+) -> None:
+    await broker.create_topic("t", 1)
+    await broker.send_many("t", [b"%d" % i for i in range(10)], queue_id=0)
+    await broker.redis.xdel(f"{broker.namespace}:q:t:0", b"4-0", b"5-0")
+    pulled = await broker.pull(MessageQueue("t", 0), 0, 32)
+    assert [m.queue_offset for m in pulled.messages] == [0, 1, 2, 5, 6, 7, 8, 9]
+    assert [m.body for m in pulled.messages] == [b"0", b"1", b"2", b"5", b"6", b"7", b"8", b"9"]
+    assert (pulled.next_offset, pulled.max_offset) == (10, 10)
+
+
+async def test_a_connection_error_drops_what_was_read_ahead(
+    broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After an outage Redis may have restarted without its data and reuse offsets.
+    await broker.create_topic("t", 1)
+    await broker.send_many("t", [b"old%d" % i for i in range(10)], queue_id=0)
+    mq = MessageQueue("t", 0)
+    assert len((await broker.pull(mq, 0, 2)).messages) == 2
+    execute = broker.redis.execute_command
+
+    async def failing(*args: Any, **options: Any) -> Any:
+        raise redis.exceptions.ConnectionError("gone")
+
+    monkeypatch.setattr(broker.redis, "execute_command", failing)
+    with pytest.raises(SourceError):
+        await broker.pull(mq, 7, 2)
+    monkeypatch.setattr(broker.redis, "execute_command", execute)
+    ns = broker.namespace
+    await broker.redis.delete(f"{ns}:q:t:0", f"{ns}:seq:t:0")  # the data loss
+    await broker.send_many("t", [b"new%d" % i for i in range(10)], queue_id=0)
+    pulled = await broker.pull(mq, 2, 2)
+    assert [m.body for m in pulled.messages] == [b"new2", b"new3"]
 
 
 async def test_queue_choice_crc32_of_first_key_round_robin_or_explicit(
