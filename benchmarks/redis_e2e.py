@@ -6,14 +6,28 @@ the same data layout (8 streams, one per queue), each in its own key namespace:
 - stagedconsumer's ``PushConsumer`` on ``RedisBroker``, in each mode (one group
   member, holding the locks of all 8 queues);
 - baseline 1: a hand-written redis-py loop, ``XREADGROUP COUNT n BLOCK`` over the 8
-  streams, handler per message, one ``XACK`` per stream per batch;
+  streams, an async no-op handler awaited per message, one ``XACK`` per stream per
+  batch;
 - baseline 2: FastStream's Redis stream subscribers (one ``StreamSub`` per stream,
-  consumer group, default acknowledgement), a peer Python users pick today.
+  consumer group, default acknowledgement), a peer Python users pick today;
+- two floors, no consumer and no handler: a loop of ``XRANGE`` over the 8 streams
+  with redis-py + hiredis, once with the entries decoded into ``Message`` objects as
+  ``RedisBroker`` does and once without decoding. Nothing that reads these streams
+  through redis-py in one process can be cheaper per message.
+
+Same batch sizes: ``--read-batch`` entries per stream per Redis read for everyone
+(``RedisBroker(read_ahead=...)``, ``XREADGROUP COUNT``, ``StreamSub(max_records=...)``,
+the floors' ``XRANGE COUNT``); ``--pull-batch`` is the consumer's ``pull_batch_size``
+(RocketMQ's default 32: the pulls after the first of every read are served from what
+it read).
 
 Two phases per system:
 
 1. **drain**: a backlog of ``--messages`` is written first; messages/s is the
-   backlog over the time from start to the last handler call.
+   backlog over the time from start to the last handler call, and CPU per message the
+   process's CPU time (``time.process_time``) over that time: on a shared machine the
+   wall-clock rate says as much about the neighbours as about the system. Repeated
+   ``--repeat`` times, the systems interleaved; the medians are reported.
 2. **latency**: a separate producer process sends ``--latency-messages`` at
    ``--rate`` messages/s (the send time is in the message); the handler records
    ``now - send time`` at its start; p50/p99 are reported.
@@ -59,7 +73,7 @@ from stagedconsumer import (
     MessageListenerStagedConcurrently,
     PushConsumer,
 )
-from stagedconsumer._redis_broker import RedisBroker
+from stagedconsumer._redis_broker import RedisBroker, _decode_entries
 
 QUEUES = 8
 TOPIC = "bench"
@@ -211,10 +225,12 @@ def spawn_producer(url: str, ns: str, kind: str, n: int, rate: float) -> subproc
 
 
 async def run_stagedconsumer(
-    url: str, ns: str, mode: str, recorder: Recorder, options: ConsumerOptions
+    url: str, ns: str, mode: str, recorder: Recorder, options: ConsumerOptions, read_batch: int
 ) -> float:
     group_options = GroupOptions(lock_ttl=60, lock_renew_interval=20, rebalance_interval=20)
-    async with RedisBroker(url, namespace=ns, group_options=group_options) as broker:
+    async with RedisBroker(
+        url, namespace=ns, group_options=group_options, read_ahead=read_batch
+    ) as broker:
         await broker.create_topic(TOPIC, QUEUES)
         consumer = PushConsumer("bench", broker, LISTENERS[mode](recorder), options=options)
         consumer.subscribe(TOPIC)
@@ -232,6 +248,10 @@ async def run_xreadgroup(url: str, ns: str, recorder: Recorder, batch: int) -> f
         with contextlib.suppress(aioredis.ResponseError):  # BUSYGROUP: made by the fill
             await client.xgroup_create(key, "g", id="0", mkstream=True)
     timed = recorder.latency
+
+    async def handle(fields: Any) -> None:  # the same no-op as everyone's
+        recorder.hit(float(fields[b"ts"]) if timed else None)
+
     start = time.perf_counter()
     try:
         streams = dict.fromkeys(keys, ">")
@@ -240,7 +260,7 @@ async def run_xreadgroup(url: str, ns: str, recorder: Recorder, batch: int) -> f
             for key, entries in reply or ():
                 ids = []
                 for entry_id, fields in entries:
-                    recorder.hit(float(fields[b"ts"]) if timed else None)
+                    await handle(fields)
                     ids.append(entry_id)
                 await client.xack(key, "g", *ids)
     finally:
@@ -272,46 +292,81 @@ async def run_faststream(url: str, ns: str, recorder: Recorder, batch: int) -> f
     return recorder.last - start
 
 
+async def run_floor(url: str, ns: str, recorder: Recorder, batch: int, *, decode: bool) -> float:
+    """``XRANGE COUNT batch`` over the 8 streams in turn, decoding as RedisBroker does
+    (or not): the cost of reading alone, no consumer, no handler."""
+    async with RedisBroker(url, namespace=ns, read_ahead=0) as broker:
+        redis = broker.redis
+        keys = [broker._stream_key(TOPIC, q) for q in range(QUEUES)]
+        offsets = [0] * QUEUES
+        start = time.perf_counter()
+        got = 0
+        while got < recorder.expected:
+            for q, key in enumerate(keys):
+                entries = await redis.execute_command(  # type: ignore[no-untyped-call]
+                    "XRANGE", key, b"%d-0" % (offsets[q] + 1), "+", "COUNT", batch
+                )
+                if decode:
+                    _decode_entries(TOPIC, q, entries)
+                offsets[q] += len(entries)
+                got += len(entries)
+        return time.perf_counter() - start
+
+
 # -- measuring ------------------------------------------------------------------------------------
 
 
-async def measure_system(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def _kind(name: str) -> str:
+    if name.startswith("stagedconsumer"):
+        return "stagedconsumer"
+    if name.startswith("floor"):
+        return "floor"
+    return "raw"
+
+
+async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -> dict[str, Any]:
+    """One drain or latency phase of one system, in a fresh namespace."""
     url = args.url
     options = ConsumerOptions(pull_batch_size=args.pull_batch, pull_long_polling_timeout=1.0)
-    row: dict[str, Any] = {"system": name}
-    for phase in ("drain", "latency"):
-        ns = f"bench-{uuid.uuid4().hex[:8]}"
-        latency = phase == "latency"
-        n = args.latency_messages if latency else args.messages
-        n -= n % (QUEUES * 10)
-        kind = "stagedconsumer" if name.startswith("stagedconsumer") else "raw"
+    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    n = args.latency_messages if latency else args.messages
+    n -= n % (QUEUES * 10)
+    kind = _kind(name)
+    if kind == "raw":
+        await fill_raw(url, ns, 0 if latency else n, b"ts")
+    else:
+        await fill_stagedconsumer(url, ns, 0 if latency else n)
+    recorder = Recorder(n, latency=latency)
+    producer = spawn_producer(url, ns, kind, n, args.rate) if latency else None
+    cpu = time.process_time()
+    try:
         if kind == "stagedconsumer":
-            await fill_stagedconsumer(url, ns, 0 if latency else n)
+            elapsed = await run_stagedconsumer(url, ns, name, recorder, options, args.read_batch)
+        elif kind == "floor":
+            elapsed = await run_floor(url, ns, recorder, args.read_batch, decode="decode" in name)
+        elif name.startswith("redis-py"):
+            elapsed = await run_xreadgroup(url, ns, recorder, args.read_batch)
         else:
-            await fill_raw(url, ns, 0 if latency else n, b"ts")
-        recorder = Recorder(n, latency=latency)
-        producer = spawn_producer(url, ns, kind, n, args.rate) if latency else None
-        try:
-            if kind == "stagedconsumer":
-                elapsed = await run_stagedconsumer(url, ns, name, recorder, options)
-            elif name.startswith("redis-py"):
-                elapsed = await run_xreadgroup(url, ns, recorder, args.pull_batch)
-            else:
-                elapsed = await run_faststream(url, ns, recorder, args.pull_batch)
-        finally:
-            if producer is not None:
-                producer.wait(60)
-            await _delete_namespace(url, ns)
-        if latency:
-            ordered = sorted(recorder.latencies)
-            row["p50_ms"] = 1000 * statistics.median(ordered)
-            row["p99_ms"] = 1000 * ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-            row["latency_messages"] = n
-        else:
-            row["messages"] = n
-            row["seconds"] = elapsed
-            row["rate"] = n / elapsed
-    return row
+            elapsed = await run_faststream(url, ns, recorder, args.read_batch)
+        cpu = time.process_time() - cpu
+    finally:
+        if producer is not None:
+            producer.wait(60)
+        await _delete_namespace(url, ns)
+    if latency:
+        ordered = sorted(recorder.latencies)
+        return {
+            "p50_ms": 1000 * statistics.median(ordered),
+            "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+            "latency_messages": n,
+        }
+    return {
+        "messages": n,
+        "seconds": elapsed,
+        "rate": n / elapsed,
+        "cpu_us": 1e6 * cpu / n,
+        "load": os.getloadavg()[0],
+    }
 
 
 async def _delete_namespace(url: str, ns: str) -> None:
@@ -329,7 +384,10 @@ SYSTEMS = [
     "stagedconsumer orderly",
     "redis-py XREADGROUP + XACK loop",
     "FastStream StreamSub",
+    "floor: XRANGE + decode, no consumer",
+    "floor: XRANGE only",
 ]
+LATENCY_SYSTEMS = [name for name in SYSTEMS if not name.startswith("floor")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,7 +398,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--latency-messages", type=int, default=20_000)
     parser.add_argument("--rate", type=float, default=5_000, help="latency phase, messages/s")
-    parser.add_argument("--pull-batch", type=int, default=32, help="pull / XREADGROUP COUNT")
+    parser.add_argument("--pull-batch", type=int, default=32, help="consumer pull_batch_size")
+    parser.add_argument(
+        "--read-batch",
+        type=int,
+        default=256,
+        help="entries per stream per Redis read, for every system (read_ahead, XREADGROUP"
+        " COUNT, StreamSub max_records, floors' XRANGE COUNT)",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="drain runs per system")
     parser.add_argument("--systems", nargs="*", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--json", type=Path, help="also write results as JSON here")
     parser.add_argument("--produce", help=argparse.SUPPRESS)
@@ -353,32 +419,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
 
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
+    for repeat in range(args.repeat):  # interleaved, so a busy spell hits every system
+        for name in args.systems:
+            run = asyncio.run(measure_phase(name, args, latency=False))
+            runs[name].append(run)
+            print(f"drain {repeat + 1}/{args.repeat} {name}: {run}", file=sys.stderr)
     rows = []
     for name in args.systems:
-        rows.append(asyncio.run(measure_system(name, args)))
-        print(f"{name}: {rows[-1]}", file=sys.stderr)
+        drains = runs[name]
+        row: dict[str, Any] = {
+            "system": name,
+            "messages": drains[0]["messages"],
+            "rate": statistics.median(d["rate"] for d in drains),
+            "cpu_us": statistics.median(d["cpu_us"] for d in drains),
+            "load": statistics.mean(d["load"] for d in drains),
+            "drains": drains,
+        }
+        if name in LATENCY_SYSTEMS and args.latency_messages:
+            row |= asyncio.run(measure_phase(name, args, latency=True))
+            print(f"latency {name}: {row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms", file=sys.stderr)
+        rows.append(row)
     base = {r["system"]: r for r in rows}
     reference = base.get("redis-py XREADGROUP + XACK loop")
     table = Table(
-        title=f"Redis end to end, no-op handler: drain {args.messages:,} messages, latency at"
-        f" {args.rate:,.0f} msg/s ({args.latency_messages:,} messages), {QUEUES} streams"
+        title=f"Redis end to end, no-op handler: drain {args.messages:,} messages (median of"
+        f" {args.repeat}), latency at {args.rate:,.0f} msg/s ({args.latency_messages:,}"
+        f" messages), {QUEUES} streams"
     )
-    for column in ("system", "messages/s", "vs redis-py loop", "p50 ms", "p99 ms"):
+    columns = ("system", "messages/s", "CPU µs/msg", "msg per CPU-s", "vs loop (CPU)")
+    for column in (*columns, "p50 ms", "p99 ms", "load"):
         table.add_column(column, justify="left" if column == "system" else "right")
     for row in rows:
-        ratio = f"{row['rate'] / reference['rate']:.2f}x" if reference else ""
+        ratio = f"{reference['cpu_us'] / row['cpu_us']:.2f}x" if reference else ""
         table.add_row(
             row["system"],
             f"{row['rate']:,.0f}",
+            f"{row['cpu_us']:.2f}",
+            f"{1e6 / row['cpu_us']:,.0f}",
             ratio,
-            f"{row['p50_ms']:.2f}",
-            f"{row['p99_ms']:.2f}",
+            f"{row['p50_ms']:.2f}" if "p50_ms" in row else "",
+            f"{row['p99_ms']:.2f}" if "p99_ms" in row else "",
+            f"{row['load']:.1f}",
         )
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     console.print(table)
     console.print(
         f"python {platform.python_version()}, {os.cpu_count()} CPUs (shared), one consumer"
-        f" process per system, pull batch {args.pull_batch}"
+        f" process per system, pull batch {args.pull_batch}, read batch {args.read_batch};"
+        " load: 1-minute load average after the drains"
     )
     console.print("reproduce: python -m benchmarks.redis_e2e " + " ".join(argv or sys.argv[1:]))
     if args.json:
