@@ -970,19 +970,20 @@ class PushConsumer:
         self, batch: Batch, mq: MessageQueue, clock: Callable[[], float]
     ) -> ConsumeMessageContext:
         start = clock()
-        return ConsumeMessageContext(
-            consumer_group=self.group,
-            message_queue=mq,
-            messages=batch.messages,
-            mode=self._mode.value,
-            stage_index=batch.stage_index,
-            strategy_id=batch.strategy_id,
-            group_id=batch.group_id,
-            attempt=batch.messages[0].reconsume_times + 1,
-            cached_times=batch.cached_times,
-            runnable_at=batch.runnable_at,
-            start_time=start,
-            wall_offset=time.time() - start,
+        messages = batch.messages
+        return ConsumeMessageContext._of_call(  # positional: once per handler call
+            self.group,
+            mq,
+            messages,
+            self._mode.value,
+            batch.stage_index,
+            batch.strategy_id,
+            batch.group_id,
+            messages[0].reconsume_times + 1,
+            batch.cached_times,
+            batch.runnable_at,
+            start,
+            time.time() - start,
         )
 
     def _hooks_after(

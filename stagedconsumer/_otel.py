@@ -38,12 +38,23 @@ def format_traceparent(trace_id: int, span_id: int, trace_flags: int) -> str:
     return f"00-{trace_id:032x}-{span_id:016x}-{trace_flags:02x}"
 
 
+# The canonical form (version 00, no surrounding blanks): one fullmatch, three groups.
+_TRACEPARENT_00_RE = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
 def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     """``(trace_id, span_id, trace_flags)`` of a valid ``traceparent``, else ``None``.
 
     Follows W3C Trace Context: version ``ff`` and all-zero ids are invalid; a
     version-00 value must have exactly four fields.
     """
+    match = _TRACEPARENT_00_RE.fullmatch(value)
+    if match is not None:  # the usual case, checked first
+        trace_hex, span_hex, flags_hex = match.groups()
+        trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+        if not trace_id or not span_id:
+            return None
+        return trace_id, span_id, int(flags_hex, 16)
     match = _TRACEPARENT_RE.match(value)
     if match is None:
         return None

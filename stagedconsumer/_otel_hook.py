@@ -73,6 +73,8 @@ DURATION_BUCKETS: Sequence[float] = (
 )  # fmt: skip
 """Semconv's advisory bucket boundaries of ``messaging.process.duration`` (seconds)."""
 
+MESSAGE_ID = "messaging.message.id"
+BATCH_COUNT = "messaging.batch.message_count"
 STAGE_INDEX = "stagedconsumer.stage.index"
 STAGE_STRATEGY = "stagedconsumer.stage.strategy_id"
 STAGE_GROUP = "stagedconsumer.stage.group_id"
@@ -87,35 +89,30 @@ _SETTLE_NAMES = {
 }
 
 
-def _creation_context(message: Message) -> SpanContext | None:
-    value = message.properties.get(TRACEPARENT)
+def _creation_link(message: Message) -> Link | None:
+    """A link to the creation context in the message's W3C ``traceparent`` property
+    (with the message's id as the link's ``messaging.message.id``), or ``None``."""
+    properties = message.properties
+    value = properties.get(TRACEPARENT)
     if not value:
         return None
     parsed = parse_traceparent(value)
     if parsed is None:
         return None
     trace_id, span_id, flags = parsed
-    state = message.properties.get(TRACESTATE)
-    return SpanContext(
+    state = properties.get(TRACESTATE)
+    creation = SpanContext(
         trace_id,
         span_id,
-        is_remote=True,
-        trace_flags=TraceFlags(flags & 0xFF),
-        trace_state=TraceState.from_header([state]) if state else None,
+        True,  # is_remote
+        TraceFlags(flags & 0xFF),
+        TraceState.from_header([state]) if state else None,
     )
+    return Link(creation, {MESSAGE_ID: _message_id(message)})
 
 
 def _message_id(message: Message) -> str:
     return message.properties.get(PROPERTY_ORIGIN_MESSAGE_ID) or message.msg_id
-
-
-def _links(messages: Iterable[Message]) -> list[Link]:
-    links: list[Link] = []
-    for message in messages:
-        creation = _creation_context(message)
-        if creation is not None:
-            links.append(Link(creation, {"messaging.message.id": _message_id(message)}))
-    return links
 
 
 def _ns(wall_seconds: float) -> int:
@@ -138,6 +135,10 @@ def _error_type(context: ConsumeMessageContext) -> str:
     if result is None:
         return "PARTIAL_ACK"  # a concurrent batch acknowledged only in part
     return "_OTHER"
+
+
+_Received = tuple[otel_context.Context | None, Link | None]
+"""A received message: its process span's parent context, its creation link."""
 
 
 class _Counts:
@@ -239,12 +240,16 @@ class OpenTelemetryHook(ConsumeMessageHook):
         )
         self._meter = meter
         self._props_key = f"{_PROPS_KEY}.{id(self):x}"
-        self._metric_attrs_cache: dict[tuple[str, str, int], dict[str, AttributeValue]] = {}
+        # Attribute sets that repeat from call to call, built once (see _process_static).
+        self._metric_attrs_cache: dict[tuple[str, int], dict[str, AttributeValue]] = {}
+        self._process_static: dict[tuple[object, ...], tuple[str, dict[str, AttributeValue]]] = {}
         self._consumer: PushConsumer | None = None
         self._gauges_created = False
         self._max_offsets: dict[MessageQueue, int] = {}
-        # Receive span of each cached message, to parent its process span.
-        self._received: dict[tuple[MessageQueue, int], SpanContext] = {}
+        # Per queue and cached message (by queue offset): the context that parents
+        # its process span (its receive span's) and the link to its creation
+        # context, both made once when the message is received.
+        self._received: dict[MessageQueue, dict[int, _Received]] = {}
 
     @property
     def hook_name(self) -> str:
@@ -265,8 +270,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
         }
 
     def _metric_attrs(self, topic: str, group: str, queue_id: int) -> dict[str, AttributeValue]:
-        """Metric attributes of a queue, built once (do not mutate the result)."""
-        key = (topic, group, queue_id)
+        """Metric attributes of a queue, built once (do not mutate the result). One
+        hook serves one consumer, so ``group`` is the same on every call."""
+        key = (topic, queue_id)
         cached = self._metric_attrs_cache.get(key)
         if cached is None:
             cached = self._metric_attrs_cache[key] = {
@@ -277,6 +283,33 @@ class OpenTelemetryHook(ConsumeMessageHook):
                 "messaging.destination.partition.id": str(queue_id),
             }
         return cached
+
+    def _process_attrs(
+        self, context: ConsumeMessageContext, topic: str
+    ) -> tuple[str, dict[str, AttributeValue]]:
+        """Name and the attributes a process span of ``context``'s queue and stage
+        key always has (built once per queue and stage key; copy before adding)."""
+        key = (
+            topic,
+            context.message_queue.queue_id,
+            context.stage_index,
+            context.strategy_id,
+            context.group_id,
+        )
+        static = self._process_static.get(key)
+        if static is None:
+            if len(self._process_static) >= 4096:  # group ids may be per key: stay bounded
+                self._process_static.clear()
+            attributes = self._base(
+                "process", "process", topic, context.consumer_group, context.message_queue.queue_id
+            )
+            attributes[STAGE_INDEX] = context.stage_index
+            if context.strategy_id is not None:
+                attributes[STAGE_STRATEGY] = context.strategy_id
+            if context.group_id is not None:
+                attributes[STAGE_GROUP] = context.group_id
+            static = self._process_static[key] = (f"process {topic}", attributes)
+        return static
 
     # -- receive ----------------------------------------------------------------------
 
@@ -289,23 +322,43 @@ class OpenTelemetryHook(ConsumeMessageHook):
         topic = messages[0].topic
         attributes = self._base("receive", "receive", topic, context.consumer_group, mq.queue_id)
         if len(messages) == 1:
-            attributes["messaging.message.id"] = _message_id(messages[0])
+            attributes[MESSAGE_ID] = _message_id(messages[0])
         else:
-            attributes["messaging.batch.message_count"] = len(messages)
+            attributes[BATCH_COUNT] = len(messages)
+        # Each message's traceparent is parsed once, here: its process and settle
+        # spans reuse the link (links are immutable once a span holds them).
+        links = [_creation_link(message) for message in messages]
         span = self._tracer.start_span(
             f"receive {topic}",
             context=_EMPTY,
             kind=SpanKind.CLIENT,
             attributes=attributes,
-            links=_links(messages),
+            links=[link for link in links if link is not None],
             start_time=_ns(context.wall(context.start_time)),
         )
         span.end(end_time=_ns(context.wall(context.end_time)))
         span_context = span.get_span_context()
-        if span_context.is_valid:
-            received = self._received
-            for message in messages:
-                received[(mq, message.queue_offset)] = span_context
+        parent = (
+            trace.set_span_in_context(NonRecordingSpan(span_context), _EMPTY)
+            if span_context.is_valid
+            else None
+        )
+        received = self._received.get(mq)
+        if received is None:
+            received = self._received[mq] = {}
+        for message, link in zip(messages, links):  # noqa: B905 - same length
+            received[message.queue_offset] = (parent, link)
+
+    def _links(self, mq: MessageQueue, messages: Sequence[Message]) -> list[Link]:
+        """The creation links of ``messages``: made when they were received, or now."""
+        received = self._received.get(mq)
+        links: list[Link] = []
+        for message in messages:
+            entry = received.get(message.queue_offset) if received else None
+            link = entry[1] if entry is not None else _creation_link(message)
+            if link is not None:
+                links.append(link)
+        return links
 
     # -- process ------------------------------------------------------------------------
 
@@ -315,30 +368,31 @@ class OpenTelemetryHook(ConsumeMessageHook):
         messages = context.messages
         mq = context.message_queue
         first = messages[0]
-        topic = first.topic
-        attributes = self._base("process", "process", topic, context.consumer_group, mq.queue_id)
+        name, static = self._process_attrs(context, first.topic)
+        attributes = static.copy()
         if len(messages) == 1:
-            attributes["messaging.message.id"] = _message_id(first)
+            attributes[MESSAGE_ID] = _message_id(first)
         else:
-            attributes["messaging.batch.message_count"] = len(messages)
-        attributes[STAGE_INDEX] = context.stage_index
-        if context.strategy_id is not None:
-            attributes[STAGE_STRATEGY] = context.strategy_id
-        if context.group_id is not None:
-            attributes[STAGE_GROUP] = context.group_id
+            attributes[BATCH_COUNT] = len(messages)
         attributes[ATTEMPT] = context.attempt
-        received = self._received.get((mq, first.queue_offset))
-        parent = _EMPTY
-        if received is not None:
-            parent = trace.set_span_in_context(NonRecordingSpan(received), _EMPTY)
+        received = self._received.get(mq)
+        entry = received.get(first.queue_offset) if received else None
+        if entry is not None and len(messages) == 1:
+            parent, link = entry
+            links = [link] if link is not None else None
+        else:
+            parent = entry[0] if entry is not None else None
+            links = self._links(mq, messages)
         span = self._tracer.start_span(
-            f"process {topic}",
-            context=parent,
+            name,
+            context=parent or _EMPTY,
             kind=SpanKind.CONSUMER,
             attributes=attributes,
-            links=_links(messages),
-            start_time=_ns(context.wall(context.start_time)),
+            links=links,
+            start_time=_ns(context.start_time + context.wall_offset),
         )
+        # Current while the handler runs: spans it starts are children (the one
+        # context switch a handler's own spans need).
         token = otel_context.attach(trace.set_span_in_context(span))
         context.props[self._props_key] = (span, token)
 
@@ -346,13 +400,11 @@ class OpenTelemetryHook(ConsumeMessageHook):
         state = context.props.pop(self._props_key, None)
         messages = context.messages
         mq = context.message_queue
+        settled = context.settled
         topic = messages[0].topic if messages else mq.topic
-        group = context.consumer_group
-        queue_attrs = metric_attrs = self._metric_attrs(topic, group, mq.queue_id)
         error_type: str | None = None
         if not context.success:
             error_type = _error_type(context)
-            metric_attrs = {**queue_attrs, "error.type": error_type}
         if state is not None:
             span, token = state
             try:
@@ -361,36 +413,47 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     span.set_status(Status(StatusCode.ERROR, error_type))
                     if context.exception is not None:
                         span.record_exception(context.exception)
-                if context.settled:
+                if settled:
                     now_ns = time.time_ns()
                     parent = trace.set_span_in_context(span, _EMPTY)
-                    for outcome, settled in context.settled.items():
-                        self._settle_span(context, outcome, settled, parent, topic, now_ns)
-                span.end(end_time=_ns(context.wall(context.end_time)))
+                    for outcome, settled_messages in settled.items():
+                        self._settle_span(context, outcome, settled_messages, parent, topic, now_ns)
+                span.end(end_time=_ns(context.end_time + context.wall_offset))
             finally:
                 otel_context.detach(token)
-        # Forget receive contexts of messages that will not be handled again here.
-        if SettleOutcome.SUSPEND not in context.settled and self._received:
-            received = self._received
-            for message in messages:
-                received.pop((mq, message.queue_offset), None)
+        # Forget the messages that will not be handled again here.
+        received = self._received.get(mq)
+        if received and SettleOutcome.SUSPEND not in settled:
+            if len(messages) == 1:
+                received.pop(messages[0].queue_offset, None)
+            else:
+                for message in messages:
+                    received.pop(message.queue_offset, None)
         if not self.metrics:
             return
+        queue_attrs = metric_attrs = self._metric_attrs(topic, context.consumer_group, mq.queue_id)
+        if error_type is not None:
+            metric_attrs = {**queue_attrs, "error.type": error_type}
+        # Per handler call, as semconv defines them: one duration per process
+        # operation, and the consumed count (an asynchronous counter kept here).
         self._process_duration.record(context.handler_duration, metric_attrs)
         self._consumed_counts.add(len(messages), metric_attrs)
+        # Per message (our own histograms): how long each waited.
+        start = context.start_time
         record_await = self._await.record
-        for seconds in context.await_times():
-            record_await(seconds, queue_attrs)
+        for cached in context.cached_times:
+            record_await(start - cached if start > cached else 0.0, queue_attrs)
         if context.mode == "staged":
+            opened = context.runnable_at
             record_barrier = self._barrier.record
-            for seconds in context.barrier_waits():
-                record_barrier(seconds, queue_attrs)
-        if context.settled:
-            dead = context.settled.get(SettleOutcome.DLQ)
+            for cached in context.cached_times:
+                record_barrier(opened - cached if opened > cached else 0.0, queue_attrs)
+        if settled:
+            dead = settled.get(SettleOutcome.DLQ)
             if dead:
                 self._dlq_counts.add(len(dead), queue_attrs)
-            retried = len(context.settled.get(SettleOutcome.RETRY, ())) + len(
-                context.settled.get(SettleOutcome.SUSPEND, ())
+            retried = len(settled.get(SettleOutcome.RETRY, ())) + len(
+                settled.get(SettleOutcome.SUSPEND, ())
             )
             if retried:
                 self._retried_counts.add(retried, queue_attrs)
@@ -409,9 +472,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
             name, "settle", topic, context.consumer_group, context.message_queue.queue_id
         )
         if len(settled) == 1:
-            attributes["messaging.message.id"] = _message_id(settled[0])
+            attributes[MESSAGE_ID] = _message_id(settled[0])
         else:
-            attributes["messaging.batch.message_count"] = len(settled)
+            attributes[BATCH_COUNT] = len(settled)
         attributes[STAGE_INDEX] = context.stage_index
         start_ns = min(_ns(context.wall(context.end_time)), now_ns)
         span = self._tracer.start_span(
@@ -419,7 +482,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
             context=parent,
             kind=SpanKind.CLIENT,
             attributes=attributes,
-            links=_links(settled),
+            links=self._links(context.message_queue, settled),
             start_time=start_ns,
         )
         span.end(end_time=now_ns)

@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +95,11 @@ MAX_MSG_SIZE = 128_000
 """Characters of encoded records per trace message (RocketMQ's ``maxMsgSize``)."""
 
 _LOG_EVERY = 10.0
+
+Encoder = Callable[[Any], tuple[str, Sequence[str]]]
+"""Turns a queued item into its encoded records and index keys (see
+:meth:`AsyncTraceDispatcher.append_deferred`)."""
+_Entry = tuple[Encoder | None, Any]
 
 
 class TraceType(enum.Enum):
@@ -565,7 +570,7 @@ class AsyncTraceDispatcher:
         self.batch_num = min(batch_num, 20)
         self.flush_interval = flush_interval
         self.max_msg_size = max_msg_size
-        self._queue: deque[tuple[str, Sequence[str]]] = deque()
+        self._queue: deque[_Entry] = deque()
         self._sync_sink = type(sink).write_nowait is not TraceSink.write_nowait
         self._wakeup: anyio.Event | None = None
         self._lock: anyio.Lock | None = None
@@ -590,6 +595,16 @@ class AsyncTraceDispatcher:
         batch is written right here, so a fast consumer does not outrun the
         background task; otherwise the task is woken.
         """
+        return self.append_deferred(None, (data, keys))
+
+    def append_deferred(self, encode: Encoder | None, item: Any) -> bool:
+        """Queue one context to be encoded when its batch is written:
+        ``encode(item)`` returns its records and index keys (``encode=None``: ``item``
+        is that pair already). Encoding is deferred so that the caller, a handler's
+        hot path, pays one ``deque.append``; ``encode`` must not depend on state
+        that changes after this call. An ``encode`` that raises loses the context
+        (counted in ``lost`` and logged). Full queue: as :meth:`append_encoded`.
+        """
         queue = self._queue
         if len(queue) >= self.queue_size:
             self._dropped += 1
@@ -602,7 +617,7 @@ class AsyncTraceDispatcher:
                     self._dropped,
                 )
             return False
-        queue.append((data, keys))
+        queue.append((encode, item))
         self._appended += 1
         batch_num = self.batch_num
         if len(queue) >= batch_num:
@@ -613,7 +628,7 @@ class AsyncTraceDispatcher:
                 self._wakeup.set()
         return True
 
-    def _take(self, count: int) -> list[tuple[str, Sequence[str]]]:
+    def _take(self, count: int) -> list[_Entry]:
         queue = self._queue
         return [queue.popleft() for _ in range(min(count, len(queue)))]
 
@@ -668,14 +683,32 @@ class AsyncTraceDispatcher:
                     continue
                 await self._send(batch)
 
-    def _messages(self, batch: list[tuple[str, Sequence[str]]]) -> list[tuple[int, TraceMessage]]:
-        """``batch`` as trace messages of at most ``max_msg_size`` characters, each
-        with the number of contexts it holds (RocketMQ's ``AsyncDataSendTask``)."""
+    def _encode(self, batch: list[_Entry]) -> list[tuple[str, Sequence[str]]]:
+        """Records and index keys of each context of ``batch`` (deferred ones encoded
+        now; one whose encoder raises is lost, counted and logged)."""
+        out: list[tuple[str, Sequence[str]]] = []
+        for encode, item in batch:
+            if encode is None:
+                out.append(item)
+                continue
+            try:
+                out.append(encode(item))
+            except Exception as exc:  # an encoder bug must not stop the consumer
+                self._lost += 1
+                now = time.monotonic()
+                if now - self._last_error_log >= _LOG_EVERY:
+                    self._last_error_log = now
+                    logger.error("encoding a trace context failed", exc_info=exc)
+        return out
+
+    def _messages(self, encoded: list[tuple[str, Sequence[str]]]) -> list[tuple[int, TraceMessage]]:
+        """Encoded contexts as trace messages of at most ``max_msg_size`` characters,
+        each with the number of contexts it holds (RocketMQ's ``AsyncDataSendTask``)."""
         out: list[tuple[int, TraceMessage]] = []
         parts: list[str] = []
         keys: dict[str, None] = {}
         size = 0
-        for data, data_keys in batch:
+        for data, data_keys in encoded:
             parts.append(data)
             keys.update(dict.fromkeys(data_keys))
             size += len(data)
@@ -689,11 +722,11 @@ class AsyncTraceDispatcher:
     def _message(self, parts: list[str], keys: dict[str, None]) -> TraceMessage:
         return TraceMessage(topic=self.trace_topic, keys=tuple(keys), body="".join(parts))
 
-    def _send_nowait(self, batch: list[tuple[str, Sequence[str]]]) -> bool:
+    def _send_nowait(self, batch: list[_Entry]) -> bool:
         """Write ``batch`` through the sink's synchronous path; ``False`` (with the
         batch put back in front of the queue) when the sink declined."""
-        messages = self._messages(batch)
-        for i, (count, message) in enumerate(messages):
+        encoded = self._encode(batch)
+        for i, (count, message) in enumerate(self._messages(encoded)):
             try:
                 written = self.sink.write_nowait(message)
             except Exception as exc:
@@ -702,15 +735,15 @@ class AsyncTraceDispatcher:
             if not written:
                 if i == 0:  # the sink writes asynchronously: leave it to the task
                     self._sync_sink = False
-                    self._queue.extendleft(reversed(batch))
+                    self._queue.extendleft((None, pair) for pair in reversed(encoded))
                     return False
                 raise RuntimeError("a TraceSink must not decline write_nowait() halfway")
             self._written += count
             self._messages_written += 1
         return True
 
-    async def _send(self, batch: list[tuple[str, Sequence[str]]]) -> None:
-        for count, message in self._messages(batch):
+    async def _send(self, batch: list[_Entry]) -> None:
+        for count, message in self._messages(self._encode(batch)):
             try:
                 await self.sink.write(message)
             except Exception as exc:
@@ -817,12 +850,30 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
     def statistics(self) -> TraceDispatcherStatistics:
         return self.dispatcher.statistics()
 
-    # The two methods below write RocketMQ's records straight from the hook context
-    # (the layout of encode_trace_context, which the tests hold them to): building
-    # TraceBean/TraceContext objects per message would cost more than the handler
-    # call of a fast consumer.
+    # The hot path (the two hook methods) only queues the hook context: the records
+    # are encoded when their batch is written (AsyncTraceDispatcher.append_deferred),
+    # by _encode_before / _encode_after, straight from the context (the layout of
+    # encode_trace_context, which the tests hold them to; building TraceBean and
+    # TraceContext objects per message would cost more than a fast handler call).
+    # Both encoders read only fields that are final when they are queued.
 
     def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        for message in context.messages:
+            props = message.properties
+            if not props or props.get(PROPERTY_TRACE_SWITCH) != "false":
+                break
+        else:
+            return  # no message of the call is traced
+        context.props[self._props_key] = None  # traced; filled in by _encode_before
+        self.dispatcher.append_deferred(self._encode_before, context)
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        if self._props_key in context.props:
+            self.dispatcher.append_deferred(self._encode_after, context)
+
+    def _encode_before(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
+        """The ``SubBefore`` records of a call and its index keys; keeps what its
+        ``SubAfter`` records share with them in ``context.props``."""
         wall = context.wall_offset
         opened = context.runnable_at
         region = ""
@@ -831,6 +882,9 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         keys: list[str] = []
         head = ""
         tail = ""
+        request_id = ""
+        group_stage = ""
+        stage = context.stage_index
         for message, cached in zip(context.messages, context.cached_times):  # noqa: B905
             props = message.properties
             if props:
@@ -845,7 +899,7 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                     context.consumer_group,
                     context.strategy_id,
                     context.group_id,
-                    context.stage_index,
+                    stage,
                 )
                 static = self._static.get(static_key)
                 if static is None:
@@ -854,7 +908,7 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                     static = self._static[static_key] = (
                         f"{_S}{_c(region or self.region_id)}{_S}{_c(context.consumer_group)}{_S}",
                         f"{_S}{_c(context.strategy_id or '')}{_S}{_c(context.group_id or '')}{_E}",
-                        f"{_S}{_c(context.consumer_group)}{_S}{context.stage_index}{_S}",
+                        f"{_S}{_c(context.consumer_group)}{_S}{stage}{_S}",
                     )
                 head = (
                     f"SubBefore{_S}{round((context.start_time + wall) * 1000)}{static[0]}"
@@ -862,7 +916,6 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                 )
                 tail = f"{_S}{context.attempt}{static[1]}"
                 group_stage = static[2]
-                stage = context.stage_index
             msg_id = _trace_id(message)
             if _S in msg_id or _E in msg_id:
                 msg_id = _c(msg_id)
@@ -877,15 +930,15 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
             keys.append(msg_id)
             if key_text:
                 keys.extend(key_text.split(KEY_SEPARATOR))
-        if not records:
-            return
-        self.dispatcher.append_encoded("".join(records), keys)
         context.props[self._props_key] = (request_id, beans, keys, group_stage)
+        return "".join(records), keys
 
-    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+    def _encode_after(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
+        """The ``SubAfter`` records of a call and its index keys."""
         before = context.props.get(self._props_key)
-        if before is None:
-            return
+        if before is None:  # its SubBefore was dropped: share the same request id
+            self._encode_before(context)
+            before = context.props[self._props_key]
         request_id, beans, keys, group_stage = before
         settlement = ""
         if context.settled:
@@ -893,22 +946,19 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                 if outcome in context.settled:
                     settlement = outcome.value
                     break
-        status = context.status
         end = context.end_time
         cost = int(max(0.0, end - context.start_time) * 1000 / max(1, len(context.messages)))
         head = f"SubAfter{_S}{request_id}{_S}"
         tail = (
-            f"{_S}{_CODES[status]}{_S}{round((end + context.wall_offset) * 1000)}"
+            f"{_S}{_CODES[context.status]}{_S}{round((end + context.wall_offset) * 1000)}"
             f"{group_stage}{settlement}{_S}{context.attempt}{_E}"
         )
         success = "true" if context.success else "false"
-        self.dispatcher.append_encoded(
-            "".join(
-                f"{head}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
-                for msg_id, key_text in beans
-            ),
-            keys,
+        data = "".join(
+            f"{head}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
+            for msg_id, key_text in beans
         )
+        return data, keys
 
     async def run(
         self,

@@ -191,3 +191,40 @@ async def test_registration_rules() -> None:
         with pytest.raises(ConsumerStateError):
             consumer.register_consume_message_hook(Recorder())
     assert consumer.statistics().hook_errors == 0
+
+
+def test_consumer_constructor_of_the_context_sets_every_field_as_attrs_init() -> None:
+    import attrs
+
+    from stagedconsumer import MessageQueue
+
+    mq = MessageQueue("t", 3)
+    args = ("g", mq, [], "staged", 2, "s", "k", 3, [1.0], 2.0, 5.0, 100.0)
+    names = [
+        "consumer_group",
+        "message_queue",
+        "messages",
+        "mode",
+        "stage_index",
+        "strategy_id",
+        "group_id",
+        "attempt",
+        "cached_times",
+        "runnable_at",
+        "start_time",
+        "wall_offset",
+    ]
+    fast = ConsumeMessageContext._of_call(*args)
+    slow = ConsumeMessageContext(**dict(zip(names, args, strict=True)))
+    assert attrs.asdict(fast, recurse=False) == attrs.asdict(slow, recurse=False)
+    assert [f.name for f in attrs.fields(ConsumeMessageContext)] == [
+        *names,
+        "end_time",
+        "success",
+        "status",
+        "exception",
+        "result",
+        "settled",
+        "props",
+    ]
+    assert fast.settled is not ConsumeMessageContext._of_call(*args).settled  # fresh dicts
