@@ -13,7 +13,10 @@ the same data layout (8 streams, one per queue), each in its own key namespace:
 - two floors, no consumer and no handler: a loop of ``XRANGE`` over the 8 streams
   with redis-py + hiredis, once with the entries decoded into ``Message`` objects as
   ``RedisBroker`` does and once without decoding. Nothing that reads these streams
-  through redis-py in one process can be cheaper per message.
+  through redis-py in one process can be cheaper per message;
+- the consumer's own cost, without Redis: the concurrent mode on the embedded
+  ``MemoryBroker`` holding the same backlog (drain only). Roughly, the concurrent
+  mode over Redis costs this plus the first floor.
 
 Same batch sizes: ``--read-batch`` entries per stream per Redis read for everyone
 (``RedisBroker(read_ahead=...)``, ``XREADGROUP COUNT``, ``StreamSub(max_records=...)``,
@@ -28,6 +31,10 @@ Two phases per system:
    process's CPU time (``time.process_time``) over that time: on a shared machine the
    wall-clock rate says as much about the neighbours as about the system. Repeated
    ``--repeat`` times, the systems interleaved; the medians are reported.
+   ``--gc-freeze`` moves everything alive before each phase out of the cyclic
+   collector's reach: the consumer keeps up to ``pull_threshold_for_queue`` messages
+   per queue alive, long enough for them to reach the oldest generation, whose full
+   collections then walk every object the imports made.
 2. **latency**: a separate producer process sends ``--latency-messages`` at
    ``--rate`` messages/s (the send time is in the message); the handler records
    ``now - send time`` at its start; p50/p99 are reported.
@@ -44,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -67,6 +75,7 @@ from stagedconsumer import (
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     GroupOptions,
+    MemoryBroker,
     Message,
     MessageListenerConcurrently,
     MessageListenerOrderly,
@@ -146,6 +155,7 @@ class NoopStaged(_Listener, MessageListenerStagedConcurrently):
 
 LISTENERS: dict[str, Callable[[Recorder], Any]] = {
     "stagedconsumer concurrent": NoopConcurrently,
+    "runtime only: concurrent on MemoryBroker": NoopConcurrently,
     "stagedconsumer staged [100]*k": NoopStaged,
     "stagedconsumer orderly": NoopOrderly,
 }
@@ -292,6 +302,25 @@ async def run_faststream(url: str, ns: str, recorder: Recorder, batch: int) -> f
     return recorder.last - start
 
 
+def fill_memory(n: int) -> MemoryBroker:
+    broker = MemoryBroker()
+    broker.create_topic(TOPIC, QUEUES)
+    body = _TS.pack(0.0)
+    for q in range(QUEUES):
+        broker.send_many(TOPIC, [body] * (n // QUEUES), queue_id=q)
+    return broker
+
+
+async def run_memory(broker: MemoryBroker, recorder: Recorder, options: ConsumerOptions) -> float:
+    """The concurrent mode on the embedded broker: the consumer's cost without Redis."""
+    consumer = PushConsumer("bench", broker, NoopConcurrently(recorder), options=options)
+    consumer.subscribe(TOPIC)
+    start = time.perf_counter()
+    async with consumer:
+        await recorder.done.wait()
+    return recorder.last - start
+
+
 async def run_floor(url: str, ns: str, recorder: Recorder, batch: int, *, decode: bool) -> float:
     """``XRANGE COUNT batch`` over the 8 streams in turn, decoding as RedisBroker does
     (or not): the cost of reading alone, no consumer, no handler."""
@@ -321,6 +350,8 @@ def _kind(name: str) -> str:
         return "stagedconsumer"
     if name.startswith("floor"):
         return "floor"
+    if name.startswith("runtime"):
+        return "memory"
     return "raw"
 
 
@@ -328,12 +359,17 @@ async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -
     """One drain or latency phase of one system, in a fresh namespace."""
     url = args.url
     options = ConsumerOptions(pull_batch_size=args.pull_batch, pull_long_polling_timeout=1.0)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     ns = f"bench-{uuid.uuid4().hex[:8]}"
     n = args.latency_messages if latency else args.messages
     n -= n % (QUEUES * 10)
     kind = _kind(name)
     if kind == "raw":
         await fill_raw(url, ns, 0 if latency else n, b"ts")
+    elif kind == "memory":
+        memory = fill_memory(n)
     else:
         await fill_stagedconsumer(url, ns, 0 if latency else n)
     recorder = Recorder(n, latency=latency)
@@ -342,6 +378,8 @@ async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -
     try:
         if kind == "stagedconsumer":
             elapsed = await run_stagedconsumer(url, ns, name, recorder, options, args.read_batch)
+        elif kind == "memory":
+            elapsed = await run_memory(memory, recorder, options)
         elif kind == "floor":
             elapsed = await run_floor(url, ns, recorder, args.read_batch, decode="decode" in name)
         elif name.startswith("redis-py"):
@@ -386,8 +424,9 @@ SYSTEMS = [
     "FastStream StreamSub",
     "floor: XRANGE + decode, no consumer",
     "floor: XRANGE only",
+    "runtime only: concurrent on MemoryBroker",
 ]
-LATENCY_SYSTEMS = [name for name in SYSTEMS if not name.startswith("floor")]
+LATENCY_SYSTEMS = [name for name in SYSTEMS if not name.startswith(("floor", "runtime"))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -407,6 +446,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         " COUNT, StreamSub max_records, floors' XRANGE COUNT)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="drain runs per system")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.collect() + gc.freeze() before every phase of every system, so full"
+        " collections skip the imported modules' objects (a common tuning of services)",
+    )
     parser.add_argument("--systems", nargs="*", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--json", type=Path, help="also write results as JSON here")
     parser.add_argument("--produce", help=argparse.SUPPRESS)
@@ -466,8 +511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(table)
     console.print(
         f"python {platform.python_version()}, {os.cpu_count()} CPUs (shared), one consumer"
-        f" process per system, pull batch {args.pull_batch}, read batch {args.read_batch};"
-        " load: 1-minute load average after the drains"
+        f" process per system, pull batch {args.pull_batch}, read batch {args.read_batch},"
+        f" gc.freeze() {'on' if args.gc_freeze else 'off'}; load: 1-minute load average"
+        " after the drains"
     )
     console.print("reproduce: python -m benchmarks.redis_e2e " + " ".join(argv or sys.argv[1:]))
     if args.json:
