@@ -25,15 +25,15 @@ from pathlib import Path
 from typing import TypeVar
 
 import pandas as pd
-from pyspark import Accumulator
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from . import analysis, report
 from .generate import generate_messages
 from .runner import ReplayConfig
-from .spark import by_consumer, get_session, replay_events, ship_code
+from .spark import by_consumer, clear_events, get_session, replay_summaries, ship_code
 from .workload import MODES, Workload, WorkloadError, load_workload
 
 __all__ = ("BenchResult", "build_parser", "main", "run_bench")
@@ -104,6 +104,9 @@ class BenchResult:
         self.queues = queues
         self.timings = timings
         self.report_path = report_path
+        self.cross_checked: dict[str, bool] = {}
+        """Per clock, when the event log was written: whether Spark SQL's recount of
+        the violations over it agreed with the replay tasks' counts."""
 
 
 def _timed(timings: dict[str, float], name: str, fn: Callable[[], T]) -> T:
@@ -112,6 +115,11 @@ def _timed(timings: dict[str, float], name: str, fn: Callable[[], T]) -> T:
         return fn()
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+EVENT_LOG_LIMIT = 3_000_000
+"""Message-replays (messages x modes) up to which ``bench`` writes the event log by
+default (and cross-checks the violations over it in Spark SQL)."""
 
 
 def run_bench(
@@ -124,8 +132,15 @@ def run_bench(
     progress: Progress | None = None,
     command: str = "",
     master: str = "",
+    events: bool | None = None,
 ) -> BenchResult:
-    """Generate, replay, analyse and report one workload into ``out``."""
+    """Generate, replay, analyse and report one workload into ``out``.
+
+    ``events``: write the event log (``events-<clock>.parquet``) and recount the
+    violations over it in Spark SQL; by default for up to :data:`EVENT_LOG_LIMIT`
+    message-replays. Without it the replay tasks summarise their own events and
+    nothing of size N leaves them.
+    """
     modes = tuple(modes) if modes else w.modes
     out.mkdir(parents=True, exist_ok=True)
     ship_code(spark)
@@ -138,50 +153,62 @@ def run_bench(
         return spark.read.parquet(messages_path)
 
     messages = _timed(timings, "generate", partial(tracker.run, "generate", generate))
+    if events is None:
+        count = w.message_count if w.recorded is None else messages.count()
+        events = count * len(modes) <= EVENT_LOG_LIMIT
     consumers = w.consumers if w.recorded is None else None
-    messages = by_consumer(messages, consumers, persist=True)
+    # a wall-clock replay reads the messages a second time: shuffle them once
+    messages = by_consumer(messages, consumers, persist=wall_clock)
     config = ReplayConfig.from_workload(w)
     clocks = ["virtual", *(["wall"] if wall_clock else [])]
     cpu_info: dict[str, float] = {}
     summaries: list[pd.DataFrame] = []
     queue_frames: list[pd.DataFrame] = []
     quantile_frames: list[pd.DataFrame] = []
-    total_messages = messages.count()
-
-    def compute_bounds() -> DataFrame:
-        bounds_pdf = analysis.compute_bounds(messages, w, modes).toPandas()
-        return spark.createDataFrame(bounds_pdf, schema=analysis.BOUND_SCHEMA)
-
-    bounds = _timed(timings, "bounds", partial(tracker.run, "bounds", compute_bounds))
+    bounds: DataFrame | None = None
+    cross_checked: dict[str, bool] = {}
+    replays = 0
     for clock in clocks:
-        events_path = str(out / f"events-{clock}.parquet")
+        consumers_path = str(out / f"consumers-{clock}.parquet")
+        events_path = str(out / f"events-{clock}.parquet") if events else None
 
-        cpu = spark.sparkContext.accumulator(0.0)
+        def replay(clock: str = clock, consumers_path: str = consumers_path,
+                   events_path: str | None = events_path) -> DataFrame:
+            if events_path is not None:
+                clear_events(events_path)
+            replay_summaries(
+                messages, config, modes, workers=w.threads,
+                max_reconsume=w.failures.max_reconsume_times, wall_clock=clock == "wall",
+                events_path=events_path,
+            ).write.mode("overwrite").parquet(consumers_path)
+            return spark.read.parquet(consumers_path)
 
-        def replay(clock: str = clock, events_path: str = events_path,
-                   cpu: Accumulator[float] = cpu) -> DataFrame:
-            events = replay_events(
-                messages, config, modes, wall_clock=clock == "wall", cpu_seconds=cpu
-            )
-            events.write.mode("overwrite").parquet(events_path)
-            return spark.read.parquet(events_path)
-
-        events = _timed(
+        per_consumer = _timed(
             timings, f"replay ({clock} time)", partial(tracker.run, f"replay {clock}", replay)
         )
-        cpu_info[clock] = float(cpu.value)
 
-        def analyse(events: DataFrame = events) -> tuple[pd.DataFrame, ...]:
-            outcomes = analysis.message_outcomes(events).cache()
-            summary = analysis.mode_summary(total_messages, events, outcomes, bounds)
-            queues = analysis.queue_summary(outcomes).toPandas()
-            quantiles = analysis.latency_quantiles(outcomes).toPandas()
-            outcomes.unpersist()
+        def analyse(per_consumer: DataFrame = per_consumer,
+                    events_path: str | None = events_path) -> tuple[pd.DataFrame, ...]:
+            hists = analysis.merged_histograms(per_consumer)
+            summary = analysis.mode_summary(per_consumer, hists)
+            queues = analysis.queue_summary(per_consumer).toPandas()
+            quantiles = analysis.latency_quantiles(hists)
+            cpu = per_consumer.agg(F.sum("cpu_seconds")).first()
+            summary.attrs["cpu"] = float(cpu[0] or 0.0) if cpu is not None else 0.0
+            if events_path is not None:
+                recount = analysis.violations(spark.read.parquet(events_path)).toPandas()
+                summary.attrs["cross_check"] = _same_violations(summary, recount)
             return summary, queues, quantiles
 
         summary, queues, quantiles = _timed(
             timings, f"analyse ({clock} time)", partial(tracker.run, f"analyse {clock}", analyse)
         )
+        cpu_info[clock] = summary.attrs["cpu"]
+        if "cross_check" in summary.attrs:
+            cross_checked[clock] = summary.attrs["cross_check"]
+        replays = int(summary["messages"].sum())
+        if bounds is None:
+            bounds = per_consumer.select(*(f.name for f in analysis.BOUND_SCHEMA.fields))
         summaries.append(summary.assign(clock=clock))
         queue_frames.append(queues.assign(clock=clock))
         quantile_frames.append(quantiles.assign(clock=clock))
@@ -193,16 +220,29 @@ def run_bench(
         summary = summary.drop(columns="clock")
         queues = queues.drop(columns="clock")
     t0 = time.perf_counter()
+    summary.attrs.clear()
     spark.createDataFrame(summary.astype({"mode": object})).write.mode("overwrite").parquet(
         str(out / "summary.parquet"))
+    assert bounds is not None
     bounds.write.mode("overwrite").parquet(str(out / "bounds.parquet"))
     queues.to_parquet(out / "queues.parquet", index=False)
     charts = report.write_charts(summary, quantiles, out)
     timings["report"] = time.perf_counter() - t0
     path = report.write_markdown(out, w, summary, queues, timings, command, master, charts,
-                                 replay_cpu=cpu_info, replays=total_messages * len(modes))
+                                 replay_cpu=cpu_info, replays=replays,
+                                 cross_checked=cross_checked)
     messages.unpersist()
-    return BenchResult(out, summary, queues, timings, path, cpu_info, total_messages * len(modes))
+    result = BenchResult(out, summary, queues, timings, path, cpu_info, replays)
+    result.cross_checked = cross_checked
+    return result
+
+
+def _same_violations(summary: pd.DataFrame, recount: pd.DataFrame) -> bool:
+    """The violations the replay tasks counted equal those Spark SQL recounts."""
+    cols = ["queue_order_violations", "stage_order_violations", "stage_mismatches"]
+    a = summary.set_index("mode")[cols].astype("int64").sort_index()
+    b = recount.set_index("mode")[cols].astype("int64").sort_index()
+    return bool(a.equals(b))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -230,7 +270,7 @@ def _bench(args: argparse.Namespace) -> int:
         ) as progress:
             result = run_bench(
                 spark, w, out, modes=args.modes, wall_clock=args.wall_clock,
-                progress=progress, command=command, master=args.master,
+                progress=progress, command=command, master=args.master, events=args.events,
             )
     finally:
         spark.stop()
@@ -242,6 +282,11 @@ def _bench(args: argparse.Namespace) -> int:
         console.print(
             f"replay ({clock} time): {result.replays:,} message-replays, {cpu:.1f} CPU s in the"
             f" Python workers = {cpu / max(1, result.replays) * 1e6:.1f} us per message and mode"
+        )
+    for clock, same in result.cross_checked.items():
+        console.print(
+            f"violations ({clock} time) recounted in Spark SQL over the event log: "
+            + ("same as the replay tasks" if same else "[red]DIFFERENT[/red] from the replay tasks")
         )
     console.print(f"report: {result.report_path}")
     return 0
@@ -272,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", nargs="+", choices=MODES, help="modes to replay")
     bench.add_argument("--wall-clock", action="store_true",
                        help="also replay on the real clock (handler costs really waited)")
+    events = bench.add_mutually_exclusive_group()
+    events.add_argument("--events", dest="events", action="store_true", default=None,
+                        help="write the event log and recount violations over it in Spark"
+                        f" SQL (default: up to {EVENT_LOG_LIMIT:,} message-replays)")
+    events.add_argument("--no-events", dest="events", action="store_false",
+                        help="do not write the event log")
     bench.add_argument("--shuffle-partitions", type=int, default=None,
                        help="spark.sql.shuffle.partitions (default: 8, or 1 per million"
                        " events up to 200)")

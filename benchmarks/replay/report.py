@@ -174,6 +174,7 @@ def write_markdown(
     *,
     replay_cpu: Mapping[str, float] | None = None,
     replays: int = 0,
+    cross_checked: Mapping[str, bool] | None = None,
 ) -> Path:
     cols = ([("clock", "clock")] if "clock" in summary.columns else []) + list(SUMMARY_COLUMNS)
     parts = [
@@ -237,13 +238,21 @@ def write_markdown(
             f" message-replays = {cpu / max(1, replays) * 1e6:.1f} us per message and mode"
             " (independent of other load on the machine, unlike the wall times)"
         )
+    for clock, same in (cross_checked or {}).items():
+        parts.append(
+            f"- violations ({clock} time) recounted in Spark SQL over the written event log:"
+            + (" same counts as the replay tasks" if same else " **DIFFERENT from the replay"
+               " tasks' counts**")
+        )
     parts += ["", "## Charts", ""]
     parts += [f"![{p.stem}]({p.name})" for p in charts]
     parts += [
         "",
-        "Files: `messages.parquet` (generated messages), `events-<clock>.parquet` (event log:"
-        " mode, consumer, queue, offset, stage, attempt, batch, start, end, ok, dlq),"
-        " `summary.parquet`, `queues.parquet`, `bounds.parquet`.",
+        "Files: `messages.parquet` (generated messages), `consumers-<clock>.parquet` (per"
+        " mode and consumer instance: counts, violations, per-queue numbers, latency"
+        " histograms), `events-<clock>.parquet` (event log, when written: mode, consumer,"
+        " queue, offset, stage, attempt, batch, start, end, ok, dlq), `summary.parquet`,"
+        " `queues.parquet`, `bounds.parquet`.",
         "",
     ]
     path = out / "report.md"

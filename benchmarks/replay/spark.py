@@ -19,11 +19,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from pyspark import Accumulator, StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BooleanType,
+    DataType,
     DoubleType,
     IntegerType,
     LongType,
@@ -35,7 +39,8 @@ from pyspark.sql.types import (
 from .runner import ReplayConfig, replay_consumer
 
 __all__ = (
-    "EVENT_SCHEMA", "by_consumer", "get_session", "group_keys", "replay_events", "ship_code",
+    "EVENT_ARROW_SCHEMA", "EVENT_SCHEMA", "by_consumer", "clear_events", "get_session",
+    "group_keys", "replay_events", "replay_summaries", "ship_code", "write_event_part",
 )
 
 EVENT_SCHEMA = StructType(
@@ -133,6 +138,92 @@ def replay_events(
     if not _is_by_consumer(messages):
         messages = by_consumer(messages)
     return messages.groupBy(*group_keys(messages)).applyInPandas(replay_all, schema=EVENT_SCHEMA)
+
+
+def _arrow_type(t: DataType) -> pa.DataType:
+    simple: dict[type[DataType], pa.DataType] = {
+        StringType: pa.string(), IntegerType: pa.int32(), LongType: pa.int64(),
+        DoubleType: pa.float64(), BooleanType: pa.bool_(),
+    }
+    return simple[type(t)]
+
+
+EVENT_ARROW_SCHEMA = pa.schema(
+    [pa.field(f.name, _arrow_type(f.dataType), f.nullable) for f in EVENT_SCHEMA.fields]
+)
+""":data:`EVENT_SCHEMA` for pyarrow: every part file of a log gets the same types
+(an all-null ``grp`` column would otherwise become Arrow's null type)."""
+
+
+def events_location(path: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and path of an event-log directory (a local path or any URI
+    pyarrow knows: ``hdfs://``, ``s3://``, ...; executors must all reach it)."""
+    if "://" in path:
+        fs, where = pafs.FileSystem.from_uri(path)
+        return fs, str(where)
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def clear_events(path: str) -> None:
+    """Empty (or create) an event-log directory before a replay writes into it."""
+    fs, where = events_location(path)
+    fs.create_dir(where, recursive=True)
+    fs.delete_dir_contents(where)
+
+
+def write_event_part(path: str, events: pd.DataFrame) -> None:
+    """Write one consumer instance's events of one mode as a part file of ``path``."""
+    if len(events) == 0:
+        return
+    fs, where = events_location(path)
+    name = f"part-c{int(events['consumer'].iloc[0]):06d}-{events['mode'].iloc[0]}.parquet"
+    table = pa.Table.from_pandas(events, schema=EVENT_ARROW_SCHEMA, preserve_index=False)
+    pq.write_table(table, f"{where}/{name}", filesystem=fs)
+
+
+def replay_summaries(
+    messages: DataFrame, config: ReplayConfig, modes: Sequence[str], *, workers: int,
+    max_reconsume: int | None, wall_clock: bool = False, events_path: str | None = None,
+) -> DataFrame:
+    """Replay every consumer instance in every mode and summarise, in one Spark stage.
+
+    Each task takes one consumer instance's messages, computes its bounds
+    (:func:`~benchmarks.replay.analysis.consumer_bounds`), replays each mode and
+    summarises that mode's event log where it was made
+    (:func:`~benchmarks.replay.analysis.summarise_events`: the events of a queue never
+    span tasks), so the 3 x N events need no shuffle: the result is one
+    :data:`~benchmarks.replay.analysis.CONSUMER_SCHEMA` row per mode and consumer.
+    ``events_path``: also write the event log there as Parquet, one part file per
+    consumer instance and mode (a directory every executor can write).
+    """
+    from .analysis import CONSUMER_SCHEMA, consumer_bounds, consumer_frame, summarise_events
+
+    chosen = tuple(modes)
+
+    def replay_group(pdf: pd.DataFrame) -> pd.DataFrame:
+        pdf = pdf.sort_values(["qid", "offset"], kind="stable").reset_index(drop=True)
+        bounds = consumer_bounds(pdf, chosen, workers, max_reconsume).set_index("mode")
+        rows = []
+        for mode in chosen:
+            start = time.process_time()
+            events = replay_consumer(pdf, mode, config, wall_clock=wall_clock)
+            cpu = time.process_time() - start
+            if events_path is not None:
+                write_event_part(events_path, events)
+            row = summarise_events(events, inputs=len(pdf))
+            row.update(
+                mode=mode, consumer=int(pdf["consumer"].iloc[0]), cpu_seconds=cpu,
+                bound=float(bounds.loc[mode, "bound"]), graham=float(bounds.loc[mode, "graham"]),
+                work=float(bounds.loc[mode, "work"]),
+            )
+            rows.append(row)
+        return consumer_frame(rows)
+
+    if not _is_by_consumer(messages):
+        messages = by_consumer(messages)
+    return messages.groupBy(*group_keys(messages)).applyInPandas(
+        replay_group, schema=CONSUMER_SCHEMA
+    )
 
 
 _BY_CONSUMER: weakref.WeakSet[DataFrame] = weakref.WeakSet()

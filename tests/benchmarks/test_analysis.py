@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -73,9 +74,8 @@ def test_analysis_of_a_hand_built_log(spark: SparkSession) -> None:
     w = parse_workload({"name": "hand", "messagesPerQueue": 4, "consumer": {"threads": 2},
                         "stages": {"definitions": [2, 2]}, "modes": ["orderly", "staged"]})
     bounds = analysis.compute_bounds(messages_df(spark), w, w.modes)
-    events = events_df(spark, clean_log())
-    outcomes = analysis.message_outcomes(events)
-    summary = analysis.mode_summary(4, events, outcomes, bounds).set_index("mode")
+    per_consumer = analysis.summarise_event_log(events_df(spark, clean_log()), bounds)
+    summary = analysis.mode_summary(per_consumer).set_index("mode")
     orderly, staged = summary.loc["orderly"], summary.loc["staged"]
     assert (orderly["makespan"], staged["makespan"]) == (10, 6)
     assert (orderly["bound"], staged["bound"]) == (10, 6)  # sum of costs; 2 + 4 on 2 workers
@@ -90,12 +90,27 @@ def test_analysis_of_a_hand_built_log(spark: SparkSession) -> None:
         assert summary.loc[mode, "stage_order_violations"] == 0
     assert summary.loc["orderly", "queue_order_violations"] == 0
     assert summary.loc["staged", "stage_mismatches"] == 0
-    queues = analysis.queue_summary(outcomes).toPandas().set_index("mode")
+    queues = analysis.queue_summary(per_consumer).toPandas().set_index("mode")
     assert queues.loc["staged", "speedup"] == pytest.approx(10 / 6)
     assert queues.loc["orderly", "messages"] == 4
+    assert queues.loc["orderly", "latency_p50"] == 3
+    cdf = analysis.latency_quantiles(analysis.merged_histograms(per_consumer), points=4)
+    assert list(cdf.set_index("mode").loc["orderly", "latency_q"]) == [1, 1, 3, 6, 10]
 
 
-def test_violation_counter_finds_planted_violations(spark: SparkSession) -> None:
+def count_violations(spark: SparkSession, rows: list[dict[str, Any]], how: str) -> pd.DataFrame:
+    """Per mode, by Spark SQL over the log or as the replay tasks count (pandas)."""
+    events = events_df(spark, rows)
+    if how == "sql":
+        return analysis.violations(events).toPandas().set_index("mode")
+    pdf = events.toPandas()
+    return pd.DataFrame(
+        [{"mode": m, **analysis.event_violations(g)} for m, g in pdf.groupby("mode")]
+    ).set_index("mode")
+
+
+@pytest.mark.parametrize("how", ["sql", "tasks"])
+def test_violation_counter_finds_planted_violations(spark: SparkSession, how: str) -> None:
     rows = clean_log()
     # orderly: offset 2 starts at 2.5, before offset 1 (ends at 3) finished
     rows[2] = event("orderly", 2, 2.5, 5.5, batch=2)
@@ -103,14 +118,21 @@ def test_violation_counter_finds_planted_violations(spark: SparkSession) -> None
     rows[7] = event("staged", 3, 1.5, 5.5, batch=3, stage=1)
     # staged: offset 2 reported as stage 0 although the contract says stage 1
     rows[6] = event("staged", 2, 2, 5, batch=2, stage=0)
-    found = analysis.violations(events_df(spark, rows)).toPandas().set_index("mode")
+    found = count_violations(spark, rows, how)
     assert found.loc["orderly", "queue_order_violations"] == 1
     assert found.loc["orderly", "stage_order_violations"] == 1  # 2.5 < 3: stage 1 too early
     assert found.loc["staged", "stage_order_violations"] == 1
     assert found.loc["staged", "stage_mismatches"] == 1
+    clean = count_violations(spark, clean_log(), how)
+    assert clean.loc["orderly", "queue_order_violations"] == 0
+    assert (clean[["stage_order_violations", "stage_mismatches"]] == 0).all().all()
+    assert clean.loc["staged", "queue_order_violations"] == 2  # concurrent starts, allowed
 
 
-def test_a_failed_attempt_and_its_retry_are_not_violations(spark: SparkSession) -> None:
+@pytest.mark.parametrize("how", ["sql", "tasks"])
+def test_a_failed_attempt_and_its_retry_are_not_violations(
+    spark: SparkSession, how: str
+) -> None:
     rows = [
         event("orderly", 0, 0, 1, batch=0),
         event("orderly", 1, 1, 3, batch=1, ok=False),
@@ -118,17 +140,19 @@ def test_a_failed_attempt_and_its_retry_are_not_violations(spark: SparkSession) 
         event("orderly", 2, 6, 9, batch=3),
         event("orderly", 3, 9, 13, batch=4),
     ]
-    events = events_df(spark, rows)
-    found = analysis.violations(events).toPandas().set_index("mode")
+    found = count_violations(spark, rows, how)
     assert found.loc["orderly", "queue_order_violations"] == 0
-    outcomes = analysis.message_outcomes(events).toPandas().set_index("offset")
-    assert outcomes.loc[1, "attempts"] == 2
-    assert outcomes.loc[1, "successes"] == 1
-    assert (outcomes.loc[1, "first_start"], outcomes.loc[1, "finish"]) == (1, 6)
+    row = analysis.summarise_events(events_df(spark, rows).toPandas())
+    assert (row["messages"], row["attempts"], row["finished"], row["duplicates"]) == (4, 5, 4, 0)
+    assert row["makespan"] == 13
+    # offset 1: first start 1, finish 6; queueing 0, 1, 6, 9 and latency 1, 6, 9, 13
+    assert row["queues"][0]["queueing_p50"] == 1
+    assert row["queues"][0]["latency_p99"] == 13
 
 
+@pytest.mark.parametrize("how", ["sql", "tasks"])
 def test_an_orderly_batch_spanning_a_stage_boundary_is_not_a_violation(
-    spark: SparkSession,
+    spark: SparkSession, how: str
 ) -> None:
     rows = [
         event("orderly", 0, 0, 1, batch=0),
@@ -140,7 +164,23 @@ def test_an_orderly_batch_spanning_a_stage_boundary_is_not_a_violation(
         event("staged", 2, 1, 5, batch=1, stage=1),  # starts before stage 0 ended at 2
         event("staged", 3, 1, 5, batch=1, stage=1),
     ]
-    found = analysis.violations(events_df(spark, rows)).toPandas().set_index("mode")
+    found = count_violations(spark, rows, how)
     assert found.loc["orderly", "stage_order_violations"] == 0
     assert found.loc["orderly", "queue_order_violations"] == 0
     assert found.loc["staged", "stage_order_violations"] == 2
+
+
+def test_histogram_quantiles_are_values_that_occurred_within_a_bucket() -> None:
+    rng = np.random.default_rng(5)
+    values = np.concatenate([np.zeros(50), rng.lognormal(0, 2, 20_000)])
+    halves = [analysis.histogram(values[:7_000]), analysis.histogram(values[7_000:])]
+    merged = pd.concat(
+        [pd.DataFrame({"key": k, "n": n, "max": m}) for k, n, m in halves]
+    ).groupby("key").agg(n=("n", "sum"), max=("max", "max")).sort_index()
+    qs = [0.0, 0.001, 0.5, 0.95, 0.99, 1.0]
+    got = analysis.histogram_quantiles(merged["n"].to_numpy(), merged["max"].to_numpy(), qs)
+    ordered = np.sort(values)
+    for q, value in zip(qs, got, strict=True):
+        exact = ordered[max(1, int(np.ceil(q * len(values) - 1e-9))) - 1]
+        assert exact <= value <= exact * analysis.HIST_GAMMA
+        assert value in set(values)
