@@ -706,21 +706,24 @@ class AsyncTraceDispatcher:
         each with the number of contexts it holds (RocketMQ's ``AsyncDataSendTask``)."""
         out: list[tuple[int, TraceMessage]] = []
         parts: list[str] = []
-        keys: dict[str, None] = {}
+        keys: list[str] = []
         size = 0
         for data, data_keys in encoded:
             parts.append(data)
-            keys.update(dict.fromkeys(data_keys))
+            keys.extend(data_keys)
             size += len(data)
             if size >= self.max_msg_size:
                 out.append((len(parts), self._message(parts, keys)))
-                parts, keys, size = [], {}, 0
+                parts, keys, size = [], [], 0
         if parts:
             out.append((len(parts), self._message(parts, keys)))
         return out
 
-    def _message(self, parts: list[str], keys: dict[str, None]) -> TraceMessage:
-        return TraceMessage(topic=self.trace_topic, keys=tuple(keys), body="".join(parts))
+    def _message(self, parts: list[str], keys: list[str]) -> TraceMessage:
+        """One trace message, keyed by each distinct key once, in first-seen order."""
+        return TraceMessage(
+            topic=self.trace_topic, keys=tuple(dict.fromkeys(keys)), body="".join(parts)
+        )
 
     def _send_nowait(self, batch: list[_Entry]) -> bool:
         """Write ``batch`` through the sink's synchronous path; ``False`` (with the
@@ -815,6 +818,12 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
     runs in the consumer's task group and is flushed when the consumer stops (for
     at most ``shutdown_timeout`` seconds, default 5).
     Messages with property ``TRACE_ON=false`` are not traced.
+
+    The hook methods only queue the hook context (one ``deque.append`` each); its
+    records are encoded when their batch is written, so the queue holds up to
+    ``queue_size`` contexts, with their messages, until then. A call whose
+    ``SubBefore`` was dropped on a full queue still gets its ``SubAfter`` (with a
+    request id of its own) if that one fits.
     """
 
     def __init__(
@@ -874,63 +883,62 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
     def _encode_before(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
         """The ``SubBefore`` records of a call and its index keys; keeps what its
         ``SubAfter`` records share with them in ``context.props``."""
+        messages = context.messages
+        region = ""
+        for message in messages:
+            props = message.properties
+            if props and props.get(PROPERTY_TRACE_SWITCH) != "false":
+                region = props.get(PROPERTY_MSG_REGION, "")
+                break
+        stage = context.stage_index
+        group = context.consumer_group
+        static_key = (region, group, context.strategy_id, context.group_id, stage)
+        static = self._static.get(static_key)
+        if static is None:
+            if len(self._static) >= 4096:  # group ids may be per key: stay bounded
+                self._static.clear()
+            static = self._static[static_key] = (
+                f"{_S}{_c(region or self.region_id)}{_S}{_c(group)}{_S}",
+                f"{_S}{_c(context.strategy_id or '')}{_S}{_c(context.group_id or '')}{_E}",
+                f"{_S}{_c(group)}{_S}{stage}{_S}",
+            )
         wall = context.wall_offset
         opened = context.runnable_at
-        region = ""
+        request_id = f"{self._request_prefix}{next(self._request_seq):016X}"
+        head = f"SubBefore{_S}{round((context.start_time + wall) * 1000)}{static[0]}{request_id}"
+        tail = f"{_S}{context.attempt}{static[1]}"
+        topic = ""
+        topic_text = ""
         beans: list[tuple[str, str]] = []
         records: list[str] = []
         keys: list[str] = []
-        head = ""
-        tail = ""
-        request_id = ""
-        group_stage = ""
-        stage = context.stage_index
-        for message, cached in zip(context.messages, context.cached_times):  # noqa: B905
+        for message, cached in zip(messages, context.cached_times):  # noqa: B905
             props = message.properties
+            msg_id = message.msg_id
             if props:
                 if props.get(PROPERTY_TRACE_SWITCH) == "false":
                     continue
-                if not region:
-                    region = props.get(PROPERTY_MSG_REGION, "")
-            if not head:
-                request_id = f"{self._request_prefix}{next(self._request_seq):016X}"
-                static_key = (
-                    region,
-                    context.consumer_group,
-                    context.strategy_id,
-                    context.group_id,
-                    stage,
-                )
-                static = self._static.get(static_key)
-                if static is None:
-                    if len(self._static) >= 4096:  # group ids may be per key: stay bounded
-                        self._static.clear()
-                    static = self._static[static_key] = (
-                        f"{_S}{_c(region or self.region_id)}{_S}{_c(context.consumer_group)}{_S}",
-                        f"{_S}{_c(context.strategy_id or '')}{_S}{_c(context.group_id or '')}{_E}",
-                        f"{_S}{_c(context.consumer_group)}{_S}{stage}{_S}",
-                    )
-                head = (
-                    f"SubBefore{_S}{round((context.start_time + wall) * 1000)}{static[0]}"
-                    f"{request_id}{_S}"
-                )
-                tail = f"{_S}{context.attempt}{static[1]}"
-                group_stage = static[2]
-            msg_id = _trace_id(message)
+                msg_id = props.get(PROPERTY_ORIGIN_MESSAGE_ID) or msg_id
             if _S in msg_id or _E in msg_id:
                 msg_id = _c(msg_id)
-            key_text = _c(KEY_SEPARATOR.join(message.keys)) if message.keys else ""
-            barrier_ms = round((opened - cached) * 1000) if opened > cached else 0
+            if message.topic is not topic:
+                topic = message.topic
+                topic_text = _c(topic)
+            if message.keys:
+                key_text = _c(KEY_SEPARATOR.join(message.keys))
+                keys.append(msg_id)
+                keys.extend(key_text.split(KEY_SEPARATOR))
+            else:
+                key_text = ""
+                keys.append(msg_id)
             records.append(
-                f"{head}{msg_id}{_S}{message.reconsume_times}{_S}{key_text}{_S}{stage}"
-                f"{_S}{barrier_ms}{_S}{round((cached + wall) * 1000)}"
-                f"{_S}{_c(message.topic)}{_S}{message.queue_id}{_S}{message.queue_offset}{tail}"
+                f"{head}{_S}{msg_id}{_S}{message.reconsume_times}{_S}{key_text}{_S}{stage}"
+                f"{_S}{round((opened - cached) * 1000) if opened > cached else 0}"
+                f"{_S}{round((cached + wall) * 1000)}{_S}{topic_text}{_S}{message.queue_id}"
+                f"{_S}{message.queue_offset}{tail}"
             )
             beans.append((msg_id, key_text))
-            keys.append(msg_id)
-            if key_text:
-                keys.extend(key_text.split(KEY_SEPARATOR))
-        context.props[self._props_key] = (request_id, beans, keys, group_stage)
+        context.props[self._props_key] = (request_id, beans, keys, static[2])
         return "".join(records), keys
 
     def _encode_after(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
@@ -940,24 +948,33 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
             self._encode_before(context)
             before = context.props[self._props_key]
         request_id, beans, keys, group_stage = before
+        settled = context.settled
         settlement = ""
-        if context.settled:
+        if settled:
             for outcome in _SETTLEMENT_ORDER:
-                if outcome in context.settled:
+                if outcome in settled:
                     settlement = outcome.value
                     break
         end = context.end_time
         cost = int(max(0.0, end - context.start_time) * 1000 / max(1, len(context.messages)))
-        head = f"SubAfter{_S}{request_id}{_S}"
+        success = "true" if context.success else "false"
         tail = (
             f"{_S}{_CODES[context.status]}{_S}{round((end + context.wall_offset) * 1000)}"
             f"{group_stage}{settlement}{_S}{context.attempt}{_E}"
         )
-        success = "true" if context.success else "false"
-        data = "".join(
-            f"{head}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
-            for msg_id, key_text in beans
-        )
+        if len(beans) == 1:
+            msg_id, key_text = beans[0]
+            data = (
+                f"SubAfter{_S}{request_id}{_S}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
+            )
+        else:
+            head = f"SubAfter{_S}{request_id}{_S}"
+            data = "".join(
+                [
+                    f"{head}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
+                    for msg_id, key_text in beans
+                ]
+            )
         return data, keys
 
     async def run(

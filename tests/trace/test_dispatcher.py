@@ -161,3 +161,27 @@ async def test_sink_declining_write_nowait_falls_back_to_the_task() -> None:
     assert sink.messages == []
     await dispatcher.flush()
     assert ids(sink) == [["M0", "M1"], ["M2"]]
+
+
+async def test_deferred_contexts_are_encoded_in_order_and_a_failing_encoder_is_lost() -> None:
+    sink = ListSink()
+    dispatcher = AsyncTraceDispatcher(sink, batch_num=10)
+    encoded: list[int] = []
+
+    def encode(n: int) -> tuple[str, list[str]]:
+        encoded.append(n)
+        if n == 2:
+            raise ValueError("encoder bug")
+        from stagedconsumer._trace import encode_trace_context
+
+        return encode_trace_context(ctx(n)), [f"M{n}"]
+
+    for n in range(4):
+        assert dispatcher.append_deferred(encode, n)
+    assert encoded == []  # nothing is encoded on the hot path
+    await dispatcher.flush()
+    assert encoded == [0, 1, 2, 3]
+    assert ids(sink) == [["M0", "M1", "M3"]]
+    assert sink.messages[0].keys == ("M0", "M1", "M3")
+    stats = dispatcher.statistics()
+    assert (stats.appended, stats.written, stats.lost, stats.write_errors) == (4, 3, 1, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import pytest
@@ -199,7 +200,7 @@ def test_consumer_constructor_of_the_context_sets_every_field_as_attrs_init() ->
     from stagedconsumer import MessageQueue
 
     mq = MessageQueue("t", 3)
-    args = ("g", mq, [], "staged", 2, "s", "k", 3, [1.0], 2.0, 5.0, 100.0)
+    args: tuple[Any, ...] = ("g", mq, [], "staged", 2, "s", "k", 3, [1.0], 2.0, 5.0, 100.0)
     names = [
         "consumer_group",
         "message_queue",

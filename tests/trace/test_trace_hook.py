@@ -209,3 +209,46 @@ async def test_async_source_gets_its_trace_topic_created_and_written_by_the_task
     assert broker.statistics().topics[RMQ_SYS_TRACE_TOPIC] == 1
     rows = message_life(query_message_trace(trace_messages_of(broker), "k7"))
     assert [(r.attempt, r.success) for r in rows] == [(1, True)]
+
+
+async def test_a_call_whose_sub_before_was_dropped_still_gets_its_sub_after() -> None:
+    from stagedconsumer._hooks import ConsumeMessageContext, ConsumeReturnType
+
+    class ListSink(TraceSink):
+        def __init__(self) -> None:
+            self.messages: list[TraceMessage] = []
+
+        async def write(self, message: TraceMessage) -> None:
+            self.messages.append(message)
+
+    broker = broker_with(2)
+    first, second = broker.messages("t")
+    sink = ListSink()
+    hook = ConsumeMessageTraceHook(sink, queue_size=1)
+
+    def call(message: Message) -> ConsumeMessageContext:
+        return ConsumeMessageContext._of_call(
+            "g", MessageQueue("t", 0), [message], "concurrent", -1, None, None, 1, [1.0], 1.0,
+            2.0, 1e9,
+        )  # fmt: skip
+
+    a, b = call(first), call(second)
+    hook.consume_message_before(a)
+    hook.consume_message_before(b)  # the queue is full: dropped
+    await hook.dispatcher.flush()
+    for context in (a, b):
+        context.end_time, context.success = 2.5, True
+        context.status = ConsumeReturnType.SUCCESS
+        hook.consume_message_after(context)
+        await hook.dispatcher.flush()
+    stats = hook.statistics()
+    assert (stats.appended, stats.dropped, stats.written) == (3, 1, 3)
+    decoded = [c for m in sink.messages for c in decode_trace_data(m.body)]
+    assert [(c.trace_type, c.beans[0].msg_id) for c in decoded] == [
+        (TraceType.SubBefore, first.msg_id),
+        (TraceType.SubAfter, first.msg_id),
+        (TraceType.SubAfter, second.msg_id),
+    ]
+    assert decoded[0].request_id == decoded[1].request_id
+    assert decoded[2].request_id not in ("", decoded[0].request_id)
+    assert decoded[2].cost_time == 500
