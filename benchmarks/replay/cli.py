@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pandas as pd
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from rich.console import Console
@@ -33,7 +34,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from . import analysis, report
 from .generate import generate_messages
 from .runner import ReplayConfig
-from .spark import by_consumer, clear_events, get_session, replay_summaries, ship_code
+from .spark import clear_events, get_session, mark_by_consumer, replay_summaries, ship_code
 from .workload import MODES, Workload, WorkloadError, load_workload
 
 __all__ = ("BenchResult", "build_parser", "main", "run_bench")
@@ -149,16 +150,16 @@ def run_bench(
     messages_path = str(out / "messages.parquet")
 
     def generate() -> DataFrame:
-        generate_messages(spark, w).write.mode("overwrite").parquet(messages_path)
-        return spark.read.parquet(messages_path)
+        # partitioned by consumer instance while generating (one shuffle, not two)
+        # and kept: the replay reads it from memory, not back from the Parquet
+        df = generate_messages(spark, w, by_consumer=True).persist(StorageLevel.MEMORY_AND_DISK)
+        df.drop("part").write.mode("overwrite").parquet(messages_path)
+        return mark_by_consumer(df)
 
     messages = _timed(timings, "generate", partial(tracker.run, "generate", generate))
     if events is None:
         count = w.message_count if w.recorded is None else messages.count()
         events = count * len(modes) <= EVENT_LOG_LIMIT
-    consumers = w.consumers if w.recorded is None else None
-    # a wall-clock replay reads the messages a second time: shuffle them once
-    messages = by_consumer(messages, consumers, persist=wall_clock)
     config = ReplayConfig.from_workload(w)
     clocks = ["virtual", *(["wall"] if wall_clock else [])]
     cpu_info: dict[str, float] = {}
@@ -255,12 +256,10 @@ def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("bench-results") / w.name
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in args.argv)
     t0 = time.perf_counter()
-    partitions = args.shuffle_partitions
-    if partitions is None:
-        # Spark's 200 is far too many for small workloads on a few cores, and one
-        # partition per ~1M events keeps large ones moving.
-        events = max(0, w.message_count) * len(args.modes or w.modes)
-        partitions = max(8, min(200, events // 1_000_000))
+    # Spark's default of 200 is far too many here: the one large shuffle (messages to
+    # consumer instances) has an explicit partition count, and the analysis shuffles
+    # only per-consumer summaries.
+    partitions = args.shuffle_partitions or 8
     spark = get_session(args.master, shuffle_partitions=partitions)
     try:
         with Progress(
@@ -324,8 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--no-events", dest="events", action="store_false",
                         help="do not write the event log")
     bench.add_argument("--shuffle-partitions", type=int, default=None,
-                       help="spark.sql.shuffle.partitions (default: 8, or 1 per million"
-                       " events up to 200)")
+                       help="spark.sql.shuffle.partitions (default 8)")
     bench.set_defaults(handler=_bench)
     validate = sub.add_parser("validate", help="check workload files")
     validate.add_argument("workloads", nargs="+")

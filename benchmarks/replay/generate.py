@@ -112,32 +112,50 @@ def _stage_index(w: Workload, stage_offset: Column) -> Column:
     return expr.cast("int")  # type: ignore[no-any-return]
 
 
-def add_derived_columns(df: DataFrame, w: Workload, queue_count: int) -> DataFrame:
+def add_derived_columns(df: DataFrame, w: Workload, queue_count: int, *,
+                        by_consumer: bool = False) -> DataFrame:
     """Consumer assignment, strategy, group and the contract's stage of each message.
 
-    ``df`` needs ``qid``, ``offset`` and ``key``.
+    ``df`` needs ``qid``, ``offset`` and ``key``. ``by_consumer``: partition the result
+    as :func:`~benchmarks.replay.spark.by_consumer` does (with its ``part`` column)
+    before the window that numbers the stages, so that one shuffle serves both.
     """
     consumers = min(w.consumers, queue_count)
     df = df.withColumn(
         "consumer", F.floor(F.col("qid") * F.lit(consumers) / F.lit(queue_count)).cast("int")
     )
+    if by_consumer:
+        from .spark import by_consumer as partition_by_consumer
+
+        df = partition_by_consumer(df, consumers)
     if "strategy" not in df.columns:
         df = df.withColumn("strategy", _strategy(w))
     grp = F.col("key") if w.stages.group_by == "key" else F.lit(None).cast("string")
     df = df.withColumn("grp", grp)
-    window = Window.partitionBy("qid", "strategy", "grp").orderBy("offset")
+    # with "part" first, by_consumer's hash partitioning already satisfies the window
+    keys = ["part"] if by_consumer else []
+    window = Window.partitionBy(*keys, "qid", "strategy", "grp").orderBy("offset")
     df = df.withColumn("stage", _stage_index(w, F.row_number().over(window) - F.lit(1)))
     df = df.withColumn(
         "stage",
         F.when(F.col("strategy").isNull(), F.lit(None).cast("int")).otherwise(F.col("stage")),
     )
-    return df.select(*MESSAGE_COLUMNS)
+    if not by_consumer:
+        return df.select(*MESSAGE_COLUMNS)
+    from .spark import mark_by_consumer
+
+    return mark_by_consumer(df.select(*MESSAGE_COLUMNS, "part"))
 
 
-def generate_messages(spark: SparkSession, w: Workload) -> DataFrame:
-    """The workload's messages, generated deterministically from ``w.seed``."""
+def generate_messages(spark: SparkSession, w: Workload, *, by_consumer: bool = False
+                      ) -> DataFrame:
+    """The workload's messages, generated deterministically from ``w.seed``.
+
+    ``by_consumer``: one partition per consumer instance, ready for the replay (see
+    :func:`add_derived_columns`), with an extra ``part`` column.
+    """
     if w.recorded is not None:
-        return import_recorded(spark, w)
+        return import_recorded(spark, w, by_consumer=by_consumer)
     queues = w.queue_count
     total = w.message_count
     partitions = max(1, min(200, total // 250_000 + 1))
@@ -163,10 +181,11 @@ def generate_messages(spark: SparkSession, w: Workload) -> DataFrame:
     else:
         publish = F.lit(0).cast("long")
     df = df.withColumn("publish_us", publish)
-    return add_derived_columns(df, w, queues)
+    return add_derived_columns(df, w, queues, by_consumer=by_consumer)
 
 
-def import_recorded(spark: SparkSession, w: Workload) -> DataFrame:
+def import_recorded(spark: SparkSession, w: Workload, *, by_consumer: bool = False
+                    ) -> DataFrame:
     """Recorded traffic (Parquet/CSV with measured handler times) as messages."""
     rec = w.recorded
     assert rec is not None
@@ -217,4 +236,4 @@ def import_recorded(spark: SparkSession, w: Workload) -> DataFrame:
         df = df.withColumn("strategy", F.col("strategy").cast("string"))
     queue_count = df.select(F.max("qid")).first()
     assert queue_count is not None
-    return add_derived_columns(df, w, int(queue_count[0]) + 1)
+    return add_derived_columns(df, w, int(queue_count[0]) + 1, by_consumer=by_consumer)

@@ -17,6 +17,7 @@ failure schedule (``attempt < fail_attempts``, the attempt being the message's
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -308,6 +309,11 @@ def replay_consumer(
     runtime_logger = logging.getLogger("stagedconsumer")
     level = runtime_logger.level
     runtime_logger.setLevel(logging.ERROR)
+    # The replay holds every message of the consumer instance (200,000 in `large`):
+    # the cyclic collector's full passes over them cost ~15 % of the replay and find
+    # little (measured: same peak memory), so it waits until the replay is done.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         if wall_clock:
             recorder = trio.run(main)
@@ -315,6 +321,8 @@ def replay_consumer(
             recorder = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         runtime_logger.setLevel(level)
+        if gc_was_enabled:
+            gc.enable()
     rec = recorder.columns()
     index = rec["index"]
     out: dict[str, Any] = {

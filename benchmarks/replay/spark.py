@@ -40,7 +40,8 @@ from .runner import ReplayConfig, replay_consumer
 
 __all__ = (
     "EVENT_ARROW_SCHEMA", "EVENT_SCHEMA", "by_consumer", "clear_events", "get_session",
-    "group_keys", "replay_events", "replay_summaries", "ship_code", "write_event_part",
+    "group_keys", "mark_by_consumer", "replay_events", "replay_summaries", "ship_code",
+    "write_event_part",
 )
 
 EVENT_SCHEMA = StructType(
@@ -231,6 +232,12 @@ _BY_CONSUMER: weakref.WeakSet[DataFrame] = weakref.WeakSet()
 
 def _is_by_consumer(df: DataFrame) -> bool:
     return df in _BY_CONSUMER
+
+
+def mark_by_consumer(df: DataFrame) -> DataFrame:
+    """Note that ``df`` keeps :func:`by_consumer`'s partitioning (and ``part``)."""
+    _BY_CONSUMER.add(df)
+    return df
 
 
 def by_consumer(messages: DataFrame, consumers: int | None = None, *,
