@@ -237,3 +237,78 @@ class GroupCoordinator(abc.ABC):
     @abc.abstractmethod
     async def unlock(self, group: str, client_id: str, queues: Sequence[MessageQueue]) -> None:
         """Release the locks ``client_id`` holds on ``queues`` (others stay as they are)."""
+
+
+@attrs.frozen(kw_only=True)
+class TakeoverBackoffStatistics:
+    """A snapshot of a :class:`TakeoverBackoff`."""
+
+    aborted: int
+    """Takeovers given up so far (a lock released before it was ever renewed)."""
+    backing_off: Mapping[MessageQueue, float]
+    """Queues not tried again before this time (the caller's clock)."""
+
+
+@attrs.define(eq=False)
+class _Attempts:
+    failures: int = 0
+    not_before: float = 0.0
+    reported: bool = False
+
+
+class TakeoverBackoff:
+    """When to try again to take a queue whose takeovers keep being given up.
+
+    A member locks a queue, then claims the queue's row in the offset store with the
+    lock's epoch. When the claim is refused (the store holds a higher fence, written
+    by another coordination domain or under a clock far ahead) or fails, the member
+    releases the lock at once. Retried every round, that repeats forever and every
+    retry moves the queue's epoch on. This keeps, per queue, how many takeovers in a
+    row ended that way and holds the next attempt back: ``base``, then twice as long
+    after every further one, up to ``cap``. A renewal (a takeover that held) resets
+    it. After ``report_after`` in a row, :meth:`aborted` says to report it once.
+
+    Sans-I/O: ``now`` is always an argument; nothing here reads a clock or logs.
+    """
+
+    def __init__(self, *, base: float, cap: float, report_after: int = 3) -> None:
+        self.base = base
+        self.cap = max(cap, base)
+        self.report_after = report_after
+        self._queues: dict[MessageQueue, _Attempts] = {}
+        self._aborted = 0
+
+    def may_try(self, mq: MessageQueue, now: float) -> bool:
+        """Whether a takeover of ``mq`` may be attempted at ``now``."""
+        attempts = self._queues.get(mq)
+        return attempts is None or now >= attempts.not_before
+
+    def aborted(self, mq: MessageQueue, now: float) -> bool:
+        """A takeover of ``mq`` was given up at ``now``; returns whether to report
+        it (once, when ``report_after`` takeovers in a row were given up)."""
+        self._aborted += 1
+        attempts = self._queues.setdefault(mq, _Attempts())
+        attempts.failures += 1
+        delay = min(self.cap, self.base * 2.0 ** (attempts.failures - 1))
+        attempts.not_before = now + delay
+        if attempts.failures >= self.report_after and not attempts.reported:
+            attempts.reported = True
+            return True
+        return False
+
+    def retry_delay(self, mq: MessageQueue) -> float:
+        """Seconds between the last given-up takeover of ``mq`` and the next try."""
+        attempts = self._queues.get(mq)
+        if attempts is None:
+            return 0.0
+        return min(self.cap, self.base * 2.0 ** (attempts.failures - 1))
+
+    def held(self, mq: MessageQueue) -> None:
+        """A takeover of ``mq`` held (its lock was renewed): forget its failures."""
+        self._queues.pop(mq, None)
+
+    def statistics(self) -> TakeoverBackoffStatistics:
+        return TakeoverBackoffStatistics(
+            aborted=self._aborted,
+            backing_off={mq: a.not_before for mq, a in self._queues.items()},
+        )

@@ -49,7 +49,7 @@ from ._core import retry_delay_seconds
 from ._exceptions import ConfigurationError, SourceClosedError, SourceError, UnknownTopicError
 from ._message import EMPTY_PROPERTIES, Message, MessageQueue, _slot_setters
 from ._otel import with_traceparent
-from ._rebalance import GroupCoordinator, GroupOptions
+from ._rebalance import GroupCoordinator, GroupOptions, TakeoverBackoff
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -70,7 +70,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisBroker needs redis-py: pip install 'stagedconsumer[redis]'") from exc
 
-__all__ = ("RedisBroker", "RedisBrokerStatistics", "RedisCoordinator")
+__all__ = ("RedisBroker", "RedisBrokerStatistics", "RedisCoordinator", "RedisCoordinatorStatistics")
 
 
 @attrs.frozen(kw_only=True)
@@ -885,6 +885,30 @@ class RedisBroker(MessageSource):
         return deleted
 
 
+@attrs.frozen(kw_only=True)
+class RedisCoordinatorStatistics:
+    """A snapshot of a :class:`RedisCoordinator`."""
+
+    locks: int
+    """Queue locks its members hold (as of their last lock or renewal)."""
+    aborted_takeovers: int
+    """Locks released before their first renewal: takeovers given up (a claim the
+    offset store refused, or one that failed)."""
+    backing_off: frozenset[MessageQueue]
+    """Queues whose next takeover is held back after takeovers given up in a row."""
+
+
+@attrs.define(eq=False)
+class _MemberState:
+    """What one member (group, client id) locked through this coordinator."""
+
+    backoff: TakeoverBackoff
+    epochs: dict[MessageQueue, int] = attrs.Factory(dict)
+    """Queues it may hold, with their epoch (0: asked for, reply not seen)."""
+    fresh: set[MessageQueue] = attrs.Factory(set)
+    """Queues acquired and not renewed since."""
+
+
 class RedisCoordinator(GroupCoordinator):
     """Group membership and queue locks in Redis (see :class:`GroupCoordinator`).
 
@@ -892,15 +916,50 @@ class RedisCoordinator(GroupCoordinator):
     with ``PEXPIRE``; epochs come from a per-queue counter that never goes back, and
     are at least the Redis server time in ms when handed out, so they keep growing
     even after Redis lost its data in a restart. All times are the server's clock.
+
+    Per member, it remembers the locks handed out, so that:
+
+    - :meth:`leave` releases every lock the member still holds, including one taken
+      while it was shutting down (a takeover cut short), instead of leaving it to
+      expire;
+    - a lock released before its first renewal counts as a takeover given up (the
+      consumer releases a queue at once when the offset store refuses its claim);
+      the next attempt on that queue waits, longer after each one in a row
+      (:class:`~stagedconsumer._rebalance.TakeoverBackoff`: one rebalance tick,
+      doubling, up to ``lock_ttl``), and the third in a row is logged as an error.
+      Without this a claim refused for good (a fence from a clock far ahead) would be
+      retried every round forever.
     """
 
     def __init__(self, broker: RedisBroker, options: GroupOptions) -> None:
         self._broker = broker
         self._options = options
+        self._members: dict[tuple[str, str], _MemberState] = {}
         client = broker.redis
         self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
         self._lock_script = client.register_script(_LOCK_LUA)
         self._unlock_script = client.register_script(_UNLOCK_LUA)
+
+    def _member(self, group: str, client_id: str) -> _MemberState:
+        state = self._members.get((group, client_id))
+        if state is None:
+            backoff = TakeoverBackoff(base=self._options.tick, cap=self._options.lock_ttl)
+            state = self._members[group, client_id] = _MemberState(backoff=backoff)
+        return state
+
+    def statistics(self) -> RedisCoordinatorStatistics:
+        states = self._members.values()
+        now = time.monotonic()
+        return RedisCoordinatorStatistics(
+            locks=sum(1 for state in states for epoch in state.epochs.values() if epoch),
+            aborted_takeovers=sum(state.backoff.statistics().aborted for state in states),
+            backing_off=frozenset(
+                mq
+                for state in states
+                for mq, until in state.backoff.statistics().backing_off.items()
+                if until > now
+            ),
+        )
 
     @property
     def options(self) -> GroupOptions:
@@ -932,6 +991,12 @@ class RedisCoordinator(GroupCoordinator):
         return await self.heartbeat(group, "")
 
     async def leave(self, group: str, client_id: str) -> None:
+        """Release every lock ``client_id`` still holds in ``group``, then leave it."""
+        state = self._members.get((group, client_id))
+        if state is not None and state.epochs:
+            await self._unlock(group, client_id, list(state.epochs))
+            state.epochs.clear()
+        self._members.pop((group, client_id), None)
         key = self._members_key(group)
         await self._broker._once(
             f"{client_id} leaving {group}", lambda: self._broker.redis.zrem(key, client_id)
@@ -940,21 +1005,64 @@ class RedisCoordinator(GroupCoordinator):
     async def lock(
         self, group: str, client_id: str, queues: Sequence[MessageQueue]
     ) -> Mapping[MessageQueue, int]:
-        if not queues:
+        state = self._member(group, client_id)
+        now = time.monotonic()
+        epochs = state.epochs
+        asked = [
+            mq
+            for mq in dict.fromkeys(queues)  # once each, in order
+            if epochs.get(mq) or state.backoff.may_try(mq, now)
+        ]
+        if not asked:
             return {}
         keys: list[str] = []
-        for mq in queues:
+        for mq in asked:
             keys += [self._lock_key(group, mq), self._epoch_key(group, mq)]
+            epochs.setdefault(mq, 0)  # a call cut short may still have taken it
         ttl_ms = round(self._options.lock_ttl * 1000)
         reply = await self._broker._once(
-            f"locking {len(queues)} queue(s) of {group}",
+            f"locking {len(asked)} queue(s) of {group}",
             lambda: self._lock_script(keys=keys, args=[client_id, ttl_ms]),
         )
-        return {mq: int(epoch) for mq, epoch in zip(queues, reply, strict=True) if int(epoch)}
+        locked: dict[MessageQueue, int] = {}
+        for mq, value in zip(asked, reply, strict=True):
+            epoch = int(value)
+            if not epoch:
+                epochs.pop(mq, None)
+                state.fresh.discard(mq)
+                continue
+            if epochs.get(mq) == epoch:  # renewed: the takeover held
+                if mq in state.fresh:
+                    state.fresh.discard(mq)
+                    state.backoff.held(mq)
+            else:
+                state.fresh.add(mq)
+            epochs[mq] = locked[mq] = epoch
+        return locked
 
     async def unlock(self, group: str, client_id: str, queues: Sequence[MessageQueue]) -> None:
         if not queues:
             return
+        state = self._member(group, client_id)
+        now = time.monotonic()
+        for mq in queues:
+            state.epochs.pop(mq, None)
+            if mq in state.fresh:  # released before its first renewal: given up
+                state.fresh.discard(mq)
+                if state.backoff.aborted(mq, now):
+                    logger.error(
+                        "group %s: %s gave up taking %s %d times in a row (its claim in the"
+                        " offset store was refused or failed); trying again every %.0f s at"
+                        " most",
+                        group,
+                        client_id,
+                        mq,
+                        state.backoff.report_after,
+                        state.backoff.retry_delay(mq),
+                    )
+        await self._unlock(group, client_id, queues)
+
+    async def _unlock(self, group: str, client_id: str, queues: Sequence[MessageQueue]) -> None:
         keys = [self._lock_key(group, mq) for mq in queues]
         await self._broker._once(
             f"unlocking {len(queues)} queue(s) of {group}",

@@ -3,6 +3,7 @@ leaving while consuming, a stolen lock, and the embedded broker's unchanged path
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -225,3 +226,80 @@ async def test_concurrent_member_retries_through_the_redis_retry_queue(
     assert retried[2] == 1
     assert 0.5 <= retried[3] - first[3] <= 4.0  # delay level 1 = 1 s
     assert stats.sent_back == 1
+
+
+class _CountingStore(MemoryOffsetStore):
+    """Counts claims per queue; claims of ``block`` wait until cancelled."""
+
+    def __init__(self, block: MessageQueue | None = None) -> None:
+        super().__init__()
+        self.claims: dict[MessageQueue, int] = {}
+        self.block = block
+        self.blocked = anyio.Event()
+
+    async def claim(self, group: str, mq: MessageQueue, fence: int) -> QueueProgress | None:
+        self.claims[mq] = self.claims.get(mq, 0) + 1
+        if mq == self.block:
+            self.blocked.set()
+            await anyio.sleep_forever()
+        return await super().claim(group, mq, fence)
+
+
+async def test_a_claim_refused_by_a_higher_fence_backs_off_and_is_reported(
+    group_broker: RedisBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = group_broker
+    await broker.create_topic("t", 2)
+    mq = MessageQueue("t", 0)
+    store = _CountingStore()
+    await store.claim("grp", mq, 2**62)  # a fence no epoch of this Redis reaches
+    consumer = PushConsumer("grp", broker, Recorder(0, []), offset_store=store, options=OPTIONS)
+    consumer.subscribe("t")
+    async with consumer:
+        await anyio.sleep(3.0)  # 10 rounds of 0.3 s
+        assert consumer.assigned_queues == [MessageQueue("t", 1)]
+        # 1 (the setup) + attempts at about 0, 0.3, 0.9 and 2.1 s: not one every round.
+        assert store.claims[mq] <= 1 + 5
+        stats = broker.group_coordinator().statistics()
+    assert stats.aborted_takeovers >= 3
+    assert mq in stats.backing_off
+    reports = [r for r in caplog.records if r.levelno >= logging.ERROR and "gave up" in r.message]
+    assert len(reports) == 1
+    assert str(mq) in reports[0].message
+
+
+async def test_a_shutdown_during_a_takeover_releases_that_lock(
+    group_broker: RedisBroker,
+) -> None:
+    broker = group_broker
+    await broker.create_topic("t", 2)
+    coordinator = broker.group_coordinator()
+    taken = MessageQueue("t", 1)
+    assert await coordinator.lock("grp", "other", [taken])  # held elsewhere at first
+    store = _CountingStore(block=taken)
+    consumer = PushConsumer("grp", broker, Recorder(0, []), offset_store=store, options=OPTIONS)
+    consumer.subscribe("t")
+    async with consumer:
+        assert consumer.assigned_queues == [MessageQueue("t", 0)]
+        await coordinator.unlock("grp", "other", [taken])
+        with anyio.fail_after(5):
+            await store.blocked.wait()  # locked by the consumer, claiming
+        assert await coordinator.lock_owner("grp", taken) == consumer.client_id
+    # Released on the way out, not left to expire (lock_ttl is 3 s).
+    assert await coordinator.lock_owner("grp", taken) is None
+    assert await coordinator.lock_owner("grp", MessageQueue("t", 0)) is None
+    assert coordinator.statistics().locks == 0
+
+
+async def test_locking_a_queue_listed_twice_locks_it_once(group_broker: RedisBroker) -> None:
+    # The rebalance loop asks for wanted + draining queues, which may overlap.
+    coordinator = group_broker.group_coordinator()
+    mq = MessageQueue("t", 0)
+    first = await coordinator.lock("grp", "me", [mq, mq])
+    assert list(first) == [mq]
+    again = await coordinator.lock("grp", "me", [mq, MessageQueue("t", 1), mq])
+    assert list(again) == [mq, MessageQueue("t", 1)]
+    assert again[mq] == first[mq]  # renewed, same epoch
+    await coordinator.leave("grp", "me")
+    assert await coordinator.lock_owner("grp", mq) is None
+    assert await coordinator.lock_owner("grp", MessageQueue("t", 1)) is None
