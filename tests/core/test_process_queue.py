@@ -1,0 +1,104 @@
+"""Focused ProcessQueue cases: per-message times, barriers and memory shape.
+
+The state machine in ``test_process_queue_state_machine.py`` covers the ordering and
+counting rules; these tests pin the bookkeeping the shell relies on for message trace
+and metrics, and that caching allocates no object per message.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from stagedconsumer import Message, MessageQueue
+from stagedconsumer._core import ConsumeMode, EraseStatus, ProcessQueue, StagePlan
+
+MQ = MessageQueue("t", 0)
+
+
+def messages(start: int, count: int) -> list[Message]:
+    return [
+        Message(topic="t", queue_id=0, queue_offset=offset, body=b"x" * 10)
+        for offset in range(start, start + count)
+    ]
+
+
+def test_cached_times_stay_aligned_when_now_is_given_only_sometimes() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
+    pq.put_messages(messages(0, 2))  # no clock yet
+    pq.put_messages(messages(2, 2), now=3.0)
+    pq.put_messages(messages(4, 1))
+    taken = [pq.try_take_messages(1) for _ in range(5)]
+    assert [b.cached_times if b else None for b in taken] == [[0.0], [0.0], [3.0], [3.0], [0.0]]
+
+
+def test_staged_cached_times_and_barrier_opening_time() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.STAGED, plan=StagePlan.single([2, 2]))
+    pq.put_messages(messages(0, 4), now=1.0)
+    first = pq.try_take_messages(10)
+    assert first is not None
+    assert [m.queue_offset for m in first] == [0, 1]
+    assert first.cached_times == [1.0, 1.0]
+    assert first.runnable_at == 1.0
+    assert pq.try_take_messages(10) is None  # stage 1 waits for stage 0
+    assert pq.erase_messages(first, EraseStatus.SUCCESS, now=5.0)
+    second = pq.try_take_messages(10)
+    assert second is not None
+    assert [m.queue_offset for m in second] == [2, 3]
+    assert second.stage_index == 1
+    assert second.runnable_at == 5.0
+    assert second.cached_times == [1.0, 1.0]
+
+
+def test_erase_some_keeps_the_rest_pending_with_their_times() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.ORDERLY)
+    pq.put_messages(messages(0, 1), now=1.0)
+    pq.put_messages(messages(1, 2), now=2.0)
+    batch = pq.try_take_messages(3)
+    assert batch is not None
+    pq.erase_some(batch, [batch.messages[1]], EraseStatus.DEAD_LETTER)
+    assert [m.queue_offset for m in batch] == [0, 2]
+    assert batch.cached_times == [1.0, 2.0]
+    assert pq.committed_offset == 0  # offset 1 finished, 0 still pending
+    assert pq.pending_count == 2
+    assert pq.try_take_messages(1) is None  # orderly: the batch still holds the queue
+    pq.erase_messages(batch, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 3
+    assert pq.unfinished_count == 0
+    assert pq.cached_bytes == 0
+
+
+def test_committed_stage_offsets_follow_the_lowest_unfinished_message() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.STAGED, plan=StagePlan.single([3]))
+    pq.put_messages(messages(0, 3))
+    batches = [pq.try_take_messages(1) for _ in range(3)]
+    b0, b1, b2 = batches
+    assert b0 is not None
+    assert b1 is not None
+    assert b2 is not None
+    pq.erase_messages(b2, EraseStatus.SUCCESS)
+    pq.erase_messages(b1, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 0
+    assert dict(pq.committed_stage_offsets) == {}
+    pq.erase_messages(b0, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 3
+    assert list(pq.committed_stage_offsets.values()) == [3]
+
+
+def test_caching_allocates_no_container_object_per_message() -> None:
+    """Cached messages cost no tracked object each (the cyclic GC's work grows with
+    the number of live container objects, so per-message objects that live from
+    pull to finish would make full collections frequent and slow)."""
+    for mode, plan in (
+        (ConsumeMode.CONCURRENT, None),
+        (ConsumeMode.STAGED, StagePlan.single([100] * 20)),
+    ):
+        pq = ProcessQueue(MQ, mode, plan=plan)
+        backlog = messages(0, 2000)
+        pq.put_messages(backlog[:1])  # lanes and epochs exist from here on
+        gc.collect()
+        before = len(gc.get_objects())
+        pq.put_messages(backlog[1:], now=1.0)
+        gc.collect()
+        after = len(gc.get_objects())
+        assert pq.cached_count == 2000
+        assert after - before < 100, (mode, after - before)
