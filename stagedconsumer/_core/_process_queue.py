@@ -609,36 +609,57 @@ class ProcessQueue:
         self, messages: list[Message], lane: _Lane, epoch: _Epoch, now: float | None = None
     ) -> bool:
         """Mark ``messages`` (all of ``epoch`` of ``lane``) finished."""
-        finished = self._finished
-        size = 0
-        for message in messages:
-            size += len(message.body)
-            finished.add(message.queue_offset)
         n = len(messages)
+        order = self._order
+        finished = self._finished
+        if n == 1:
+            message = messages[0]
+            self._cached_bytes -= len(message.body)
+            offset = message.queue_offset
+            if order[0] != offset:
+                finished.add(offset)
+                at_head = False
+            else:
+                at_head = True
+        else:
+            size = 0
+            for message in messages:
+                size += len(message.body)
+                finished.add(message.queue_offset)
+            self._cached_bytes -= size
+            at_head = bool(order) and order[0] in finished
         epoch.unfinished -= n
         self._pending_count -= n
-        self._cached_bytes -= size
         epochs = lane.epochs
-        while epochs and not epochs[0].unfinished:
-            epochs.popleft().queued = False
-            if epochs and now is not None:
-                epochs[0].runnable_at = now  # the next stage's barrier opens
-        order = self._order
-        if order and order[0] in finished:
+        if epochs and not epochs[0].unfinished:
+            while epochs and not epochs[0].unfinished:
+                epochs.popleft().queued = False
+                if epochs and now is not None:
+                    epochs[0].runnable_at = now  # the next stage's barrier opens
+        if at_head:
+            # Pop the finished run at the head; a single message finished at the head
+            # is popped without entering the set.
             order_lanes = self._order_lanes
             if order_lanes is None:
+                if n == 1:
+                    order.popleft()
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
             else:
                 order_stages = self._order_stages
+                if n == 1:
+                    order.popleft()
+                    order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
                     order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
-        if not lane.in_ready and lane.dispatchable():
-            lane.in_ready = True
-            self._ready.append(lane)
-            return True
-        return False
+        if lane.in_ready or not lane.cached or (lane.exclusive and lane.in_flight):
+            return False
+        if not epochs[0].cached:
+            return False
+        lane.in_ready = True
+        self._ready.append(lane)
+        return True
 
     def suspend_messages(self, batch: Batch, retry_at: float) -> None:
         """Hold ``batch`` back until ``retry_at``, counting one more attempt.
