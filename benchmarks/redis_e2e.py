@@ -4,7 +4,8 @@ Every system runs in this process against the same Redis, one after the other, w
 the same data layout (8 streams, one per queue), each in its own key namespace:
 
 - stagedconsumer's ``PushConsumer`` on ``RedisBroker``, in each mode (one group
-  member, holding the locks of all 8 queues);
+  member, holding the locks of all 8 queues), and the concurrent mode once more with
+  ``read_ahead=0`` (every pull one ``XRANGE`` of ``--pull-batch`` entries);
 - baseline 1: a hand-written redis-py loop, ``XREADGROUP COUNT n BLOCK`` over the 8
   streams, an async no-op handler awaited per message, one ``XACK`` per stream per
   batch;
@@ -29,7 +30,8 @@ Two phases per system:
 1. **drain**: a backlog of ``--messages`` is written first; messages/s is the
    backlog over the time from start to the last handler call, and CPU per message the
    process's CPU time (``time.process_time``) over that time: on a shared machine the
-   wall-clock rate says as much about the neighbours as about the system. Repeated
+   wall-clock rate says as much about the neighbours as about the system; "of it GC"
+   is the part spent in the cyclic garbage collector (``gc.callbacks``). Repeated
    ``--repeat`` times, the systems interleaved; the medians are reported.
    ``--gc-freeze`` moves everything alive before each phase out of the cyclic
    collector's reach: the consumer keeps up to ``pull_threshold_for_queue`` messages
@@ -155,6 +157,7 @@ class NoopStaged(_Listener, MessageListenerStagedConcurrently):
 
 LISTENERS: dict[str, Callable[[Recorder], Any]] = {
     "stagedconsumer concurrent": NoopConcurrently,
+    "stagedconsumer concurrent, read_ahead=0": NoopConcurrently,
     "runtime only: concurrent on MemoryBroker": NoopConcurrently,
     "stagedconsumer staged [100]*k": NoopStaged,
     "stagedconsumer orderly": NoopOrderly,
@@ -345,6 +348,18 @@ async def run_floor(url: str, ns: str, recorder: Recorder, batch: int, *, decode
 # -- measuring ------------------------------------------------------------------------------------
 
 
+_GC_TIME = [0.0, 0.0]
+"""CPU seconds in the cyclic garbage collector since the phase started; when the
+running collection started."""
+
+
+def _time_gc(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _GC_TIME[1] = time.process_time()
+    else:
+        _GC_TIME[0] += time.process_time() - _GC_TIME[1]
+
+
 def _kind(name: str) -> str:
     if name.startswith("stagedconsumer"):
         return "stagedconsumer"
@@ -374,10 +389,12 @@ async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -
         await fill_stagedconsumer(url, ns, 0 if latency else n)
     recorder = Recorder(n, latency=latency)
     producer = spawn_producer(url, ns, kind, n, args.rate) if latency else None
+    _GC_TIME[0] = 0.0
     cpu = time.process_time()
     try:
         if kind == "stagedconsumer":
-            elapsed = await run_stagedconsumer(url, ns, name, recorder, options, args.read_batch)
+            read_ahead = 0 if name.endswith("read_ahead=0") else args.read_batch
+            elapsed = await run_stagedconsumer(url, ns, name, recorder, options, read_ahead)
         elif kind == "memory":
             elapsed = await run_memory(memory, recorder, options)
         elif kind == "floor":
@@ -403,6 +420,7 @@ async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -
         "seconds": elapsed,
         "rate": n / elapsed,
         "cpu_us": 1e6 * cpu / n,
+        "gc_us": 1e6 * _GC_TIME[0] / n,
         "load": os.getloadavg()[0],
     }
 
@@ -418,6 +436,7 @@ async def _delete_namespace(url: str, ns: str) -> None:
 
 SYSTEMS = [
     "stagedconsumer concurrent",
+    "stagedconsumer concurrent, read_ahead=0",
     "stagedconsumer staged [100]*k",
     "stagedconsumer orderly",
     "redis-py XREADGROUP + XACK loop",
@@ -464,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
 
+    gc.callbacks.append(_time_gc)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
     for repeat in range(args.repeat):  # interleaved, so a busy spell hits every system
         for name in args.systems:
@@ -478,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "messages": drains[0]["messages"],
             "rate": statistics.median(d["rate"] for d in drains),
             "cpu_us": statistics.median(d["cpu_us"] for d in drains),
+            "gc_us": statistics.median(d["gc_us"] for d in drains),
             "load": statistics.mean(d["load"] for d in drains),
             "drains": drains,
         }
@@ -492,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {args.repeat}), latency at {args.rate:,.0f} msg/s ({args.latency_messages:,}"
         f" messages), {QUEUES} streams"
     )
-    columns = ("system", "messages/s", "CPU µs/msg", "msg per CPU-s", "vs loop (CPU)")
+    columns = ("system", "messages/s", "CPU µs/msg", "of it GC", "msg per CPU-s", "vs loop (CPU)")
     for column in (*columns, "p50 ms", "p99 ms", "load"):
         table.add_column(column, justify="left" if column == "system" else "right")
     for row in rows:
@@ -501,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row["system"],
             f"{row['rate']:,.0f}",
             f"{row['cpu_us']:.2f}",
+            f"{row['gc_us']:.2f}",
             f"{1e6 / row['cpu_us']:,.0f}",
             ratio,
             f"{row['p50_ms']:.2f}" if "p50_ms" in row else "",
