@@ -35,18 +35,20 @@ for every mode. Compare ratios within one run, not across runs.
     python -m benchmarks.tracing_overhead                 # 100,000 messages, 8 queues
     python -m benchmarks.tracing_overhead --messages 200000 --repeat 3
     python -m benchmarks.tracing_overhead --messages 20000 --handler-ms 1
+    python -m benchmarks.tracing_overhead --messages 20000 --gc off   # GC's share
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +309,20 @@ FLOORS: dict[str, float] = {
 }
 
 
+@contextlib.contextmanager
+def collector(mode: str) -> Iterator[None]:
+    """``--gc off``: the cyclic garbage collector disabled while a run is timed, to
+    see its share of the cost (the SDK allocates many container objects per span)."""
+    if mode == "on":
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     n, queues = args.messages, args.queues
     per_queue = -(-n // queues)
@@ -327,11 +343,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 hooks, extra = make_case()
                 gc.collect()
                 listener = with_cost(make_listener(), args.handler_ms / 1000)
-                cpu = time.process_time()
-                elapsed = anyio.run(
-                    run_consumer, broker, listener, OPTIONS, n, hooks, backend=args.backend
-                )
-                cpu = time.process_time() - cpu
+                with collector(args.gc):
+                    cpu = time.process_time()
+                    elapsed = anyio.run(
+                        run_consumer, broker, listener, OPTIONS, n, hooks, backend=args.backend
+                    )
+                    cpu = time.process_time() - cpu
                 rows.append(
                     {
                         "mode": mode,
@@ -346,7 +363,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue  # the floor is about the no-op handler's budget
             for case, sampled in FLOORS.items():
                 broker = traced_fill(n, queues)
-                cpu = sdk_floor(broker, n, staged=mode.startswith("staged"), sampled=sampled)
+                with collector(args.gc):
+                    cpu = sdk_floor(broker, n, staged=mode.startswith("staged"), sampled=sampled)
                 rows.append({"mode": mode, "case": case, "cpu": cpu, "floor": True})
     return rows
 
@@ -382,6 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="handler cost (async sleep) in ms; 0, the default, is the no-op handler",
     )
+    parser.add_argument(
+        "--gc",
+        choices=["on", "off"],
+        default="on",
+        help="off: disable the cyclic garbage collector while runs are timed",
+    )
     parser.add_argument("--json", type=Path, help="also write results as JSON here")
     args = parser.parse_args(argv)
 
@@ -391,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = Table(
         title=f"Observability overhead, {handler}, {n:,} messages,"
         f" {args.queues} queues, {args.backend}"
+        + (", garbage collector off" if args.gc == "off" else "")
     )
     for column in (
         "mode",
