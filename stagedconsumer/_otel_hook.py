@@ -248,7 +248,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         )
         self._meter = meter
         self._props_key = f"{_PROPS_KEY}.{id(self):x}"
-        # Attribute sets that repeat from call to call, built once (see _process_static).
+        # Attribute sets that repeat from call to call, built once (see _process_attrs).
         self._metric_attrs_cache: dict[tuple[str, int], dict[str, AttributeValue]] = {}
         self._process_static: dict[tuple[object, ...], tuple[str, dict[str, AttributeValue]]] = {}
         self._consumer: PushConsumer | None = None
