@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--read-batch",
         type=int,
-        default=256,
+        default=128,
         help="entries per stream per Redis read, for every system (read_ahead, XREADGROUP"
         " COUNT, StreamSub max_records, floors' XRANGE COUNT)",
     )
