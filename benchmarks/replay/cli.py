@@ -2,12 +2,15 @@
 
     python -m benchmarks bench WORKLOAD.yaml [--master URL] [--out DIR]
                                              [--modes orderly staged ...] [--wall-clock]
+                                             [--events | --no-events]
     python -m benchmarks validate WORKLOAD.yaml ...
 
 ``bench`` generates the workload's messages (or imports recorded traffic), replays
 every consumer instance in every mode with the real PushConsumer in virtual time
-(and, with ``--wall-clock``, again on the real clock), analyses the event log and
-writes Parquet, Markdown and PNG charts to ``--out`` (default
+(and, with ``--wall-clock``, again on the real clock), analyses the event log (each
+replay task summarises its own; Spark aggregates the summaries; with ``--events``,
+the default for small workloads, the log is written and its violations recounted
+in Spark SQL) and writes Parquet, Markdown and PNG charts to ``--out`` (default
 ``bench-results/<workload name>``), printing a table at the end and a progress bar
 while Spark works.
 """

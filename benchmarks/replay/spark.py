@@ -2,7 +2,9 @@
 
 The replay stage groups the messages by consumer instance (``groupBy("consumer")
 .applyInPandas``): each Spark task runs the real :class:`~stagedconsumer.PushConsumer`
-over one consumer instance's queues, once per mode. The grouping comes from the
+over one consumer instance's queues, once per mode, and summarises the events it
+made (:func:`replay_summaries`; :func:`replay_events` returns the raw event log
+instead, for a log to keep in Spark). The grouping comes from the
 workload (``consumerPerSubscription``), not from Spark's partitioning, so results
 do not depend on the number of cores or executors.
 """

@@ -84,6 +84,22 @@ def test_without_the_event_log_the_numbers_are_the_same(
         assert orderly[0][col] == orderly[1][col]
 
 
+def test_a_kept_event_log_summarises_like_the_replay_tasks(spark: SparkSession) -> None:
+    from benchmarks.replay import analysis
+    from benchmarks.replay.generate import generate_messages
+    from benchmarks.replay.runner import ReplayConfig
+    from benchmarks.replay.spark import replay_events
+
+    w = load_workload(WORKLOADS / "rip22.yaml")
+    events = replay_events(generate_messages(spark, w), ReplayConfig.from_workload(w),
+                           ["orderly"])
+    assert events.count() == 100
+    summary = analysis.mode_summary(analysis.summarise_event_log(events)).set_index("mode")
+    assert summary.loc["orderly", "makespan"] == 100
+    assert summary.loc["orderly", "latency_p50"] == 50
+    assert summary.loc["orderly", "queue_order_violations"] == 0
+
+
 def test_validate_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nstages: {definitions: [0]}\n")
