@@ -540,7 +540,10 @@ class AsyncTraceDispatcher:
     and whatever is queued every ``flush_interval`` seconds (default 5). A trace
     message holds at most ``max_msg_size`` characters of records (128000);
     :meth:`flush` writes everything left (called when the consumer stops).
-    Ordering guarantee: contexts are written in the order they were appended.
+    Contexts queued with :meth:`append_deferred` are encoded when their batch is
+    written, not when they are queued: the appender's cost is one ``deque.append``.
+    Ordering guarantee: contexts are encoded and written in the order they were
+    appended.
     """
 
     def __init__(
