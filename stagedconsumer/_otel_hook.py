@@ -137,8 +137,40 @@ def _error_type(context: ConsumeMessageContext) -> str:
     return "_OTHER"
 
 
-_Received = tuple[otel_context.Context | None, Link | None]
-"""A received message: its process span's parent context, its creation link."""
+class _Pending:
+    """A creation link not made yet: its receive span was not recorded."""
+
+
+_PENDING = _Pending()
+_Received = tuple[otel_context.Context | None, Link | _Pending | None, bool]
+"""A received message: its process span's parent context, its creation link (or
+``_PENDING``), whether the parent (its receive span) is recorded."""
+
+
+def _ignores_links(sampler: object) -> bool:
+    """Whether ``sampler`` is one of the SDK's samplers that decide without looking
+    at links (always on/off, trace id ratio, parent based on those): spans can then
+    get their links after creation, and only when they are recorded."""
+    try:
+        from opentelemetry.sdk.trace import sampling
+    except ImportError:  # pragma: no cover - the API without the SDK
+        return False
+    kind = type(sampler)
+    if kind in (sampling.StaticSampler, sampling.TraceIdRatioBased):
+        return True
+    if kind is sampling.ParentBased:
+        delegates = (
+            getattr(sampler, name, None)
+            for name in (
+                "_root",
+                "_remote_parent_sampled",
+                "_remote_parent_not_sampled",
+                "_local_parent_sampled",
+                "_local_parent_not_sampled",
+            )
+        )
+        return all(_ignores_links(delegate) for delegate in delegates)
+    return False
 
 
 class _Counts:
@@ -258,6 +290,11 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # its process span (its receive span's) and the link to its creation
         # context, both made once when the message is received.
         self._received: dict[MessageQueue, dict[int, _Received]] = {}
+        # With a sampler that ignores links, a span that is not recorded costs no
+        # link work: it is created without links, and they are added only if it
+        # records. Any other sampler sees every link at creation (the API's
+        # preference, so that head sampling can consider them).
+        self._links_after_creation = _ignores_links(getattr(self._tracer, "sampler", None))
 
     @property
     def hook_name(self) -> str:
@@ -333,17 +370,35 @@ class OpenTelemetryHook(ConsumeMessageHook):
             attributes[MESSAGE_ID] = _message_id(messages[0])
         else:
             attributes[BATCH_COUNT] = len(messages)
-        # Each message's traceparent is parsed once, here: its process and settle
-        # spans reuse the link (links are immutable once a span holds them).
-        links = [_creation_link(message) for message in messages]
-        span = self._tracer.start_span(
-            f"receive {topic}",
-            context=_EMPTY,
-            kind=SpanKind.CLIENT,
-            attributes=attributes,
-            links=[link for link in links if link is not None],
-            start_time=_ns(context.wall(context.start_time)),
-        )
+        # Each message's traceparent is parsed once, here (or, when this span is
+        # not recorded and links may come after creation, only if a recorded span
+        # needs it): its process and settle spans reuse the link (links are
+        # immutable once a span holds them).
+        start_time = _ns(context.wall(context.start_time))
+        links: list[Link | None] | None = None
+        if self._links_after_creation:
+            span = self._tracer.start_span(
+                f"receive {topic}",
+                context=_EMPTY,
+                kind=SpanKind.CLIENT,
+                attributes=attributes,
+                start_time=start_time,
+            )
+            if span.is_recording():
+                links = [_creation_link(message) for message in messages]
+                for link in links:
+                    if link is not None:
+                        span.add_link(link.context, link.attributes)
+        else:
+            links = [_creation_link(message) for message in messages]
+            span = self._tracer.start_span(
+                f"receive {topic}",
+                context=_EMPTY,
+                kind=SpanKind.CLIENT,
+                attributes=attributes,
+                links=[link for link in links if link is not None],
+                start_time=start_time,
+            )
         span.end(end_time=_ns(context.wall(context.end_time)))
         span_context = span.get_span_context()
         parent = (
@@ -351,11 +406,16 @@ class OpenTelemetryHook(ConsumeMessageHook):
             if span_context.is_valid
             else None
         )
+        recorded = span.is_recording() or span_context.trace_flags.sampled
         received = self._received.get(mq)
         if received is None:
             received = self._received[mq] = {}
-        for message, link in zip(messages, links):  # noqa: B905 - same length
-            received[message.queue_offset] = (parent, link)
+        if links is None:
+            for message in messages:
+                received[message.queue_offset] = (parent, _PENDING, recorded)
+        else:
+            for message, link in zip(messages, links):  # noqa: B905 - same length
+                received[message.queue_offset] = (parent, link, recorded)
 
     def _links(self, mq: MessageQueue, messages: Sequence[Message]) -> list[Link]:
         """The creation links of ``messages``: made when they were received, or now."""
@@ -363,7 +423,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
         links: list[Link] = []
         for message in messages:
             entry = received.get(message.queue_offset) if received else None
-            link = entry[1] if entry is not None else _creation_link(message)
+            link = entry[1] if entry is not None else _PENDING
+            if isinstance(link, _Pending):
+                link = _creation_link(message)
             if link is not None:
                 links.append(link)
         return links
@@ -385,20 +447,35 @@ class OpenTelemetryHook(ConsumeMessageHook):
         attributes[ATTEMPT] = context.attempt
         received = self._received.get(mq)
         entry = received.get(first.queue_offset) if received else None
-        if entry is not None and len(messages) == 1:
-            parent, link = entry
-            links = [link] if link is not None else None
+        parent = entry[0] if entry is not None else None
+        start_time = _ns(context.start_time + context.wall_offset)
+        if not self._links_after_creation or (entry is not None and entry[2]):
+            # Links at creation: the sampler may look at them, or the span will most
+            # likely be recorded (its parent is).
+            links: list[Link] | None
+            if entry is not None and len(messages) == 1 and isinstance(entry[1], Link):
+                links = [entry[1]]
+            else:
+                links = self._links(mq, messages)
+            span = self._tracer.start_span(
+                name,
+                context=parent or _EMPTY,
+                kind=SpanKind.CONSUMER,
+                attributes=attributes,
+                links=links,
+                start_time=start_time,
+            )
         else:
-            parent = entry[0] if entry is not None else None
-            links = self._links(mq, messages)
-        span = self._tracer.start_span(
-            name,
-            context=parent or _EMPTY,
-            kind=SpanKind.CONSUMER,
-            attributes=attributes,
-            links=links,
-            start_time=_ns(context.start_time + context.wall_offset),
-        )
+            span = self._tracer.start_span(
+                name,
+                context=parent or _EMPTY,
+                kind=SpanKind.CONSUMER,
+                attributes=attributes,
+                start_time=start_time,
+            )
+            if span.is_recording():
+                for link in self._links(mq, messages):
+                    span.add_link(link.context, link.attributes)
         # Current while the handler runs: spans it starts are children (the one
         # context switch a handler's own spans need).
         token = otel_context.attach(trace.set_span_in_context(span))

@@ -9,7 +9,16 @@ import anyio
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, NumberDataPoint
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import SpanKind, StatusCode
 
 from stagedconsumer import (
@@ -342,3 +351,77 @@ async def test_sync_handler_runs_inside_the_process_span(otel: Otel) -> None:
     inner = otel.spans("work in a thread")
     assert len(inner) == 2
     assert {s.parent.span_id for s in inner if s.parent is not None} == processes
+
+
+class LinkAwareSampler(Sampler):
+    """Samples a span if any of its links points to a sampled context: a sampler
+    that needs links at creation."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def should_sample(
+        self,
+        parent_context: Any,
+        trace_id: int,
+        name: str,
+        kind: Any = None,
+        attributes: Any = None,
+        links: Any = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        self.seen.append((name, len(links or ())))
+        decision = Decision.RECORD_AND_SAMPLE if links else Decision.DROP
+        return SamplingResult(decision, attributes)
+
+    def get_description(self) -> str:
+        return "LinkAwareSampler"
+
+
+async def test_a_sampler_that_may_use_links_sees_them_at_creation(otel: Otel) -> None:
+    broker, _, creation = produce(otel, 2)
+    sampler = LinkAwareSampler()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    hook = OpenTelemetryHook(tracer_provider=provider, meter_provider=otel.meter_provider)
+    assert not hook._links_after_creation
+    consumer = PushConsumer("g", broker, Concurrent(tracer=provider.get_tracer("app")))
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    assert ("receive t", 2) in sampler.seen
+    assert sampler.seen.count(("process t", 1)) == 2
+    processes = [s for s in exporter.get_finished_spans() if s.name == "process t"]
+    assert sorted(ids([s.links[0].context for s in processes])) == sorted(ids(creation))
+    provider.shutdown()
+
+
+async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stagedconsumer._otel_hook as otel_hook
+
+    broker, _, _ = produce(otel, 3)
+    parsed: list[str] = []
+    real = otel_hook.parse_traceparent
+
+    def counting(value: str) -> tuple[int, int, int] | None:
+        parsed.append(value)
+        return real(value)
+
+    monkeypatch.setattr(otel_hook, "parse_traceparent", counting)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0)))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    hook = OpenTelemetryHook(tracer_provider=provider, meter_provider=otel.meter_provider)
+    assert hook._links_after_creation
+    consumer = PushConsumer("g", broker, Concurrent(tracer=provider.get_tracer("app")))
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    assert exporter.get_finished_spans() == ()
+    assert parsed == []
+    [duration] = otel.metrics()["messaging.process.duration"]
+    assert duration.count == 3  # type: ignore[attr-defined]  # metrics stay complete
+    provider.shutdown()
