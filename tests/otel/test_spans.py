@@ -33,7 +33,7 @@ from stagedconsumer import (
     MessageListenerStagedConcurrently,
     PushConsumer,
 )
-from stagedconsumer.otel import DURATION_BUCKETS, OpenTelemetryHook
+from stagedconsumer.otel import DURATION_BUCKETS, OpenTelemetryHook, parse_traceparent
 
 from .conftest import Otel
 
@@ -403,7 +403,7 @@ async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.M
 
     broker, _, _ = produce(otel, 3)
     parsed: list[str] = []
-    real = otel_hook.parse_traceparent
+    real = parse_traceparent
 
     def counting(value: str) -> tuple[int, int, int] | None:
         parsed.append(value)
