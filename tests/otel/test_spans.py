@@ -151,7 +151,7 @@ async def test_concurrent_span_tree_links_and_metrics(otel: Otel) -> None:
         assert span.parent.span_id == receive.context.span_id
         assert_required(span, "process", "process")
         attributes = dict(span.attributes or {})
-        i = int([m.msg_id for m in sent].index(attributes["messaging.message.id"]))
+        i = [m.msg_id for m in sent].index(str(attributes["messaging.message.id"]))
         [link] = span.links
         assert ids([link.context]) == ids([creation[i]])
         assert link.attributes == {"messaging.message.id": sent[i].msg_id}
@@ -339,7 +339,7 @@ async def test_sync_handler_runs_inside_the_process_span(otel: Otel) -> None:
     tracer = otel.tracer_provider.get_tracer("app")
 
     class SyncHandler(MessageListenerConcurrently):
-        def consume_message(  # type: ignore[override]
+        def consume_message(
             self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
         ) -> None:
             with tracer.start_as_current_span("work in a thread"):

@@ -173,7 +173,7 @@ def test_trace_keys_are_message_ids_and_business_keys() -> None:
 
 
 _text = st.text(
-    alphabet=st.characters(blacklist_characters="\u0001\u0002", blacklist_categories=("Cs",)),
+    alphabet=st.characters(exclude_characters="\u0001\u0002", exclude_categories=["Cs"]),
     max_size=12,
 )
 _word = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=8)
