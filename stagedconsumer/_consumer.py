@@ -597,7 +597,14 @@ class PushConsumer:
             with anyio.move_on_after(coordinator.options.lock_renew_interval):
                 await coordinator.unlock(self.group, self.client_id, [mq])
             return
-        if self._stopping:
+        if self._stopping:  # shut down mid-takeover: hand the lock back now
+            with anyio.CancelScope(shield=True), anyio.move_on_after(
+                coordinator.options.lock_renew_interval
+            ):
+                try:
+                    await coordinator.unlock(self.group, self.client_id, [mq])
+                except Exception as exc:  # best effort: the lock also expires
+                    logger.warning("group %s: could not unlock %s (%s)", self.group, mq, exc)
             return
         self._fences[mq] = epoch
         self._lock_valid_until[mq] = valid_until
