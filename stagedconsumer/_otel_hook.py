@@ -206,8 +206,10 @@ class OpenTelemetryHook(ConsumeMessageHook):
     measurements (three in staged mode: duration, await time per message, barrier
     wait per message), plus one receive span per pull; counters are asynchronous
     (kept here, observed at collection). Each message's ``traceparent`` is parsed
-    once, when it is received, and its link reused by the process and settle
-    spans; attribute sets that repeat are built once. What remains is the Python
+    at most once and its link reused by the receive, process and settle spans;
+    with the SDK's samplers, which ignore links, spans that are not recorded do
+    no link work (links are added once a span records; other samplers see them
+    at creation). Attribute sets that repeat are built once. What remains is the Python
     SDK's own cost, tens of microseconds per span and several per histogram
     measurement (it validates and hashes the attributes every time): more than
     the consumer spends on a message. ``benchmarks/tracing_overhead.py`` measures
