@@ -63,6 +63,9 @@ from ._listeners import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
+    _concurrently_context,
+    _orderly_context,
+    _staged_context,
 )
 from ._message import Message, MessageQueue
 from ._options import ConsumerOptions
@@ -598,8 +601,9 @@ class PushConsumer:
                 await coordinator.unlock(self.group, self.client_id, [mq])
             return
         if self._stopping:  # shut down mid-takeover: hand the lock back now
-            with anyio.CancelScope(shield=True), anyio.move_on_after(
-                coordinator.options.lock_renew_interval
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(coordinator.options.lock_renew_interval),
             ):
                 try:
                     await coordinator.unlock(self.group, self.client_id, [mq])
@@ -889,6 +893,9 @@ class PushConsumer:
         hooks = self._hooks
         hook_ctx: ConsumeMessageContext | None = None
         clock = loop_clock() if hooks is not None else anyio.current_time
+        concurrently_context = _concurrently_context
+        orderly_context = _orderly_context
+        staged_context = _staged_context
         streak = 0
         while not self._stopping:
             batch = take(batch_max)
@@ -909,19 +916,13 @@ class PushConsumer:
             is_concurrent = pq.mode is concurrent
             context: Any
             if is_concurrent:
-                context = ConsumeConcurrentlyContext(message_queue=mq)
+                context = concurrently_context(mq)
             elif staged:
-                context = ConsumeStagedConcurrentlyContext(
-                    message_queue=mq,
-                    stage_index=batch.stage_index,
-                    strategy_id=batch.strategy_id,
-                    group_id=batch.group_id,
-                    suspend_current_queue_time_millis=suspend_ms,
+                context = staged_context(
+                    mq, batch.stage_index, batch.strategy_id, batch.group_id, suspend_ms
                 )
             else:
-                context = ConsumeOrderlyContext(
-                    message_queue=mq, suspend_current_queue_time_millis=suspend_ms
-                )
+                context = orderly_context(mq, suspend_ms)
             messages = batch.messages
             error: Exception | None = None
             result: Any = None
@@ -940,14 +941,14 @@ class PushConsumer:
                 self._in_flight -= 1
             if hook_ctx is not None:
                 hook_ctx.end_time = clock()
-            if error is None and (
-                result is None
-                or (
-                    result is _CONSUME_SUCCESS
-                    if is_concurrent
-                    else result is _ORDERLY_SUCCESS
+            if (
+                error is None
+                and (
+                    result is None
+                    or (result is _CONSUME_SUCCESS if is_concurrent else result is _ORDERLY_SUCCESS)
                 )
-            ) and (not is_concurrent or context.ack_index >= len(messages) - 1):
+                and (not is_concurrent or context.ack_index >= len(messages) - 1)
+            ):
                 self._consumed_ok += len(messages)
                 if hook_ctx is None:
                     finish(batch, _SUCCESS)  # this worker takes what it freed

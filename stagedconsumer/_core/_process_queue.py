@@ -345,22 +345,49 @@ class ProcessQueue:
         touched: list[_Lane] = []
         added = 0
         size_total = 0
-        for message in messages:
+        i = 0
+        count = len(messages)
+        while i < count:
+            message = messages[i]
             offset = message.queue_offset
             if offset <= highest:
+                i += 1
                 continue
-            highest = offset
             if fast is not None and fast.next_stage_offset < fast.stage_end:
-                lane = fast
-                stage_offset = lane.next_stage_offset
-                lane.next_stage_offset = stage_offset + 1
-                epoch = fast_epoch
-            else:
-                lane, epoch, stage_offset = self._assign(message)
-                if one_lane:
-                    fast, fast_epoch = lane, epoch
-                if not touched or touched[-1] is not lane:
-                    touched.append(lane)
+                # The rest of the current stage of the only lane: add the run at once
+                # (pulled messages come in offset order, so all of it is new).
+                lane, epoch = fast, fast_epoch
+                k = min(count - i, lane.stage_end - lane.next_stage_offset)
+                run = messages[i : i + k]
+                first_stage_offset = lane.next_stage_offset
+                lane.next_stage_offset = first_stage_offset + k
+                for message in run:
+                    size_total += len(message.body)
+                epoch.unfinished += k
+                epoch.cached += k
+                if not epoch.queued:
+                    epoch.queued = True
+                    if not lane.epochs:
+                        epoch.runnable_at = at
+                    lane.epochs.append(epoch)
+                if timed or lane.cached_at:
+                    _align_cached_at(lane)
+                    lane.cached_at.extend([at] * k)
+                lane.cached.extend(run)
+                order.extend([message.queue_offset for message in run])
+                order_lanes.extend([lane] * k)
+                order_stages.extend(range(first_stage_offset, first_stage_offset + k))
+                highest = run[-1].queue_offset
+                added += k
+                i += k
+                continue
+            i += 1
+            highest = offset
+            lane, epoch, stage_offset = self._assign(message)
+            if one_lane:
+                fast, fast_epoch = lane, epoch
+            if not touched or touched[-1] is not lane:
+                touched.append(lane)
             size_total += len(message.body)
             epoch.unfinished += 1
             epoch.cached += 1
