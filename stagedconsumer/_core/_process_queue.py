@@ -353,44 +353,27 @@ class ProcessQueue:
             if offset <= highest:
                 i += 1
                 continue
+            run: Sequence[Message]
             if fast is not None and fast.next_stage_offset < fast.stage_end:
-                # The rest of the current stage of the only lane: add the run at once
-                # (pulled messages come in offset order, so all of it is new).
+                # The rest of the current stage of the only lane joins at once (pulled
+                # messages come in offset order, so all of the run is new).
                 lane, epoch = fast, fast_epoch
                 k = min(count - i, lane.stage_end - lane.next_stage_offset)
                 run = messages[i : i + k]
                 first_stage_offset = lane.next_stage_offset
                 lane.next_stage_offset = first_stage_offset + k
-                for message in run:
-                    size_total += len(message.body)
-                epoch.unfinished += k
-                epoch.cached += k
-                if not epoch.queued:
-                    epoch.queued = True
-                    if not lane.epochs:
-                        epoch.runnable_at = at
-                    lane.epochs.append(epoch)
-                if timed or lane.cached_at:
-                    _align_cached_at(lane)
-                    lane.cached_at.extend([at] * k)
-                lane.cached.extend(run)
-                order.extend([message.queue_offset for message in run])
-                order_lanes.extend([lane] * k)
-                order_stages.extend(range(first_stage_offset, first_stage_offset + k))
-                highest = run[-1].queue_offset
-                added += k
-                i += k
-                continue
-            i += 1
-            highest = offset
-            lane, epoch, stage_offset = self._assign(message)
-            if one_lane:
-                fast, fast_epoch = lane, epoch
-            if not touched or touched[-1] is not lane:
-                touched.append(lane)
-            size_total += len(message.body)
-            epoch.unfinished += 1
-            epoch.cached += 1
+            else:
+                lane, epoch, first_stage_offset = self._assign(message)
+                if one_lane:
+                    fast, fast_epoch = lane, epoch
+                if not touched or touched[-1] is not lane:
+                    touched.append(lane)
+                k = 1
+                run = (message,)
+            for message in run:
+                size_total += len(message.body)
+            epoch.unfinished += k
+            epoch.cached += k
             if not epoch.queued:
                 epoch.queued = True
                 if not lane.epochs:
@@ -398,12 +381,14 @@ class ProcessQueue:
                 lane.epochs.append(epoch)
             if timed or lane.cached_at:
                 _align_cached_at(lane)
-                lane.cached_at.append(at)
-            lane.cached.append(message)
-            order.append(offset)
-            order_lanes.append(lane)
-            order_stages.append(stage_offset)
-            added += 1
+                lane.cached_at.extend([at] * k)
+            lane.cached.extend(run)
+            order.extend([message.queue_offset for message in run])
+            order_lanes.extend([lane] * k)
+            order_stages.extend(range(first_stage_offset, first_stage_offset + k))
+            highest = run[-1].queue_offset
+            added += k
+            i += k
         if highest_offset is not None and highest_offset > highest:
             highest = highest_offset
         self.highest_offset = highest
