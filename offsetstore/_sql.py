@@ -341,7 +341,7 @@ class SqlOffsetStore(StageOffsetStore):
                 f"cannot use offset store URL {self.url}: {exc}"
             ) from exc
         if self._backend == "sqlite":
-            _configure_sqlite(engine, memory=self._is_sqlite_memory())
+            _configure_sqlite(engine, memory=self._is_sqlite_memory(), wait=connect_timeout)
         return engine
 
     def _build_write_statement(self) -> sa.Executable:
@@ -815,13 +815,14 @@ def _queue_order(item: tuple[MessageQueue, object]) -> tuple[str, int]:
     return (mq.topic, mq.queue_id)
 
 
-def _configure_sqlite(engine: sa.Engine, *, memory: bool) -> None:
+def _configure_sqlite(engine: sa.Engine, *, memory: bool, wait: float) -> None:
     """WAL journal, full sync, and transactions under SQLAlchemy's control.
 
     pysqlite's own transaction handling begins transactions late and never for
     DDL; the recipe from SQLAlchemy's SQLite dialect documentation hands it to
     SQLAlchemy, and writers begin ``IMMEDIATE`` so two writers queue on the busy
-    timeout instead of failing on a lock upgrade.
+    timeout instead of failing on a lock upgrade. ``wait`` (seconds) bounds how long a
+    new connection retries switching a fresh file to WAL while another holds it.
     """
 
     @sa.event.listens_for(engine, "connect")
@@ -830,13 +831,7 @@ def _configure_sqlite(engine: sa.Engine, *, memory: bool) -> None:
         cursor = dbapi_connection.cursor()
         try:
             if not memory:
-                # Switching to WAL needs a moment alone with the file; WAL sticks to
-                # the file, so when another connection holds it, it was set before.
-                try:
-                    cursor.execute("PRAGMA journal_mode=WAL")
-                except Exception:
-                    if cursor.execute("PRAGMA journal_mode").fetchone() != ("wal",):
-                        raise
+                _switch_to_wal(cursor, wait)
             cursor.execute("PRAGMA synchronous=FULL")
         finally:
             cursor.close()
@@ -845,6 +840,33 @@ def _configure_sqlite(engine: sa.Engine, *, memory: bool) -> None:
     def _on_begin(conn: sa.Connection) -> None:
         mode = conn.get_execution_options().get("stagedconsumer_begin", "")
         conn.exec_driver_sql(f"BEGIN {mode}".strip())
+
+
+def _switch_to_wal(cursor: Any, wait: float) -> None:
+    """``PRAGMA journal_mode=WAL`` on a new SQLite connection.
+
+    The switch needs a moment alone with the file, and SQLite answers "database is
+    locked" at once (no busy timeout) while another connection holds it, for example
+    one switching the same fresh file at the same time. WAL sticks to the file, so
+    the switch is done once the mode reads ``wal``; until then it is retried for up
+    to ``wait`` seconds.
+    """
+    deadline = time.monotonic() + wait
+    pause = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except Exception:
+            try:
+                if cursor.execute("PRAGMA journal_mode").fetchone() == ("wal",):
+                    return
+            except Exception:
+                pass  # locked as well: retry below
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 def _redact(url: object) -> str:
