@@ -233,6 +233,7 @@ class PushConsumer:
                 "listener must be a MessageListenerConcurrently, MessageListenerOrderly or"
                 f" MessageListenerStagedConcurrently, got {type(listener).__name__}"
             )
+        self._mode_name: str = self._mode.value  # read by hook contexts, once per call
         self.group = group
         self.source = source
         self.listener = listener
@@ -983,7 +984,7 @@ class PushConsumer:
             self.group,
             mq,
             messages,
-            self._mode.value,
+            self._mode_name,
             batch.stage_index,
             batch.strategy_id,
             batch.group_id,

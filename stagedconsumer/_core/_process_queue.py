@@ -181,10 +181,11 @@ class Batch:
         return self.process_queue.message_queue
 
     @property
-    def cached_times(self) -> list[float]:
-        """When each message was cached (the ``now`` given to ``put_messages``)."""
+    def cached_times(self) -> Sequence[float]:
+        """When each message was cached (the ``now`` given to ``put_messages``), in
+        the order of ``messages``. The batch's own list: read it, do not change it."""
         cached_at = self._cached_at
-        return list(cached_at) if cached_at is not None else [0.0] * len(self.messages)
+        return cached_at if cached_at is not None else [0.0] * len(self.messages)
 
     @property
     def runnable_at(self) -> float:
@@ -553,7 +554,12 @@ class ProcessQueue:
             self._cached_count -= n
             self._pending_count += n
             cached_at = lane.cached_at
-            times = [cached_at.popleft() for _ in range(n)] if cached_at else None
+            if not cached_at:
+                times = None
+            elif n == 1:
+                times = [cached_at.popleft()]
+            else:
+                times = [cached_at.popleft() for _ in range(n)]
             key = lane.key
             if key is None:
                 return Batch(self, messages, epoch.stage_index, None, None, lane, epoch, times)
