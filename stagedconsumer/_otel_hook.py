@@ -480,8 +480,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     span.add_link(link.context, link.attributes)
         # Current while the handler runs: spans it starts are children (the one
         # context switch a handler's own spans need).
-        token = otel_context.attach(trace.set_span_in_context(span))
-        context.props[self._props_key] = (span, token)
+        current = trace.set_span_in_context(span)
+        token = otel_context.attach(current)
+        context.props[self._props_key] = (span, token, current)
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
         state = context.props.pop(self._props_key, None)
@@ -492,8 +493,11 @@ class OpenTelemetryHook(ConsumeMessageHook):
         error_type: str | None = None
         if not context.success:
             error_type = _error_type(context)
+        # Measurements are made in the process span's context, so that a recorded
+        # span becomes their exemplar (the SDK's default, trace-based exemplar filter).
+        measured_in = _EMPTY
         if state is not None:
-            span, token = state
+            span, token, measured_in = state
             try:
                 if error_type is not None:
                     span.set_attribute("error.type", error_type)
@@ -523,18 +527,22 @@ class OpenTelemetryHook(ConsumeMessageHook):
             metric_attrs = {**queue_attrs, "error.type": error_type}
         # Per handler call, as semconv defines them: one duration per process
         # operation, and the consumed count (an asynchronous counter kept here).
-        self._process_duration.record(max(0.0, context.end_time - context.start_time), metric_attrs)
+        self._process_duration.record(
+            max(0.0, context.end_time - context.start_time), metric_attrs, measured_in
+        )
         self._consumed_counts.add(len(messages), metric_attrs)
         # Per message (our own histograms): how long each waited.
         start = context.start_time
         record_await = self._await.record
         for cached in context.cached_times:
-            record_await(start - cached if start > cached else 0.0, queue_attrs)
+            record_await(start - cached if start > cached else 0.0, queue_attrs, measured_in)
         if context.mode == "staged":
             opened = context.runnable_at
             record_barrier = self._barrier.record
             for cached in context.cached_times:
-                record_barrier(opened - cached if opened > cached else 0.0, queue_attrs)
+                record_barrier(
+                    opened - cached if opened > cached else 0.0, queue_attrs, measured_in
+                )
         if settled:
             dead = settled.get(SettleOutcome.DLQ)
             if dead:

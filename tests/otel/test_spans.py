@@ -166,12 +166,18 @@ async def test_concurrent_span_tree_links_and_metrics(otel: Otel) -> None:
     assert duration.count == 3
     assert tuple(duration.explicit_bounds) == tuple(DURATION_BUCKETS)
     assert dict(duration.attributes or {}) == {**REQUIRED, "messaging.operation.name": "process"}
+    # Measured in the process span's context: recorded spans are their exemplars.
+    process_ids = {span.context.span_id for span in processes}
+    assert duration.exemplars
+    assert {exemplar.span_id for exemplar in duration.exemplars} <= process_ids
     [consumed] = metrics["messaging.client.consumed.messages"]
     assert isinstance(consumed, NumberDataPoint)
     assert consumed.value == 3
     [awaited] = metrics["stagedconsumer.consumer.await.duration"]
     assert isinstance(awaited, HistogramDataPoint)
     assert awaited.count == 3
+    assert awaited.exemplars
+    assert {exemplar.span_id for exemplar in awaited.exemplars} <= process_ids
 
 
 async def test_batch_process_span_has_per_link_ids(otel: Otel) -> None:
