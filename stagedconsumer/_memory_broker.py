@@ -14,7 +14,7 @@ import attrs
 
 from ._core import retry_delay_seconds
 from ._exceptions import ConfigurationError, UnknownTopicError
-from ._message import Message, MessageQueue
+from ._message import EMPTY_PROPERTIES, Message, MessageQueue, _slot_setters
 from ._otel import with_traceparent
 from ._source import (
     DLQ_PREFIX,
@@ -29,6 +29,31 @@ from ._source import (
 )
 
 __all__ = ("MemoryBroker", "MemoryBrokerStatistics")
+
+_new_message = object.__new__
+(
+    _set_topic,
+    _set_queue_id,
+    _set_queue_offset,
+    _set_body,
+    _set_keys,
+    _set_tags,
+    _set_properties,
+    _set_msg_id,
+    _set_born_timestamp,
+    _set_reconsume_times,
+) = _slot_setters(
+    "topic",
+    "queue_id",
+    "queue_offset",
+    "body",
+    "keys",
+    "tags",
+    "properties",
+    "msg_id",
+    "born_timestamp",
+    "reconsume_times",
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -181,6 +206,37 @@ class MemoryBroker(MessageSource):
             self.send(topic, body, queue_id=queue_id)
             count += 1
         return count
+
+    def _send_trace(self, topic: str, body: bytes, keys: tuple[str, ...]) -> Message:
+        """``send(topic, body, keys=keys)`` for the message trace writer, which calls it
+        once per batch of trace records (``SourceTraceSink``): the same queue choice and
+        the same stored fields, except that no ``traceparent`` is added (a trace message
+        holds the records of many handler calls; the span current where its batch
+        filled up is not its creation context). Built through the slots' setters, as
+        the sender's values are already in their stored form."""
+        queues = self._queues_of(topic)
+        count = len(queues)
+        if count == 1:
+            queue_id = 0
+        elif keys:
+            queue_id = zlib.crc32(keys[0].encode()) % count
+        else:
+            queue_id = next(self._round_robin[topic]) % count
+        queue = queues[queue_id]
+        message = _new_message(Message)
+        _set_topic(message, topic)
+        _set_queue_id(message, queue_id)
+        _set_queue_offset(message, len(queue.log))
+        _set_body(message, body)
+        _set_keys(message, keys)
+        _set_tags(message, None)
+        _set_properties(message, EMPTY_PROPERTIES)
+        _set_msg_id(message, self._next_id())
+        _set_born_timestamp(message, time.time())
+        _set_reconsume_times(message, 0)
+        queue.log.append(message)
+        queue.wake()
+        return message
 
     def _append(self, topic: str, message: Message) -> Message:
         queue = self._queues_of(topic)[0]

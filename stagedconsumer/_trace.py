@@ -34,7 +34,6 @@ from __future__ import annotations
 import abc
 import enum
 import inspect
-import itertools
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ import attrs
 
 from ._exceptions import ConfigurationError, UnknownTopicError
 from ._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType, SettleOutcome
+from ._memory_broker import MemoryBroker
 from ._message import Message
 from ._source import PROPERTY_ORIGIN_MESSAGE_ID, MessageSource
 
@@ -455,6 +455,9 @@ class SourceTraceSink(TraceSink):
     def __init__(self, source: MessageSource | None = None) -> None:
         self.source = source
         self._sync_send = False
+        # The embedded broker's own trace path (same stored message as send(), without
+        # a traceparent), unless a subclass changed send().
+        self._send_trace: Callable[[str, bytes, tuple[str, ...]], Message] | None = None
 
     async def prepare(self, consumer: PushConsumer) -> None:
         if self.source is None:
@@ -466,6 +469,9 @@ class SourceTraceSink(TraceSink):
                 " it can write the trace topic to, or a FileTraceSink"
             )
         self._sync_send = not inspect.iscoroutinefunction(send)
+        source = self.source
+        if isinstance(source, MemoryBroker) and type(source).send is MemoryBroker.send:
+            self._send_trace = source._send_trace
 
     def write_nowait(self, message: TraceMessage) -> bool:
         """Sends at once when the source's ``send`` is synchronous (the embedded
@@ -487,6 +493,8 @@ class SourceTraceSink(TraceSink):
             await _settle(self._call_send(message))
 
     def _call_send(self, message: TraceMessage) -> Any:
+        if self._send_trace is not None:
+            return self._send_trace(message.topic, message.body.encode("utf-8"), message.keys)
         send = getattr(self.source, "send", None)
         if send is None:
             raise ConfigurationError("SourceTraceSink used before prepare()")
@@ -707,8 +715,15 @@ class AsyncTraceDispatcher:
     def _messages(self, encoded: list[tuple[str, Sequence[str]]]) -> list[tuple[int, TraceMessage]]:
         """Encoded contexts as trace messages of at most ``max_msg_size`` characters,
         each with the number of contexts it holds (RocketMQ's ``AsyncDataSendTask``)."""
+        if not encoded:
+            return []
+        parts = [data for data, _ in encoded]
+        if sum(map(len, parts)) - len(parts[-1]) < self.max_msg_size:
+            # One message (the usual case): the loop below would close none before the end.
+            all_keys = [key for _, data_keys in encoded for key in data_keys]
+            return [(len(parts), self._message(parts, all_keys))]
         out: list[tuple[int, TraceMessage]] = []
-        parts: list[str] = []
+        parts = []
         keys: list[str] = []
         size = 0
         for data, data_keys in encoded:
@@ -789,10 +804,12 @@ class AsyncTraceDispatcher:
 _PROPS_KEY = "stagedconsumer.trace.before"
 _SETTLEMENT_ORDER = (SettleOutcome.DLQ, SettleOutcome.RETRY, SettleOutcome.SUSPEND)
 _CODES: dict[ConsumeReturnType | None, int] = {None: 0, **{t: t.value for t in ConsumeReturnType}}
+_SUCCESS = ConsumeReturnType.SUCCESS
 
 
 _S = CONTENT_SPLITOR
 _E = FIELD_SPLITOR
+_HEX2 = tuple(f"{i:02X}" for i in range(256))
 
 
 def _c(text: str) -> str:
@@ -851,9 +868,17 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         self.shutdown_timeout = shutdown_timeout
         self._props_key = f"{_PROPS_KEY}.{id(self):x}"  # several trace hooks may share a call
         self._request_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
-        self._request_seq = itertools.count()
+        # Request ids are the prefix and a 16-digit hex sequence number; the first 14
+        # digits change every 256 calls (see _next_request_id).
+        self._request_seq = 0
+        self._request_head = ""
+        # Bound once: the hook methods queue them with every call.
+        self._before_encoder: Encoder = self._encode_before
+        self._after_encoder: Encoder = self._encode_after
         # Encoded fields that repeat from call to call, per (region, group, stage key).
         self._static: dict[tuple[object, ...], tuple[str, str, str]] = {}
+        self._topic = ""  # the topic of the last one-message call, and its encoded text
+        self._topic_text = ""
 
     @property
     def hook_name(self) -> str:
@@ -877,24 +902,76 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         else:
             return  # no message of the call is traced
         context.props[self._props_key] = None  # traced; filled in by _encode_before
-        self.dispatcher.append_deferred(self._encode_before, context)
+        self.dispatcher.append_deferred(self._before_encoder, context)
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
         if self._props_key in context.props:
-            self.dispatcher.append_deferred(self._encode_after, context)
+            self.dispatcher.append_deferred(self._after_encoder, context)
 
-    def _encode_before(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
+    def _next_request_id(self) -> str:
+        """``f"{prefix}{seq:016X}"``, with the last two digits from a table."""
+        seq = self._request_seq
+        self._request_seq = seq + 1
+        low = seq & 0xFF
+        if not low:
+            self._request_head = f"{self._request_prefix}{seq >> 8:014X}"
+        return self._request_head + _HEX2[low]
+
+    def _encode_before(self, context: ConsumeMessageContext) -> tuple[str, Sequence[str]]:
         """The ``SubBefore`` records of a call and its index keys; keeps what its
-        ``SubAfter`` records share with them in ``context.props``."""
+        ``SubAfter`` records share with them in ``context.props``:
+        ``(request_id, keys, group_stage, msg_id, key_text, beans)``, where ``beans``
+        is ``None`` for a call of one message (``msg_id``/``key_text`` are its bean)
+        and the list of ``(msg_id, key_text)`` otherwise."""
         messages = context.messages
+        if len(messages) != 1:
+            return self._encode_before_many(context)
+        # One message (the usual call): one record, built in one f-string.
+        message = messages[0]
+        props = message.properties
+        msg_id = message.msg_id
         region = ""
-        for message in messages:
-            props = message.properties
-            if props and props.get(PROPERTY_TRACE_SWITCH) != "false":
-                region = props.get(PROPERTY_MSG_REGION, "")
-                break
+        if props:
+            if props.get(PROPERTY_TRACE_SWITCH) == "false":
+                return self._encode_before_many(context)
+            region = props.get(PROPERTY_MSG_REGION, "")
+            msg_id = props.get(PROPERTY_ORIGIN_MESSAGE_ID) or msg_id
+        if _S in msg_id or _E in msg_id:
+            msg_id = _c(msg_id)
         stage = context.stage_index
+        static = self._static.get(
+            (region, context.consumer_group, context.strategy_id, context.group_id, stage)
+        ) or self._static_text(context, region)
+        topic = message.topic
+        if topic is not self._topic:
+            self._topic = topic
+            self._topic_text = _c(topic)
+        keys: tuple[str, ...]
+        if message.keys:
+            key_text = _c(KEY_SEPARATOR.join(message.keys))
+            keys = (msg_id, *key_text.split(KEY_SEPARATOR))
+        else:
+            key_text = ""
+            keys = (msg_id,)
+        wall = context.wall_offset
+        opened = context.runnable_at
+        cached = context.cached_times[0]
+        request_id = self._next_request_id()
+        context.props[self._props_key] = (request_id, keys, static[2], msg_id, key_text, None)
+        return (
+            f"SubBefore{_S}{round((context.start_time + wall) * 1000)}{static[0]}{request_id}"
+            f"{_S}{msg_id}{_S}{message.reconsume_times}{_S}{key_text}{_S}{stage}"
+            f"{_S}{round((opened - cached) * 1000) if opened > cached else 0}"
+            f"{_S}{round((cached + wall) * 1000)}{_S}{self._topic_text}{_S}{message.queue_id}"
+            f"{_S}{message.queue_offset}{_S}{context.attempt}{static[1]}"
+        ), keys
+
+    def _static_text(self, context: ConsumeMessageContext, region: str) -> tuple[str, str, str]:
+        """Encoded fields that repeat from call to call: the part of ``SubBefore``
+        after its timestamp up to the request id, its tail after the attempt, and the
+        part of ``SubAfter`` after its timestamp up to the settlement."""
         group = context.consumer_group
+        stage = context.stage_index
         static_key = (region, group, context.strategy_id, context.group_id, stage)
         static = self._static.get(static_key)
         if static is None:
@@ -905,9 +982,22 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                 f"{_S}{_c(context.strategy_id or '')}{_S}{_c(context.group_id or '')}{_E}",
                 f"{_S}{_c(group)}{_S}{stage}{_S}",
             )
+        return static
+
+    def _encode_before_many(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
+        """:meth:`_encode_before` of a call of several messages (or of one not traced)."""
+        messages = context.messages
+        region = ""
+        for message in messages:
+            props = message.properties
+            if props and props.get(PROPERTY_TRACE_SWITCH) != "false":
+                region = props.get(PROPERTY_MSG_REGION, "")
+                break
+        stage = context.stage_index
+        static = self._static_text(context, region)
         wall = context.wall_offset
         opened = context.runnable_at
-        request_id = f"{self._request_prefix}{next(self._request_seq):016X}"
+        request_id = self._next_request_id()
         head = f"SubBefore{_S}{round((context.start_time + wall) * 1000)}{static[0]}{request_id}"
         tail = f"{_S}{context.attempt}{static[1]}"
         topic = ""
@@ -941,16 +1031,16 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                 f"{_S}{message.queue_offset}{tail}"
             )
             beans.append((msg_id, key_text))
-        context.props[self._props_key] = (request_id, beans, keys, static[2])
+        context.props[self._props_key] = (request_id, keys, static[2], "", "", beans)
         return "".join(records), keys
 
-    def _encode_after(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
+    def _encode_after(self, context: ConsumeMessageContext) -> tuple[str, Sequence[str]]:
         """The ``SubAfter`` records of a call and its index keys."""
         before = context.props.get(self._props_key)
         if before is None:  # its SubBefore was dropped: share the same request id
             self._encode_before(context)
             before = context.props[self._props_key]
-        request_id, beans, keys, group_stage = before
+        request_id, keys, group_stage, msg_id, key_text, beans = before
         settled = context.settled
         settlement = ""
         if settled:
@@ -959,25 +1049,36 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                     settlement = outcome.value
                     break
         end = context.end_time
-        cost = int(max(0.0, end - context.start_time) * 1000 / max(1, len(context.messages)))
+        # RocketMQ's per-message average: int(max(0, handler ms) / max(1, batch size)).
+        took = end - context.start_time
+        count = len(context.messages)
+        if not took > 0.0:
+            cost = 0
+        elif count > 1:
+            cost = int(took * 1000 / count)
+        else:
+            cost = int(took * 1000)
         success = "true" if context.success else "false"
+        status = context.status
+        # (Hashing an enum member runs Python code: skip it for the usual status.)
+        code = 0 if status is _SUCCESS else _CODES[status]
+        if beans is None:
+            return (
+                f"SubAfter{_S}{request_id}{_S}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}"
+                f"{_S}{code}{_S}{round((end + context.wall_offset) * 1000)}"
+                f"{group_stage}{settlement}{_S}{context.attempt}{_E}"
+            ), keys
         tail = (
-            f"{_S}{_CODES[context.status]}{_S}{round((end + context.wall_offset) * 1000)}"
+            f"{_S}{code}{_S}{round((end + context.wall_offset) * 1000)}"
             f"{group_stage}{settlement}{_S}{context.attempt}{_E}"
         )
-        if len(beans) == 1:
-            msg_id, key_text = beans[0]
-            data = (
-                f"SubAfter{_S}{request_id}{_S}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
-            )
-        else:
-            head = f"SubAfter{_S}{request_id}{_S}"
-            data = "".join(
-                [
-                    f"{head}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
-                    for msg_id, key_text in beans
-                ]
-            )
+        head = f"SubAfter{_S}{request_id}{_S}"
+        data = "".join(
+            [
+                f"{head}{msg_id}{_S}{cost}{_S}{success}{_S}{key_text}{tail}"
+                for msg_id, key_text in beans
+            ]
+        )
         return data, keys
 
     async def run(
