@@ -895,12 +895,18 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
     # Both encoders read only fields that are final when they are queued.
 
     def consume_message_before(self, context: ConsumeMessageContext) -> None:
-        for message in context.messages:
-            props = message.properties
-            if not props or props.get(PROPERTY_TRACE_SWITCH) != "false":
-                break
+        messages = context.messages
+        if len(messages) == 1:
+            props = messages[0].properties
+            if props and props.get(PROPERTY_TRACE_SWITCH) == "false":
+                return
         else:
-            return  # no message of the call is traced
+            for message in messages:
+                props = message.properties
+                if not props or props.get(PROPERTY_TRACE_SWITCH) != "false":
+                    break
+            else:
+                return  # no message of the call is traced
         context.props[self._props_key] = None  # traced; filled in by _encode_before
         self.dispatcher.append_deferred(self._before_encoder, context)
 
@@ -932,8 +938,7 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         msg_id = message.msg_id
         region = ""
         if props:
-            if props.get(PROPERTY_TRACE_SWITCH) == "false":
-                return self._encode_before_many(context)
+            # Traced: a call is queued only when one of its messages is traced.
             region = props.get(PROPERTY_MSG_REGION, "")
             msg_id = props.get(PROPERTY_ORIGIN_MESSAGE_ID) or msg_id
         if _S in msg_id or _E in msg_id:
@@ -985,7 +990,7 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         return static
 
     def _encode_before_many(self, context: ConsumeMessageContext) -> tuple[str, list[str]]:
-        """:meth:`_encode_before` of a call of several messages (or of one not traced)."""
+        """:meth:`_encode_before` of a call of several messages."""
         messages = context.messages
         region = ""
         for message in messages:
