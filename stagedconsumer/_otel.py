@@ -11,9 +11,10 @@ OpenTelemetry installed.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 __all__ = (
     "TRACEPARENT",
@@ -22,6 +23,7 @@ __all__ = (
     "inject_traceparent",
     "parse_traceparent",
     "with_traceparent",
+    "without_current_span",
 )
 
 TRACEPARENT = "traceparent"
@@ -78,6 +80,22 @@ def _current_traceparent() -> tuple[str, str] | None:
         span_context.trace_id, span_context.span_id, int(span_context.trace_flags)
     )
     return header, span_context.trace_state.to_header()
+
+
+@contextlib.contextmanager
+def without_current_span() -> Iterator[None]:
+    """Run the block with no current span (an empty OpenTelemetry context), so that
+    producers called in it inject no ``traceparent``. A no-op when OpenTelemetry is
+    not loaded."""
+    context = sys.modules.get("opentelemetry.context")
+    if context is None:
+        yield
+        return
+    token = context.attach(context.Context())
+    try:
+        yield
+    finally:
+        context.detach(token)
 
 
 def inject_traceparent(properties: dict[str, str]) -> None:

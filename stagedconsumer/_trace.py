@@ -51,6 +51,7 @@ from ._exceptions import ConfigurationError, UnknownTopicError
 from ._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType, SettleOutcome
 from ._memory_broker import MemoryBroker
 from ._message import Message
+from ._otel import without_current_span
 from ._source import PROPERTY_ORIGIN_MESSAGE_ID, MessageSource
 
 if TYPE_CHECKING:
@@ -478,19 +479,24 @@ class SourceTraceSink(TraceSink):
         broker appends to memory)."""
         if not self._sync_send:
             return False
-        try:
-            self._call_send(message)
-        except UnknownTopicError:
-            self._create_topic(message.topic)
-            self._call_send(message)
+        with without_current_span():
+            try:
+                self._call_send(message)
+            except UnknownTopicError:
+                self._create_topic(message.topic)
+                self._call_send(message)
         return True
 
     async def write(self, message: TraceMessage) -> None:
-        try:
-            await _settle(self._call_send(message))
-        except UnknownTopicError:
-            await _settle(self._create_topic(message.topic))
-            await _settle(self._call_send(message))
+        # A trace message is not created inside any consumer span: without this,
+        # producers that inject the current span's traceparent (RedisBroker) would
+        # give it whichever span the dispatcher's task inherited.
+        with without_current_span():
+            try:
+                await _settle(self._call_send(message))
+            except UnknownTopicError:
+                await _settle(self._create_topic(message.topic))
+                await _settle(self._call_send(message))
 
     def _call_send(self, message: TraceMessage) -> Any:
         if self._send_trace is not None:
