@@ -431,3 +431,47 @@ async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.M
     [duration] = otel.metrics()["messaging.process.duration"]
     assert duration.count == 3  # type: ignore[attr-defined]  # metrics stay complete
     provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("sampler", "at_creation"),
+    [
+        (None, True),  # the SDK's default, ParentBased(ALWAYS_ON)
+        (ParentBased(TraceIdRatioBased(1.0)), True),
+        (TraceIdRatioBased(0.5), False),
+    ],
+)
+async def test_receive_links_go_in_at_creation_when_every_root_is_recorded(
+    otel: Otel, monkeypatch: pytest.MonkeyPatch, sampler: Sampler | None, at_creation: bool
+) -> None:
+    from opentelemetry.sdk.trace import Span
+
+    broker, _, creation = produce(otel, 3)
+    added: list[object] = []
+    real_add_link = Span.add_link
+
+    def counting_add_link(self: Span, *args: Any, **kwargs: Any) -> None:
+        added.append(args)
+        real_add_link(self, *args, **kwargs)
+
+    monkeypatch.setattr(Span, "add_link", counting_add_link)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider() if sampler is None else TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    hook = OpenTelemetryHook(tracer_provider=provider, meter_provider=otel.meter_provider)
+    assert hook._receive_links_after_creation is not at_creation
+    consumer = PushConsumer("g", broker, Concurrent(tracer=provider.get_tracer("app")))
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    receives = [s for s in exporter.get_finished_spans() if s.name == "receive t"]
+    if at_creation:
+        [receive] = receives
+        assert ids([link.context for link in receive.links]) == ids(creation)
+        assert added == []
+    else:
+        for receive in receives:  # recorded or not, by trace id: links only if recorded
+            assert ids([link.context for link in receive.links]) == ids(creation)
+        assert len(added) == 3 * len(receives)
+    provider.shutdown()
