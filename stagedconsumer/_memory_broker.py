@@ -14,7 +14,22 @@ import attrs
 
 from ._core import retry_delay_seconds
 from ._exceptions import ConfigurationError, UnknownTopicError
-from ._message import EMPTY_PROPERTIES, Message, MessageQueue, _slot_setters
+from ._message import (
+    EMPTY_PROPERTIES,
+    Message,
+    MessageQueue,
+    _new_message,
+    _set_body,
+    _set_born_timestamp,
+    _set_keys,
+    _set_msg_id,
+    _set_properties,
+    _set_queue_id,
+    _set_queue_offset,
+    _set_reconsume_times,
+    _set_tags,
+    _set_topic,
+)
 from ._otel import with_traceparent
 from ._source import (
     DLQ_PREFIX,
@@ -29,31 +44,6 @@ from ._source import (
 )
 
 __all__ = ("MemoryBroker", "MemoryBrokerStatistics")
-
-_new_message = object.__new__
-(
-    _set_topic,
-    _set_queue_id,
-    _set_queue_offset,
-    _set_body,
-    _set_keys,
-    _set_tags,
-    _set_properties,
-    _set_msg_id,
-    _set_born_timestamp,
-    _set_reconsume_times,
-) = _slot_setters(
-    "topic",
-    "queue_id",
-    "queue_offset",
-    "body",
-    "keys",
-    "tags",
-    "properties",
-    "msg_id",
-    "born_timestamp",
-    "reconsume_times",
-)
 
 
 @attrs.frozen(kw_only=True)

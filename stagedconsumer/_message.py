@@ -78,3 +78,30 @@ def _slot_setters(*names: str) -> tuple[Callable[[Message, Any], None], ...]:
     """
     slots = vars(Message)
     return tuple(slots[name].__set__ for name in names)
+
+
+_new_message = object.__new__
+"""Allocate a ``Message`` without ``__init__`` (then set every slot with the setters below)."""
+(
+    _set_topic,
+    _set_queue_id,
+    _set_queue_offset,
+    _set_body,
+    _set_keys,
+    _set_tags,
+    _set_properties,
+    _set_msg_id,
+    _set_born_timestamp,
+    _set_reconsume_times,
+) = _slot_setters(
+    "topic",
+    "queue_id",
+    "queue_offset",
+    "body",
+    "keys",
+    "tags",
+    "properties",
+    "msg_id",
+    "born_timestamp",
+    "reconsume_times",
+)
