@@ -227,7 +227,10 @@ class OpenTelemetryHook(ConsumeMessageHook):
     at most once and its link reused by the receive, process and settle spans;
     with the SDK's samplers, which ignore links, spans that are not recorded do
     no link work (links are added once a span records; other samplers see them
-    at creation). Attribute sets that repeat are built once. What remains is the Python
+    at creation; when every root span is recorded, as with the SDK's default
+    sampler, receive spans get theirs at creation). Histograms are measured in the
+    process span's context, so recorded spans are their exemplars. Attribute sets
+    that repeat are built once. What remains is the Python
     SDK's own cost, tens of microseconds per span and several per histogram
     measurement (it validates and hashes the attributes every time): more than
     the consumer spends on a message. ``benchmarks/tracing_overhead.py`` measures
