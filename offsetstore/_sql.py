@@ -282,6 +282,11 @@ class SqlOffsetStore(StageOffsetStore):
         )
         self._loaded = False
         self._closed = False
+        # Operations running in worker threads, abandoned ones included (see aclose).
+        self._busy_lock = threading.Lock()
+        self._busy = 0
+        self._idle = threading.Event()
+        self._idle.set()
 
     # -- construction ---------------------------------------------------------------------
 
@@ -413,15 +418,31 @@ class SqlOffsetStore(StageOffsetStore):
         """Run ``func`` in a worker thread, for at most ``operation_timeout`` seconds."""
         timeout = self._operation_timeout
         if timeout is None:
-            return await anyio.to_thread.run_sync(func, *args)
+            return await anyio.to_thread.run_sync(self._tracked, func, *args)
         with anyio.move_on_after(timeout) as scope:
-            return await anyio.to_thread.run_sync(func, *args, abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(
+                self._tracked, func, *args, abandon_on_cancel=True
+            )
         if scope.cancelled_caught:
             raise StoreUnavailableError(
                 f"{action} on {self.url} took longer than {timeout:g} s (operation_timeout);"
                 " abandoned it"
             )
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _tracked(self, func: Callable[..., _T], *args: Any) -> _T:
+        """``func(*args)`` in a worker thread, counted until it returns, even when the
+        caller was cancelled and stopped waiting for it (``aclose`` waits for it)."""
+        with self._busy_lock:
+            self._busy += 1
+            self._idle.clear()
+        try:
+            return func(*args)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+                if not self._busy:
+                    self._idle.set()
 
     def _call(self, action: str, func: Callable[[], _T], writes: bool) -> _T:
         try:
@@ -589,10 +610,19 @@ class SqlOffsetStore(StageOffsetStore):
             )
 
     async def aclose(self) -> None:
-        """Close every pooled connection. The store cannot be used afterwards."""
+        """Close every pooled connection. The store cannot be used afterwards.
+
+        Operations still running in worker threads (an operation whose caller was
+        cancelled or timed out keeps running there until the database answers) are
+        waited for, at most 5 seconds (or ``operation_timeout`` if shorter), so that
+        their connections go back to the pool and are closed with it rather than
+        left open for the garbage collector.
+        """
         if self._closed:
             return
         self._closed = True
+        wait = min(5.0, self._operation_timeout or 5.0)
+        await anyio.to_thread.run_sync(self._idle.wait, wait, abandon_on_cancel=True)
         await anyio.to_thread.run_sync(self._engine.dispose)
 
     # -- the durable part -------------------------------------------------------------------

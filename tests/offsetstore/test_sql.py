@@ -304,3 +304,55 @@ async def test_operation_timeout_abandons_a_stuck_call_and_late_commits_never_re
 def test_operation_timeout_must_be_positive() -> None:
     with pytest.raises(StoreConfigurationError, match="operation_timeout"):
         SqlOffsetStore("sqlite://", operation_timeout=0)
+
+
+# -- closing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+async def test_close_waits_for_an_abandoned_operation_and_closes_its_connection() -> None:
+    """An operation whose caller gave up keeps running in its thread until the
+    database answers; closing the store waits for it, so its connection is closed
+    with the pool instead of being left open for the garbage collector (psycopg
+    warns when it collects an open connection)."""
+    import gc
+    import uuid
+    import warnings
+
+    from .conftest import POSTGRES_URL, drop_tables, require_url
+
+    url = require_url("PostgreSQL", POSTGRES_URL)
+    prefix = f"t{uuid.uuid4().hex[:10]}_"
+    store = SqlOffsetStore(url, table_prefix=prefix)
+    locker = sa.create_engine(url)
+    try:
+        store.update_offset("g", MQ, 1)
+        await store.persist("g", MQ)  # creates the tables
+        conn = locker.connect()
+        conn.execute(sa.text(f"LOCK TABLE {store.progress_table_name} IN ACCESS EXCLUSIVE MODE"))
+        store.update_offset("g", MQ, 2)
+        with anyio.move_on_after(0.3) as scope:
+            await store.persist("g", MQ)  # waits for the lock: abandoned in its thread
+        assert scope.cancelled_caught
+
+        async def release() -> None:
+            await anyio.sleep(0.3)
+            await anyio.to_thread.run_sync(conn.close)  # rolls back: the lock goes
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release)
+            await store.aclose()
+        await anyio.sleep(0.5)  # time for an operation still running to finish
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gc.collect()
+        assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+        check = SqlOffsetStore(url, table_prefix=prefix)
+        try:
+            assert await check.read_offset("g", MQ) == 2  # the abandoned write completed
+        finally:
+            await check.aclose()
+    finally:
+        await store.aclose()
+        locker.dispose()
+        drop_tables(url, prefix)
