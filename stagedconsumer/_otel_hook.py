@@ -219,6 +219,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
     ``messaging_system`` is the ``messaging.system`` attribute (default
     ``"stagedconsumer"``; set e.g. ``"redis"`` for the Redis broker).
     ``spans=False`` / ``metrics=False`` turn either half off.
+    ``wait_metrics=False`` keeps the metrics but drops the two per-message
+    histograms (await time and barrier wait), each of which costs an SDK
+    measurement per message (about 7 µs with their attributes on the 1.45 SDK).
 
     Cost: the hook makes, per handler call, one span and two histogram
     measurements (three in staged mode: duration, await time per message, barrier
@@ -249,12 +252,14 @@ class OpenTelemetryHook(ConsumeMessageHook):
         messaging_system: str = "stagedconsumer",
         spans: bool = True,
         metrics: bool = True,
+        wait_metrics: bool = True,
     ) -> None:
         from . import __version__
 
         self.messaging_system = messaging_system
         self.spans = spans
         self.metrics = metrics
+        self.wait_metrics = wait_metrics
         self._tracer = trace.get_tracer(
             "stagedconsumer", __version__, tracer_provider, schema_url=SCHEMA_URL
         )
@@ -559,18 +564,19 @@ class OpenTelemetryHook(ConsumeMessageHook):
             max(0.0, context.end_time - context.start_time), metric_attrs, measured_in
         )
         self._consumed_counts.add(len(messages), metric_attrs)
-        # Per message (our own histograms): how long each waited.
-        start = context.start_time
-        record_await = self._await.record
-        for cached in context.cached_times:
-            record_await(start - cached if start > cached else 0.0, queue_attrs, measured_in)
-        if context.mode == "staged":
-            opened = context.runnable_at
-            record_barrier = self._barrier.record
+        if self.wait_metrics:
+            # Per message (our own histograms): how long each waited.
+            start = context.start_time
+            record_await = self._await.record
             for cached in context.cached_times:
-                record_barrier(
-                    opened - cached if opened > cached else 0.0, queue_attrs, measured_in
-                )
+                record_await(start - cached if start > cached else 0.0, queue_attrs, measured_in)
+            if context.mode == "staged":
+                opened = context.runnable_at
+                record_barrier = self._barrier.record
+                for cached in context.cached_times:
+                    record_barrier(
+                        opened - cached if opened > cached else 0.0, queue_attrs, measured_in
+                    )
         if settled:
             dead = settled.get(SettleOutcome.DLQ)
             if dead:

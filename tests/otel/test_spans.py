@@ -475,3 +475,25 @@ async def test_receive_links_go_in_at_creation_when_every_root_is_recorded(
             assert ids([link.context for link in receive.links]) == ids(creation)
         assert len(added) == 3 * len(receives)
     provider.shutdown()
+
+
+async def test_wait_metrics_can_be_turned_off_alone(otel: Otel) -> None:
+    broker, _, _ = produce(otel, 3)
+    consumer = PushConsumer("g", broker, Staged())
+    consumer.subscribe("t")
+    hook = OpenTelemetryHook(
+        tracer_provider=otel.tracer_provider,
+        meter_provider=otel.meter_provider,
+        wait_metrics=False,
+    )
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    metrics = otel.metrics()
+    [duration] = metrics["messaging.process.duration"]
+    assert duration.count == 3  # type: ignore[attr-defined]
+    [consumed] = metrics["messaging.client.consumed.messages"]
+    assert consumed.value == 3  # type: ignore[attr-defined]
+    assert "stagedconsumer.consumer.await.duration" not in metrics
+    assert "stagedconsumer.consumer.barrier_wait.duration" not in metrics
+    assert len(otel.spans("process")) == 3
