@@ -13,7 +13,10 @@ parsing it and linking to it. Cases:
   ``BatchSpanProcessor`` (discarding exporter) and an SDK ``MeterProvider``;
 - ``everything``: both hooks;
 - ``everything, spans sampled 1%``: both, with ``ParentBased(TraceIdRatioBased(0.01))``
-  as the tracer provider's sampler (metrics stay complete).
+  as the tracer provider's sampler (metrics stay complete);
+- ``everything, spans sampled 1%, no wait histograms``: the same with
+  ``OpenTelemetryHook(wait_metrics=False)`` (no per-message await and barrier-wait
+  histograms; duration, counts and gauges stay).
 
 Next to them, measured in the same run, two rows without a consumer:
 
@@ -144,12 +147,16 @@ def case_trace() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]
     return [hook], extra
 
 
-def _otel(sampled: float = 1.0) -> tuple[OpenTelemetryHook, Callable[[], dict[str, Any]]]:
+def _otel(
+    sampled: float = 1.0, *, wait_metrics: bool = True
+) -> tuple[OpenTelemetryHook, Callable[[], dict[str, Any]]]:
     exporter = DiscardingExporter()
     tracer_provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(sampled)))
     tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=SPAN_QUEUE))
     meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
-    hook = OpenTelemetryHook(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    hook = OpenTelemetryHook(
+        tracer_provider=tracer_provider, meter_provider=meter_provider, wait_metrics=wait_metrics
+    )
 
     def extra() -> dict[str, Any]:
         tracer_provider.force_flush()
@@ -177,6 +184,12 @@ def case_all_sampled() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str,
     return [*trace_hook, otel_hook], lambda: {**trace_extra(), **otel_extra()}
 
 
+def case_all_lean() -> tuple[list[ConsumeMessageHook], Callable[[], dict[str, Any]]]:
+    otel_hook, otel_extra = _otel(sampled=0.01, wait_metrics=False)
+    trace_hook, trace_extra = case_trace()
+    return [*trace_hook, otel_hook], lambda: {**trace_extra(), **otel_extra()}
+
+
 CASES: dict[str, Case] = {
     "off": case_off,
     "no-op hook": case_noop_hook,
@@ -184,6 +197,7 @@ CASES: dict[str, Case] = {
     "opentelemetry": case_otel,
     "everything": case_all,
     "everything, spans sampled 1%": case_all_sampled,
+    "everything, spans sampled 1%, no wait histograms": case_all_lean,
 }
 
 
