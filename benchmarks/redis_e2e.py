@@ -84,7 +84,7 @@ from stagedconsumer import (
     MessageListenerStagedConcurrently,
     PushConsumer,
 )
-from stagedconsumer._redis_broker import RedisBroker, _decode_entries
+from stagedconsumer._sources._redis_broker import RedisBroker, _decode_entries
 
 QUEUES = 8
 TOPIC = "bench"

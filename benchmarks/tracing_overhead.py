@@ -82,7 +82,7 @@ from stagedconsumer import (
     ConsumerOptions,
     MemoryBroker,
 )
-from stagedconsumer._otel_hook import SCHEMA_URL
+from stagedconsumer._observability._otel_hook import SCHEMA_URL
 from stagedconsumer.otel import DURATION_BUCKETS, OpenTelemetryHook, parse_traceparent
 
 OPTIONS = ConsumerOptions(consume_thread_max=20)

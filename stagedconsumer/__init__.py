@@ -6,8 +6,6 @@ message of stage ``k`` finished (Apache RocketMQ's RIP-22, done correctly).
 
 from typing import TYPE_CHECKING, Any
 
-from ._consumer import ConsumerStatistics as ConsumerStatistics
-from ._consumer import PushConsumer as PushConsumer
 from ._core import TAIL_STAGE as TAIL_STAGE
 from ._core import ProcessQueueStatistics as ProcessQueueStatistics
 from ._core import StageDefinition as StageDefinition
@@ -22,11 +20,6 @@ from ._exceptions import SourceClosedError as SourceClosedError
 from ._exceptions import SourceError as SourceError
 from ._exceptions import StagedConsumerError as StagedConsumerError
 from ._exceptions import UnknownTopicError as UnknownTopicError
-from ._hooks import ConsumeMessageContext as ConsumeMessageContext
-from ._hooks import ConsumeMessageHook as ConsumeMessageHook
-from ._hooks import ConsumeReturnType as ConsumeReturnType
-from ._hooks import PullContext as PullContext
-from ._hooks import SettleOutcome as SettleOutcome
 from ._listeners import ConsumeConcurrentlyContext as ConsumeConcurrentlyContext
 from ._listeners import ConsumeConcurrentlyStatus as ConsumeConcurrentlyStatus
 from ._listeners import ConsumeOrderlyContext as ConsumeOrderlyContext
@@ -36,54 +29,60 @@ from ._listeners import MessageListener as MessageListener
 from ._listeners import MessageListenerConcurrently as MessageListenerConcurrently
 from ._listeners import MessageListenerOrderly as MessageListenerOrderly
 from ._listeners import MessageListenerStagedConcurrently as MessageListenerStagedConcurrently
-from ._memory_broker import MemoryBroker as MemoryBroker
-from ._memory_broker import MemoryBrokerStatistics as MemoryBrokerStatistics
 from ._message import Message as Message
 from ._message import MessageQueue as MessageQueue
+from ._observability._hooks import ConsumeMessageContext as ConsumeMessageContext
+from ._observability._hooks import ConsumeMessageHook as ConsumeMessageHook
+from ._observability._hooks import ConsumeReturnType as ConsumeReturnType
+from ._observability._hooks import PullContext as PullContext
+from ._observability._hooks import SettleOutcome as SettleOutcome
+from ._observability._trace import RMQ_SYS_TRACE_TOPIC as RMQ_SYS_TRACE_TOPIC
+from ._observability._trace import AsyncTraceDispatcher as AsyncTraceDispatcher
+from ._observability._trace import ConsumeMessageTraceHook as ConsumeMessageTraceHook
+from ._observability._trace import FileTraceSink as FileTraceSink
+from ._observability._trace import SourceTraceSink as SourceTraceSink
+from ._observability._trace import TraceBean as TraceBean
+from ._observability._trace import TraceContext as TraceContext
+from ._observability._trace import TraceDispatcherStatistics as TraceDispatcherStatistics
+from ._observability._trace import TraceMessage as TraceMessage
+from ._observability._trace import TraceSink as TraceSink
+from ._observability._trace import TraceType as TraceType
+from ._observability._trace import decode_trace_data as decode_trace_data
+from ._observability._trace import encode_trace_context as encode_trace_context
+from ._observability._trace import query_message_trace as query_message_trace
+from ._observability._trace import read_trace_file as read_trace_file
+from ._observability._trace import trace_messages_of as trace_messages_of
+from ._observability._traceparent import inject_traceparent as inject_traceparent
 from ._options import ConsumerOptions as ConsumerOptions
-from ._otel import inject_traceparent as inject_traceparent
-from ._rebalance import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
-from ._rebalance import (
+from ._runtime._consumer import ConsumerStatistics as ConsumerStatistics
+from ._runtime._consumer import PushConsumer as PushConsumer
+from ._sources._group import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
+from ._sources._group import (
     AllocateMessageQueueByConsistentHash as AllocateMessageQueueByConsistentHash,
 )
-from ._rebalance import AllocateMessageQueueStrategy as AllocateMessageQueueStrategy
-from ._rebalance import GroupCoordinator as GroupCoordinator
-from ._rebalance import GroupOptions as GroupOptions
-from ._source import MessageSource as MessageSource
-from ._source import PullResult as PullResult
-from ._source import SendBackResult as SendBackResult
-from ._trace import RMQ_SYS_TRACE_TOPIC as RMQ_SYS_TRACE_TOPIC
-from ._trace import AsyncTraceDispatcher as AsyncTraceDispatcher
-from ._trace import ConsumeMessageTraceHook as ConsumeMessageTraceHook
-from ._trace import FileTraceSink as FileTraceSink
-from ._trace import SourceTraceSink as SourceTraceSink
-from ._trace import TraceBean as TraceBean
-from ._trace import TraceContext as TraceContext
-from ._trace import TraceDispatcherStatistics as TraceDispatcherStatistics
-from ._trace import TraceMessage as TraceMessage
-from ._trace import TraceSink as TraceSink
-from ._trace import TraceType as TraceType
-from ._trace import decode_trace_data as decode_trace_data
-from ._trace import encode_trace_context as encode_trace_context
-from ._trace import query_message_trace as query_message_trace
-from ._trace import read_trace_file as read_trace_file
-from ._trace import trace_messages_of as trace_messages_of
+from ._sources._group import AllocateMessageQueueStrategy as AllocateMessageQueueStrategy
+from ._sources._group import GroupCoordinator as GroupCoordinator
+from ._sources._group import GroupOptions as GroupOptions
+from ._sources._memory import MemoryBroker as MemoryBroker
+from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
+from ._sources._source import MessageSource as MessageSource
+from ._sources._source import PullResult as PullResult
+from ._sources._source import SendBackResult as SendBackResult
+from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from ._redis_broker import RedisBroker as RedisBroker
+    from ._sources._redis_broker import RedisBroker as RedisBroker
 
 
 def __getattr__(name: str) -> Any:
     # RedisBroker needs the optional redis-py (``stagedconsumer[redis]``): imported on
     # first use, so ``import stagedconsumer`` works without it.
     if name == "RedisBroker":
-        from ._redis_broker import RedisBroker
+        from ._sources._redis_broker import RedisBroker
 
         return RedisBroker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-__version__ = "0.1.0"
 
 __all__ = (
     "RMQ_SYS_TRACE_TOPIC",

@@ -11,13 +11,13 @@ OpenTelemetry and the package must work without it::
     )
 """
 
-from ._otel import format_traceparent as format_traceparent
-from ._otel import inject_traceparent as inject_traceparent
-from ._otel import parse_traceparent as parse_traceparent
-from ._otel_hook import DURATION_BUCKETS as DURATION_BUCKETS
-from ._otel_hook import OpenTelemetryHook as OpenTelemetryHook
-from ._otel_hook import PrometheusEndpoint as PrometheusEndpoint
-from ._otel_hook import serve_prometheus as serve_prometheus
+from ._observability._otel_hook import DURATION_BUCKETS as DURATION_BUCKETS
+from ._observability._otel_hook import OpenTelemetryHook as OpenTelemetryHook
+from ._observability._otel_hook import PrometheusEndpoint as PrometheusEndpoint
+from ._observability._otel_hook import serve_prometheus as serve_prometheus
+from ._observability._traceparent import format_traceparent as format_traceparent
+from ._observability._traceparent import inject_traceparent as inject_traceparent
+from ._observability._traceparent import parse_traceparent as parse_traceparent
 
 __all__ = (
     "DURATION_BUCKETS",

@@ -7,7 +7,7 @@ import pytest
 from trio.testing import MockClock
 
 from stagedconsumer import ConfigurationError, MemoryBroker, MessageQueue, UnknownTopicError
-from stagedconsumer._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC
+from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ import pytest
 from offsetstore import QueueProgress, SqlOffsetStore, StageKey
 from stagedconsumer import MessageQueue
 from stagedconsumer._cli import main
-from stagedconsumer._cli_offsets import format_stage_key, parse_stage_key
+from stagedconsumer._cli._offsets import format_stage_key, parse_stage_key
 
 GROUP = "orders-app"
 
@@ -188,7 +188,7 @@ def test_stage_key_syntax_round_trips(text: str, key: StageKey) -> None:
 def test_show_with_a_redis_broker_adds_lag(
     store_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from stagedconsumer._redis_broker import RedisBroker
+    from stagedconsumer._sources._redis_broker import RedisBroker
     from tests.redis.conftest import require_redis
 
     redis_url = require_redis()

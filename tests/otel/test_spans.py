@@ -405,7 +405,7 @@ async def test_a_sampler_that_may_use_links_sees_them_at_creation(otel: Otel) ->
 
 
 async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.MonkeyPatch) -> None:
-    import stagedconsumer._otel_hook as otel_hook
+    import stagedconsumer._observability._otel_hook as otel_hook
 
     broker, _, _ = produce(otel, 3)
     parsed: list[str] = []

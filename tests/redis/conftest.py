@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from stagedconsumer._redis_broker import RedisBroker
+from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.conftest import require_service
 
 REDIS_URL = os.environ.get("STAGEDCONSUMER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -35,7 +35,7 @@ from stagedconsumer import (
     MessageListenerStagedConcurrently,
     PushConsumer,
 )
-from stagedconsumer._redis_broker import RedisBroker
+from stagedconsumer._sources._redis_broker import RedisBroker
 
 STAGES = (40, 80, 120)
 

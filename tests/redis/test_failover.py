@@ -25,7 +25,7 @@ import sqlalchemy as sa
 
 from offsetstore import SqlOffsetStore
 from stagedconsumer import MessageQueue
-from stagedconsumer._redis_broker import RedisBroker
+from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message

@@ -27,7 +27,7 @@ from stagedconsumer import (
     MessageQueue,
     PushConsumer,
 )
-from stagedconsumer._redis_broker import RedisBroker
+from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 
 from ._events import Event, check_stages_and_barrier

@@ -12,8 +12,12 @@ import pytest
 import redis.exceptions
 
 from stagedconsumer import ConfigurationError, MessageQueue, SourceError, UnknownTopicError
-from stagedconsumer._redis_broker import RedisBroker
-from stagedconsumer._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC, SendBackResult
+from stagedconsumer._sources._redis_broker import RedisBroker
+from stagedconsumer._sources._source import (
+    PROPERTY_ORIGIN_MESSAGE_ID,
+    PROPERTY_RETRY_TOPIC,
+    SendBackResult,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 

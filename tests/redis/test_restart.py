@@ -29,7 +29,7 @@ from stagedconsumer import (
     MessageQueue,
     PushConsumer,
 )
-from stagedconsumer._redis_broker import RedisBroker
+from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.conftest import require_service
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.slow]

@@ -7,7 +7,7 @@ import pytest
 from anyio.lowlevel import checkpoint
 
 from stagedconsumer import ConfigurationError
-from stagedconsumer._trace import (
+from stagedconsumer._observability._trace import (
     AsyncTraceDispatcher,
     TraceBean,
     TraceContext,
@@ -172,7 +172,7 @@ async def test_deferred_contexts_are_encoded_in_order_and_a_failing_encoder_is_l
         encoded.append(n)
         if n == 2:
             raise ValueError("encoder bug")
-        from stagedconsumer._trace import encode_trace_context
+        from stagedconsumer._observability._trace import encode_trace_context
 
         return encode_trace_context(ctx(n)), [f"M{n}"]
 

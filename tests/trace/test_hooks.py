@@ -21,7 +21,7 @@ from stagedconsumer import (
     MessageListenerStagedConcurrently,
     PushConsumer,
 )
-from stagedconsumer._hooks import (
+from stagedconsumer._observability._hooks import (
     ConsumeMessageContext,
     ConsumeMessageHook,
     ConsumeReturnType,

@@ -10,9 +10,12 @@ import anyio
 import pytest
 
 from stagedconsumer import MemoryBroker, Message, MessageQueue
-from stagedconsumer._hooks import ConsumeMessageContext, ConsumeReturnType, SettleOutcome
-from stagedconsumer._source import PROPERTY_ORIGIN_MESSAGE_ID
-from stagedconsumer._trace import (
+from stagedconsumer._observability._hooks import (
+    ConsumeMessageContext,
+    ConsumeReturnType,
+    SettleOutcome,
+)
+from stagedconsumer._observability._trace import (
     KEY_SEPARATOR,
     PROPERTY_MSG_REGION,
     PROPERTY_TRACE_SWITCH,
@@ -28,6 +31,7 @@ from stagedconsumer._trace import (
     encode_trace_context,
     trace_keys,
 )
+from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 
 WALL = 1.7e9
 

@@ -22,8 +22,8 @@ from stagedconsumer import (
     PushConsumer,
 )
 from stagedconsumer._cli import main
-from stagedconsumer._cli_trace import message_life
-from stagedconsumer._trace import (
+from stagedconsumer._cli._trace import message_life
+from stagedconsumer._observability._trace import (
     RMQ_SYS_TRACE_TOPIC,
     ConsumeMessageTraceHook,
     FileTraceSink,
@@ -212,7 +212,7 @@ async def test_async_source_gets_its_trace_topic_created_and_written_by_the_task
 
 
 async def test_a_call_whose_sub_before_was_dropped_still_gets_its_sub_after() -> None:
-    from stagedconsumer._hooks import ConsumeMessageContext, ConsumeReturnType
+    from stagedconsumer._observability._hooks import ConsumeMessageContext, ConsumeReturnType
 
     class ListSink(TraceSink):
         def __init__(self) -> None:

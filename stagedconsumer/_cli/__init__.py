@@ -18,9 +18,9 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 
 
 def _registrars() -> list[Registrar]:
-    from . import _cli_offsets, _cli_trace, _demo
+    from . import _demo, _offsets, _trace
 
-    return [_demo.register, _cli_offsets.register, _cli_trace.register]
+    return [_demo.register, _offsets.register, _trace.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,10 +30,10 @@ import anyio.abc
 import attrs
 import sniffio
 
-from ._message import Message, MessageQueue
+from .._message import Message, MessageQueue
 
 if TYPE_CHECKING:
-    from ._consumer import PushConsumer
+    from .._runtime._consumer import PushConsumer
 
 __all__ = (
     "ConsumeMessageContext",

@@ -23,7 +23,7 @@ from offsetstore import (
     StoreFencedError,
 )
 
-from ._core import (
+from .._core import (
     Batch,
     ConsumeMode,
     Dispatcher,
@@ -35,25 +35,15 @@ from ._core import (
     StagePlan,
     clamp_suspend_millis,
 )
-from ._exceptions import (
+from .._exceptions import (
     ConfigurationError,
     ConsumerStateError,
     ListenerTypeError,
     SourceError,
     UnknownTopicError,
 )
-from ._filter import TagFilter
-from ._hooks import (
-    ConsumeMessageContext,
-    ConsumeMessageHook,
-    ConsumeReturnType,
-    HookRunner,
-    PullContext,
-    SettleOutcome,
-    loop_clock,
-    loop_wall_offset,
-)
-from ._listeners import (
+from .._filter import TagFilter
+from .._listeners import (
     ConsumeConcurrentlyContext,
     ConsumeConcurrentlyStatus,
     ConsumeOrderlyContext,
@@ -67,17 +57,27 @@ from ._listeners import (
     _orderly_context,
     _staged_context,
 )
-from ._message import Message, MessageQueue
-from ._options import ConsumerOptions
-from ._rebalance import GroupCoordinator, new_client_id
-from ._source import (
+from .._message import Message, MessageQueue
+from .._observability._hooks import (
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    ConsumeReturnType,
+    HookRunner,
+    PullContext,
+    SettleOutcome,
+    loop_clock,
+    loop_wall_offset,
+)
+from .._observability._trace import ConsumeMessageTraceHook
+from .._options import ConsumerOptions
+from .._sources._group import GroupCoordinator, new_client_id
+from .._sources._source import (
     PROPERTY_RETRY_TOPIC,
     RETRY_PREFIX,
     MessageSource,
     SendBackResult,
     retry_topic,
 )
-from ._trace import ConsumeMessageTraceHook
 
 __all__ = ("ConsumerStatistics", "PushConsumer")
 

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ._message import Message, MessageQueue
+from .._message import Message, MessageQueue
 
 if TYPE_CHECKING:
-    from ._rebalance import GroupCoordinator
+    from ._group import GroupCoordinator
 
 __all__ = (
     "DLQ_PREFIX",

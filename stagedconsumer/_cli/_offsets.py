@@ -26,8 +26,8 @@ from rich.table import Table
 
 from offsetstore import OffsetStoreError, QueueProgress, SqlOffsetStore, StageKey
 
-from ._exceptions import StagedConsumerError
-from ._message import MessageQueue
+from .._exceptions import StagedConsumerError
+from .._message import MessageQueue
 
 __all__ = ("format_stage_key", "parse_stage_key", "register")
 
@@ -158,7 +158,7 @@ async def _lags(
 ) -> dict[MessageQueue, int]:
     """Max offset minus consume offset of every queue, from a RedisBroker."""
     try:
-        from ._redis_broker import RedisBroker  # optional: needs redis-py
+        from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
     except ImportError as exc:
         err.print(f"[yellow]no lag: {exc} (pip install 'stagedconsumer[redis]')[/]")
         return {}

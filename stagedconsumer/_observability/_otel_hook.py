@@ -51,13 +51,13 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import AttributeValue
 
+from .._message import Message, MessageQueue
+from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 from ._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext, SettleOutcome
-from ._message import Message, MessageQueue
-from ._otel import TRACEPARENT, TRACESTATE, parse_traceparent
-from ._source import PROPERTY_ORIGIN_MESSAGE_ID
+from ._traceparent import TRACEPARENT, TRACESTATE, parse_traceparent
 
 if TYPE_CHECKING:
-    from ._consumer import PushConsumer
+    from .._runtime._consumer import PushConsumer
 
 __all__ = (
     "DURATION_BUCKETS",
@@ -254,7 +254,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         metrics: bool = True,
         wait_metrics: bool = True,
     ) -> None:
-        from . import __version__
+        from .._version import __version__
 
         self.messaging_system = messaging_system
         self.spans = spans

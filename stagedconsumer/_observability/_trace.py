@@ -47,15 +47,15 @@ import anyio
 import anyio.abc
 import attrs
 
-from ._exceptions import ConfigurationError, UnknownTopicError
+from .._exceptions import ConfigurationError, UnknownTopicError
+from .._message import Message
+from .._sources._memory import MemoryBroker
+from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID, MessageSource
 from ._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType, SettleOutcome
-from ._memory_broker import MemoryBroker
-from ._message import Message
-from ._otel import without_current_span
-from ._source import PROPERTY_ORIGIN_MESSAGE_ID, MessageSource
+from ._traceparent import without_current_span
 
 if TYPE_CHECKING:
-    from ._consumer import PushConsumer
+    from .._runtime._consumer import PushConsumer
 
 __all__ = (
     "CONTENT_SPLITOR",

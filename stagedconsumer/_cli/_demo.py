@@ -20,9 +20,9 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from ._core import TAIL_STAGE, StageDefinition
-from ._exceptions import ConfigurationError
-from ._listeners import (
+from .._core import TAIL_STAGE, StageDefinition
+from .._exceptions import ConfigurationError
+from .._listeners import (
     ConsumeConcurrentlyContext,
     ConsumeOrderlyContext,
     ConsumeStagedConcurrentlyContext,
@@ -31,9 +31,9 @@ from ._listeners import (
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
 )
-from ._memory_broker import MemoryBroker
-from ._message import Message
-from ._options import ConsumerOptions
+from .._message import Message
+from .._options import ConsumerOptions
+from .._sources._memory import MemoryBroker
 
 __all__ = ("DemoResult", "register", "run_demo", "theoretical_units")
 
@@ -237,7 +237,7 @@ async def _run_mode(
         listener = _Concurrent(log)
     else:
         listener = _Staged(log, stages)
-    from ._consumer import PushConsumer
+    from .._runtime._consumer import PushConsumer
 
     consumer = PushConsumer(
         f"demo-{mode}", broker, listener, options=ConsumerOptions(consume_thread_max=workers)

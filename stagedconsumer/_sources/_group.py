@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from ._exceptions import ConfigurationError
-from ._message import MessageQueue
+from .._exceptions import ConfigurationError
+from .._message import MessageQueue
 
 __all__ = (
     "AllocateMessageQueueAveragely",

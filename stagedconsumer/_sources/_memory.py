@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import anyio
 import attrs
 
-from ._core import retry_delay_seconds
-from ._exceptions import ConfigurationError, UnknownTopicError
-from ._message import (
+from .._core import retry_delay_seconds
+from .._exceptions import ConfigurationError, UnknownTopicError
+from .._message import (
     EMPTY_PROPERTIES,
     Message,
     MessageQueue,
@@ -30,7 +30,7 @@ from ._message import (
     _set_tags,
     _set_topic,
 )
-from ._otel import with_traceparent
+from .._observability._traceparent import with_traceparent
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
