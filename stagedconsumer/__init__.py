@@ -53,8 +53,9 @@ from ._observability._trace import query_message_trace as query_message_trace
 from ._observability._trace import read_trace_file as read_trace_file
 from ._observability._trace import trace_messages_of as trace_messages_of
 from ._observability._traceparent import inject_traceparent as inject_traceparent
+from ._observability._view import ConsumerStatistics as ConsumerStatistics
+from ._observability._view import ConsumerView as ConsumerView
 from ._options import ConsumerOptions as ConsumerOptions
-from ._runtime._consumer import ConsumerStatistics as ConsumerStatistics
 from ._runtime._consumer import PushConsumer as PushConsumer
 from ._sources._group import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
 from ._sources._group import (
@@ -104,6 +105,7 @@ __all__ = (
     "ConsumerOptions",
     "ConsumerStateError",
     "ConsumerStatistics",
+    "ConsumerView",
     "FileTraceSink",
     "GroupCoordinator",
     "GroupOptions",

@@ -57,7 +57,7 @@ from ._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext, Sett
 from ._traceparent import TRACEPARENT, TRACESTATE, parse_traceparent
 
 if TYPE_CHECKING:
-    from .._runtime._consumer import PushConsumer
+    from ._view import ConsumerView
 
 __all__ = (
     "DURATION_BUCKETS",
@@ -311,7 +311,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # Attribute sets that repeat from call to call, built once (see _process_attrs).
         self._metric_attrs_cache: dict[tuple[str, int], dict[str, AttributeValue]] = {}
         self._process_static: dict[tuple[object, ...], tuple[str, dict[str, AttributeValue]]] = {}
-        self._consumer: PushConsumer | None = None
+        self._consumer: ConsumerView | None = None
         self._gauges_created = False
         self._max_offsets: dict[MessageQueue, int] = {}
         # Per queue and cached message (by queue offset): the context that parents
@@ -653,7 +653,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
 
     async def run(
         self,
-        consumer: PushConsumer,
+        consumer: ConsumerView,
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:

@@ -55,7 +55,7 @@ from ._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType
 from ._traceparent import without_current_span
 
 if TYPE_CHECKING:
-    from .._runtime._consumer import PushConsumer
+    from ._view import ConsumerView
 
 __all__ = (
     "CONTENT_SPLITOR",
@@ -414,7 +414,7 @@ class TraceSink(abc.ABC):
         del message
         return False
 
-    async def prepare(self, consumer: PushConsumer) -> None:  # noqa: B027 - optional
+    async def prepare(self, consumer: ConsumerView) -> None:  # noqa: B027 - optional
         """Called when the consumer starts, before any write. The default does nothing."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional
@@ -460,7 +460,7 @@ class SourceTraceSink(TraceSink):
         # a traceparent), unless a subclass changed send().
         self._send_trace: Callable[[str, bytes, tuple[str, ...]], Message] | None = None
 
-    async def prepare(self, consumer: PushConsumer) -> None:
+    async def prepare(self, consumer: ConsumerView) -> None:
         if self.source is None:
             self.source = consumer.source
         send = getattr(self.source, "send", None)
@@ -893,6 +893,11 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
     def statistics(self) -> TraceDispatcherStatistics:
         return self.dispatcher.statistics()
 
+    @property
+    def records_dropped(self) -> int:
+        """Trace contexts dropped on a full dispatcher queue."""
+        return self.dispatcher.statistics().dropped
+
     # The hot path (the two hook methods) only queues the hook context: the records
     # are encoded when their batch is written (AsyncTraceDispatcher.append_deferred),
     # by _encode_before / _encode_after, straight from the context (the layout of
@@ -1094,7 +1099,7 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
 
     async def run(
         self,
-        consumer: PushConsumer,
+        consumer: ConsumerView,
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:

@@ -30,7 +30,6 @@ from .._core import (
     EraseStatus,
     FlowControl,
     ProcessQueue,
-    ProcessQueueStatistics,
     StageDefinition,
     StagePlan,
     clamp_suspend_millis,
@@ -62,13 +61,10 @@ from .._observability._hooks import (
     ConsumeMessageContext,
     ConsumeMessageHook,
     ConsumeReturnType,
-    HookRunner,
     PullContext,
     SettleOutcome,
-    loop_clock,
-    loop_wall_offset,
 )
-from .._observability._trace import ConsumeMessageTraceHook
+from .._observability._view import ConsumerStatistics
 from .._options import ConsumerOptions
 from .._sources._group import GroupCoordinator, new_client_id
 from .._sources._source import (
@@ -78,6 +74,7 @@ from .._sources._source import (
     SendBackResult,
     retry_topic,
 )
+from ._hooks import HookRunner, loop_clock, loop_wall_offset
 
 __all__ = ("ConsumerStatistics", "PushConsumer")
 
@@ -96,47 +93,6 @@ _CHECKPOINT_EVERY = 64
 _CONSUME_SUCCESS = ConsumeConcurrentlyStatus.CONSUME_SUCCESS
 _ORDERLY_SUCCESS = ConsumeOrderlyStatus.SUCCESS
 _SUCCESS = EraseStatus.SUCCESS
-
-
-@attrs.frozen(kw_only=True)
-class ConsumerStatistics:
-    """A snapshot of a :class:`PushConsumer`."""
-
-    group: str
-    mode: str
-    consumed_ok: int
-    """Messages whose handler succeeded."""
-    consumed_failed: int
-    """Handler failures, counted per message and attempt."""
-    sent_back: int
-    """Messages handed to the group's retry queue (concurrent mode)."""
-    dead_lettered: int
-    """Messages moved to the dead-letter queue."""
-    in_flight: int
-    """Handler calls running now."""
-    pull_errors: int
-    commit_errors: int
-    """Failed attempts to persist progress (retried with backoff)."""
-    commits: int
-    """Successful persists of progress."""
-    queues: Mapping[MessageQueue, ProcessQueueStatistics]
-    hook_errors: int = 0
-    """Exceptions raised by consume hooks (logged and ignored)."""
-    trace_records_dropped: int = 0
-    """Message trace records dropped because a trace dispatcher's queue was full."""
-
-    @property
-    def committed_offsets(self) -> Mapping[MessageQueue, int]:
-        """The committed consume offset of every assigned queue."""
-        return {mq: q.committed_offset for mq, q in self.queues.items()}
-
-    @property
-    def cached_count(self) -> int:
-        return sum(q.cached_count for q in self.queues.values())
-
-    @property
-    def pending_count(self) -> int:
-        return sum(q.pending_count for q in self.queues.values())
 
 
 @attrs.define(eq=False)
@@ -1278,11 +1234,7 @@ class PushConsumer:
             commit_errors=self._commit_errors,
             commits=self._commits,
             hook_errors=self._hooks.errors if self._hooks is not None else 0,
-            trace_records_dropped=sum(
-                hook.statistics().dropped
-                for hook in self._hook_list
-                if isinstance(hook, ConsumeMessageTraceHook)
-            ),
+            trace_records_dropped=sum(hook.records_dropped for hook in self._hook_list),
             queues={
                 mq: state.pq.statistics()
                 for mq, state in sorted(

@@ -1,0 +1,85 @@
+"""What extensions see of a consumer: the ``ConsumerView`` protocol and the
+``ConsumerStatistics`` snapshot.
+
+Hooks, trace sinks and OpenTelemetry get a :class:`ConsumerView`, never the
+``PushConsumer`` class, so that they depend on four names rather than on the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import attrs
+
+from .._core import ProcessQueueStatistics
+from .._message import MessageQueue
+
+if TYPE_CHECKING:
+    from .._sources._source import MessageSource
+
+__all__ = ("ConsumerStatistics", "ConsumerView")
+
+
+@attrs.frozen(kw_only=True)
+class ConsumerStatistics:
+    """A snapshot of a :class:`~stagedconsumer.PushConsumer`."""
+
+    group: str
+    mode: str
+    consumed_ok: int
+    """Messages whose handler succeeded."""
+    consumed_failed: int
+    """Handler failures, counted per message and attempt."""
+    sent_back: int
+    """Messages handed to the group's retry queue (concurrent mode)."""
+    dead_lettered: int
+    """Messages moved to the dead-letter queue."""
+    in_flight: int
+    """Handler calls running now."""
+    pull_errors: int
+    commit_errors: int
+    """Failed attempts to persist progress (retried with backoff)."""
+    commits: int
+    """Successful persists of progress."""
+    queues: Mapping[MessageQueue, ProcessQueueStatistics]
+    hook_errors: int = 0
+    """Exceptions raised by consume hooks (logged and ignored)."""
+    trace_records_dropped: int = 0
+    """Message trace records dropped because a trace dispatcher's queue was full."""
+
+    @property
+    def committed_offsets(self) -> Mapping[MessageQueue, int]:
+        """The committed consume offset of every assigned queue."""
+        return {mq: q.committed_offset for mq, q in self.queues.items()}
+
+    @property
+    def cached_count(self) -> int:
+        return sum(q.cached_count for q in self.queues.values())
+
+    @property
+    def pending_count(self) -> int:
+        return sum(q.pending_count for q in self.queues.values())
+
+
+class ConsumerView(Protocol):
+    """The consumer as hooks and trace sinks see it (``PushConsumer`` is one)."""
+
+    @property
+    def group(self) -> str:
+        """The consumer group."""
+        ...
+
+    @property
+    def client_id(self) -> str:
+        """This consumer's identity among the members of its group."""
+        ...
+
+    @property
+    def source(self) -> MessageSource:
+        """Where the consumer pulls from."""
+        ...
+
+    def statistics(self) -> ConsumerStatistics:
+        """A frozen snapshot of the consumer's counters and queues."""
+        ...
