@@ -4,6 +4,9 @@ Nothing in this package awaits, reads a clock or logs: the anyio shell passes th
 current time in and acts on the decisions returned.
 """
 
+from ._backoff import Backoff as Backoff
+from ._backoff import TakeoverBackoff as TakeoverBackoff
+from ._backoff import TakeoverBackoffStatistics as TakeoverBackoffStatistics
 from ._dispatcher import Dispatcher as Dispatcher
 from ._process_queue import DEFAULT_STRATEGY as DEFAULT_STRATEGY
 from ._process_queue import Batch as Batch
@@ -24,6 +27,7 @@ __all__ = (
     "DEFAULT_STRATEGY",
     "DELAY_LEVELS",
     "TAIL_STAGE",
+    "Backoff",
     "Batch",
     "ConsumeMode",
     "Dispatcher",
@@ -34,6 +38,8 @@ __all__ = (
     "StageDefinition",
     "StageKey",
     "StagePlan",
+    "TakeoverBackoff",
+    "TakeoverBackoffStatistics",
     "clamp_suspend_millis",
     "retry_delay_seconds",
 )

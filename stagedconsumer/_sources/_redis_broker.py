@@ -45,7 +45,7 @@ import anyio
 import attrs
 import sniffio
 
-from .._core import retry_delay_seconds
+from .._core import TakeoverBackoff, retry_delay_seconds
 from .._exceptions import ConfigurationError, SourceClosedError, SourceError, UnknownTopicError
 from .._message import (
     EMPTY_PROPERTIES,
@@ -64,7 +64,7 @@ from .._message import (
     _set_topic,
 )
 from .._observability._traceparent import with_traceparent
-from ._group import GroupCoordinator, GroupOptions, TakeoverBackoff
+from ._group import GroupCoordinator, GroupOptions
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -916,7 +916,7 @@ class RedisCoordinator(GroupCoordinator):
     - a lock released before its first renewal counts as a takeover given up (the
       consumer releases a queue at once when the offset store refuses its claim);
       the next attempt on that queue waits, longer after each one in a row
-      (:class:`~stagedconsumer._sources._group.TakeoverBackoff`: one rebalance tick,
+      (:class:`~stagedconsumer._core.TakeoverBackoff`: one rebalance tick,
       doubling, up to ``lock_ttl``), and the third in a row is logged as an error.
       Without this a claim refused for good (a fence from a clock far ahead) would be
       retried every round forever.

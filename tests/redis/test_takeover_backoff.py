@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stagedconsumer import MessageQueue
-from stagedconsumer._sources._group import TakeoverBackoff
+from stagedconsumer._core import TakeoverBackoff
 
 MQ = MessageQueue("t", 0)
 OTHER = MessageQueue("t", 1)
