@@ -70,7 +70,11 @@ class ConsumerOptions:
     persist_consumer_offset_interval: float = attrs.field(default=5.0, validator=_positive_number)
     """Seconds between commits of progress to the offset store."""
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive_number)
-    """Seconds that leaving ``async with`` waits for in-flight handlers."""
+    """Seconds that leaving ``async with`` waits for in-flight handlers; calls still
+    running then are abandoned (their messages are not committed and come again)."""
+    start_timeout: float = attrs.field(default=30.0, validator=_positive_number)
+    """Seconds that starting waits for an offset store that cannot be reached (retried
+    with backoff, each failed attempt logged) before it raises."""
     pull_long_polling_timeout: float = attrs.field(default=15.0, validator=_positive_number)
     """Seconds a pull waits at the head of a queue for new messages."""
     pull_time_delay_when_exception: float = attrs.field(default=1.0, validator=_positive_number)

@@ -17,8 +17,16 @@ order rule; lanes never block each other:
   its lane has finished. Messages whose strategy is ``None`` go to a direct lane
   with no order.
 
-The committed consume offset is the lowest offset still cached or pending, or
-highest-seen + 1 when both are empty. It never passes an unfinished message.
+The committed consume offset is the lowest offset still cached, pending or held, or
+highest-seen + 1 when none is left. It never passes an unfinished message.
+
+When a stage callback of the listener (``compute_strategy``, ``compute_group``, the
+reset hook) raises or returns a bad value for a message, that message and every later
+one of the queue are *held*: not assigned to a stage, not taken, not committed past
+(:attr:`ProcessQueue.assignment_error` says why) until
+:meth:`ProcessQueue.retry_assignment` succeeds. Other queues are not affected.
+
+Methods that change the queue return :data:`~._effects.Effects`.
 The committed stage offset of a stage key is its stage counter *at* the committed
 consume offset, so that a restart from committed progress assigns every message
 the same stage it had before.
@@ -39,9 +47,11 @@ import attrs
 from offsetstore._types import StageKey
 
 from .._message import Message, MessageQueue
+from ._effects import COMMITTED, DRAINED, HELD, NOTHING, READY, ROOM, Effects
 from ._stages import TAIL_STAGE, StageDefinition
 
 __all__ = (
+    "AssignmentFailure",
     "Batch",
     "ConsumeMode",
     "EraseStatus",
@@ -110,6 +120,47 @@ class StagePlan:
     def single(cls, sizes: Sequence[int]) -> StagePlan:
         """One strategy (:data:`DEFAULT_STRATEGY`), one group per queue."""
         return cls(definitions={DEFAULT_STRATEGY: StageDefinition.of(sizes)})
+
+
+@attrs.frozen(kw_only=True)
+class AssignmentFailure:
+    """A stage callback of the listener failed on a message: the queue holds it."""
+
+    message: Message
+    """The message that could not be assigned (the first one held)."""
+    callback: str
+    """``"compute_strategy"``, ``"compute_group"`` or ``"reset_current_stage_offset_if_need"``."""
+    detail: str
+    """What went wrong, for the log."""
+    exception: BaseException | None = None
+    """What the callback raised (``None``: it returned a bad value)."""
+
+
+class _AssignError(Exception):
+    def __init__(self, failure: AssignmentFailure) -> None:
+        super().__init__(failure.detail)
+        self.failure = failure
+
+
+def _callback_failed(message: Message, callback: str, exc: BaseException) -> _AssignError:
+    return _AssignError(
+        AssignmentFailure(
+            message=message,
+            callback=callback,
+            detail=f"{callback}() raised {type(exc).__name__}: {exc}",
+            exception=exc,
+        )
+    )
+
+
+def _bad_value(message: Message, callback: str, value: object, expected: str) -> _AssignError:
+    return _AssignError(
+        AssignmentFailure(
+            message=message,
+            callback=callback,
+            detail=f"{callback}() returned {type(value).__name__} {value!r}; expected {expected}",
+        )
+    )
 
 
 @attrs.define(eq=False, slots=True)
@@ -218,6 +269,8 @@ class ProcessQueueStatistics:
     span: int
     stage_offsets: Mapping[StageKey, int]
     dropped: bool
+    held_count: int = 0
+    """Messages held because a stage callback failed on the first of them."""
 
 
 def _align_cached_at(lane: _Lane) -> None:
@@ -238,11 +291,14 @@ class ProcessQueue:
     """
 
     __slots__ = (
+        "_awaiting_room",
         "_cached_bytes",
         "_cached_count",
         "_direct_lane",
         "_finished",
         "_flow",
+        "_held",
+        "_held_bytes",
         "_lanes",
         "_lanes_by_name",
         "_order",
@@ -250,16 +306,18 @@ class ProcessQueue:
         "_order_stages",
         "_pending_count",
         "_plan",
-        "_ready",
-        "_retry_ready",
         "_stage_offsets",
         "_suspended_count",
         "_topic",
+        "assignment_error",
         "dropped",
         "highest_offset",
         "in_ready",
+        "lease_deadline",
         "message_queue",
         "mode",
+        "ready_lanes",
+        "ready_retries",
     )
 
     def __init__(
@@ -298,11 +356,22 @@ class ProcessQueue:
         self._stage_offsets: dict[StageKey, int] = dict(stage_offsets or {})
         self._lanes: dict[StageKey | None, _Lane] = {}
         self._lanes_by_name: dict[tuple[str | None, str | None], _Lane] = {}
-        self._ready: deque[_Lane] = deque()
-        self._retry_ready: deque[Batch] = deque()
+        self.ready_lanes: deque[_Lane] = deque()
+        """Lanes with a batch ready to take (read it, do not change it)."""
+        self.ready_retries: deque[Batch] = deque()
+        """Suspended batches due again (read it, do not change it)."""
+        self._held: deque[Message] = deque()
+        self._held_bytes = 0
+        self.assignment_error: AssignmentFailure | None = None
+        """Why messages are held (``None``: none are)."""
+        self._awaiting_room = False
         self._direct_lane = _Lane(None, None, exclusive=False, counted=False)
         self.dropped = False
         self.in_ready = False
+        self.lease_deadline = float("inf")
+        """When the lease under which this queue is consumed ends (the shell's clock;
+        infinite unless the queue is owned through a group lock). The dispatcher hands
+        out no batch of it at or after that time."""
         if mode is not ConsumeMode.STAGED:
             self._lanes[None] = _Lane(
                 None, None, exclusive=mode is ConsumeMode.ORDERLY, counted=False
@@ -316,8 +385,8 @@ class ProcessQueue:
         *,
         highest_offset: int | None = None,
         now: float | None = None,
-    ) -> bool:
-        """Cache pulled messages (in offset order); returns whether new work is ready.
+    ) -> Effects:
+        """Cache pulled messages (in offset order).
 
         Messages at or below the highest offset already seen are ignored, so a
         repeated pull cannot count a message twice. ``highest_offset`` records
@@ -325,11 +394,61 @@ class ProcessQueue:
         offset can move past them. ``now`` (optional) is recorded as the messages'
         cached time and, for a stage that becomes runnable, its runnable time (the
         shell passes it when message trace or metrics need them).
+
+        Returns ``READY`` when a batch became ready, ``COMMITTED`` when the committed
+        offset moved (filtered offsets), ``HELD`` when a stage callback failed on a
+        message (it and the rest are held, see :attr:`assignment_error`).
         """
         if self._plan is None:
             return self._put_unstaged(messages, highest_offset, now)
+        before = self.committed_offset
+        if self._held:  # the queue stopped at a held message: the new ones wait behind it
+            effects = self._hold(messages, 0, self.highest_offset)
+        else:
+            effects = self._put_staged(messages, self.highest_offset, now)
+        if highest_offset is not None and highest_offset > self.highest_offset:
+            self.highest_offset = highest_offset
+        if self.committed_offset != before:
+            effects |= COMMITTED
+        return effects
+
+    def retry_assignment(self, now: float | None = None) -> Effects:
+        """Assign the held messages again (the shell calls this a while after
+        ``HELD``); returns ``HELD`` again if a callback still fails."""
+        if not self._held:
+            return NOTHING
+        held = list(self._held)
+        self._held.clear()
+        self._held_bytes = 0
+        self.assignment_error = None
+        before = self.committed_offset
+        effects = self._put_staged(held, held[0].queue_offset - 1, now)
+        if self.committed_offset != before:
+            effects |= COMMITTED
+        return effects
+
+    def _hold(self, messages: Sequence[Message], start: int, highest: int) -> Effects:
+        """Hold ``messages[start:]`` (those above ``highest``) behind the held ones."""
+        held = self._held
+        size = 0
+        for message in messages[start:] if start else messages:
+            if message.queue_offset > highest:
+                held.append(message)
+                highest = message.queue_offset
+                size += len(message.body)
+        self._held_bytes += size
+        if highest > self.highest_offset:
+            self.highest_offset = highest
+        return HELD
+
+    def _put_staged(self, messages: Sequence[Message], highest: int, now: float | None) -> Effects:
+        """Assign ``messages`` above ``highest`` to stages and cache them, in order.
+
+        Stops at the first message a stage callback fails on and holds it and the
+        rest (``HELD``)."""
         at = 0.0 if now is None else now
         plan = self._plan
+        assert plan is not None
         # With one strategy, no groups and no reset hook, every message of the queue
         # joins one lane; within a stage the assignment is a counter increment.
         one_lane = (
@@ -341,9 +460,9 @@ class ProcessQueue:
         order_lanes = self._order_lanes
         assert order_lanes is not None
         order_stages = self._order_stages
-        highest = self.highest_offset
         timed = now is not None
         touched: list[_Lane] = []
+        effects = NOTHING
         added = 0
         size_total = 0
         i = 0
@@ -364,7 +483,12 @@ class ProcessQueue:
                 first_stage_offset = lane.next_stage_offset
                 lane.next_stage_offset = first_stage_offset + k
             else:
-                lane, epoch, first_stage_offset = self._assign(message)
+                try:
+                    lane, epoch, first_stage_offset = self._assign(message)
+                except _AssignError as error:
+                    self.assignment_error = error.failure
+                    effects = self._hold(messages, i, highest)
+                    break
                 if one_lane:
                     fast, fast_epoch = lane, epoch
                 if not touched or touched[-1] is not lane:
@@ -390,22 +514,20 @@ class ProcessQueue:
             highest = run[-1].queue_offset
             added += k
             i += k
-        if highest_offset is not None and highest_offset > highest:
-            highest = highest_offset
-        self.highest_offset = highest
+        if highest > self.highest_offset:
+            self.highest_offset = highest
         self._cached_count += added
         self._cached_bytes += size_total
-        became_ready = False
         for lane in touched:
             if not lane.in_ready and lane.dispatchable():
                 lane.in_ready = True
-                self._ready.append(lane)
-                became_ready = True
-        return became_ready
+                self.ready_lanes.append(lane)
+                effects |= READY
+        return effects
 
     def _put_unstaged(
         self, messages: Sequence[Message], highest_offset: int | None, now: float | None
-    ) -> bool:
+    ) -> Effects:
         """:meth:`put_messages` for concurrent and orderly mode: one lane, one epoch."""
         at = 0.0 if now is None else now
         lane = self._lanes[None]
@@ -415,6 +537,7 @@ class ProcessQueue:
         cached = lane.cached
         order = self._order
         highest = self.highest_offset
+        committed_before = order[0] if order else highest + 1
         before = len(cached)
         size_total = 0
         if messages and messages[0].queue_offset > highest:  # the usual case: all new
@@ -435,9 +558,10 @@ class ProcessQueue:
         if highest_offset is not None and highest_offset > highest:
             highest = highest_offset
         self.highest_offset = highest
+        effects = NOTHING if (order[0] if order else highest + 1) == committed_before else COMMITTED
         added = len(cached) - before
         if not added:
-            return False
+            return effects
         if now is not None or lane.cached_at:
             cached_at = lane.cached_at
             if len(cached_at) < before:
@@ -453,9 +577,9 @@ class ProcessQueue:
         self._cached_bytes += size_total
         if not lane.in_ready and lane.dispatchable():
             lane.in_ready = True
-            self._ready.append(lane)
-            return True
-        return False
+            self.ready_lanes.append(lane)
+            return effects | READY
+        return effects
 
     def _assign(self, message: Message) -> tuple[_Lane, _Epoch, int]:
         plan = self._plan
@@ -465,8 +589,22 @@ class ProcessQueue:
             if epoch is None:
                 epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
             return lane, epoch, -1
-        strategy = plan.compute_strategy(message) if plan.compute_strategy else DEFAULT_STRATEGY
-        group = plan.compute_group(message) if plan.compute_group else None
+        strategy: str | None = DEFAULT_STRATEGY
+        group: str | None = None
+        if plan.compute_strategy is not None:
+            try:
+                strategy = plan.compute_strategy(message)
+            except Exception as exc:
+                raise _callback_failed(message, "compute_strategy", exc) from exc
+            if strategy is not None and type(strategy) is not str:
+                raise _bad_value(message, "compute_strategy", strategy, "a str or None")
+        if plan.compute_group is not None:
+            try:
+                group = plan.compute_group(message)
+            except Exception as exc:
+                raise _callback_failed(message, "compute_group", exc) from exc
+            if group is not None and type(group) is not str:
+                raise _bad_value(message, "compute_group", group, "a str or None")
         lane_or_none = self._lanes_by_name.get((strategy, group))
         if lane_or_none is None:
             definition = plan.definitions.get(strategy) if strategy is not None else None
@@ -496,7 +634,13 @@ class ProcessQueue:
         assert definition is not None
         changed = False
         if reset is not None and (offset >= definition.total or definition.is_boundary(offset)):
-            wanted = max(0, reset(self._topic, offset))
+            name = "reset_current_stage_offset_if_need"
+            try:
+                wanted = reset(self._topic, offset)
+            except Exception as exc:
+                raise _callback_failed(message, name, exc) from exc
+            if type(wanted) is not int or wanted < 0:
+                raise _bad_value(message, name, wanted, "an int >= 0")
             if wanted != offset:
                 offset = wanted
                 changed = True
@@ -515,7 +659,7 @@ class ProcessQueue:
 
     def has_ready(self) -> bool:
         """Whether a batch can be taken now."""
-        return bool(self._ready or self._retry_ready)
+        return bool(self.ready_lanes or self.ready_retries)
 
     def try_take_messages(self, max_count: int) -> Batch | None:
         """Take a batch of up to ``max_count`` messages that may run now, or ``None``.
@@ -526,11 +670,11 @@ class ProcessQueue:
         batch never crosses a stage boundary, and no message of a later stage is
         taken while a message of an earlier stage of its key is unfinished.
         """
-        if self._retry_ready:
-            batch = self._retry_ready.popleft()
+        if self.ready_retries:
+            batch = self.ready_retries.popleft()
             self._suspended_count -= len(batch.messages)
             return batch
-        ready = self._ready
+        ready = self.ready_lanes
         while ready:
             lane = ready.popleft()
             cached = lane.cached
@@ -581,12 +725,16 @@ class ProcessQueue:
 
     # -- finishing ---------------------------------------------------------------
 
-    def erase_messages(self, batch: Batch, status: EraseStatus, now: float | None = None) -> bool:
-        """Mark every message of ``batch`` finished; returns whether new work is ready.
+    def erase_messages(
+        self, batch: Batch, status: EraseStatus, now: float | None = None
+    ) -> Effects:
+        """Mark every message of ``batch`` finished.
 
         Finished means: the handler succeeded, or the message was handed to the retry
         queue or to the dead-letter queue. The committed offset moves past the lowest
-        run of finished messages.
+        run of finished messages. Returns ``READY`` when a batch became ready,
+        ``COMMITTED`` when the committed offset moved, ``ROOM`` when pulling paused
+        for flow control may resume.
         """
         del status  # every status finishes the message; the caller keeps the counts
         lane = batch._lane
@@ -595,7 +743,7 @@ class ProcessQueue:
 
     def erase_fifo_message(
         self, batch: Batch, status: EraseStatus, now: float | None = None
-    ) -> bool:
+    ) -> Effects:
         """:meth:`erase_messages` for a batch taken by :meth:`try_take_fifo_message`."""
         return self.erase_messages(batch, status, now)
 
@@ -605,7 +753,7 @@ class ProcessQueue:
         messages: Sequence[Message],
         status: EraseStatus,
         now: float | None = None,
-    ) -> bool:
+    ) -> Effects:
         """Finish only ``messages`` of ``batch``; the rest stay pending in the batch.
 
         Used when some messages of a failed batch go to the dead-letter queue and the
@@ -625,7 +773,7 @@ class ProcessQueue:
 
     def _finish_messages(
         self, messages: list[Message], lane: _Lane, epoch: _Epoch, now: float | None = None
-    ) -> bool:
+    ) -> Effects:
         """Mark ``messages`` (all of ``epoch`` of ``lane``) finished."""
         n = len(messages)
         order = self._order
@@ -671,13 +819,23 @@ class ProcessQueue:
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
                     order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
+            effects = COMMITTED
+        else:
+            effects = NOTHING
+        if self._awaiting_room and not self.is_cache_full():
+            self._awaiting_room = False
+            effects |= ROOM
+        if self.dropped:
+            if self._pending_count == self._suspended_count:
+                effects |= DRAINED
+            return effects
         if lane.in_ready or not lane.cached or (lane.exclusive and lane.in_flight):
-            return False
+            return effects
         if not epochs[0].cached:
-            return False
+            return effects
         lane.in_ready = True
-        self._ready.append(lane)
-        return True
+        self.ready_lanes.append(lane)
+        return effects | READY
 
     def suspend_messages(self, batch: Batch, retry_at: float) -> None:
         """Hold ``batch`` back until ``retry_at``, counting one more attempt.
@@ -695,21 +853,24 @@ class ProcessQueue:
         ]
         self._suspended_count += len(batch.messages)
 
-    def resume(self, batch: Batch) -> bool:
+    def resume(self, batch: Batch) -> Effects:
         """Make a suspended ``batch`` ready to be taken again (its timer expired)."""
         if self.dropped:
-            return False
-        self._retry_ready.append(batch)
-        return True
+            return NOTHING
+        self.ready_retries.append(batch)
+        return READY
 
     # -- progress ----------------------------------------------------------------
 
     @property
     def committed_offset(self) -> int:
-        """Lowest unfinished offset, or highest-seen + 1 when nothing is unfinished."""
+        """Lowest unfinished offset (held ones included), or highest-seen + 1 when
+        nothing is unfinished."""
         order = self._order
         if order:
             return order[0]
+        if self._held:
+            return self._held[0].queue_offset
         return self.highest_offset + 1
 
     @property
@@ -723,7 +884,18 @@ class ProcessQueue:
 
     @property
     def unfinished_count(self) -> int:
-        return self._cached_count + self._pending_count
+        return self._cached_count + self._pending_count + len(self._held)
+
+    @property
+    def in_handlers(self) -> int:
+        """Messages taken and not finished, suspended ones left out: those in a
+        handler call (or about to be settled)."""
+        return self._pending_count - self._suspended_count
+
+    @property
+    def held_count(self) -> int:
+        """Messages held behind a failed stage assignment (see :attr:`assignment_error`)."""
+        return len(self._held)
 
     @property
     def cached_count(self) -> int:
@@ -740,24 +912,33 @@ class ProcessQueue:
     @property
     def span(self) -> int:
         order = self._order
-        if not order:
-            return 0
-        return self.highest_offset - order[0]
+        if order:
+            return self.highest_offset - order[0]
+        if self._held:
+            return self.highest_offset - self._held[0].queue_offset
+        return 0
 
     def is_cache_full(self) -> bool:
         """Whether pulling should pause (flow control by count, bytes and span)."""
         flow = self._flow
-        if self._cached_count + self._pending_count >= flow.count:
+        if self._cached_count + self._pending_count + len(self._held) >= flow.count:
             return True
-        if self._cached_bytes >= flow.size_bytes:
+        if self._cached_bytes + self._held_bytes >= flow.size_bytes:
             return True
         return flow.max_span is not None and self.span >= flow.max_span
 
+    def should_pause_pull(self) -> bool:
+        """:meth:`is_cache_full`, for the pull loop: when it returns ``True``, the call
+        that brings the queue back under its thresholds returns ``ROOM``."""
+        full = self._awaiting_room = self.is_cache_full()
+        return full
+
     def drop(self) -> None:
-        """Mark the queue released: nothing more is taken from it."""
+        """Mark the queue released: nothing more is taken from it (finishing its last
+        batch in a handler returns ``DRAINED``; see :attr:`in_handlers`)."""
         self.dropped = True
-        self._ready.clear()
-        self._retry_ready.clear()
+        self.ready_lanes.clear()
+        self.ready_retries.clear()
 
     def statistics(self) -> ProcessQueueStatistics:
         return ProcessQueueStatistics(
@@ -771,4 +952,5 @@ class ProcessQueue:
             span=self.span,
             stage_offsets=self.committed_stage_offsets,
             dropped=self.dropped,
+            held_count=len(self._held),
         )

@@ -26,6 +26,7 @@ import anyio
 import anyio.abc
 import attrs
 
+from .._core import SettleOutcome
 from .._message import Message, MessageQueue
 
 if TYPE_CHECKING:
@@ -56,17 +57,6 @@ class ConsumeReturnType(enum.Enum):
     FAILED = 4
     """The handler returned ``RECONSUME_LATER`` / ``SUSPEND_CURRENT_QUEUE_A_MOMENT``
     (or acknowledged only part of a concurrent batch)."""
-
-
-class SettleOutcome(enum.Enum):
-    """What happened to the messages of a failed handler call."""
-
-    RETRY = "retry"
-    """Handed to the group's retry queue (concurrent mode)."""
-    SUSPEND = "suspend"
-    """Held back and retried locally (orderly and staged mode, or a failed send-back)."""
-    DLQ = "dlq"
-    """Moved to the group's dead-letter queue."""
 
 
 @attrs.define(eq=False, kw_only=True, slots=True)

@@ -47,6 +47,13 @@ class ConsumerStatistics:
     """Exceptions raised by consume hooks (logged and ignored)."""
     trace_records_dropped: int = 0
     """Message trace records dropped because a trace dispatcher's queue was full."""
+    assignment_errors: int = 0
+    """Stage assignments that failed: ``compute_strategy``, ``compute_group`` or
+    ``reset_current_stage_offset_if_need`` raised or returned a bad value. The queue
+    holds that message (and the rest) and assigns it again a while later."""
+    abandoned_calls: int = 0
+    """Handler calls still running when shutdown stopped waiting for them: their
+    messages stay uncommitted and are delivered again."""
 
     @property
     def committed_offsets(self) -> Mapping[MessageQueue, int]:

@@ -1,0 +1,146 @@
+"""ProgressCommitter: writes the progress of the assigned queues to the offset store."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+import anyio
+
+from offsetstore import OffsetStoreError, QueueProgress, StageOffsetStore, StoreFencedError
+
+from .._core import Backoff
+from .._message import MessageQueue
+from ._queues import QueueState, QueueTable
+from ._state import ConsumerState
+
+__all__ = ("ProgressCommitter",)
+
+logger = logging.getLogger("stagedconsumer")
+
+_MAX_COMMIT_BACKOFF = 60.0
+
+
+class ProgressCommitter:
+    """Commits the progress (consume offset and stage offsets, as one unit) of every
+    queue whose committed offset moved, every ``interval`` seconds and when asked.
+
+    In a consumer group (``fences`` given), each queue is written with its lock's
+    epoch as fencing token (a queue without one, lost meanwhile, is not written);
+    queues the store refuses (a newer owner claimed them) are handed to
+    ``on_fenced`` with the fences refused, and not marked persisted.
+
+    Failures: a retriable store error (or ``OSError``) is counted, logged and retried
+    with backoff (``2 * interval`` doubling up to 60 s) while consumption goes on; a
+    non-retriable one (a read-only database, say) stops the consumer through
+    :meth:`ConsumerState.fail`: it drains and raises it from ``async with``.
+    """
+
+    def __init__(
+        self,
+        *,
+        state: ConsumerState,
+        store: StageOffsetStore,
+        queues: QueueTable,
+        interval: float,
+        fences: Callable[[], Mapping[MessageQueue, int]] | None = None,
+        on_fenced: Callable[[Mapping[MessageQueue, int]], None] | None = None,
+    ) -> None:
+        self.state = state
+        self.store = store
+        self.queues = queues
+        self.interval = interval
+        self.fences = fences
+        self.on_fenced = on_fenced
+
+    async def run(self) -> None:
+        """Commit every ``interval`` until cancelled."""
+        backoff = Backoff(2 * self.interval, _MAX_COMMIT_BACKOFF)
+        delay = self.interval
+        while True:
+            await anyio.sleep(delay)
+            try:
+                await self.commit(list(self.queues))
+            except (OffsetStoreError, OSError) as exc:
+                if isinstance(exc, OffsetStoreError) and not exc.retriable:
+                    self.state.commit_errors += 1
+                    logger.error(
+                        "group %s: persisting progress failed for good (%s); stopping the consumer",
+                        self.state.group,
+                        exc,
+                    )
+                    self.state.fail(exc)
+                    return
+                self.state.commit_errors += 1
+                delay = backoff.failed()
+                logger.warning(
+                    "group %s: persisting progress failed (%s); retrying in %.1f s",
+                    self.state.group,
+                    exc,
+                    delay,
+                )
+            else:
+                backoff.reset()
+                delay = self.interval
+
+    async def commit(
+        self, states: Sequence[QueueState], fences: Mapping[MessageQueue, int] | None = None
+    ) -> frozenset[MessageQueue]:
+        """Write the progress of ``states`` that changed since it was last written.
+
+        In a group, each with its fence from ``fences`` (default: the held queues'
+        fences). Returns the queues whose write the store refused as fenced."""
+        store = self.store
+        group = self.state.group
+        changed: list[tuple[QueueState, QueueProgress]] = []
+        for state in states:
+            persisted = state.persisted
+            pq = state.pq
+            # Stage offsets move only when the committed offset does, so comparing
+            # the offset alone finds every change (cheap with thousands of queues).
+            if persisted is not None and persisted.consume_offset == pq.committed_offset:
+                continue
+            progress = QueueProgress(
+                consume_offset=pq.committed_offset, stage_offsets=pq.committed_stage_offsets
+            )
+            if progress != persisted:
+                store.update_progress(group, state.mq, progress)
+                changed.append((state, progress))
+        if not changed:
+            return frozenset()
+        fenced: frozenset[MessageQueue] = frozenset()
+        if self.fences is None:
+            await store.persist_all(group, [state.mq for state, _ in changed])
+            written: Collection[MessageQueue] = [state.mq for state, _ in changed]
+        else:
+            written, fenced = await self._commit_fenced(
+                changed, self.fences() if fences is None else fences
+            )
+        self.state.commits += 1
+        for state, progress in changed:
+            if state.mq in written:
+                state.persisted = progress
+        return fenced
+
+    async def _commit_fenced(
+        self,
+        changed: Sequence[tuple[QueueState, QueueProgress]],
+        held: Mapping[MessageQueue, int],
+    ) -> tuple[set[MessageQueue], frozenset[MessageQueue]]:
+        fences = {state.mq: held[state.mq] for state, _ in changed if state.mq in held}
+        fenced: frozenset[MessageQueue] = frozenset()
+        if not fences:
+            return set(), fenced
+        try:
+            await self.store.persist_fenced(self.state.group, fences)
+        except StoreFencedError as exc:
+            fenced = exc.queues
+            logger.warning(
+                "group %s: %s; releasing %s without committing",
+                self.state.group,
+                exc,
+                ", ".join(map(str, sorted(fenced))),
+            )
+            if self.on_fenced is not None:
+                self.on_fenced({mq: fences[mq] for mq in fenced if mq in fences})
+        return set(fences) - fenced, fenced

@@ -1,0 +1,357 @@
+"""Consume services: what differs between concurrent, orderly and staged consumption.
+
+After RocketMQ's ``ConsumeMessageConcurrentlyService`` /
+``ConsumeMessageOrderlyService``: a consumer picks one service for its listener at
+construction and never tests the mode again. A service says how queues of its mode
+are cached (the :class:`~stagedconsumer._core.ProcessQueue` mode, flow control,
+retry queues), builds the handler's context for a batch, names the result that means
+success, and judges a failed call into a
+:class:`~stagedconsumer._core.Settlement` that the worker applies in one call. The
+worker loop itself (``_workers.py``) is the same for every mode.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import anyio
+
+from offsetstore import StageKey
+
+from .._core import (
+    Batch,
+    ConsumeMode,
+    FlowControl,
+    ProcessQueue,
+    Settlement,
+    StageDefinition,
+    StagePlan,
+    clamp_suspend_millis,
+)
+from .._exceptions import ConfigurationError, ListenerTypeError, SourceError
+from .._listeners import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
+    ConsumeOrderlyContext,
+    ConsumeOrderlyStatus,
+    ConsumeStagedConcurrentlyContext,
+    MessageListener,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
+    _concurrently_context,
+    _orderly_context,
+    _staged_context,
+)
+from .._message import Message, MessageQueue
+from .._options import ConsumerOptions
+from .._sources._source import MessageSource, SendBackResult
+from ._state import ConsumerState
+
+__all__ = (
+    "ConcurrentlyConsumeService",
+    "ConsumeService",
+    "OrderlyConsumeService",
+    "StagedConsumeService",
+)
+
+logger = logging.getLogger("stagedconsumer")
+
+SEND_BACK_FAILED_DELAY = 5.0
+"""Seconds before a message that could not be handed to the retry queue is retried
+locally (RocketMQ's value)."""
+
+
+class ConsumeService(abc.ABC):
+    """How one consumption mode caches, hands out and settles messages."""
+
+    mode: ClassVar[ConsumeMode]
+    success: ClassVar[object]
+    """The handler result (besides ``None``) that means success."""
+    partial_ack: ClassVar[bool] = False
+    """Whether a successful result may acknowledge only part of the batch
+    (``context.ack_index``, concurrent mode)."""
+    retry_queues: ClassVar[bool] = False
+    """Whether the consumer also consumes its group's retry queue (``%RETRY%<group>``)."""
+
+    def __init__(
+        self, group: str, source: MessageSource, state: ConsumerState, options: ConsumerOptions
+    ) -> None:
+        self.group = group
+        self.source = source
+        self.state = state
+        self.options = options
+        concurrent = self.mode is ConsumeMode.CONCURRENT
+        self.max_reconsume_times = options.effective_max_reconsume_times(concurrent=concurrent)
+        self.flow = FlowControl(
+            count=options.pull_threshold_for_queue,
+            size_bytes=options.pull_threshold_size_for_queue,
+            max_span=options.consume_concurrently_max_span if concurrent else None,
+        )
+
+    @staticmethod
+    def for_listener(
+        listener: MessageListener,
+        group: str,
+        source: MessageSource,
+        state: ConsumerState,
+        options: ConsumerOptions,
+    ) -> ConsumeService:
+        """The service of ``listener``'s kind; raises :class:`ListenerTypeError`."""
+        if isinstance(listener, MessageListenerStagedConcurrently):
+            return StagedConsumeService(group, source, state, options, build_plan(listener))
+        if isinstance(listener, MessageListenerOrderly):
+            return OrderlyConsumeService(group, source, state, options)
+        if isinstance(listener, MessageListenerConcurrently):
+            return ConcurrentlyConsumeService(group, source, state, options)
+        raise ListenerTypeError(
+            "listener must be a MessageListenerConcurrently, MessageListenerOrderly or"
+            f" MessageListenerStagedConcurrently, got {type(listener).__name__}"
+        )
+
+    def new_process_queue(
+        self, mq: MessageQueue, start_offset: int, stage_offsets: Mapping[StageKey, int]
+    ) -> ProcessQueue:
+        """The process queue of ``mq`` (of this mode), resuming at ``start_offset``."""
+        return ProcessQueue(
+            mq,
+            self.mode,
+            start_offset=start_offset,
+            stage_offsets=stage_offsets,
+            flow_control=self.flow,
+        )
+
+    @abc.abstractmethod
+    def context_for(self, batch: Batch) -> Any:
+        """The context handed to the listener with ``batch``."""
+
+    @abc.abstractmethod
+    async def settle_failure(
+        self, batch: Batch, context: Any, error: Exception | None, result: object
+    ) -> Settlement:
+        """Judge a failed handler call (``error`` raised, or ``result`` returned) and
+        do its I/O (send back, dead-letter); the worker applies the settlement."""
+
+
+class ConcurrentlyConsumeService(ConsumeService):
+    """Concurrent mode: no order. A failed message is handed to the group's retry
+    queue (RocketMQ's delay levels), or to its dead-letter queue after
+    ``max_reconsume_times`` (default 16), and counts as finished here; if the source
+    cannot take it back it is retried locally after 5 s."""
+
+    mode = ConsumeMode.CONCURRENT
+    success = ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+    partial_ack = True
+    retry_queues = True
+
+    def context_for(self, batch: Batch) -> ConsumeConcurrentlyContext:
+        return _concurrently_context(batch.process_queue.message_queue)
+
+    async def settle_failure(
+        self,
+        batch: Batch,
+        context: ConsumeConcurrentlyContext,
+        error: Exception | None,
+        result: object,
+    ) -> Settlement:
+        state = self.state
+        messages = batch.messages
+        mq = batch.process_queue.message_queue
+        succeeded: Sequence[Message] = ()
+        if error is None and (result is None or result is self.success):
+            ack = max(-1, context.ack_index)  # acknowledged the first ack + 1 only
+            succeeded = messages[: ack + 1]
+            failed = messages[ack + 1 :]
+            state.consumed_ok += len(succeeded)
+        else:
+            if error is not None:
+                logger.warning(
+                    "group %s: handler failed on %d message(s) of %s; sending them back",
+                    self.group,
+                    len(messages),
+                    mq,
+                    exc_info=error,
+                )
+            elif result is not ConsumeConcurrentlyStatus.RECONSUME_LATER:
+                logger.warning(
+                    "group %s: handler returned %r, treated as RECONSUME_LATER", self.group, result
+                )
+            failed = messages
+        state.consumed_failed += len(failed)
+        kept: list[Message] = []
+        retried: list[Message] = []
+        dead: list[Message] = []
+        limit = self.max_reconsume_times
+        for message in failed:
+            try:
+                where = await self.source.send_back(
+                    self.group,
+                    message,
+                    delay_level=context.delay_level_when_next_consume,
+                    max_reconsume_times=limit if limit is not None else 2**31 - 1,
+                )
+            except SourceError as exc:
+                logger.warning(
+                    "group %s: could not send %s back (%s); retrying it here in %.0f s",
+                    self.group,
+                    message.msg_id,
+                    exc,
+                    SEND_BACK_FAILED_DELAY,
+                )
+                kept.append(message)
+                continue
+            if where is SendBackResult.DLQ:
+                dead.append(message)
+            else:
+                retried.append(message)
+        state.sent_back += len(retried)
+        state.dead_lettered += len(dead)
+        return Settlement(
+            succeeded=succeeded,
+            retried=retried,
+            dead=dead,
+            suspended=kept,
+            retry_at=anyio.current_time() + SEND_BACK_FAILED_DELAY if kept else 0.0,
+        )
+
+
+class OrderlyConsumeService(ConsumeService):
+    """Orderly mode: one batch at a time per queue, in offset order. A failed batch is
+    retried locally after ``context.suspend_current_queue_time_millis`` and holds its
+    queue meanwhile; a message that used up ``max_reconsume_times`` (default
+    unlimited) goes to the dead-letter queue and counts as finished."""
+
+    mode = ConsumeMode.ORDERLY
+    success = ConsumeOrderlyStatus.SUCCESS
+
+    def context_for(self, batch: Batch) -> Any:
+        return _orderly_context(
+            batch.process_queue.message_queue, self.options.suspend_current_queue_time_millis
+        )
+
+    async def settle_failure(
+        self,
+        batch: Batch,
+        context: ConsumeOrderlyContext | ConsumeStagedConcurrentlyContext,
+        error: Exception | None,
+        result: object,
+    ) -> Settlement:
+        messages = batch.messages
+        if error is not None:
+            logger.warning(
+                "group %s: handler failed on %d message(s) of %s (attempt %d); suspending",
+                self.group,
+                len(messages),
+                batch.process_queue.message_queue,
+                batch.attempt,
+                exc_info=error,
+            )
+        elif result is not ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT:
+            logger.warning(
+                "group %s: handler returned %r, treated as SUSPEND_CURRENT_QUEUE_A_MOMENT",
+                self.group,
+                result,
+            )
+        self.state.consumed_failed += len(messages)
+        limit = self.max_reconsume_times
+        dead: list[Message] = []
+        suspended: list[Message] = []
+        for message in messages:
+            if limit is None or message.reconsume_times < limit:
+                suspended.append(message)
+                continue
+            try:
+                await self.source.send_to_dlq(self.group, message)
+            except SourceError as exc:
+                logger.warning(
+                    "group %s: could not move %s to the DLQ (%s); retrying it",
+                    self.group,
+                    message.msg_id,
+                    exc,
+                )
+                suspended.append(message)
+                continue
+            dead.append(message)
+        self.state.dead_lettered += len(dead)
+        delay = clamp_suspend_millis(context.suspend_current_queue_time_millis) / 1000
+        return Settlement(
+            dead=dead,
+            suspended=suspended,
+            retry_at=anyio.current_time() + delay if suspended else 0.0,
+        )
+
+
+class StagedConsumeService(OrderlyConsumeService):
+    """Staged mode: concurrent inside a stage, stage ``k + 1`` of a stage key only
+    after every message of stage ``k`` finished; failures as in orderly mode (a
+    suspended message holds its stage)."""
+
+    mode = ConsumeMode.STAGED
+
+    def __init__(
+        self,
+        group: str,
+        source: MessageSource,
+        state: ConsumerState,
+        options: ConsumerOptions,
+        plan: StagePlan,
+    ) -> None:
+        super().__init__(group, source, state, options)
+        self.plan = plan
+
+    def new_process_queue(
+        self, mq: MessageQueue, start_offset: int, stage_offsets: Mapping[StageKey, int]
+    ) -> ProcessQueue:
+        return ProcessQueue(
+            mq,
+            self.mode,
+            start_offset=start_offset,
+            stage_offsets=stage_offsets,
+            plan=self.plan,
+            flow_control=self.flow,
+        )
+
+    def context_for(self, batch: Batch) -> ConsumeStagedConcurrentlyContext:
+        return _staged_context(
+            batch.process_queue.message_queue,
+            batch.stage_index,
+            batch.strategy_id,
+            batch.group_id,
+            self.options.suspend_current_queue_time_millis,
+        )
+
+
+def _overrides(listener: object, base: type, name: str) -> bool:
+    return getattr(type(listener), name) is not getattr(base, name)
+
+
+def build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
+    """The stage plan of a staged listener: its definitions, validated, and the stage
+    callbacks it overrides."""
+    strategies = listener.get_stage_definition_strategies()
+    if not isinstance(strategies, Mapping):
+        raise ConfigurationError(
+            "get_stage_definition_strategies() must return a mapping of strategy id to"
+            f" stage sizes, got {type(strategies).__name__}"
+        )
+    definitions = {
+        str(strategy): StageDefinition.of(sizes, name=f"stage definitions of {strategy!r}")
+        for strategy, sizes in strategies.items()
+    }
+    base = MessageListenerStagedConcurrently
+    reset: Callable[[str, int], int] | None = None
+    if _overrides(listener, base, "reset_current_stage_offset_if_need"):
+        reset = listener.reset_current_stage_offset_if_need
+    return StagePlan(
+        definitions=definitions,
+        compute_strategy=listener.compute_strategy
+        if _overrides(listener, base, "compute_strategy")
+        else None,
+        compute_group=listener.compute_group
+        if _overrides(listener, base, "compute_group")
+        else None,
+        reset=reset,
+    )

@@ -1,0 +1,51 @@
+"""ConsumerState: the counters and lifecycle of one consumer, shared by its services."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+__all__ = ("ConsumerState",)
+
+
+@attrs.define(eq=False, slots=True)
+class ConsumerState:
+    """What the services of one consumer count and what they must all know.
+
+    The services change the counters directly (one attribute store on the hot path);
+    :meth:`~stagedconsumer.PushConsumer.statistics` copies them into a frozen
+    :class:`~stagedconsumer.ConsumerStatistics`.
+    """
+
+    group: str
+    mode: str
+    consumed_ok: int = 0
+    consumed_failed: int = 0
+    sent_back: int = 0
+    dead_lettered: int = 0
+    in_flight: int = 0
+    pull_errors: int = 0
+    commit_errors: int = 0
+    commits: int = 0
+    assignment_errors: int = 0
+    """Failed stage assignments (a stage callback raised or returned a bad value)."""
+    abandoned_calls: int = 0
+    """Handler calls still running when shutdown gave up waiting for them."""
+    started: bool = False
+    stopping: bool = False
+    """Shutdown began: workers take no new batch, loops wind down."""
+    closed: bool = False
+    failure: BaseException | None = None
+    """A failure that stops the consumer (a permanent offset store error, say); raised
+    from ``async with`` after the shutdown."""
+    on_failure: Callable[[], None] | None = None
+    """Called once, on the first :meth:`fail` (the consumer cancels its body)."""
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop the consumer because of ``exc`` (the first failure wins)."""
+        if self.failure is not None:
+            return
+        self.failure = exc
+        if self.on_failure is not None:
+            self.on_failure()

@@ -1,0 +1,229 @@
+"""WorkerPool: ``consume_thread_max`` workers that take batches and run the listener.
+
+The worker loop is the same for every mode; the consume service supplies the
+handler's context, the result that means success and the settlement of a failure.
+The success path is inlined in the loop (no extra coroutine per batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from .._core import Batch, Dispatcher, EraseStatus
+from .._message import Message
+from .._observability._hooks import ConsumeMessageContext, ConsumeReturnType
+from ._hooks import HookRunner, loop_clock
+from ._services import ConsumeService
+from ._signals import Signals
+from ._state import ConsumerState
+
+__all__ = ("WorkerPool",)
+
+logger = logging.getLogger("stagedconsumer")
+
+_CHECKPOINT_EVERY = 64
+"""Batches a worker runs back to back before it yields to other tasks."""
+_SUCCESS = EraseStatus.SUCCESS
+
+
+class WorkerPool:
+    """Runs the listener on batches from the dispatcher, ``workers`` at a time.
+
+    ``async def`` handlers run in the worker task; plain ``def`` handlers in a worker
+    thread, at most ``workers`` at once. With ``leased`` set (queues owned through
+    group locks), a batch is handed out only while its queue's lease lasts.
+    """
+
+    def __init__(
+        self,
+        *,
+        state: ConsumerState,
+        dispatcher: Dispatcher,
+        service: ConsumeService,
+        signals: Signals,
+        consume: Callable[..., Any],
+        workers: int,
+        batch_size: int,
+        hooks: HookRunner | None,
+        leased: bool,
+    ) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self.service = service
+        self.signals = signals
+        self.consume = consume
+        self.is_async = inspect.iscoroutinefunction(consume)
+        self.workers = workers
+        self.batch_size = batch_size
+        self.hooks = hooks
+        self.leased = leased
+        self._limiter = anyio.CapacityLimiter(workers)
+        self._scope: anyio.CancelScope | None = None
+        self._done = anyio.Event()
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the workers until the consumer stops (see :meth:`drain`)."""
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                async with anyio.create_task_group() as workers:
+                    for _ in range(self.workers):
+                        workers.start_soon(self._worker)
+                    task_status.started()
+        finally:
+            self._done.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Let handler calls in flight finish (the consumer is stopping: no new batch is
+        taken), for at most ``timeout`` seconds; then abandon the rest. Returns whether
+        every call finished."""
+        self.signals.work.wake_all()
+        with anyio.move_on_after(timeout) as wait:
+            await self._done.wait()
+        if not wait.cancelled_caught:
+            return True
+        running = self.state.in_flight
+        self.state.abandoned_calls += running
+        logger.warning(
+            "group %s: %d handler call(s) still running after %.1f s; abandoning them: their"
+            " messages are not committed and will be delivered again",
+            self.state.group,
+            running,
+            timeout,
+        )
+        if self._scope is not None:
+            self._scope.cancel()
+        await self._done.wait()
+        return False
+
+    async def _call_sync(self, messages: Sequence[Message], context: Any) -> Any:
+        result = await anyio.to_thread.run_sync(
+            self.consume, messages, context, limiter=self._limiter, abandon_on_cancel=True
+        )
+        if inspect.isawaitable(result):  # a plain def that returned an awaitable
+            result = await result
+        return result
+
+    async def _worker(self) -> None:
+        """Take batches and run the listener on them until the consumer stops."""
+        state = self.state
+        dispatcher = self.dispatcher
+        take = dispatcher.take
+        finish = dispatcher.finish
+        settle = dispatcher.settle
+        has_ready = dispatcher.has_ready
+        signals = self.signals
+        apply = signals.apply
+        work = signals.work
+        idle = work.idle
+        service = self.service
+        context_for = service.context_for
+        settle_failure = service.settle_failure
+        ok = service.success
+        partial_ack = service.partial_ack
+        batch_max = self.batch_size
+        consume = self.consume
+        is_async = self.is_async
+        call_sync = self._call_sync
+        hooks = self.hooks
+        leased = self.leased
+        hook_ctx: ConsumeMessageContext | None = None
+        clock = loop_clock() if hooks is not None or leased else anyio.current_time
+        streak = 0
+        while not state.stopping:
+            batch = take(batch_max, clock()) if leased else take(batch_max)
+            if batch is None:
+                streak = 0
+                await work.wait()
+                continue
+            if idle and has_ready():
+                idle.popleft().set()
+            pq = batch.process_queue
+            context = context_for(batch)
+            messages = batch.messages
+            error: Exception | None = None
+            result: Any = None
+            if hooks is not None:
+                hook_ctx = self._hook_context(batch, clock)
+                hooks.before(hook_ctx)
+            state.in_flight += 1
+            try:
+                if is_async:
+                    result = await consume(messages, context)
+                else:
+                    result = await call_sync(messages, context)
+            except Exception as exc:  # a failing handler never stops the consumer
+                error = exc
+            finally:
+                state.in_flight -= 1
+            if hook_ctx is not None:
+                hook_ctx.end_time = clock()
+            if (
+                error is None
+                and (result is None or result is ok)
+                and (not partial_ack or context.ack_index >= len(messages) - 1)
+            ):
+                state.consumed_ok += len(messages)
+                if hook_ctx is None:
+                    effects = finish(batch, _SUCCESS)  # this worker takes what it freed
+                else:
+                    hook_ctx.success = True
+                    effects = finish(batch, _SUCCESS, hook_ctx.end_time)
+                effects &= signals.mask
+                if effects:
+                    apply(pq, effects)
+            else:
+                settlement = await settle_failure(batch, context, error, result)
+                if hook_ctx is not None:
+                    hook_ctx.settled = dict(settlement.outcomes)
+                    apply(pq, settle(batch, settlement, anyio.current_time()))
+                else:
+                    apply(pq, settle(batch, settlement))
+            if hook_ctx is not None:
+                self._hooks_after(hook_ctx, error, result)
+                hook_ctx = None
+            streak += 1
+            if streak >= _CHECKPOINT_EVERY:
+                streak = 0
+                await anyio.lowlevel.checkpoint()
+
+    def _hook_context(self, batch: Batch, clock: Callable[[], float]) -> ConsumeMessageContext:
+        start = clock()
+        messages = batch.messages
+        return ConsumeMessageContext._of_call(  # positional: once per handler call
+            self.state.group,
+            batch.process_queue.message_queue,
+            messages,
+            self.state.mode,
+            batch.stage_index,
+            batch.strategy_id,
+            batch.group_id,
+            messages[0].reconsume_times + 1,
+            batch.cached_times,
+            batch.runnable_at,
+            start,
+            time.time() - start,
+        )
+
+    def _hooks_after(
+        self, hook_ctx: ConsumeMessageContext, error: Exception | None, result: object
+    ) -> None:
+        assert self.hooks is not None
+        hook_ctx.exception = error
+        hook_ctx.result = result
+        if hook_ctx.success:
+            hook_ctx.status = ConsumeReturnType.SUCCESS
+        elif error is not None:
+            hook_ctx.status = ConsumeReturnType.EXCEPTION
+        else:
+            hook_ctx.status = ConsumeReturnType.FAILED
+        self.hooks.after(hook_ctx)
