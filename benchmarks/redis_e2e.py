@@ -84,7 +84,8 @@ from stagedconsumer import (
     MessageListenerStagedConcurrently,
     PushConsumer,
 )
-from stagedconsumer._sources._redis_broker import RedisBroker, _decode_entries
+from stagedconsumer._sources._redis_broker import RedisBroker
+from stagedconsumer._sources._redis_codec import _decode_entries
 
 QUEUES = 8
 TOPIC = "bench"

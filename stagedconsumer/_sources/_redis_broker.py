@@ -1,24 +1,10 @@
 """RedisBroker: topics of queues on Redis Streams, and consumer groups across processes.
 
-Key layout (``ns`` is the namespace, ``sc`` by default)::
-
-    ns:topics                      hash   topic -> queue count
-    ns:q:<topic>:<queue_id>        stream the queue's log
-    ns:seq:<topic>:<queue_id>      string the number of messages ever sent to the queue
-    ns:delay:<group>               zset   retries not yet due (score: due time, ms)
-    ns:members:<group>             zset   live members (score: expiry, ms)
-    ns:lock:<group>:<topic>:<qid>  hash   owner, epoch; expires (PEXPIRE) unless renewed
-    ns:epoch:<group>:<topic>:<qid> string last epoch handed out for that queue
-
-Queue offsets are stream entry ids: the message at offset ``n`` has the explicit id
-``<n + 1>-0`` (Redis refuses ``0-0``). A Lua script takes ``INCRBY`` on the queue's
-``seq`` counter and ``XADD``s with the ids it got, atomically, so concurrent
-producers get consecutive offsets without gaps and a pull by offset is an
-``XRANGE`` from ``<offset + 1>-0``; ``seq`` is the queue's max offset.
-
-Entry fields: ``i`` message id, ``b`` body, ``t`` born timestamp (ms since the
-epoch), and only when set: ``k`` keys (JSON list), ``g`` tags, ``p`` properties (JSON
-object), ``r`` reconsume times.
+The broker is in four modules: this one (producer and message source),
+``_redis_scripts`` (the Lua scripts, and the key layout: queue offsets are stream
+entry ids, ``<offset + 1>-0``), ``_redis_codec`` (how a message is stored) and
+``_redis_connection`` (the client and its call wrappers, shared with the
+``_redis_coordinator``'s group membership and queue locks).
 
 Retries: :meth:`RedisBroker.send_back` puts the message (its fields packed as
 ``<len>:<bytes>`` pairs) into the group's ``delay`` sorted set with its due time
@@ -32,39 +18,24 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
-import logging
 import os
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from types import MappingProxyType, TracebackType
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
 import attrs
-import sniffio
 
-from .._core import TakeoverBackoff, retry_delay_seconds
-from .._exceptions import ConfigurationError, SourceClosedError, SourceError, UnknownTopicError
-from .._message import (
-    EMPTY_PROPERTIES,
-    Message,
-    MessageQueue,
-    _new_message,
-    _set_body,
-    _set_born_timestamp,
-    _set_keys,
-    _set_msg_id,
-    _set_properties,
-    _set_queue_id,
-    _set_queue_offset,
-    _set_reconsume_times,
-    _set_tags,
-    _set_topic,
-)
+from .._core import retry_delay_seconds
+from .._exceptions import ConfigurationError, UnknownTopicError
+from .._message import Message, MessageQueue
 from .._observability._traceparent import with_traceparent
-from ._group import GroupCoordinator, GroupOptions
+from ._group import GroupOptions
+from ._redis_codec import _decode_entries, _encode_fields, _message_fields, _pack
+from ._redis_connection import RedisConnection
+from ._redis_coordinator import RedisCoordinator
+from ._redis_scripts import DELAY_LUA, RELEASE_LUA, SEND_LUA
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -77,15 +48,10 @@ from ._source import (
     retry_topic,
 )
 
-try:
+if TYPE_CHECKING:
     import redis.asyncio as aioredis
-    import redis.exceptions as redis_exc
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("RedisBroker needs redis-py: pip install 'stagedconsumer[redis]'") from exc
 
-__all__ = ("RedisBroker", "RedisBrokerStatistics", "RedisCoordinator", "RedisCoordinatorStatistics")
+__all__ = ("RedisBroker", "RedisBrokerStatistics")
 
 
 @attrs.frozen(kw_only=True)
@@ -99,8 +65,6 @@ class RedisBrokerStatistics:
     """Redis calls that failed on the connection (each retried or reported)."""
 
 
-logger = logging.getLogger("stagedconsumer.redis")
-
 _T = TypeVar("_T")
 _MAX_BLOCK = 5.0
 """Longest single ``XREAD BLOCK`` (seconds); longer long polls loop, so a blocked
@@ -110,241 +74,6 @@ _MAX_BUFFERED = 1024
 """Read-ahead buffers kept at most (one per queue and offset a pull will continue
 from); past this the oldest is dropped (a stale one is left by a consumer that moved
 elsewhere: reset, stopped, or lost the queue)."""
-
-# KEYS: seq, stream. ARGV: n, then per message: field count, fields and values.
-# Returns the offset of the first message.
-_SEND_LUA = """
-local n = tonumber(ARGV[1])
-local last = redis.call('INCRBY', KEYS[1], n)
-local first = last - n
-local i = 2
-for m = 1, n do
-  local nf = tonumber(ARGV[i])
-  local args = {}
-  for f = 1, nf do args[f] = ARGV[i + f] end
-  redis.call('XADD', KEYS[2], (first + m) .. '-0', unpack(args))
-  i = i + nf + 1
-end
-return first
-"""
-
-# Unpack '<len>:<bytes>' pairs into a flat field list.
-_UNPACK_LUA = """
-local function unpack_fields(s)
-  local out = {}
-  local pos = 1
-  local len_s = #s
-  while pos <= len_s do
-    local colon = string.find(s, ':', pos, true)
-    local len = tonumber(string.sub(s, pos, colon - 1))
-    out[#out + 1] = string.sub(s, colon + 1, colon + len)
-    pos = colon + 1 + len
-  end
-  return out
-end
-local function release_due(zset, seq, stream, limit)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local due = redis.call('ZRANGEBYSCORE', zset, '-inf', now, 'LIMIT', 0, limit)
-  for _, member in ipairs(due) do
-    local off = redis.call('INCR', seq)
-    redis.call('XADD', stream, off .. '-0', unpack(unpack_fields(member)))
-    redis.call('ZREM', zset, member)
-  end
-  local nxt = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
-  if nxt[2] then return tonumber(nxt[2]) - now end
-  return -1
-end
-"""
-
-# KEYS: delay zset, seq, stream. ARGV: limit. Returns ms until the next retry is due
-# (-1: none left).
-_RELEASE_LUA = (
-    _UNPACK_LUA
-    + """
-return release_due(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]))
-"""
-)
-
-# KEYS: zset. ARGV: delay ms, packed message.
-_DELAY_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
-return now
-"""
-
-# KEYS: members zset. ARGV: client id, ttl ms. Returns live members.
-_HEARTBEAT_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
-redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]) * 4, 60000))
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-
-# KEYS: lock1, epoch1, lock2, epoch2, ... ARGV: client id, ttl ms.
-# Epochs are max(previous + 1, server time in ms): strictly increasing per queue, and
-# still increasing after Redis lost its data (a restart without persistence), so a
-# fence stored in the database never blocks a new owner forever.
-_LOCK_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local out = {}
-for i = 1, #KEYS, 2 do
-  local lock, ek = KEYS[i], KEYS[i + 1]
-  local owner = redis.call('HGET', lock, 'owner')
-  if owner == ARGV[1] then
-    redis.call('PEXPIRE', lock, ARGV[2])
-    out[#out + 1] = tonumber(redis.call('HGET', lock, 'epoch'))
-  elseif not owner then
-    local prev = tonumber(redis.call('GET', ek) or '0')
-    local epoch = math.max(prev + 1, now)
-    redis.call('SET', ek, string.format('%d', epoch))
-    redis.call('HSET', lock, 'owner', ARGV[1], 'epoch', string.format('%d', epoch))
-    redis.call('PEXPIRE', lock, ARGV[2])
-    out[#out + 1] = epoch
-  else
-    out[#out + 1] = 0
-  end
-end
-return out
-"""
-
-# KEYS: locks. ARGV: client id.
-_UNLOCK_LUA = """
-local n = 0
-for _, lock in ipairs(KEYS) do
-  if redis.call('HGET', lock, 'owner') == ARGV[1] then
-    redis.call('DEL', lock)
-    n = n + 1
-  end
-end
-return n
-"""
-
-_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    redis_exc.ConnectionError,
-    redis_exc.TimeoutError,
-    redis_exc.BusyLoadingError,
-    redis_exc.TryAgainError,
-    redis_exc.ReadOnlyError,
-    OSError,
-)
-
-
-def _pack(fields: Sequence[bytes]) -> bytes:
-    return b"".join(b"%d:%s" % (len(value), value) for value in fields)
-
-
-def _unpack(data: bytes) -> list[bytes]:
-    out: list[bytes] = []
-    pos = 0
-    while pos < len(data):
-        colon = data.index(b":", pos)
-        length = int(data[pos:colon])
-        out.append(data[colon + 1 : colon + 1 + length])
-        pos = colon + 1 + length
-    return out
-
-
-def _encode_fields(
-    msg_id: str,
-    body: bytes,
-    born_ms: int,
-    keys: tuple[str, ...],
-    tags: str | None,
-    properties: Mapping[str, str] | None,
-    reconsume_times: int,
-) -> list[bytes]:
-    fields = [b"i", msg_id.encode(), b"b", body, b"t", b"%d" % born_ms]
-    if keys:
-        fields += [b"k", json.dumps(list(keys)).encode()]
-    if tags is not None:
-        fields += [b"g", tags.encode()]
-    if properties:
-        fields += [b"p", json.dumps(dict(properties), sort_keys=True).encode()]
-    if reconsume_times:
-        fields += [b"r", b"%d" % reconsume_times]
-    return fields
-
-
-def _message_fields(message: Message, properties: Mapping[str, str]) -> list[bytes]:
-    return _encode_fields(
-        message.msg_id,
-        message.body,
-        round(message.born_timestamp * 1000),
-        message.keys,
-        message.tags,
-        properties,
-        message.reconsume_times,
-    )
-
-
-def _entry_offset(entry_id: bytes) -> int:
-    return int(entry_id[:-2]) - 1
-
-
-def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[Message]:
-    """Raw ``XRANGE`` entries (``[id, [field, value, ...]]``) as :class:`Message` objects.
-
-    The hot path of every pull: messages are built through the slots' setters, without
-    attrs' ``__init__`` and its converters (the fields are ours, already in their stored
-    form). Entry ids are ``<offset + 1>-0``; when the first and last id span exactly the
-    number of entries (always, unless some were deleted) the offsets are counted instead
-    of parsed from every id. Entries with only the three fields every message has
-    (``i``, ``b``, ``t``, written in that order) skip the field lookup.
-    """
-    if not entries:
-        return []
-    first = _entry_offset(entries[0][0])
-    consecutive = _entry_offset(entries[-1][0]) - first == len(entries) - 1
-    out: list[Message] = []
-    append = out.append
-    new = _new_message
-    empty = EMPTY_PROPERTIES
-    offset = first
-    for entry_id, raw in entries:
-        message = new(Message)
-        _set_topic(message, topic)
-        _set_queue_id(message, queue_id)
-        _set_queue_offset(message, offset if consecutive else _entry_offset(entry_id))
-        if len(raw) == 6 and raw[0] == b"i" and raw[2] == b"b" and raw[4] == b"t":
-            _set_body(message, raw[3])
-            _set_keys(message, ())
-            _set_tags(message, None)
-            _set_properties(message, empty)
-            _set_msg_id(message, raw[1].decode())
-            _set_born_timestamp(message, int(raw[5]) / 1000)
-            _set_reconsume_times(message, 0)
-        else:
-            _set_fields(message, raw)
-        append(message)
-        offset += 1
-    return out
-
-
-def _set_fields(message: Message, raw: Sequence[bytes]) -> None:
-    """The general case of :func:`_decode_entries`: optional fields present."""
-    fields = dict(zip(raw[::2], raw[1::2], strict=True))
-    keys: tuple[str, ...] = ()
-    tags: str | None = None
-    properties: Mapping[str, str] = EMPTY_PROPERTIES
-    if (k := fields.get(b"k")) is not None:
-        keys = tuple(json.loads(k))
-    if (g := fields.get(b"g")) is not None:
-        tags = g.decode()
-    if (p := fields.get(b"p")) is not None:
-        properties = MappingProxyType(json.loads(p)) or EMPTY_PROPERTIES
-    r = fields.get(b"r")
-    _set_body(message, fields.get(b"b", b""))
-    _set_keys(message, keys)
-    _set_tags(message, tags)
-    _set_properties(message, properties)
-    _set_msg_id(message, fields.get(b"i", b"").decode())
-    _set_born_timestamp(message, int(fields.get(b"t", b"0")) / 1000)
-    _set_reconsume_times(message, int(r) if r is not None else 0)
 
 
 def _raw_reply(response: Any, **options: Any) -> Any:
@@ -414,33 +143,24 @@ class RedisBroker(MessageSource):
         self.url = url
         self.namespace = namespace
         self.send_timeout = send_timeout
-        try:
-            client = aioredis.Redis.from_url(
-                url,
-                decode_responses=False,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=min(socket_timeout, 5.0),
-                retry=Retry(NoBackoff(), 0),
-                health_check_interval=0,
-            )
-        except ValueError as exc:
-            raise ConfigurationError(f"malformed Redis URL {url!r}: {exc}") from exc
-        self._redis = client
-        self._send_script = client.register_script(_SEND_LUA)
-        self._release_script = client.register_script(_RELEASE_LUA)
+        connection = RedisConnection.from_url(url, socket_timeout=socket_timeout)
+        # Redis may have restarted without its data: offsets could be reused.
+        connection.on_connection_error.append(self._buffered.clear)
+        self._connection = connection
+        client = self._redis = connection.client
+        self._send_script = client.register_script(SEND_LUA)
+        self._release_script = client.register_script(RELEASE_LUA)
         # Raw XRANGE replies ([id, [field, value, ...]]): _decode_entries reads them positionally.
         client.set_response_callback("XRANGE", _raw_reply)
         client.set_response_callback("XREAD", _raw_reply)
-        self._delay_script = client.register_script(_DELAY_LUA)
+        self._delay_script = client.register_script(DELAY_LUA)
         self._topic_cache: dict[str, int] = {}
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
         self._id_seq = itertools.count()
-        self._coordinator = RedisCoordinator(self, group_options or GroupOptions())
-        self._closed = False
-        self.connection_errors = 0
-        self._on_asyncio = False
-        """Redis calls that failed on the connection (each retried or reported)."""
+        self._coordinator = RedisCoordinator(
+            connection, group_options or GroupOptions(), namespace=namespace
+        )
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -472,59 +192,26 @@ class RedisBroker(MessageSource):
 
     async def aclose(self) -> None:
         """Close the connection pool (when the broker created the client)."""
-        if self._closed:
-            return
-        self._closed = True
         self._buffered.clear()
-        await self._redis.aclose()
+        await self._connection.aclose()
 
     @property
     def redis(self) -> aioredis.Redis:
         """The redis-py asyncio client (for tools and tests)."""
         return self._redis
 
+    @property
+    def connection_errors(self) -> int:
+        """Redis calls that failed on the connection (each retried or reported),
+        the coordinator's included."""
+        return self._connection.connection_errors
+
     def group_coordinator(self) -> RedisCoordinator:
         return self._coordinator
 
-    # -- error handling --------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SourceClosedError("the RedisBroker is closed")
-
-    async def _once(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        """One Redis call; connection trouble becomes ``SourceError(retriable=True)``."""
-        self._check_open()
-        if not self._on_asyncio:
-            library = sniffio.current_async_library()
-            if library != "asyncio":
-                raise ConfigurationError(
-                    f"RedisBroker runs on asyncio only (redis-py's asyncio client), not {library}"
-                )
-            self._on_asyncio = True
-        try:
-            return await call()
-        except _CONNECTION_ERRORS as exc:
-            self.connection_errors += 1
-            # Redis may have restarted without its data: offsets could be reused.
-            self._buffered.clear()
-            raise SourceError(f"{what}: Redis at {self.url} unreachable: {exc}") from exc
-        except redis_exc.RedisError as exc:
-            raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
-
-    async def _retrying(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        """Retry a call on connection loss with exponential backoff, up to ``send_timeout``."""
-        deadline = time.monotonic() + self.send_timeout
-        delay = 0.05
-        while True:
-            try:
-                return await self._once(what, call)
-            except SourceError as exc:
-                if not exc.retriable or time.monotonic() + delay > deadline:
-                    raise
-                logger.warning("%s failed (%s); retrying in %.2f s", what, exc, delay)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+    async def _retrying(self, what: str, fn: Callable[[], Awaitable[_T]]) -> _T:
+        """A call retried on connection loss for up to ``send_timeout`` seconds."""
+        return await self._connection.call_retrying(what, fn, self.send_timeout)
 
     # -- topics ------------------------------------------------------------------------------
 
@@ -712,8 +399,8 @@ class RedisBroker(MessageSource):
                 release = functools.partial(
                     self._release_script, keys=release_keys, args=[_RELEASE_BATCH]
                 )
-                wait_ms = int(await self._once(what, release))
-            entries = await self._once(
+                wait_ms = int(await self._connection.call(what, release))
+            entries = await self._connection.call(
                 what,
                 lambda: redis.execute_command(  # type: ignore[no-untyped-call]
                     "XRANGE", stream, start, "+", "COUNT", count
@@ -728,7 +415,7 @@ class RedisBroker(MessageSource):
             if wait_ms >= 0:
                 block = min(block, max(wait_ms, 1) / 1000)
             wait = functools.partial(self._wait_for_entries, stream, offset, count, block)
-            entries = await self._once(what, wait)
+            entries = await self._connection.call(what, wait)
             if entries:
                 break
         if entries:
@@ -739,9 +426,9 @@ class RedisBroker(MessageSource):
                 # one from ``offset`` on: offsets are consecutive, so nothing exists
                 # past the last one returned.
                 return self._serve(topic, queue_id, messages, end, max_count)
-            max_offset = int(await self._once(what, lambda: redis.get(seq)) or 0)
+            max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
             return self._serve(topic, queue_id, messages, max(max_offset, end), max_count)
-        max_offset = int(await self._once(what, lambda: redis.get(seq)) or 0)
+        max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
 
     def _serve(
@@ -874,196 +561,3 @@ class RedisBroker(MessageSource):
         self._topic_cache.clear()
         self._buffered.clear()
         return deleted
-
-
-@attrs.frozen(kw_only=True)
-class RedisCoordinatorStatistics:
-    """A snapshot of a :class:`RedisCoordinator`."""
-
-    locks: int
-    """Queue locks its members hold (as of their last lock or renewal)."""
-    aborted_takeovers: int
-    """Locks released before their first renewal: takeovers given up (a claim the
-    offset store refused, or one that failed)."""
-    backing_off: frozenset[MessageQueue]
-    """Queues whose next takeover is held back after takeovers given up in a row."""
-
-
-@attrs.define(eq=False)
-class _MemberState:
-    """What one member (group, client id) locked through this coordinator."""
-
-    backoff: TakeoverBackoff
-    epochs: dict[MessageQueue, int] = attrs.Factory(dict)
-    """Queues it may hold, with their epoch (0: asked for, reply not seen)."""
-    fresh: set[MessageQueue] = attrs.Factory(set)
-    """Queues acquired and not renewed since."""
-
-
-class RedisCoordinator(GroupCoordinator):
-    """Group membership and queue locks in Redis (see :class:`GroupCoordinator`).
-
-    Members are a sorted set scored by expiry; a queue lock is a hash (owner, epoch)
-    with ``PEXPIRE``; epochs come from a per-queue counter that never goes back, and
-    are at least the Redis server time in ms when handed out, so they keep growing
-    even after Redis lost its data in a restart. All times are the server's clock.
-
-    Per member, it remembers the locks handed out, so that:
-
-    - :meth:`leave` releases every lock the member still holds, including one taken
-      while it was shutting down (a takeover cut short), instead of leaving it to
-      expire;
-    - a lock released before its first renewal counts as a takeover given up (the
-      consumer releases a queue at once when the offset store refuses its claim);
-      the next attempt on that queue waits, longer after each one in a row
-      (:class:`~stagedconsumer._core.TakeoverBackoff`: one rebalance tick,
-      doubling, up to ``lock_ttl``), and the third in a row is logged as an error.
-      Without this a claim refused for good (a fence from a clock far ahead) would be
-      retried every round forever.
-    """
-
-    def __init__(self, broker: RedisBroker, options: GroupOptions) -> None:
-        self._broker = broker
-        self._options = options
-        self._members: dict[tuple[str, str], _MemberState] = {}
-        client = broker.redis
-        self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
-        self._lock_script = client.register_script(_LOCK_LUA)
-        self._unlock_script = client.register_script(_UNLOCK_LUA)
-
-    def _member(self, group: str, client_id: str) -> _MemberState:
-        state = self._members.get((group, client_id))
-        if state is None:
-            backoff = TakeoverBackoff(base=self._options.tick, cap=self._options.lock_ttl)
-            state = self._members[group, client_id] = _MemberState(backoff=backoff)
-        return state
-
-    def statistics(self) -> RedisCoordinatorStatistics:
-        states = self._members.values()
-        now = time.monotonic()
-        return RedisCoordinatorStatistics(
-            locks=sum(1 for state in states for epoch in state.epochs.values() if epoch),
-            aborted_takeovers=sum(state.backoff.statistics().aborted for state in states),
-            backing_off=frozenset(
-                mq
-                for state in states
-                for mq, until in state.backoff.statistics().backing_off.items()
-                if until > now
-            ),
-        )
-
-    @property
-    def options(self) -> GroupOptions:
-        return self._options
-
-    def _ns(self) -> str:
-        return self._broker.namespace
-
-    def _lock_key(self, group: str, mq: MessageQueue) -> str:
-        return f"{self._ns()}:lock:{group}:{mq.topic}:{mq.queue_id}"
-
-    def _epoch_key(self, group: str, mq: MessageQueue) -> str:
-        return f"{self._ns()}:epoch:{group}:{mq.topic}:{mq.queue_id}"
-
-    def _members_key(self, group: str) -> str:
-        return f"{self._ns()}:members:{group}"
-
-    async def heartbeat(self, group: str, client_id: str) -> list[str]:
-        ttl_ms = round(self._options.effective_member_ttl * 1000)
-        key = self._members_key(group)
-        reply = await self._broker._once(
-            f"heartbeat of {client_id} in {group}",
-            lambda: self._heartbeat_script(keys=[key], args=[client_id, ttl_ms]),
-        )
-        return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in reply)
-
-    async def members(self, group: str) -> list[str]:
-        """The live members of ``group`` (without registering anyone)."""
-        return await self.heartbeat(group, "")
-
-    async def leave(self, group: str, client_id: str) -> None:
-        """Release every lock ``client_id`` still holds in ``group``, then leave it."""
-        state = self._members.get((group, client_id))
-        if state is not None and state.epochs:
-            await self._unlock(group, client_id, list(state.epochs))
-            state.epochs.clear()
-        self._members.pop((group, client_id), None)
-        key = self._members_key(group)
-        await self._broker._once(
-            f"{client_id} leaving {group}", lambda: self._broker.redis.zrem(key, client_id)
-        )
-
-    async def lock(
-        self, group: str, client_id: str, queues: Sequence[MessageQueue]
-    ) -> Mapping[MessageQueue, int]:
-        state = self._member(group, client_id)
-        now = time.monotonic()
-        epochs = state.epochs
-        asked = [
-            mq
-            for mq in dict.fromkeys(queues)  # once each, in order
-            if epochs.get(mq) or state.backoff.may_try(mq, now)
-        ]
-        if not asked:
-            return {}
-        keys: list[str] = []
-        for mq in asked:
-            keys += [self._lock_key(group, mq), self._epoch_key(group, mq)]
-            epochs.setdefault(mq, 0)  # a call cut short may still have taken it
-        ttl_ms = round(self._options.lock_ttl * 1000)
-        reply = await self._broker._once(
-            f"locking {len(asked)} queue(s) of {group}",
-            lambda: self._lock_script(keys=keys, args=[client_id, ttl_ms]),
-        )
-        locked: dict[MessageQueue, int] = {}
-        for mq, value in zip(asked, reply, strict=True):
-            epoch = int(value)
-            if not epoch:
-                epochs.pop(mq, None)
-                state.fresh.discard(mq)
-                continue
-            if epochs.get(mq) == epoch:  # renewed: the takeover held
-                if mq in state.fresh:
-                    state.fresh.discard(mq)
-                    state.backoff.held(mq)
-            else:
-                state.fresh.add(mq)
-            epochs[mq] = locked[mq] = epoch
-        return locked
-
-    async def unlock(self, group: str, client_id: str, queues: Sequence[MessageQueue]) -> None:
-        if not queues:
-            return
-        state = self._member(group, client_id)
-        now = time.monotonic()
-        for mq in queues:
-            state.epochs.pop(mq, None)
-            if mq in state.fresh:  # released before its first renewal: given up
-                state.fresh.discard(mq)
-                if state.backoff.aborted(mq, now):
-                    logger.error(
-                        "group %s: %s gave up taking %s %d times in a row (its claim in the"
-                        " offset store was refused or failed); trying again every %.0f s at"
-                        " most",
-                        group,
-                        client_id,
-                        mq,
-                        state.backoff.report_after,
-                        state.backoff.retry_delay(mq),
-                    )
-        await self._unlock(group, client_id, queues)
-
-    async def _unlock(self, group: str, client_id: str, queues: Sequence[MessageQueue]) -> None:
-        keys = [self._lock_key(group, mq) for mq in queues]
-        await self._broker._once(
-            f"unlocking {len(queues)} queue(s) of {group}",
-            lambda: self._unlock_script(keys=keys, args=[client_id]),
-        )
-
-    async def lock_owner(self, group: str, mq: MessageQueue) -> str | None:
-        """Who holds the lock of ``mq`` now (for tools and tests)."""
-        key = self._lock_key(group, mq)
-        owner = await self._broker._once(
-            f"reading the lock of {mq}", lambda: self._broker.redis.hget(key, "owner")
-        )
-        return owner.decode() if isinstance(owner, bytes) else owner

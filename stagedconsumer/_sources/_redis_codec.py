@@ -1,0 +1,147 @@
+"""How the Redis broker stores a message: stream entry fields, packed retries.
+
+Entry fields: ``i`` message id, ``b`` body, ``t`` born timestamp (ms since the
+epoch), and only when set: ``k`` keys (JSON list), ``g`` tags, ``p`` properties (JSON
+object), ``r`` reconsume times. A message waiting to be retried is stored packed, its
+fields as ``<len>:<bytes>`` pairs in one string (:func:`_pack`; the Lua of
+``_redis_scripts.UNPACK_LUA`` reads them back).
+
+Pure functions, nothing here talks to Redis; their names stay private (as
+``_message``'s slot setters): the broker and its benchmark are their only users.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from .._message import (
+    EMPTY_PROPERTIES,
+    Message,
+    _new_message,
+    _set_body,
+    _set_born_timestamp,
+    _set_keys,
+    _set_msg_id,
+    _set_properties,
+    _set_queue_id,
+    _set_queue_offset,
+    _set_reconsume_times,
+    _set_tags,
+    _set_topic,
+)
+
+
+def _pack(fields: Sequence[bytes]) -> bytes:
+    return b"".join(b"%d:%s" % (len(value), value) for value in fields)
+
+
+def _unpack(data: bytes) -> list[bytes]:
+    out: list[bytes] = []
+    pos = 0
+    while pos < len(data):
+        colon = data.index(b":", pos)
+        length = int(data[pos:colon])
+        out.append(data[colon + 1 : colon + 1 + length])
+        pos = colon + 1 + length
+    return out
+
+
+def _encode_fields(
+    msg_id: str,
+    body: bytes,
+    born_ms: int,
+    keys: tuple[str, ...],
+    tags: str | None,
+    properties: Mapping[str, str] | None,
+    reconsume_times: int,
+) -> list[bytes]:
+    fields = [b"i", msg_id.encode(), b"b", body, b"t", b"%d" % born_ms]
+    if keys:
+        fields += [b"k", json.dumps(list(keys)).encode()]
+    if tags is not None:
+        fields += [b"g", tags.encode()]
+    if properties:
+        fields += [b"p", json.dumps(dict(properties), sort_keys=True).encode()]
+    if reconsume_times:
+        fields += [b"r", b"%d" % reconsume_times]
+    return fields
+
+
+def _message_fields(message: Message, properties: Mapping[str, str]) -> list[bytes]:
+    return _encode_fields(
+        message.msg_id,
+        message.body,
+        round(message.born_timestamp * 1000),
+        message.keys,
+        message.tags,
+        properties,
+        message.reconsume_times,
+    )
+
+
+def _entry_offset(entry_id: bytes) -> int:
+    return int(entry_id[:-2]) - 1
+
+
+def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[Message]:
+    """Raw ``XRANGE`` entries (``[id, [field, value, ...]]``) as :class:`Message` objects.
+
+    The hot path of every pull: messages are built through the slots' setters, without
+    attrs' ``__init__`` and its converters (the fields are ours, already in their stored
+    form). Entry ids are ``<offset + 1>-0``; when the first and last id span exactly the
+    number of entries (always, unless some were deleted) the offsets are counted instead
+    of parsed from every id. Entries with only the three fields every message has
+    (``i``, ``b``, ``t``, written in that order) skip the field lookup.
+    """
+    if not entries:
+        return []
+    first = _entry_offset(entries[0][0])
+    consecutive = _entry_offset(entries[-1][0]) - first == len(entries) - 1
+    out: list[Message] = []
+    append = out.append
+    new = _new_message
+    empty = EMPTY_PROPERTIES
+    offset = first
+    for entry_id, raw in entries:
+        message = new(Message)
+        _set_topic(message, topic)
+        _set_queue_id(message, queue_id)
+        _set_queue_offset(message, offset if consecutive else _entry_offset(entry_id))
+        if len(raw) == 6 and raw[0] == b"i" and raw[2] == b"b" and raw[4] == b"t":
+            _set_body(message, raw[3])
+            _set_keys(message, ())
+            _set_tags(message, None)
+            _set_properties(message, empty)
+            _set_msg_id(message, raw[1].decode())
+            _set_born_timestamp(message, int(raw[5]) / 1000)
+            _set_reconsume_times(message, 0)
+        else:
+            _set_fields(message, raw)
+        append(message)
+        offset += 1
+    return out
+
+
+def _set_fields(message: Message, raw: Sequence[bytes]) -> None:
+    """The general case of :func:`_decode_entries`: optional fields present."""
+    fields = dict(zip(raw[::2], raw[1::2], strict=True))
+    keys: tuple[str, ...] = ()
+    tags: str | None = None
+    properties: Mapping[str, str] = EMPTY_PROPERTIES
+    if (k := fields.get(b"k")) is not None:
+        keys = tuple(json.loads(k))
+    if (g := fields.get(b"g")) is not None:
+        tags = g.decode()
+    if (p := fields.get(b"p")) is not None:
+        properties = MappingProxyType(json.loads(p)) or EMPTY_PROPERTIES
+    r = fields.get(b"r")
+    _set_body(message, fields.get(b"b", b""))
+    _set_keys(message, keys)
+    _set_tags(message, tags)
+    _set_properties(message, properties)
+    _set_msg_id(message, fields.get(b"i", b"").decode())
+    _set_born_timestamp(message, int(fields.get(b"t", b"0")) / 1000)
+    _set_reconsume_times(message, int(r) if r is not None else 0)

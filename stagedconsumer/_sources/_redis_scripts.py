@@ -1,0 +1,182 @@
+"""The Lua scripts of the Redis broker and coordinator, and the key layout they share.
+
+Key layout (``ns`` is the namespace, ``sc`` by default)::
+
+    ns:topics                      hash   topic -> queue count
+    ns:q:<topic>:<queue_id>        stream the queue's log
+    ns:seq:<topic>:<queue_id>      string the number of messages ever sent to the queue
+    ns:delay:<group>               zset   retries not yet due (score: due time, ms)
+    ns:members:<group>             zset   live members (score: expiry, ms)
+    ns:lock:<group>:<topic>:<qid>  hash   owner, epoch; expires (PEXPIRE) unless renewed
+    ns:epoch:<group>:<topic>:<qid> string last epoch handed out for that queue
+
+Queue offsets are stream entry ids: the message at offset ``n`` has the explicit id
+``<n + 1>-0`` (Redis refuses ``0-0``). :data:`SEND_LUA` takes ``INCRBY`` on the
+queue's ``seq`` counter and ``XADD``s with the ids it got, atomically, so concurrent
+producers get consecutive offsets without gaps and a pull by offset is an ``XRANGE``
+from ``<offset + 1>-0``; ``seq`` is the queue's max offset.
+
+Every time a script works with (retry due times, member expiry, lock epochs) is the
+Redis server's clock (``TIME``), never a client's.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "DELAY_LUA",
+    "HEARTBEAT_LUA",
+    "LOCK_LUA",
+    "RELEASE_LUA",
+    "SEND_LUA",
+    "UNLOCK_LUA",
+    "UNPACK_LUA",
+)
+
+SEND_LUA = """
+local n = tonumber(ARGV[1])
+local last = redis.call('INCRBY', KEYS[1], n)
+local first = last - n
+local i = 2
+for m = 1, n do
+  local nf = tonumber(ARGV[i])
+  local args = {}
+  for f = 1, nf do args[f] = ARGV[i + f] end
+  redis.call('XADD', KEYS[2], (first + m) .. '-0', unpack(args))
+  i = i + nf + 1
+end
+return first
+"""
+"""Append ``n`` messages to one queue with consecutive offsets.
+
+KEYS: the queue's ``seq`` counter, its stream. ARGV: ``n``, then per message its
+field count and its fields and values (see :func:`._redis_codec._encode_fields`).
+Returns the offset of the first message appended.
+"""
+
+UNPACK_LUA = """
+local function unpack_fields(s)
+  local out = {}
+  local pos = 1
+  local len_s = #s
+  while pos <= len_s do
+    local colon = string.find(s, ':', pos, true)
+    local len = tonumber(string.sub(s, pos, colon - 1))
+    out[#out + 1] = string.sub(s, colon + 1, colon + len)
+    pos = colon + 1 + len
+  end
+  return out
+end
+local function release_due(zset, seq, stream, limit)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local due = redis.call('ZRANGEBYSCORE', zset, '-inf', now, 'LIMIT', 0, limit)
+  for _, member in ipairs(due) do
+    local off = redis.call('INCR', seq)
+    redis.call('XADD', stream, off .. '-0', unpack(unpack_fields(member)))
+    redis.call('ZREM', zset, member)
+  end
+  local nxt = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
+  if nxt[2] then return tonumber(nxt[2]) - now end
+  return -1
+end
+"""
+"""A library, not a script: the Lua functions :data:`RELEASE_LUA` is built on.
+
+``unpack_fields(s)`` turns a packed message (``<len>:<bytes>`` pairs, see
+:func:`._redis_codec._pack`) back into a flat field list. ``release_due(zset, seq,
+stream, limit)`` moves up to ``limit`` members of ``zset`` that are due into
+``stream`` with the next offsets of ``seq`` and removes them from the set, and
+returns the ms until the next member is due (-1: none left).
+"""
+
+RELEASE_LUA = (
+    UNPACK_LUA
+    + """
+return release_due(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]))
+"""
+)
+"""Release the due retries of a group into its ``%RETRY%<group>`` queue.
+
+KEYS: the group's ``delay`` zset, the retry queue's ``seq`` counter, its stream.
+ARGV: how many to release at most. Returns the ms until the next retry is due (-1:
+none left). Atomic: a retry is never lost between the set and the stream, and never
+appended twice.
+"""
+
+DELAY_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
+return now
+"""
+"""Schedule a retry.
+
+KEYS: the group's ``delay`` zset. ARGV: the delay in ms, the packed message (see
+:func:`._redis_codec._pack`). Returns the server time (ms) the delay counts from.
+"""
+
+HEARTBEAT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]) * 4, 60000))
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+"""Register a member's heartbeat and list the live members.
+
+KEYS: the group's ``members`` zset. ARGV: the client id (empty: register nobody,
+only list), the member ttl in ms. Drops expired members first; the set itself
+expires after four ttls (at least a minute) without a heartbeat. Returns the live
+members' client ids.
+"""
+
+LOCK_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+for i = 1, #KEYS, 2 do
+  local lock, ek = KEYS[i], KEYS[i + 1]
+  local owner = redis.call('HGET', lock, 'owner')
+  if owner == ARGV[1] then
+    redis.call('PEXPIRE', lock, ARGV[2])
+    out[#out + 1] = tonumber(redis.call('HGET', lock, 'epoch'))
+  elseif not owner then
+    local prev = tonumber(redis.call('GET', ek) or '0')
+    local epoch = math.max(prev + 1, now)
+    redis.call('SET', ek, string.format('%d', epoch))
+    redis.call('HSET', lock, 'owner', ARGV[1], 'epoch', string.format('%d', epoch))
+    redis.call('PEXPIRE', lock, ARGV[2])
+    out[#out + 1] = epoch
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+"""Take or renew queue locks.
+
+KEYS: ``lock``, ``epoch`` key pairs, one pair per queue. ARGV: the client id, the
+lock ttl in ms. Returns one epoch per queue, in order: the lock's epoch when the
+client held it already (renewed), a new one when the lock was free (taken), 0 when
+another client holds it. New epochs are ``max(previous + 1, server time in ms)``:
+strictly increasing per queue, and still increasing after Redis lost its data (a
+restart without persistence), so a fence stored in the database never blocks a new
+owner forever.
+"""
+
+UNLOCK_LUA = """
+local n = 0
+for _, lock in ipairs(KEYS) do
+  if redis.call('HGET', lock, 'owner') == ARGV[1] then
+    redis.call('DEL', lock)
+    n = n + 1
+  end
+end
+return n
+"""
+"""Release queue locks the client holds.
+
+KEYS: the ``lock`` keys. ARGV: the client id. Locks held by another client are left
+alone. Returns how many were released.
+"""
