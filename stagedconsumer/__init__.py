@@ -36,22 +36,22 @@ from ._observability._hooks import ConsumeMessageHook as ConsumeMessageHook
 from ._observability._hooks import ConsumeReturnType as ConsumeReturnType
 from ._observability._hooks import PullContext as PullContext
 from ._observability._hooks import SettleOutcome as SettleOutcome
-from ._observability._trace import RMQ_SYS_TRACE_TOPIC as RMQ_SYS_TRACE_TOPIC
-from ._observability._trace import AsyncTraceDispatcher as AsyncTraceDispatcher
-from ._observability._trace import ConsumeMessageTraceHook as ConsumeMessageTraceHook
-from ._observability._trace import FileTraceSink as FileTraceSink
-from ._observability._trace import SourceTraceSink as SourceTraceSink
-from ._observability._trace import TraceBean as TraceBean
-from ._observability._trace import TraceContext as TraceContext
-from ._observability._trace import TraceDispatcherStatistics as TraceDispatcherStatistics
-from ._observability._trace import TraceMessage as TraceMessage
-from ._observability._trace import TraceSink as TraceSink
-from ._observability._trace import TraceType as TraceType
-from ._observability._trace import decode_trace_data as decode_trace_data
-from ._observability._trace import encode_trace_context as encode_trace_context
-from ._observability._trace import query_message_trace as query_message_trace
-from ._observability._trace import read_trace_file as read_trace_file
-from ._observability._trace import trace_messages_of as trace_messages_of
+from ._observability._trace_codec import RMQ_SYS_TRACE_TOPIC as RMQ_SYS_TRACE_TOPIC
+from ._observability._trace_codec import TraceBean as TraceBean
+from ._observability._trace_codec import TraceContext as TraceContext
+from ._observability._trace_codec import TraceMessage as TraceMessage
+from ._observability._trace_codec import TraceType as TraceType
+from ._observability._trace_codec import decode_trace_data as decode_trace_data
+from ._observability._trace_codec import encode_trace_context as encode_trace_context
+from ._observability._trace_dispatcher import AsyncTraceDispatcher as AsyncTraceDispatcher
+from ._observability._trace_dispatcher import TraceDispatcherStatistics as TraceDispatcherStatistics
+from ._observability._trace_hook import ConsumeMessageTraceHook as ConsumeMessageTraceHook
+from ._observability._trace_query import query_message_trace as query_message_trace
+from ._observability._trace_query import read_trace_file as read_trace_file
+from ._observability._trace_query import trace_messages_of as trace_messages_of
+from ._observability._trace_sinks import FileTraceSink as FileTraceSink
+from ._observability._trace_sinks import SourceTraceSink as SourceTraceSink
+from ._observability._trace_sinks import TraceSink as TraceSink
 from ._observability._traceparent import inject_traceparent as inject_traceparent
 from ._observability._view import ConsumerStatistics as ConsumerStatistics
 from ._observability._view import ConsumerView as ConsumerView
@@ -69,6 +69,7 @@ from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
 from ._sources._source import MessageSource as MessageSource
 from ._sources._source import PullResult as PullResult
 from ._sources._source import SendBackResult as SendBackResult
+from ._sources._source import TraceWriter as TraceWriter
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ __all__ = (
     "TraceMessage",
     "TraceSink",
     "TraceType",
+    "TraceWriter",
     "UnknownTopicError",
     "decode_trace_data",
     "encode_trace_context",

@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .._observability._trace import TraceContext, TraceType, query_message_trace, read_trace_file
+from .._observability._trace_codec import TraceContext, TraceType
+from .._observability._trace_query import query_message_trace, read_trace_file
 
 __all__ = ("LifeRow", "message_life", "register")
 

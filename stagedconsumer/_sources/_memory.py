@@ -37,6 +37,7 @@ from ._source import (
     MessageSource,
     PullResult,
     SendBackResult,
+    TraceWriter,
     dlq_topic,
     is_spent,
     origin_properties,
@@ -197,13 +198,12 @@ class MemoryBroker(MessageSource):
             count += 1
         return count
 
-    def _send_trace(self, topic: str, body: bytes, keys: tuple[str, ...]) -> Message:
+    def send_trace(self, topic: str, body: bytes, keys: tuple[str, ...]) -> Message:
         """``send(topic, body, keys=keys)`` for the message trace writer, which calls it
-        once per batch of trace records (``SourceTraceSink``): the same queue choice and
-        the same stored fields, except that no ``traceparent`` is added (a trace message
-        holds the records of many handler calls; the span current where its batch
-        filled up is not its creation context). Built through the slots' setters, as
-        the sender's values are already in their stored form."""
+        once per batch of trace records (see :meth:`trace_writer`): the same queue
+        choice and the same stored fields, except that no ``traceparent`` is added.
+        Built through the slots' setters, as the sender's values are already in their
+        stored form."""
         queues = self._queues_of(topic)
         count = len(queues)
         if count == 1:
@@ -236,6 +236,13 @@ class MemoryBroker(MessageSource):
         return stored
 
     # -- MessageSource -----------------------------------------------------------
+
+    def trace_writer(self) -> TraceWriter | None:
+        """:meth:`send_trace`, unless a subclass changed :meth:`send` (its trace
+        messages then go through its ``send``)."""
+        if type(self).send is MemoryBroker.send:
+            return self.send_trace
+        return None
 
     def topic_exists(self, topic: str) -> bool:
         return topic in self._topics or topic.startswith((RETRY_PREFIX, DLQ_PREFIX))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -22,6 +22,7 @@ __all__ = (
     "MessageSource",
     "PullResult",
     "SendBackResult",
+    "TraceWriter",
     "dlq_topic",
     "is_spent",
     "origin_properties",
@@ -34,6 +35,11 @@ PROPERTY_RETRY_TOPIC = "RETRY_TOPIC"
 """Property of a retried message: the topic it was first sent to."""
 PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
 """Property of a retried or dead-lettered message: the id of the first delivery."""
+
+TraceWriter = Callable[[str, bytes, tuple[str, ...]], object]
+"""``writer(topic, body, keys)``: stores one trace message before returning (see
+:meth:`MessageSource.trace_writer`); raises
+:class:`~stagedconsumer.UnknownTopicError` when ``topic`` does not exist."""
 
 
 def origin_properties(message: Message) -> dict[str, str]:
@@ -155,6 +161,24 @@ class MessageSource(abc.ABC):
         serves one process: a consumer owns every queue of its subscriptions. A
         source that returns a coordinator gets consumers that allocate queues among
         the group's live members and consume only the queues whose lock they hold.
+        """
+        return None
+
+    def trace_writer(self) -> TraceWriter | None:
+        """A function that stores a message trace record batch synchronously, or ``None``.
+
+        Message trace (``SourceTraceSink``) writes batches of encoded records to a
+        topic of the source (``RMQ_SYS_TRACE_TOPIC``), keyed by message ids and
+        business keys. A source that can store a message without I/O (the embedded
+        broker appends to memory) returns ``writer(topic, body, keys)``, which stores
+        it as ``send(topic, body, keys=keys)`` would, except that no ``traceparent``
+        is added (a trace message holds the records of many handler calls; the span
+        current where its batch filled up is not its creation context). The sink
+        then writes full batches inline, right where they fill up, instead of from
+        its background task.
+
+        ``None`` (the default) means the source cannot: the sink writes through the
+        source's ``send``, awaited from the dispatcher's task when it is async.
         """
         return None
 

@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent(
 
     import anyio
     from stagedconsumer import MemoryBroker, MessageListenerStagedConcurrently, PushConsumer
-    from stagedconsumer._observability._trace import ConsumeMessageTraceHook, trace_messages_of
+    from stagedconsumer._observability._trace_hook import ConsumeMessageTraceHook
+    from stagedconsumer._observability._trace_query import trace_messages_of
 
     class L(MessageListenerStagedConcurrently):
         def get_stage_definitions(self):

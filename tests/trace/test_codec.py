@@ -6,7 +6,7 @@ import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stagedconsumer._observability._trace import (
+from stagedconsumer._observability._trace_codec import (
     CONTENT_SPLITOR,
     FIELD_SPLITOR,
     TraceBean,

@@ -7,15 +7,15 @@ import pytest
 from anyio.lowlevel import checkpoint
 
 from stagedconsumer import ConfigurationError
-from stagedconsumer._observability._trace import (
-    AsyncTraceDispatcher,
+from stagedconsumer._observability._trace_codec import (
     TraceBean,
     TraceContext,
     TraceMessage,
-    TraceSink,
     TraceType,
     decode_trace_data,
 )
+from stagedconsumer._observability._trace_dispatcher import AsyncTraceDispatcher
+from stagedconsumer._observability._trace_sinks import TraceSink
 
 pytestmark = pytest.mark.anyio
 
@@ -172,7 +172,7 @@ async def test_deferred_contexts_are_encoded_in_order_and_a_failing_encoder_is_l
         encoded.append(n)
         if n == 2:
             raise ValueError("encoder bug")
-        from stagedconsumer._observability._trace import encode_trace_context
+        from stagedconsumer._observability._trace_codec import encode_trace_context
 
         return encode_trace_context(ctx(n)), [f"M{n}"]
 

@@ -15,22 +15,21 @@ from stagedconsumer._observability._hooks import (
     ConsumeReturnType,
     SettleOutcome,
 )
-from stagedconsumer._observability._trace import (
+from stagedconsumer._observability._trace_codec import (
     KEY_SEPARATOR,
     PROPERTY_MSG_REGION,
     PROPERTY_TRACE_SWITCH,
     RMQ_SYS_TRACE_TOPIC,
-    ConsumeMessageTraceHook,
-    SourceTraceSink,
     TraceBean,
     TraceContext,
     TraceMessage,
-    TraceSink,
     TraceType,
     decode_trace_data,
     encode_trace_context,
     trace_keys,
 )
+from stagedconsumer._observability._trace_hook import ConsumeMessageTraceHook
+from stagedconsumer._observability._trace_sinks import SourceTraceSink, TraceSink
 from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 
 WALL = 1.7e9
@@ -298,7 +297,7 @@ def test_trace_topic_of_several_queues_is_chosen_by_the_first_key_as_send_does()
     broker.create_topic("tt", 4)
     keys = [("alpha",), ("beta", "x"), ("gamma",), ("delta",)]
     for k in keys:
-        stored = broker._send_trace("tt", b"x", k)
+        stored = broker.send_trace("tt", b"x", k)
         sent = broker.send("tt", b"x", keys=k)
         assert stored.queue_id == sent.queue_id
         assert stored.queue_offset + 1 == sent.queue_offset

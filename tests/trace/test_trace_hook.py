@@ -23,20 +23,21 @@ from stagedconsumer import (
 )
 from stagedconsumer._cli import main
 from stagedconsumer._cli._trace import message_life
-from stagedconsumer._observability._trace import (
+from stagedconsumer._observability._trace_codec import (
     RMQ_SYS_TRACE_TOPIC,
-    ConsumeMessageTraceHook,
-    FileTraceSink,
     TraceMessage,
-    TraceSink,
     TraceType,
     decode_trace_data,
     encode_trace_context,
+    trace_keys,
+)
+from stagedconsumer._observability._trace_hook import ConsumeMessageTraceHook
+from stagedconsumer._observability._trace_query import (
     query_message_trace,
     read_trace_file,
-    trace_keys,
     trace_messages_of,
 )
+from stagedconsumer._observability._trace_sinks import FileTraceSink, TraceSink
 
 from .test_hooks import Staged, broker_with
 
