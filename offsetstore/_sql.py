@@ -146,8 +146,10 @@ def encode_stage_offsets(stage_offsets: Mapping[StageKey, int]) -> str:
     Built as text rather than through ``json.dumps`` of nested lists: at 10,000 queues
     per commit the lists are garbage-collector work that pauses the event loop too.
     """
-    items = sorted(stage_offsets.items(), key=_sort_key) if len(stage_offsets) > 1 else (
-        stage_offsets.items()
+    items = (
+        sorted(stage_offsets.items(), key=_sort_key)
+        if len(stage_offsets) > 1
+        else (stage_offsets.items())
     )
     entries = [
         f"[{_json_str(key.strategy_id)},"
@@ -277,9 +279,7 @@ class SqlOffsetStore(StageOffsetStore):
         self._overwrite_stmt = self._build_overwrite_statement()
         self._setup_lock = threading.Lock()
         # One SQLite database in memory is one connection: serialize its users.
-        self._serial: threading.Lock | None = (
-            threading.Lock() if self._is_sqlite_memory() else None
-        )
+        self._serial: threading.Lock | None = threading.Lock() if self._is_sqlite_memory() else None
         self._loaded = False
         self._closed = False
         # Operations running in worker threads, abandoned ones included (see aclose).
@@ -342,9 +342,7 @@ class SqlOffsetStore(StageOffsetStore):
                 f"the database driver {driver!r} for {self.url} is not installed ({hint})"
             ) from exc
         except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, TypeError) as exc:
-            raise StoreConfigurationError(
-                f"cannot use offset store URL {self.url}: {exc}"
-            ) from exc
+            raise StoreConfigurationError(f"cannot use offset store URL {self.url}: {exc}") from exc
         if self._backend == "sqlite":
             _configure_sqlite(engine, memory=self._is_sqlite_memory(), wait=connect_timeout)
         return engine
@@ -358,9 +356,7 @@ class SqlOffsetStore(StageOffsetStore):
             new = mstmt.inserted
             take = sa.or_(
                 t.c.consume_offset.is_(None),
-                sa.and_(
-                    new.consume_offset.is_not(None), new.consume_offset >= t.c.consume_offset
-                ),
+                sa.and_(new.consume_offset.is_not(None), new.consume_offset >= t.c.consume_offset),
             )
             # MySQL evaluates the assignments left to right and later ones see earlier
             # results: stage_offsets must be decided before consume_offset changes.
@@ -605,8 +601,7 @@ class SqlOffsetStore(StageOffsetStore):
         with self._engine.connect() as conn:
             inspector = sa.inspect(conn)
             return all(
-                inspector.has_table(name)
-                for name in (self._progress.name, self._schema_table.name)
+                inspector.has_table(name) for name in (self._progress.name, self._schema_table.name)
             )
 
     async def aclose(self) -> None:
@@ -639,8 +634,7 @@ class SqlOffsetStore(StageOffsetStore):
                 )
             except (ValueError, TypeError) as exc:
                 raise OffsetStoreError(
-                    f"corrupt progress row for {mq} in {self._progress.name} of {self.url}:"
-                    f" {exc}",
+                    f"corrupt progress row for {mq} in {self._progress.name} of {self.url}: {exc}",
                     retriable=False,
                 ) from exc
             result[mq] = progress
@@ -820,9 +814,7 @@ class SqlOffsetStore(StageOffsetStore):
         stmt = self._overwrite_stmt
 
         def write() -> None:
-            upserts = [
-                self._params(group, mq, value) for mq, value in items if value is not None
-            ]
+            upserts = [self._params(group, mq, value) for mq, value in items if value is not None]
             with self._write_transaction() as conn:
                 for mq, value in items:
                     if value is None:

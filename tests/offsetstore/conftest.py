@@ -140,9 +140,7 @@ async def sql_backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIt
 
 
 @pytest.fixture(params=BACKENDS[2:])
-async def server_backend(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[Backend]:
+async def server_backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     """The SQL store on the database servers (PostgreSQL, MariaDB)."""
     async for value in _backend_fixture(request.param, tmp_path):
         yield value

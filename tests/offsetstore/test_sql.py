@@ -261,10 +261,9 @@ def test_stage_offsets_encoding_is_canonical_and_strict() -> None:
     text = encode_stage_offsets(offsets)
     assert text == '[["a",null,2],["b",null,3],["b","",1]]'
     assert decode_stage_offsets(text) == offsets
-    for bad in ['{}', '[["a"]]', '[["a",null,-1]]', '[["a",1,2]]', '[["a",null,true]]']:
+    for bad in ["{}", '[["a"]]', '[["a",null,-1]]', '[["a",1,2]]', '[["a",null,true]]']:
         with pytest.raises(ValueError, match="stage offset"):
             decode_stage_offsets(bad)
-
 
 
 async def test_operation_timeout_abandons_a_stuck_call_and_late_commits_never_regress(
