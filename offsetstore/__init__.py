@@ -14,6 +14,7 @@ from ._exceptions import OffsetStoreError as OffsetStoreError
 from ._exceptions import StoreCommitError as StoreCommitError
 from ._exceptions import StoreConfigurationError as StoreConfigurationError
 from ._exceptions import StoreFencedError as StoreFencedError
+from ._exceptions import StoreReadOnlyError as StoreReadOnlyError
 from ._exceptions import StoreUnavailableError as StoreUnavailableError
 from ._memory import MemoryOffsetStore as MemoryOffsetStore
 from ._types import QueueProgress as QueueProgress
@@ -34,6 +35,7 @@ __all__ = (
     "StoreCommitError",
     "StoreConfigurationError",
     "StoreFencedError",
+    "StoreReadOnlyError",
     "StoreUnavailableError",
 )
 

@@ -6,6 +6,10 @@ The tree::
     │                                trying again later can succeed
     ├── StoreConfigurationError      malformed URL, unknown dialect (not retriable)
     ├── StoreUnavailableError        cannot reach the database (retriable)
+    │   └── StoreReadOnlyError       the database can be read but not written: a
+    │                                read-only file, file system, transaction or
+    │                                server (not retriable; raised by load() and by
+    │                                any write)
     ├── StoreCommitError             a write failed (retriable unless the data is bad)
     └── StoreFencedError             a write carried a stale fencing token (not retriable)
 
@@ -25,6 +29,7 @@ __all__ = (
     "StoreCommitError",
     "StoreConfigurationError",
     "StoreFencedError",
+    "StoreReadOnlyError",
     "StoreUnavailableError",
 )
 
@@ -45,10 +50,28 @@ class StoreConfigurationError(OffsetStoreError, ValueError):
 
 
 class StoreUnavailableError(OffsetStoreError):
-    """The database cannot be reached."""
+    """The database cannot be reached (or, :class:`StoreReadOnlyError`, not written)."""
 
     def __init__(self, message: str, *, retriable: bool = True) -> None:
         super().__init__(message, retriable=retriable)
+
+
+class StoreReadOnlyError(StoreUnavailableError):
+    """The database can be read but not written, so progress cannot be saved.
+
+    A SQLite file opened read-only (``?mode=ro``) or on a read-only file system, a
+    PostgreSQL hot standby or ``default_transaction_read_only``, a MariaDB/MySQL server
+    running ``--read-only`` or a session in ``READ ONLY`` transactions. Not retriable:
+    trying again does not make the database writable, an operator has to. A subclass
+    of :class:`StoreUnavailableError` (the database is unavailable *for writing*), so
+    code that handled an unopenable SQLite file as unavailable still does; it is not a
+    :class:`StoreConfigurationError` because the store's configuration is fine and the
+    database's state is what is wrong (it may be made writable again while the
+    configuration stays as is).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retriable=False)
 
 
 class StoreCommitError(OffsetStoreError):

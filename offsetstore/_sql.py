@@ -35,11 +35,14 @@ Only a cheap snapshot of the in-memory table runs on the loop, in chunks.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from json.encoder import encode_basestring_ascii
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import anyio.lowlevel
@@ -56,6 +59,7 @@ from ._exceptions import (
     StoreCommitError,
     StoreConfigurationError,
     StoreFencedError,
+    StoreReadOnlyError,
     StoreUnavailableError,
 )
 from ._types import MessageQueue, QueueProgress, StageKey
@@ -193,6 +197,78 @@ def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
     return bool(args) and args[0] in (1213, 1205)  # MySQL deadlock / lock wait timeout
 
 
+_SQLITE_BUSY: Final = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED
+_SQLITE_READONLY: Final = 8
+_SQLITE_CANTOPEN: Final = 14
+_MYSQL_READ_ONLY: Final = frozenset(
+    {
+        1036,  # ER_OPEN_AS_READONLY: "Table '...' is read only"
+        1792,  # ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION (SET TRANSACTION READ ONLY)
+        1836,  # ER_READ_ONLY_MODE: "Running in read-only mode"
+    }
+)
+_MYSQL_OPTION_PREVENTS_STATEMENT: Final = 1290  # "--read-only option", among other options
+
+
+def _sqlite_code(exc: object) -> int | None:
+    """The primary SQLite result code of a ``sqlite3`` error, else ``None``."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
+
+
+def _is_sqlite_busy(exc: BaseException) -> bool:
+    """Whether a SQLite error is "busy" or "locked": another connection holds the file."""
+    code = _sqlite_code(exc)
+    if code is None:  # a driver without result codes: its message says
+        text = str(exc).lower()
+        return "locked" in text or "busy" in text
+    return code in _SQLITE_BUSY
+
+
+def _is_read_only(exc: BaseException) -> bool:
+    """Whether ``exc`` (a SQLAlchemy or driver error) says the database refuses writes.
+
+    SQLite ``SQLITE_READONLY`` ("attempt to write a readonly database": a file opened
+    with ``mode=ro``, a read-only file or file system, ``PRAGMA query_only``);
+    PostgreSQL SQLSTATE 25006 ("cannot execute ... in a read-only transaction": a hot
+    standby, ``default_transaction_read_only``); MariaDB/MySQL 1290 about
+    ``--read-only`` / ``--super-read-only``, 1792 (a ``READ ONLY`` transaction), 1836
+    and 1036. Trying again does not help with any of them.
+    """
+    orig: object = getattr(exc, "orig", None) or exc
+    if _sqlite_code(orig) == _SQLITE_READONLY:
+        return True
+    if getattr(orig, "sqlstate", None) == "25006":
+        return True
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    if len(args) >= 2 and isinstance(args[0], int):
+        if args[0] in _MYSQL_READ_ONLY:
+            return True
+        if args[0] == _MYSQL_OPTION_PREVENTS_STATEMENT:
+            return "read-only" in str(args[1]).lower()
+    return False
+
+
+def _unwritable_place(path: Path) -> str | None:
+    """Why the SQLite file ``path`` cannot be created or written, if the file system says.
+
+    Asked of the file system rather than of the permission bits, so it holds for root
+    too: ``statvfs`` flags a read-only mount, and ``access(W_OK)`` answers ``EROFS``
+    there even to root.
+    """
+    target = path if path.exists() else path.parent
+    try:
+        if os.statvfs(target).f_flag & os.ST_RDONLY:
+            return f"{target} is on a read-only file system"
+    except OSError:
+        return None
+    if not os.access(target, os.W_OK):
+        return f"{target} is not writable"
+    if target is path and not os.access(path.parent, os.W_OK):
+        return f"its directory {path.parent} is not writable (SQLite keeps its journal there)"
+    return None
+
+
 def _detail(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None)
     text = str(orig if orig is not None else exc).strip()
@@ -221,6 +297,16 @@ class SqlOffsetStore(StageOffsetStore):
     :class:`~offsetstore.OffsetStoreError` subclasses (``retriable`` says whether a
     retry can help), with the driver's error as ``__cause__``.
 
+    :meth:`load` checks that the database can be written (a write, rolled back) and
+    raises :class:`~offsetstore.StoreReadOnlyError` at once when it cannot: a SQLite
+    file opened with ``?mode=ro`` or on a read-only file system, a PostgreSQL hot
+    standby, a MariaDB/MySQL server in ``--read-only``. A write that fails later
+    because the database became read-only raises it too (not retriable). To only
+    read progress from such a database (an operator looking at a replica), pass
+    ``read_only=True``: :meth:`load` then neither creates, migrates nor checks
+    anything it would have to write, and every write raises
+    :class:`~offsetstore.StoreReadOnlyError` without touching the database.
+
     ``connect_timeout`` (seconds, default 10) bounds connecting to a server (and,
     for SQLite, waiting for a locked file). ``operation_timeout`` (seconds, default
     60, ``None``: no limit) bounds every call: a call that takes longer (a frozen
@@ -236,6 +322,7 @@ class SqlOffsetStore(StageOffsetStore):
         *,
         table_prefix: str = "stagedconsumer_",
         create_tables: bool = True,
+        read_only: bool = False,
         connect_timeout: float = 10.0,
         operation_timeout: float | None = 60.0,
         engine_options: Mapping[str, Any] | None = None,
@@ -267,7 +354,8 @@ class SqlOffsetStore(StageOffsetStore):
             )
         self._backend = "mysql" if backend == "mariadb" else backend
         self._table_prefix = table_prefix
-        self._create_tables = create_tables
+        self._read_only = read_only
+        self._create_tables = create_tables and not read_only
         self._metadata, self._schema_table, self._progress = _build_tables(table_prefix)
         if operation_timeout is not None and operation_timeout <= 0:
             raise StoreConfigurationError(
@@ -344,7 +432,12 @@ class SqlOffsetStore(StageOffsetStore):
         except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, TypeError) as exc:
             raise StoreConfigurationError(f"cannot use offset store URL {self.url}: {exc}") from exc
         if self._backend == "sqlite":
-            _configure_sqlite(engine, memory=self._is_sqlite_memory(), wait=connect_timeout)
+            _configure_sqlite(
+                engine,
+                memory=self._is_sqlite_memory(),
+                read_only=self._read_only,
+                wait=connect_timeout,
+            )
         return engine
 
     def _build_write_statement(self) -> sa.Executable:
@@ -408,6 +501,8 @@ class SqlOffsetStore(StageOffsetStore):
     async def _run(self, action: str, func: Callable[[], _T], *, writes: bool) -> _T:
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
+        if writes and self._read_only:
+            raise StoreReadOnlyError(f"{action}: {self!r} was opened with read_only=True")
         return await self._in_thread(action, self._call, action, func, writes)
 
     async def _in_thread(self, action: str, func: Callable[..., _T], *args: Any) -> _T:
@@ -469,6 +564,9 @@ class SqlOffsetStore(StageOffsetStore):
             yield
 
     def _wrap(self, action: str, exc: sa_exc.SQLAlchemyError, *, writes: bool) -> OffsetStoreError:
+        explained = self._explain(action, exc)
+        if explained is not None:
+            return explained
         detail = _detail(exc)
         if isinstance(exc, sa_exc.DBAPIError) and (
             exc.connection_invalidated or isinstance(exc, sa_exc.InterfaceError)
@@ -484,14 +582,59 @@ class SqlOffsetStore(StageOffsetStore):
             return StoreUnavailableError(f"{action}: no connection to {self.url} free: {detail}")
         return StoreCommitError(f"{action} on {self.url} failed: {detail}", retriable=writes)
 
+    def _explain(self, action: str, exc: sa_exc.SQLAlchemyError) -> OffsetStoreError | None:
+        """A database that refuses writes, or a SQLite file that cannot be opened, said
+        plainly; ``None`` for every other failure."""
+        if _is_read_only(exc):
+            return StoreReadOnlyError(
+                f"{action}: the offset store database at {self.url} is read-only, so progress"
+                f" cannot be saved ({_detail(exc)})"
+            )
+        if (
+            self._backend != "sqlite"
+            or _sqlite_code(getattr(exc, "orig", None)) != _SQLITE_CANTOPEN
+        ):
+            return None
+        path = self._sqlite_path()
+        if path is None:
+            return None
+        if not path.parent.is_dir():
+            return StoreUnavailableError(
+                f"{action}: cannot reach the offset store database at {self.url}: the"
+                f" directory {path.parent} does not exist (SQLite creates the database"
+                " file, not its directory)"
+            )
+        why = _unwritable_place(path)
+        if why is None:
+            return None
+        state = "is read-only" if path.exists() else "cannot be created (read-only location)"
+        return StoreReadOnlyError(
+            f"{action}: the offset store database at {self.url} {state}, so progress cannot"
+            f" be saved: {why} ({_detail(exc)})"
+        )
+
+    def _sqlite_path(self) -> Path | None:
+        """The file of a SQLite URL (a plain path or a ``file:`` URI), else ``None``."""
+        database = self._url.database
+        if not database or database == ":memory:":
+            return None
+        if database.startswith("file:"):
+            database = urllib.parse.unquote(urllib.parse.urlsplit(database).path)
+            if not database:
+                return None
+        return Path(database)
+
     # -- setup ------------------------------------------------------------------------------
 
     async def load(self) -> None:
         """Connect, create the tables when missing and check the schema version.
 
         Raises :class:`~offsetstore.StoreUnavailableError` when the database cannot
-        be reached and :class:`~offsetstore.StoreConfigurationError` when its tables
-        are missing (with ``create_tables=False``) or of a newer schema version.
+        be reached, :class:`~offsetstore.StoreReadOnlyError` (not retriable) when it
+        can be read but not written (unless the store was made with
+        ``read_only=True``), and :class:`~offsetstore.StoreConfigurationError` when
+        its tables are missing (with ``create_tables=False``) or of a newer schema
+        version.
         """
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
@@ -503,6 +646,9 @@ class SqlOffsetStore(StageOffsetStore):
         except OffsetStoreError:
             raise
         except sa_exc.SQLAlchemyError as exc:
+            explained = self._explain("preparing the offset store", exc)
+            if explained is not None:
+                raise explained from exc
             if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
                 raise StoreUnavailableError(
                     f"cannot reach the offset store database at {self.url}: {_detail(exc)}"
@@ -530,8 +676,12 @@ class SqlOffsetStore(StageOffsetStore):
                     with self._write_transaction() as conn:
                         self._metadata.create_all(conn, checkfirst=True)
                     break
-                except (sa_exc.ProgrammingError, sa_exc.IntegrityError, sa_exc.OperationalError):
-                    if attempt == 2 or not self._tables_exist():
+                except (
+                    sa_exc.ProgrammingError,
+                    sa_exc.IntegrityError,
+                    sa_exc.OperationalError,
+                ) as exc:
+                    if attempt == 2 or _is_read_only(exc) or not self._tables_exist():
                         raise
         elif not self._tables_exist():
             raise StoreConfigurationError(
@@ -561,8 +711,41 @@ class SqlOffsetStore(StageOffsetStore):
                 f"the offset store in {self.url} has schema version {version}, newer than"
                 f" this stagedconsumer's {SCHEMA_VERSION}: upgrade stagedconsumer"
             )
+        if self._read_only:
+            return  # version 1 tables read as well: the fence column is never read
         if version < 2:
             self._migrate_to_2()
+        self._check_writable()
+
+    def _check_writable(self) -> None:
+        """Fail at load, not at the first commit, when the database refuses writes.
+
+        The check is a write that is rolled back: an ``UPDATE`` of the progress table
+        (the table every commit writes, so it needs no privilege a commit does not)
+        whose ``WHERE`` matches no row, in the store's own write transaction. The
+        three databases refuse it for being a write before looking for rows. It is
+        the one check that asks the same question on the three and gets each
+        database's own answer: SQLite has no pragma telling that a connection is
+        read-only (``BEGIN IMMEDIATE`` even succeeds on a ``mode=ro`` file; the
+        first write is refused); PostgreSQL's ``transaction_read_only`` and
+        MariaDB's ``@@tx_read_only`` / ``@@read_only`` each miss a case
+        (``@@read_only`` does not bind users allowed to bypass it, ``SUPER`` or,
+        since MariaDB 10.11, ``READ ONLY ADMIN``, such as root; MySQL 8 has
+        ``@@transaction_read_only`` and no ``@@tx_read_only``; neither says what a
+        missing privilege would refuse). Nothing is written and no row is locked;
+        on SQLite it holds the write lock for a moment, as every commit does.
+        """
+        t = self._progress
+        probe = (
+            sa.update(t)
+            .where(t.c.consumer_group == "", t.c.topic == "", t.c.queue_id == -1)
+            .values(consume_offset=t.c.consume_offset)
+        )
+        with self._engine.connect() as conn:
+            conn.execution_options(stagedconsumer_begin="IMMEDIATE")
+            with conn.begin() as transaction:
+                conn.execute(probe)
+                transaction.rollback()
 
     def _migrate_to_2(self) -> None:
         """Version 1 -> 2: add the ``fence`` column (idempotent; processes may race)."""
@@ -837,14 +1020,16 @@ def _queue_order(item: tuple[MessageQueue, object]) -> tuple[str, int]:
     return (mq.topic, mq.queue_id)
 
 
-def _configure_sqlite(engine: sa.Engine, *, memory: bool, wait: float) -> None:
+def _configure_sqlite(engine: sa.Engine, *, memory: bool, read_only: bool, wait: float) -> None:
     """WAL journal, full sync, and transactions under SQLAlchemy's control.
 
     pysqlite's own transaction handling begins transactions late and never for
     DDL; the recipe from SQLAlchemy's SQLite dialect documentation hands it to
     SQLAlchemy, and writers begin ``IMMEDIATE`` so two writers queue on the busy
     timeout instead of failing on a lock upgrade. ``wait`` (seconds) bounds how long a
-    new connection retries switching a fresh file to WAL while another holds it.
+    new connection retries switching a fresh file to WAL while another holds it. A
+    ``read_only`` store changes nothing in the file (no WAL switch) and sets
+    ``query_only``, so not even a bug of ours can write.
     """
 
     @sa.event.listens_for(engine, "connect")
@@ -852,6 +1037,9 @@ def _configure_sqlite(engine: sa.Engine, *, memory: bool, wait: float) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
+            if read_only:
+                cursor.execute("PRAGMA query_only=ON")
+                return
             if not memory:
                 _switch_to_wal(cursor, wait)
             cursor.execute("PRAGMA synchronous=FULL")
@@ -871,7 +1059,11 @@ def _switch_to_wal(cursor: Any, wait: float) -> None:
     locked" at once (no busy timeout) while another connection holds it, for example
     one switching the same fresh file at the same time. WAL sticks to the file, so
     the switch is done once the mode reads ``wal``; until then it is retried for up
-    to ``wait`` seconds.
+    to ``wait`` seconds. Only "busy" and "locked" are retried: any other failure (a
+    read-only file or file system, a journal that cannot be created) cannot go away
+    by waiting and is raised at once. Retrying those too stalled ``load()`` on a
+    read-only database for twice ``connect_timeout`` (20 s by default: once for the
+    connection creating the tables, once for the one checking whether they exist).
     """
     deadline = time.monotonic() + wait
     pause = 0.005
@@ -879,7 +1071,9 @@ def _switch_to_wal(cursor: Any, wait: float) -> None:
         try:
             cursor.execute("PRAGMA journal_mode=WAL")
             return
-        except Exception:
+        except Exception as exc:
+            if not _is_sqlite_busy(exc):
+                raise
             try:
                 if cursor.execute("PRAGMA journal_mode").fetchone() == ("wal",):
                     return

@@ -99,8 +99,9 @@ async def test_unreachable_database_at_load_is_a_clear_retriable_error(template:
 async def test_sqlite_file_in_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     store = SqlOffsetStore(f"sqlite:///{tmp_path / 'missing' / 'progress.db'}")
     try:
-        with pytest.raises(StoreUnavailableError, match="cannot reach the offset store"):
+        with pytest.raises(StoreUnavailableError, match="cannot reach the offset store") as info:
             await store.load()
+        assert f"the directory {tmp_path / 'missing'} does not exist" in str(info.value)
     finally:
         await store.aclose()
 
