@@ -18,16 +18,19 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from rich.console import Console
 from rich.table import Table
 
-from offsetstore import OffsetStoreError, QueueProgress, SqlOffsetStore, StageKey
+from offsetstore import OffsetStoreError, QueueProgress, StageKey
 
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
+
+if TYPE_CHECKING:
+    from offsetstore import SqlOffsetStore
 
 __all__ = ("format_stage_key", "parse_stage_key", "register")
 
@@ -94,9 +97,12 @@ def _progress_json(mq: MessageQueue, progress: QueueProgress | None) -> dict[str
     }
 
 
-def _store(args: argparse.Namespace) -> SqlOffsetStore:
+def _store(args: argparse.Namespace, *, read_only: bool = False) -> SqlOffsetStore:
+    # Imported here: SQLAlchemy is needed by these commands only, not by the others.
+    from offsetstore import SqlOffsetStore
+
     # Never create tables from an operator command: a mistyped URL should fail.
-    return SqlOffsetStore(args.store, create_tables=False)
+    return SqlOffsetStore(args.store, create_tables=False, read_only=read_only)
 
 
 def _fail(console: Console, message: str) -> int:
@@ -110,7 +116,7 @@ def _fail(console: Console, message: str) -> int:
 async def _show(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
-        store = _store(args)
+        store = _store(args, read_only=True)  # works on a read-only replica too
     except OffsetStoreError as exc:
         return _fail(err, str(exc))
     try:

@@ -248,8 +248,10 @@ async def test_consumer_keeps_consuming_while_the_database_is_down(sql_backend: 
             await _wait_for(failing, timeout=10)
             assert await stored_at(10), "progress moved while the database was down"
 
-            await outage.up()
+            # Read before the database is back: the first commit after it may land
+            # while outage.up() is still returning.
             commits = consumer.statistics().commits
+            await outage.up()
             await _wait_for(lambda: stored_at(20), timeout=15)
             assert consumer.statistics().commits > commits
         tg.cancel_scope.cancel()
