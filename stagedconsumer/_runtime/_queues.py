@@ -95,7 +95,10 @@ class QueueTable:
         else:
             pq = self.service.new_process_queue(mq, start, stage_offsets)
         state = QueueState(mq, pq, tag_filter, is_retry)
-        state.persisted = QueueProgress(consume_offset=start, stage_offsets=stage_offsets)
+        if progress is not None and progress.consume_offset is not None:
+            state.persisted = QueueProgress(consume_offset=start, stage_offsets=stage_offsets)
+        # else: nothing stored yet; the first commit stores where consumption started,
+        # so that the queue's next owner resumes there instead of asking the source.
         return state
 
     def start(self, state: QueueState) -> None:

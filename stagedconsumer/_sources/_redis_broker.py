@@ -32,7 +32,13 @@ from .._exceptions import ConfigurationError, UnknownTopicError
 from .._message import Message, MessageQueue
 from .._observability._traceparent import with_traceparent
 from ._group import GroupOptions
-from ._redis_codec import _decode_entries, _encode_fields, _message_fields, _pack
+from ._redis_codec import (
+    _decode_entries,
+    _encode_fields,
+    _entry_offset,
+    _message_fields,
+    _pack,
+)
 from ._redis_connection import RedisConnection
 from ._redis_coordinator import RedisCoordinator
 from ._redis_scripts import DELAY_LUA, RELEASE_LUA, SEND_LUA
@@ -480,22 +486,30 @@ class RedisBroker(MessageSource):
         return int(value or 0)
 
     async def min_offset(self, mq: MessageQueue) -> int:
+        """The offset of the first entry still stored, or, when there is none, the
+        offset the next message will get.
+
+        The first entry and the counter are read in one ``MULTI``: read one after the
+        other, a queue seen empty could be reported at a counter that messages sent
+        in between already moved on, and a consumer starting there (a queue without
+        committed progress) would skip them.
+        """
+        if mq.topic.startswith(RETRY_PREFIX):
+            await self.pull(mq, 2**62, 1)  # release due retries first, as max_offset does
         stream = self._stream_key(mq.topic, mq.queue_id)
-        first = await self._retrying(
-            f"reading the min offset of {mq}",
-            lambda: self._redis.xrange(stream, "-", "+", count=1),
-        )
+        seq = self._seq_key(mq.topic, mq.queue_id)
+
+        async def read() -> list[Any]:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.xrange(stream, "-", "+", count=1)
+                pipe.get(seq)
+                return list(await pipe.execute())
+
+        first, counter = await self._retrying(f"reading the min offset of {mq}", read)
         if first:
             entry_id: Any = first[0][0]
-            return (
-                int(
-                    str(entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[
-                        0
-                    ]
-                )
-                - 1
-            )
-        return await self.max_offset(mq)
+            return _entry_offset(entry_id if isinstance(entry_id, bytes) else entry_id.encode())
+        return int(counter or 0)
 
     async def send_back(
         self,

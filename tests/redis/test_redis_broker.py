@@ -5,13 +5,24 @@ from __future__ import annotations
 import socket
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import pytest
 import redis.exceptions
 
-from stagedconsumer import ConfigurationError, MessageQueue, SourceError, UnknownTopicError
+from stagedconsumer import (
+    ConfigurationError,
+    ConsumeConcurrentlyContext,
+    ConsumerOptions,
+    Message,
+    MessageListenerConcurrently,
+    MessageQueue,
+    PushConsumer,
+    SourceError,
+    UnknownTopicError,
+)
 from stagedconsumer._sources._redis_broker import RedisBroker
 from stagedconsumer._sources._source import (
     PROPERTY_ORIGIN_MESSAGE_ID,
@@ -129,6 +140,64 @@ async def test_offsets_come_from_entry_ids_when_entries_were_deleted(
     assert [m.queue_offset for m in pulled.messages] == [0, 1, 2, 5, 6, 7, 8, 9]
     assert [m.body for m in pulled.messages] == [b"0", b"1", b"2", b"5", b"6", b"7", b"8", b"9"]
     assert (pulled.next_offset, pulled.max_offset) == (10, 10)
+
+
+def _send_during_min_offset(
+    broker: RedisBroker, producer: RedisBroker, monkeypatch: pytest.MonkeyPatch, count: int
+) -> None:
+    """Make ``producer`` append ``count`` messages to ``t#0`` right after the first
+    Redis round trip of ``broker.min_offset(t#0)`` (a producer racing a consumer that
+    starts on a queue without committed progress)."""
+    once = broker._connection.call
+    sent = False
+
+    async def once_then_send(what: str, call: Any) -> Any:
+        nonlocal sent
+        result = await once(what, call)
+        if what == "reading the min offset of t#0" and not sent:
+            sent = True
+            await producer.send_many("t", [b"x"] * count, queue_id=0)
+        return result
+
+    monkeypatch.setattr(broker._connection, "call", once_then_send)
+
+
+async def test_min_offset_of_an_empty_queue_never_passes_a_message_sent_meanwhile(
+    broker: RedisBroker, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A queue read empty must not report the counter read later: messages sent in
+    # between would be skipped by a consumer starting there (no committed progress).
+    await broker.create_topic("t", 1)
+    async with RedisBroker(redis_url, namespace=broker.namespace) as producer:
+        _send_during_min_offset(broker, producer, monkeypatch, 10)
+        assert await broker.min_offset(MessageQueue("t", 0)) == 0
+    assert await broker.max_offset(MessageQueue("t", 0)) == 10
+
+
+async def test_a_consumer_starting_on_an_empty_queue_while_a_producer_sends_loses_nothing(
+    broker: RedisBroker, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Listener(MessageListenerConcurrently):
+        def __init__(self) -> None:
+            self.offsets: list[int] = []
+
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            self.offsets.extend(m.queue_offset for m in msgs)
+
+    await broker.create_topic("t", 1)
+    listener = Listener()
+    consumer = PushConsumer(
+        "g", broker, listener, options=ConsumerOptions(pull_long_polling_timeout=0.2)
+    )
+    consumer.subscribe("t")
+    async with RedisBroker(redis_url, namespace=broker.namespace) as producer:
+        _send_during_min_offset(broker, producer, monkeypatch, 10)
+        async with consumer:
+            monkeypatch.undo()
+            await consumer.wait_caught_up(timeout=10)
+            assert sorted(listener.offsets) == list(range(10))
 
 
 async def test_a_connection_error_drops_what_was_read_ahead(
