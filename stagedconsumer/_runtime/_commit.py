@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import anyio
 
@@ -11,8 +11,7 @@ from offsetstore import OffsetStoreError, QueueProgress, StageOffsetStore, Store
 
 from .._core import Backoff
 from .._message import MessageQueue
-from ._queues import QueueState, QueueTable
-from ._state import ConsumerState
+from ._state import ConsumerState, QueueState
 
 __all__ = ("ProgressCommitter",)
 
@@ -41,7 +40,7 @@ class ProgressCommitter:
         *,
         state: ConsumerState,
         store: StageOffsetStore,
-        queues: QueueTable,
+        queues: Iterable[QueueState],
         interval: float,
         fences: Callable[[], Mapping[MessageQueue, int]] | None = None,
         on_fenced: Callable[[Mapping[MessageQueue, int]], None] | None = None,

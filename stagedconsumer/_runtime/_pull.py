@@ -15,9 +15,8 @@ from .._observability._hooks import PullContext
 from .._options import ConsumerOptions
 from .._sources._source import PROPERTY_RETRY_TOPIC, MessageSource
 from ._hooks import HookRunner, loop_clock, loop_wall_offset
-from ._queues import QueueState
 from ._signals import Signals
-from ._state import ConsumerState
+from ._state import ConsumerState, QueueState
 
 __all__ = ("PullService",)
 

@@ -4,41 +4,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
-import attrs
 
 from offsetstore import QueueProgress, StageOffsetStore
 
-from .._core import ProcessQueue
 from .._filter import TagFilter
 from .._message import MessageQueue
 from .._sources._source import RETRY_PREFIX, MessageSource
+from ._commit import ProgressCommitter
+from ._pull import PullService
 from ._services import ConsumeService
 from ._signals import Signals
+from ._state import QueueState
 
-if TYPE_CHECKING:
-    from ._commit import ProgressCommitter
-    from ._pull import PullService
-
-__all__ = ("QueueState", "QueueTable")
+__all__ = ("QueueTable",)
 
 logger = logging.getLogger("stagedconsumer")
-
-
-@attrs.define(eq=False)
-class QueueState:
-    """One assigned queue: its process queue, tag filter and what was last persisted."""
-
-    mq: MessageQueue
-    pq: ProcessQueue
-    filter: TagFilter
-    is_retry: bool
-    pull_scope: anyio.CancelScope | None = None
-    room: anyio.Event | None = None
-    """Set when the pull loop may go on after pausing for flow control."""
-    persisted: QueueProgress | None = None
 
 
 class QueueTable:

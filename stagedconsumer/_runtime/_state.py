@@ -1,12 +1,20 @@
-"""ConsumerState: the counters and lifecycle of one consumer, shared by its services."""
+"""State shared by the services of one consumer: its counters and lifecycle
+(:class:`ConsumerState`) and each assigned queue (:class:`QueueState`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import anyio
 import attrs
 
-__all__ = ("ConsumerState",)
+from offsetstore import QueueProgress
+
+from .._core import ProcessQueue
+from .._filter import TagFilter
+from .._message import MessageQueue
+
+__all__ = ("ConsumerState", "QueueState")
 
 
 @attrs.define(eq=False, slots=True)
@@ -49,3 +57,17 @@ class ConsumerState:
         self.failure = exc
         if self.on_failure is not None:
             self.on_failure()
+
+
+@attrs.define(eq=False)
+class QueueState:
+    """One assigned queue: its process queue, tag filter and what was last persisted."""
+
+    mq: MessageQueue
+    pq: ProcessQueue
+    filter: TagFilter
+    is_retry: bool
+    pull_scope: anyio.CancelScope | None = None
+    room: anyio.Event | None = None
+    """Set when the pull loop may go on after pausing for flow control."""
+    persisted: QueueProgress | None = None

@@ -115,27 +115,18 @@ class WorkerPool:
 
     async def _worker(self) -> None:
         """Take batches and run the listener on them until the consumer stops."""
-        state = self.state
-        dispatcher = self.dispatcher
-        take = dispatcher.take
-        finish = dispatcher.finish
-        settle = dispatcher.settle
-        has_ready = dispatcher.has_ready
-        signals = self.signals
-        apply = signals.apply
-        work = signals.work
+        state, dispatcher, signals, service = (
+            self.state,
+            self.dispatcher,
+            self.signals,
+            self.service,
+        )
+        take, finish, has_ready = dispatcher.take, dispatcher.finish, dispatcher.has_ready
+        apply, work = signals.apply, signals.work
         idle = work.idle
-        service = self.service
-        context_for = service.context_for
-        settle_failure = service.settle_failure
-        ok = service.success
-        partial_ack = service.partial_ack
-        batch_max = self.batch_size
-        consume = self.consume
-        is_async = self.is_async
-        call_sync = self._call_sync
-        hooks = self.hooks
-        leased = self.leased
+        context_for, ok, partial_ack = service.context_for, service.success, service.partial_ack
+        batch_max, consume, is_async = self.batch_size, self.consume, self.is_async
+        call_sync, hooks, leased = self._call_sync, self.hooks, self.leased
         hook_ctx: ConsumeMessageContext | None = None
         clock = loop_clock() if hooks is not None or leased else anyio.current_time
         streak = 0
@@ -182,12 +173,7 @@ class WorkerPool:
                 if effects:
                     apply(pq, effects)
             else:
-                settlement = await settle_failure(batch, context, error, result)
-                if hook_ctx is not None:
-                    hook_ctx.settled = dict(settlement.outcomes)
-                    apply(pq, settle(batch, settlement, anyio.current_time()))
-                else:
-                    apply(pq, settle(batch, settlement))
+                await self._settle(batch, context, error, result, hook_ctx)
             if hook_ctx is not None:
                 self._hooks_after(hook_ctx, error, result)
                 hook_ctx = None
@@ -195,6 +181,24 @@ class WorkerPool:
             if streak >= _CHECKPOINT_EVERY:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
+
+    async def _settle(
+        self,
+        batch: Batch,
+        context: Any,
+        error: Exception | None,
+        result: object,
+        hook_ctx: ConsumeMessageContext | None,
+    ) -> None:
+        """A failed handler call: the service judges it, the dispatcher applies the
+        settlement in one call, the signals act on its effects."""
+        settlement = await self.service.settle_failure(batch, context, error, result)
+        if hook_ctx is None:
+            effects = self.dispatcher.settle(batch, settlement)
+        else:
+            hook_ctx.settled = dict(settlement.outcomes)
+            effects = self.dispatcher.settle(batch, settlement, anyio.current_time())
+        self.signals.apply(batch.process_queue, effects)
 
     def _hook_context(self, batch: Batch, clock: Callable[[], float]) -> ConsumeMessageContext:
         start = clock()
