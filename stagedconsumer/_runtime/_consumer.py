@@ -316,19 +316,21 @@ class PushConsumer:
         # True when the cancellation that ended the body was ours (a failure that
         # stops the consumer), which the scope swallows.
         swallowed = bool(body.__exit__(exc_type, exc, tb))
-        with anyio.CancelScope(shield=True):
-            try:
-                await self._shutdown()
-            except Exception as error:  # a failed shutdown step must not hide the rest
-                logger.exception("group %s: shutdown failed", self.group)
-                self._state.fail(error)
-        self._state.closed = True
-        tg.cancel_scope.cancel()
         failures: list[BaseException] = []
         try:
-            await tg.__aexit__(None, None, None)
-        except BaseExceptionGroup as group:
-            failures.extend(group.exceptions)
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._shutdown()
+                except Exception as error:  # a failed shutdown step must not hide the rest
+                    logger.exception("group %s: shutdown failed", self.group)
+                    self._state.fail(error)
+        finally:  # also when a second Ctrl-C cut the shutdown short: stop everything now
+            self._state.closed = True
+            tg.cancel_scope.cancel()
+            try:
+                await tg.__aexit__(None, None, None)
+            except BaseExceptionGroup as group:
+                failures.extend(group.exceptions)
         if self._state.failure is not None:
             failures.insert(0, self._state.failure)
         if exc is not None and not swallowed:
@@ -351,7 +353,23 @@ class PushConsumer:
         if self._pulls is not None:
             self._pulls.stop_all()
         if self._workers is not None:
-            await self._workers.drain(self.options.shutdown_timeout)
+            timeout = self.options.shutdown_timeout
+            abandoned = await self._workers.drain(timeout)
+            if abandoned:
+                running = ", ".join(
+                    f"{queue.mq} from offset {queue.pq.committed_offset}"
+                    for queue in self._queues
+                    if queue.pq.in_handlers
+                )
+                logger.warning(
+                    "group %s: %d handler call(s) still running after shutdown_timeout"
+                    " (%.1f s) are abandoned: their messages are not committed and will be"
+                    " delivered again (%s)",
+                    self.group,
+                    abandoned,
+                    timeout,
+                    running,
+                )
         assert self._committer is not None
         try:
             with anyio.fail_after(self.options.shutdown_timeout):

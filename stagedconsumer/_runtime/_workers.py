@@ -23,6 +23,7 @@ from ._hooks import HookRunner, loop_clock
 from ._services import ConsumeService
 from ._signals import Signals
 from ._state import ConsumerState
+from ._threads import ThreadRunner
 
 __all__ = ("WorkerPool",)
 
@@ -36,9 +37,10 @@ _SUCCESS = EraseStatus.SUCCESS
 class WorkerPool:
     """Runs the listener on batches from the dispatcher, ``workers`` at a time.
 
-    ``async def`` handlers run in the worker task; plain ``def`` handlers in a worker
-    thread, at most ``workers`` at once. With ``leased`` set (queues owned through
-    group locks), a batch is handed out only while its queue's lease lasts.
+    ``async def`` handlers run in the worker task; plain ``def`` handlers in a daemon
+    worker thread, at most ``workers`` at once (see :class:`ThreadRunner`). With
+    ``leased`` set (queues owned through group locks), a batch is handed out only
+    while its queue's lease lasts.
     """
 
     def __init__(
@@ -64,7 +66,7 @@ class WorkerPool:
         self.batch_size = batch_size
         self.hooks = hooks
         self.leased = leased
-        self._limiter = anyio.CapacityLimiter(workers)
+        self._threads = ThreadRunner(workers)
         self._scope: anyio.CancelScope | None = None
         self._done = anyio.Event()
 
@@ -82,33 +84,26 @@ class WorkerPool:
         finally:
             self._done.set()
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float) -> int:
         """Let handler calls in flight finish (the consumer is stopping: no new batch is
-        taken), for at most ``timeout`` seconds; then abandon the rest. Returns whether
-        every call finished."""
+        taken), for at most ``timeout`` seconds; then abandon the rest: their messages
+        stay pending, so they are not committed and are delivered again. Returns how
+        many calls were abandoned."""
         self.signals.work.wake_all()
-        with anyio.move_on_after(timeout) as wait:
+        try:
+            with anyio.move_on_after(timeout):
+                await self._done.wait()
+            running = self.state.in_flight
+            self.state.abandoned_calls += running
+            if self._scope is not None:
+                self._scope.cancel()
             await self._done.wait()
-        if not wait.cancelled_caught:
-            return True
-        running = self.state.in_flight
-        self.state.abandoned_calls += running
-        logger.warning(
-            "group %s: %d handler call(s) still running after %.1f s; abandoning them: their"
-            " messages are not committed and will be delivered again",
-            self.state.group,
-            running,
-            timeout,
-        )
-        if self._scope is not None:
-            self._scope.cancel()
-        await self._done.wait()
-        return False
+        finally:
+            self._threads.close()
+        return running
 
     async def _call_sync(self, messages: Sequence[Message], context: Any) -> Any:
-        result = await anyio.to_thread.run_sync(
-            self.consume, messages, context, limiter=self._limiter, abandon_on_cancel=True
-        )
+        result = await self._threads.run_sync(self.consume, messages, context)
         if inspect.isawaitable(result):  # a plain def that returned an awaitable
             result = await result
         return result
