@@ -7,6 +7,7 @@ locked by another connection holding ``BEGIN EXCLUSIVE``.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -120,9 +121,7 @@ class TcpProxy:
     async def _serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         with anyio.CancelScope() as scope:
             self._scope = scope
-            listener = await anyio.create_tcp_listener(
-                local_host="127.0.0.1", local_port=self.port
-            )
+            listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=self.port)
             self.port = listener.extra(SocketAttribute.local_port)
             task_status.started()
             async with listener:
@@ -195,8 +194,9 @@ async def _outage_control(
     proxy = TcpProxy(url.host, url.port)
     await proxy.up(tg)
     try:
-        yield url.set(host="127.0.0.1", port=proxy.port).render_as_string(False), ProxyOutage(
-            proxy, tg
+        yield (
+            url.set(host="127.0.0.1", port=proxy.port).render_as_string(False),
+            ProxyOutage(proxy, tg),
         )
     finally:
         proxy.down()
@@ -264,7 +264,11 @@ async def test_consumer_keeps_consuming_while_the_database_is_down(sql_backend: 
         assert offsets == sorted(offsets), f"stored progress of {mq} went backwards"
 
 
-async def test_consumer_start_with_an_unreachable_database_is_a_clear_error() -> None:
+async def test_consumer_start_with_an_unreachable_database_waits_then_is_a_clear_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store is retried with backoff for start_timeout (each failed attempt logged),
+    then the error comes out of ``async with`` as itself."""
     import socket
 
     from offsetstore import SqlOffsetStore, StoreUnavailableError
@@ -275,10 +279,146 @@ async def test_consumer_start_with_an_unreachable_database_is_a_clear_error() ->
     broker = MemoryBroker()
     broker.create_topic(TOPIC, 1)
     store = SqlOffsetStore(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test")
-    consumer = _consumer(broker, store, Recorder())
+    consumer = PushConsumer(
+        GROUP, broker, Recorder(), offset_store=store, options=ConsumerOptions(start_timeout=1.5)
+    )
+    consumer.subscribe(TOPIC)
     try:
-        with pytest.raises(StoreUnavailableError, match="cannot reach the offset store"):
+        started = anyio.current_time()
+        with (
+            caplog.at_level(logging.WARNING, logger="stagedconsumer"),
+            pytest.raises(StoreUnavailableError, match="cannot reach the offset store"),
+        ):
             async with consumer:
                 pytest.fail("the consumer started without its offset store")
+        waited = anyio.current_time() - started
     finally:
         await store.aclose()
+    assert 1.5 <= waited < 1.5 + 2.0
+    attempts = [r for r in caplog.records if "unavailable at start" in r.getMessage()]
+    assert len(attempts) >= 2
+
+
+async def test_consumer_started_during_a_database_outage_starts_when_it_is_back(
+    server_backend: Backend,
+) -> None:
+    """A member started while its database restarts does not die: it waits."""
+    broker = MemoryBroker()
+    broker.create_topic(TOPIC, QUEUES)
+    _fill(broker, 3)
+    listener = Recorder()
+    async with (
+        anyio.create_task_group() as tg,
+        _outage_control(server_backend, tg) as (url, outage),
+    ):
+        await outage.down()
+        store = server_backend.new_store(url=url, connect_timeout=0.3)
+        consumer = PushConsumer(
+            GROUP,
+            broker,
+            listener,
+            offset_store=store,
+            options=ConsumerOptions(start_timeout=30, persist_consumer_offset_interval=0.05),
+        )
+        consumer.subscribe(TOPIC)
+
+        async def back_in_a_second() -> None:
+            await anyio.sleep(1.0)
+            await outage.up()
+
+        tg.start_soon(back_in_a_second)
+        started = anyio.current_time()
+        async with consumer:
+            assert anyio.current_time() - started >= 1.0
+            await consumer.wait_caught_up(timeout=10)
+        tg.cancel_scope.cancel()
+    assert len(listener.seen) == QUEUES * 3
+
+
+async def test_a_read_only_store_stops_the_consumer_at_start(sql_backend: Backend) -> None:
+    from offsetstore import StoreReadOnlyError
+
+    from .test_read_only import read_only_store
+
+    writer = sql_backend.new_store()
+    await writer.load()  # the tables exist: only writing is refused
+    broker = MemoryBroker()
+    broker.create_topic(TOPIC, 1)
+    store = read_only_store(sql_backend)
+    consumer = PushConsumer(
+        GROUP, broker, Recorder(), offset_store=store, options=ConsumerOptions(start_timeout=30)
+    )
+    consumer.subscribe(TOPIC)
+    started = anyio.current_time()
+    with pytest.raises(StoreReadOnlyError, match="read-only"):
+        async with consumer:
+            pytest.fail("the consumer started on a store it cannot write")
+    assert anyio.current_time() - started < 5.0  # at once, not after start_timeout
+
+
+class SlowRecorder(Recorder):
+    """Holds every handler call until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = anyio.Event()
+        self.finished: list[tuple[int, int]] = []
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        await super().consume_message(msgs, context)
+        if msgs[0].body == b"slow":
+            await self.go.wait()
+        self.finished.extend((m.queue_id, m.queue_offset) for m in msgs)
+
+
+async def test_a_store_that_turns_read_only_stops_the_consumer_after_draining(
+    sql_backend: Backend,
+) -> None:
+    """A permanent store failure is not only logged: the consumer stops, lets the
+    handler calls in flight finish, and raises the error out of ``async with``."""
+    from offsetstore import SqlOffsetStore, StoreReadOnlyError
+
+    from .test_read_only import connections_made_read_only
+
+    broker = MemoryBroker()
+    broker.create_topic(TOPIC, 1)
+    listener = SlowRecorder()
+    store = sql_backend.new_store()
+    assert isinstance(store, SqlOffsetStore)
+    consumer = PushConsumer(
+        GROUP,
+        broker,
+        listener,
+        offset_store=store,
+        options=ConsumerOptions(persist_consumer_offset_interval=0.05, shutdown_timeout=10),
+    )
+    consumer.subscribe(TOPIC)
+    reached_the_end_of_the_body = False
+
+    async def run() -> None:
+        nonlocal reached_the_end_of_the_body
+        async with consumer:
+            broker.send(TOPIC, b"x")
+            await consumer.wait_caught_up(timeout=10)
+            with connections_made_read_only(sql_backend, store):
+                broker.send(TOPIC, b"slow")  # in a handler when the commit fails
+                await anyio.sleep(30)  # the consumer's failure cancels this
+            reached_the_end_of_the_body = True
+
+    async def let_the_slow_call_finish_later() -> None:
+        with anyio.fail_after(10):
+            while len(listener.seen) < 2:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.5)  # the commit fails meanwhile; the drain waits for this
+        listener.go.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(let_the_slow_call_finish_later)
+        with pytest.raises(StoreReadOnlyError):
+            await run()
+    assert not reached_the_end_of_the_body
+    assert listener.finished == [(0, 0), (0, 1)]  # the call in flight was drained
+    stats = consumer.statistics()
+    assert stats.commit_errors >= 1
