@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Awaitable, Mapping, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -91,38 +92,52 @@ class ConsumeStagedConcurrentlyContext:
 _new = object.__new__
 
 
-def _concurrently_context(message_queue: MessageQueue) -> ConsumeConcurrentlyContext:
-    """The consumer's constructor, one per handler call: positional, and without the
-    attrs ``__init__`` (whose keyword matching costs about twice as much). Sets every
-    field to its default; a test holds these constructors to the attrs ``__init__``."""
+class _QueueLike(Protocol):
+    @property
+    def message_queue(self) -> MessageQueue: ...
+
+
+class _BatchLike(Protocol):
+    """What a context is built from: a batch of ``stagedconsumer._core``."""
+
+    @property
+    def process_queue(self) -> _QueueLike: ...
+    @property
+    def stage_index(self) -> int: ...
+    @property
+    def strategy_id(self) -> str | None: ...
+    @property
+    def group_id(self) -> str | None: ...
+
+
+# The consumer's constructors, one per handler call: positional, and without the
+# attrs ``__init__`` (whose keyword matching costs about twice as much). Each sets
+# every field; a test holds them to the attrs ``__init__``. One signature for the three
+# (the batch, the suspend time), so the worker calls whichever its mode uses directly.
+
+
+def _concurrently_context(batch: _BatchLike, suspend_millis: int) -> ConsumeConcurrentlyContext:
+    del suspend_millis  # no local retry in concurrent mode
     context: ConsumeConcurrentlyContext = _new(ConsumeConcurrentlyContext)
-    context.message_queue = message_queue
+    context.message_queue = batch.process_queue.message_queue
     context.delay_level_when_next_consume = 0
     context.ack_index = 2**31 - 1
     return context
 
 
-def _orderly_context(message_queue: MessageQueue, suspend_millis: int) -> ConsumeOrderlyContext:
-    """See :func:`_concurrently_context`."""
+def _orderly_context(batch: _BatchLike, suspend_millis: int) -> ConsumeOrderlyContext:
     context: ConsumeOrderlyContext = _new(ConsumeOrderlyContext)
-    context.message_queue = message_queue
+    context.message_queue = batch.process_queue.message_queue
     context.suspend_current_queue_time_millis = suspend_millis
     return context
 
 
-def _staged_context(
-    message_queue: MessageQueue,
-    stage_index: int,
-    strategy_id: str | None,
-    group_id: str | None,
-    suspend_millis: int,
-) -> ConsumeStagedConcurrentlyContext:
-    """See :func:`_concurrently_context`."""
+def _staged_context(batch: _BatchLike, suspend_millis: int) -> ConsumeStagedConcurrentlyContext:
     context: ConsumeStagedConcurrentlyContext = _new(ConsumeStagedConcurrentlyContext)
-    context.message_queue = message_queue
-    context.stage_index = stage_index
-    context.strategy_id = strategy_id
-    context.group_id = group_id
+    context.message_queue = batch.process_queue.message_queue
+    context.stage_index = batch.stage_index
+    context.strategy_id = batch.strategy_id
+    context.group_id = batch.group_id
     context.suspend_current_queue_time_millis = suspend_millis
     return context
 

@@ -21,16 +21,27 @@ from stagedconsumer._listeners import (
 MQ = MessageQueue("t", 3)
 
 
+class _Queue:
+    message_queue = MQ
+
+
+class _Batch:  # what the constructors read of a stagedconsumer._core.Batch
+    process_queue = _Queue()
+    stage_index = 2
+    strategy_id = "default"
+    group_id = "g"
+
+
 @pytest.mark.parametrize(
     ("fast", "public"),
     [
-        (_concurrently_context(MQ), ConsumeConcurrentlyContext(message_queue=MQ)),
+        (_concurrently_context(_Batch(), 0), ConsumeConcurrentlyContext(message_queue=MQ)),
         (
-            _orderly_context(MQ, 250),
+            _orderly_context(_Batch(), 250),
             ConsumeOrderlyContext(message_queue=MQ, suspend_current_queue_time_millis=250),
         ),
         (
-            _staged_context(MQ, 2, "default", "g", 40),
+            _staged_context(_Batch(), 40),
             ConsumeStagedConcurrentlyContext(
                 message_queue=MQ,
                 stage_index=2,

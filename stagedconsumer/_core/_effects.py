@@ -38,7 +38,10 @@ ROOM: Final[Effects] = 2
 :meth:`~._process_queue.ProcessQueue.should_pause_pull`) is back under its
 thresholds: resume pulling it."""
 COMMITTED: Final[Effects] = 4
-"""The committed consume offset of the queue advanced: wake whoever waits for it."""
+"""The committed consume offset of the queue advanced to the offset the shell asked
+to hear of (``ProcessQueue.notify_offset``, the lowest offset someone waits for) or
+past it: wake whoever waits. Asking for it is what makes it reported, so a consumer
+nobody waits on pays nothing for it."""
 TIMER: Final[Effects] = 8
 """The dispatcher's timer (:meth:`~._dispatcher.Dispatcher.get_timer`) moved
 earlier: re-arm it."""

@@ -82,6 +82,9 @@ class EraseStatus(enum.Enum):
     """Moved to the dead-letter queue after too many attempts: finished."""
 
 
+_NEVER: Final = 1 << 62
+"""An offset no queue reaches: nobody waits."""
+
 DEFAULT_STRATEGY: Final = "default"
 """Strategy id of the single definition list of ``get_stage_definitions()``."""
 
@@ -316,6 +319,7 @@ class ProcessQueue:
         "lease_deadline",
         "message_queue",
         "mode",
+        "notify_offset",
         "ready_lanes",
         "ready_retries",
     )
@@ -368,6 +372,10 @@ class ProcessQueue:
         self._direct_lane = _Lane(None, None, exclusive=False, counted=False)
         self.dropped = False
         self.in_ready = False
+        self.notify_offset = _NEVER
+        """The shell's request: report ``COMMITTED`` when the committed offset reaches
+        this offset (someone waits for it). By default nobody waits and ``COMMITTED`` is
+        never reported; ``-1`` reports every move."""
         self.lease_deadline = float("inf")
         """When the lease under which this queue is consumed ends (the shell's clock;
         infinite unless the queue is owned through a group lock). The dispatcher hands
@@ -396,8 +404,9 @@ class ProcessQueue:
         shell passes it when message trace or metrics need them).
 
         Returns ``READY`` when a batch became ready, ``COMMITTED`` when the committed
-        offset moved (filtered offsets), ``HELD`` when a stage callback failed on a
-        message (it and the rest are held, see :attr:`assignment_error`).
+        offset moved (filtered offsets) to :attr:`notify_offset` or past it, ``HELD``
+        when a stage callback failed on a message (it and the rest are held, see
+        :attr:`assignment_error`).
         """
         if self._plan is None:
             return self._put_unstaged(messages, highest_offset, now)
@@ -408,9 +417,13 @@ class ProcessQueue:
             effects = self._put_staged(messages, self.highest_offset, now)
         if highest_offset is not None and highest_offset > self.highest_offset:
             self.highest_offset = highest_offset
-        if self.committed_offset != before:
-            effects |= COMMITTED
-        return effects
+        return effects | self._committed_since(before)
+
+    def _committed_since(self, before: int) -> Effects:
+        """``COMMITTED`` if the committed offset moved from ``before`` to
+        :attr:`notify_offset` or past it."""
+        after = self.committed_offset
+        return COMMITTED if after != before and after >= self.notify_offset else NOTHING
 
     def retry_assignment(self, now: float | None = None) -> Effects:
         """Assign the held messages again (the shell calls this a while after
@@ -423,9 +436,7 @@ class ProcessQueue:
         self.assignment_error = None
         before = self.committed_offset
         effects = self._put_staged(held, held[0].queue_offset - 1, now)
-        if self.committed_offset != before:
-            effects |= COMMITTED
-        return effects
+        return effects | self._committed_since(before)
 
     def _hold(self, messages: Sequence[Message], start: int, highest: int) -> Effects:
         """Hold ``messages[start:]`` (those above ``highest``) behind the held ones."""
@@ -558,7 +569,7 @@ class ProcessQueue:
         if highest_offset is not None and highest_offset > highest:
             highest = highest_offset
         self.highest_offset = highest
-        effects = NOTHING if (order[0] if order else highest + 1) == committed_before else COMMITTED
+        effects = self._committed_since(committed_before)
         added = len(cached) - before
         if not added:
             return effects
@@ -733,8 +744,9 @@ class ProcessQueue:
         Finished means: the handler succeeded, or the message was handed to the retry
         queue or to the dead-letter queue. The committed offset moves past the lowest
         run of finished messages. Returns ``READY`` when a batch became ready,
-        ``COMMITTED`` when the committed offset moved, ``ROOM`` when pulling paused
-        for flow control may resume.
+        ``COMMITTED`` when the committed offset moved to :attr:`notify_offset` or past
+        it, ``ROOM`` when pulling paused for flow control may resume, ``DRAINED`` when
+        the last batch in a handler of a dropped queue finished.
         """
         del status  # every status finishes the message; the caller keeps the counts
         lane = batch._lane
@@ -819,7 +831,8 @@ class ProcessQueue:
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
                     order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
-            effects = COMMITTED
+            notify = self.notify_offset
+            effects = COMMITTED if notify != _NEVER and self.committed_offset >= notify else NOTHING
         else:
             effects = NOTHING
         if self._awaiting_room and not self.is_cache_full():

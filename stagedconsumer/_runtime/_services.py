@@ -124,9 +124,9 @@ class ConsumeService(abc.ABC):
             flow_control=self.flow,
         )
 
-    @abc.abstractmethod
-    def context_for(self, batch: Batch) -> Any:
-        """The context handed to the listener with ``batch``."""
+    context_for: Callable[[Batch, int], Any]
+    """Builds the context handed to the listener with a batch: ``(batch, suspend
+    millis)``; a plain function, called once per handler call."""
 
     @abc.abstractmethod
     async def settle_failure(
@@ -147,8 +147,7 @@ class ConcurrentlyConsumeService(ConsumeService):
     partial_ack = True
     retry_queues = True
 
-    def context_for(self, batch: Batch) -> ConsumeConcurrentlyContext:
-        return _concurrently_context(batch.process_queue.message_queue)
+    context_for: Callable[[Batch, int], Any] = staticmethod(_concurrently_context)
 
     async def settle_failure(
         self,
@@ -227,10 +226,7 @@ class OrderlyConsumeService(ConsumeService):
     mode = ConsumeMode.ORDERLY
     success = ConsumeOrderlyStatus.SUCCESS
 
-    def context_for(self, batch: Batch) -> Any:
-        return _orderly_context(
-            batch.process_queue.message_queue, self.options.suspend_current_queue_time_millis
-        )
+    context_for: Callable[[Batch, int], Any] = staticmethod(_orderly_context)
 
     async def settle_failure(
         self,
@@ -314,14 +310,7 @@ class StagedConsumeService(OrderlyConsumeService):
             flow_control=self.flow,
         )
 
-    def context_for(self, batch: Batch) -> ConsumeStagedConcurrentlyContext:
-        return _staged_context(
-            batch.process_queue.message_queue,
-            batch.stage_index,
-            batch.strategy_id,
-            batch.group_id,
-            self.options.suspend_current_queue_time_millis,
-        )
+    context_for: Callable[[Batch, int], Any] = staticmethod(_staged_context)
 
 
 def _overrides(listener: object, base: type, name: str) -> bool:

@@ -26,10 +26,8 @@ __all__ = ("ProgressWaiters", "Signals", "WorkSignal")
 
 logger = logging.getLogger("stagedconsumer")
 
-_ALWAYS = ROOM | DRAINED | TIMER | HELD
-"""Effects the workers hand to :meth:`Signals.apply` after a successful batch; READY
-is left out there (the worker takes the next batch itself), COMMITTED added while
-someone waits for progress."""
+_NOBODY = 1 << 62
+"""``ProcessQueue.notify_offset`` when nobody waits: an offset never reached."""
 
 
 class WorkSignal:
@@ -65,24 +63,18 @@ class ProgressWaiters:
     """Tasks waiting for queues to commit up to an offset (``wait_caught_up``) or for
     a released queue to drain.
 
-    Each waiter watches some process queues with a target offset (``-1``: wake on any
-    progress of that queue). A change of a watched queue wakes every waiter once;
-    each re-checks its own condition.
+    Each waiter watches some process queues with a target offset (``-1``: any
+    progress of that queue). The lowest target of a queue becomes its
+    ``notify_offset``, so the core reports ``COMMITTED`` only when a waiter may be
+    satisfied; that wakes every waiter once, and each re-checks its own condition.
     """
 
-    __slots__ = ("_event", "_waiters", "watched")
+    __slots__ = ("_event", "_waiters", "_watched")
 
     def __init__(self) -> None:
         self._waiters: list[dict[ProcessQueue, int]] = []
-        self.watched: dict[ProcessQueue, int] = {}
-        """The lowest target per watched queue."""
+        self._watched: dict[ProcessQueue, int] = {}
         self._event: anyio.Event | None = None
-
-    def check(self, pq: ProcessQueue) -> None:
-        """``pq`` made progress: wake the waiters if one of them may be satisfied."""
-        target = self.watched.get(pq)
-        if target is not None and pq.committed_offset >= target:
-            self.wake()
 
     def wake(self) -> None:
         event = self._event
@@ -97,7 +89,11 @@ class ProgressWaiters:
                 current = watched.get(pq)
                 if current is None or target < current:
                     watched[pq] = target
-        self.watched = watched
+        for pq in self._watched.keys() - watched.keys():
+            pq.notify_offset = _NOBODY
+        for pq, target in watched.items():
+            pq.notify_offset = target
+        self._watched = watched
 
     async def wait_for(self, targets: dict[ProcessQueue, int]) -> None:
         """Wait for one wake-up concerning ``targets`` (the caller re-checks)."""
@@ -116,12 +112,9 @@ class Signals:
     """Applies the effects of core calls: the one place where a batch that became
     ready wakes a worker, room in a queue resumes its pull, committed progress wakes
     waiters, an earlier timer re-arms the timer task, and a held stage assignment is
-    logged and counted.
+    logged and counted."""
 
-    ``mask`` is what a worker passes on after a successful batch (see ``_ALWAYS``).
-    """
-
-    __slots__ = ("_timer_event", "dispatcher", "mask", "on_room", "state", "waiters", "work")
+    __slots__ = ("_timer_event", "dispatcher", "on_room", "state", "waiters", "work")
 
     def __init__(
         self,
@@ -134,23 +127,21 @@ class Signals:
         self.work = WorkSignal()
         self.waiters = ProgressWaiters()
         self.on_room = on_room
-        self.mask: Effects = _ALWAYS
         self._timer_event: anyio.Event | None = None
 
     def apply(self, pq: ProcessQueue | None, effects: Effects) -> None:
         """Act on ``effects`` of a core call about ``pq`` (``None``: several queues)."""
         if effects & READY:
             self.work.wake_one()
+        if effects & (COMMITTED | DRAINED):
+            self.waiters.wake()
         if effects & TIMER:
             event = self._timer_event
             if event is not None:
                 self._timer_event = None
                 event.set()
-        if pq is not None:
-            if effects & ROOM:
-                self.on_room(pq)
-            if effects & (COMMITTED | DRAINED) and self.waiters.watched:
-                self.waiters.check(pq)
+        if effects & ROOM and pq is not None:
+            self.on_room(pq)
         if effects & HELD:
             self._report_held()
 
@@ -176,13 +167,8 @@ class Signals:
             )
 
     async def wait_for(self, targets: dict[ProcessQueue, int]) -> None:
-        """:meth:`ProgressWaiters.wait_for`; workers report commits while it waits."""
-        self.mask = _ALWAYS | COMMITTED
-        try:
-            await self.waiters.wait_for(targets)
-        finally:
-            if not self.waiters.watched:
-                self.mask = _ALWAYS
+        """See :meth:`ProgressWaiters.wait_for`."""
+        await self.waiters.wait_for(targets)
 
     async def run_timer(self) -> None:
         """Resume suspended batches and retry held assignments when they are due."""

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._core import Batch, Dispatcher, EraseStatus
+from .._core import READY, Batch, Dispatcher, EraseStatus
 from .._message import Message
 from .._observability._hooks import ConsumeMessageContext, ConsumeReturnType
 from ._hooks import HookRunner, loop_clock
@@ -32,6 +32,8 @@ logger = logging.getLogger("stagedconsumer")
 _CHECKPOINT_EVERY = 64
 """Batches a worker runs back to back before it yields to other tasks."""
 _SUCCESS = EraseStatus.SUCCESS
+_READY = READY
+_NOT_READY = ~READY
 
 
 class WorkerPool:
@@ -122,6 +124,7 @@ class WorkerPool:
         context_for, ok, partial_ack = service.context_for, service.success, service.partial_ack
         batch_max, consume, is_async = self.batch_size, self.consume, self.is_async
         call_sync, hooks, leased = self._call_sync, self.hooks, self.leased
+        suspend_ms = service.options.suspend_current_queue_time_millis
         hook_ctx: ConsumeMessageContext | None = None
         clock = loop_clock() if hooks is not None or leased else anyio.current_time
         streak = 0
@@ -134,7 +137,7 @@ class WorkerPool:
             if idle and has_ready():
                 idle.popleft().set()
             pq = batch.process_queue
-            context = context_for(batch)
+            context = context_for(batch, suspend_ms)
             messages = batch.messages
             error: Exception | None = None
             result: Any = None
@@ -164,9 +167,8 @@ class WorkerPool:
                 else:
                     hook_ctx.success = True
                     effects = finish(batch, _SUCCESS, hook_ctx.end_time)
-                effects &= signals.mask
-                if effects:
-                    apply(pq, effects)
+                if effects > _READY:  # READY alone: this worker takes the next batch itself
+                    apply(pq, effects & _NOT_READY)
             else:
                 await self._settle(batch, context, error, result, hook_ctx)
             if hook_ctx is not None:
