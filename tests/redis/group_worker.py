@@ -9,6 +9,10 @@ handler goes on, so a SIGKILL loses nothing that happened:
     S <queue_id> <offset> <stage_index> <time> <pid>
     E <queue_id> <offset> <stage_index> <time> <pid>
 
+and, with ``"log_takeovers": true`` in the config, one line per queue it takes:
+
+    T <queue_id> <offset> <epoch> <time> <pid>
+
 Prints ``READY <client_id>`` once started; leaves gracefully on SIGTERM.
 """
 
@@ -64,6 +68,22 @@ class EventLog:
             os.fsync(self._fd)
 
 
+class TakeoverLog(logging.Handler):
+    """Writes a ``T`` line when the consumer logs that it took a queue."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if " took " not in record.msg or not isinstance(record.args, tuple):
+            return
+        _group, _client, mq, offset, epoch = record.args
+        line = f"T {mq.queue_id} {offset} {epoch} {time.time():.6f} {os.getpid()}\n"
+        os.write(self._fd, line.encode())
+        os.fsync(self._fd)
+
+
 class LoggingStagedListener(MessageListenerStagedConcurrently):
     """Sleeps ``cost`` seconds (jittered) per message, logging start and end."""
 
@@ -89,6 +109,8 @@ async def run(config: dict[str, Any]) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     log = EventLog(config["log"])
+    if config.get("log_takeovers"):
+        logging.getLogger("stagedconsumer").addHandler(TakeoverLog(config["log"]))
     async with RedisBroker(
         config["redis_url"], namespace=config["namespace"], group_options=group_options
     ) as broker:
