@@ -304,6 +304,7 @@ class ProcessQueue:
         "_held_bytes",
         "_lanes",
         "_lanes_by_name",
+        "_notice",
         "_order",
         "_order_lanes",
         "_order_stages",
@@ -369,6 +370,9 @@ class ProcessQueue:
         self.assignment_error: AssignmentFailure | None = None
         """Why messages are held (``None``: none are)."""
         self._awaiting_room = False
+        self._notice = False
+        """Whether finishing messages must look at ``_awaiting_room`` or ``dropped``
+        (kept off the hot path otherwise)."""
         self._direct_lane = _Lane(None, None, exclusive=False, counted=False)
         self.dropped = False
         self.in_ready = False
@@ -783,10 +787,22 @@ class ProcessQueue:
             lane.in_flight -= 1
         return self._finish_messages(done, lane, batch._epoch, now)
 
+    def _noticed(self) -> Effects:
+        """``ROOM`` or ``DRAINED``, after messages finished (see ``_notice``)."""
+        effects = NOTHING
+        if self._awaiting_room and not self.is_cache_full():
+            self._awaiting_room = False
+            self._notice = self.dropped
+            effects = ROOM
+        if self.dropped and self._pending_count == self._suspended_count:
+            effects |= DRAINED
+        return effects
+
     def _finish_messages(
         self, messages: list[Message], lane: _Lane, epoch: _Epoch, now: float | None = None
     ) -> Effects:
         """Mark ``messages`` (all of ``epoch`` of ``lane``) finished."""
+        effects = NOTHING
         n = len(messages)
         order = self._order
         finished = self._finished
@@ -832,16 +848,17 @@ class ProcessQueue:
                     finished.remove(order.popleft())
                     order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
             notify = self.notify_offset
-            effects = COMMITTED if notify != _NEVER and self.committed_offset >= notify else NOTHING
-        else:
-            effects = NOTHING
-        if self._awaiting_room and not self.is_cache_full():
-            self._awaiting_room = False
-            effects |= ROOM
-        if self.dropped:
-            if self._pending_count == self._suspended_count:
-                effects |= DRAINED
-            return effects
+            if notify != _NEVER:  # someone waits for progress
+                held = self._held
+                committed = (
+                    order[0] if order else held[0].queue_offset if held else self.highest_offset + 1
+                )
+                if committed >= notify:
+                    effects = COMMITTED
+        if self._notice:  # pulling paused for flow control, or the queue was dropped
+            effects |= self._noticed()
+            if self.dropped:
+                return effects
         if lane.in_ready or not lane.cached or (lane.exclusive and lane.in_flight):
             return effects
         if not epochs[0].cached:
@@ -944,12 +961,14 @@ class ProcessQueue:
         """:meth:`is_cache_full`, for the pull loop: when it returns ``True``, the call
         that brings the queue back under its thresholds returns ``ROOM``."""
         full = self._awaiting_room = self.is_cache_full()
+        self._notice = full or self.dropped
         return full
 
     def drop(self) -> None:
         """Mark the queue released: nothing more is taken from it (finishing its last
         batch in a handler returns ``DRAINED``; see :attr:`in_handlers`)."""
         self.dropped = True
+        self._notice = True
         self.ready_lanes.clear()
         self.ready_retries.clear()
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import anyio
 
@@ -13,11 +14,37 @@ from .._core import Backoff
 from .._message import MessageQueue
 from ._state import ConsumerState, QueueState
 
-__all__ = ("ProgressCommitter",)
+__all__ = ("ProgressCommitter", "retry_store")
 
 logger = logging.getLogger("stagedconsumer")
 
 _MAX_COMMIT_BACKOFF = 60.0
+_T = TypeVar("_T")
+
+
+async def retry_store(action: Callable[[], Awaitable[_T]], *, group: str, timeout: float) -> _T:
+    """``await action()``, retried with backoff (0.5 s doubling to 5 s) while it fails
+    with a retriable store error, for up to ``timeout`` seconds; each failed attempt
+    is logged. A non-retriable error, or the last one, propagates."""
+    deadline = anyio.current_time() + timeout
+    backoff = Backoff(0.5, 5.0)
+    while True:
+        try:
+            return await action()
+        except OffsetStoreError as exc:
+            remaining = deadline - anyio.current_time()
+            if not exc.retriable or remaining <= 0:
+                raise
+            delay = min(backoff.failed(), remaining)
+            logger.warning(
+                "group %s: offset store unavailable at start (%s); retrying in %.1f s"
+                " (start_timeout %.0f s)",
+                group,
+                exc,
+                delay,
+                timeout,
+            )
+            await anyio.sleep(delay)
 
 
 class ProgressCommitter:

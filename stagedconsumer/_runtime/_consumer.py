@@ -19,7 +19,7 @@ import anyio.abc
 
 from offsetstore import MemoryOffsetStore, OffsetStoreError, StageOffsetStore
 
-from .._core import Backoff, ConsumeMode, Dispatcher
+from .._core import ConsumeMode, Dispatcher, ProcessQueue
 from .._exceptions import ConfigurationError, ConsumerStateError, UnknownTopicError
 from .._filter import TagFilter
 from .._listeners import MessageListener
@@ -29,14 +29,14 @@ from .._observability._view import ConsumerStatistics
 from .._options import ConsumerOptions
 from .._sources._group import GroupCoordinator, new_client_id
 from .._sources._source import MessageSource, retry_topic
-from ._commit import ProgressCommitter
+from ._commit import ProgressCommitter, retry_store
 from ._hooks import HookRunner
 from ._membership import GroupMembership
 from ._pull import PullService
 from ._queues import QueueTable
 from ._services import ConsumeService
 from ._signals import Signals
-from ._state import ConsumerState
+from ._state import ConsumerState, QueueState
 from ._workers import WorkerPool
 
 __all__ = ("PushConsumer",)
@@ -216,34 +216,18 @@ class PushConsumer:
         state.on_failure = self._body.cancel
         return self
 
-    async def _start_up(self) -> tuple[dict[MessageQueue, TagFilter], list]:  # type: ignore[type-arg]
+    async def _start_up(self) -> tuple[dict[MessageQueue, TagFilter], list[QueueState]]:
         """Load the store, list the subscribed queues and (without a group) load
-        their progress; retriable store failures are retried with backoff for up to
-        ``options.start_timeout``."""
-        deadline = anyio.current_time() + self.options.start_timeout
-        backoff = Backoff(0.5, 5.0)
-        while True:
-            try:
-                await self.offset_store.load()
-                subscribed = await self._resolve_queues()
-                if self._coordinator is not None:  # queues come once their locks are held
-                    return subscribed, []
-                loaded = [await self._queues.load(mq, f) for mq, f in subscribed.items()]
-                return subscribed, loaded
-            except OffsetStoreError as exc:
-                remaining = deadline - anyio.current_time()
-                if not exc.retriable or remaining <= 0:
-                    raise
-                delay = min(backoff.failed(), remaining)
-                logger.warning(
-                    "group %s: offset store unavailable at start (%s); retrying in %.1f s"
-                    " (start_timeout %.0f s)",
-                    self.group,
-                    exc,
-                    delay,
-                    self.options.start_timeout,
-                )
-                await anyio.sleep(delay)
+        their progress, waiting up to ``start_timeout`` for an unreachable store."""
+
+        async def start() -> tuple[dict[MessageQueue, TagFilter], list[QueueState]]:
+            await self.offset_store.load()
+            subscribed = await self._resolve_queues()
+            if self._coordinator is not None:  # queues come once their locks are held
+                return subscribed, []
+            return subscribed, [await self._queues.load(mq, f) for mq, f in subscribed.items()]
+
+        return await retry_store(start, group=self.group, timeout=self.options.start_timeout)
 
     async def _resolve_queues(self) -> dict[MessageQueue, TagFilter]:
         queues: dict[MessageQueue, TagFilter] = {}
@@ -300,9 +284,9 @@ class PushConsumer:
             leased=membership is not None,
         )
 
-    def _on_room(self, pq: object) -> None:
+    def _on_room(self, pq: ProcessQueue) -> None:
         if self._pulls is not None:
-            self._pulls.room(pq)  # type: ignore[arg-type]
+            self._pulls.room(pq)
 
     async def __aexit__(
         self,

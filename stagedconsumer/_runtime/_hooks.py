@@ -102,7 +102,10 @@ def loop_clock() -> Callable[[], float]:
     except sniffio.AsyncLibraryNotFoundError:
         return anyio.current_time
     if library == "asyncio":
-        return asyncio.get_running_loop().time
+        loop_time = asyncio.get_running_loop().time
+        if loop_time.__func__ is asyncio.BaseEventLoop.time:  # type: ignore[attr-defined]
+            return time.monotonic  # what it returns, without the Python-level call
+        return loop_time
     if library == "trio":
         import trio
 

@@ -76,6 +76,8 @@ class ConsumeService(abc.ABC):
     (``context.ack_index``, concurrent mode)."""
     retry_queues: ClassVar[bool] = False
     """Whether the consumer also consumes its group's retry queue (``%RETRY%<group>``)."""
+    plan: StagePlan | None = None
+    """How messages are assigned to stages (staged mode only)."""
 
     def __init__(
         self, group: str, source: MessageSource, state: ConsumerState, options: ConsumerOptions
@@ -121,6 +123,7 @@ class ConsumeService(abc.ABC):
             self.mode,
             start_offset=start_offset,
             stage_offsets=stage_offsets,
+            plan=self.plan,
             flow_control=self.flow,
         )
 
@@ -296,19 +299,7 @@ class StagedConsumeService(OrderlyConsumeService):
         plan: StagePlan,
     ) -> None:
         super().__init__(group, source, state, options)
-        self.plan = plan
-
-    def new_process_queue(
-        self, mq: MessageQueue, start_offset: int, stage_offsets: Mapping[StageKey, int]
-    ) -> ProcessQueue:
-        return ProcessQueue(
-            mq,
-            self.mode,
-            start_offset=start_offset,
-            stage_offsets=stage_offsets,
-            plan=self.plan,
-            flow_control=self.flow,
-        )
+        self.plan: StagePlan = plan
 
     context_for: Callable[[Batch, int], Any] = staticmethod(_staged_context)
 
