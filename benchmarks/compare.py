@@ -6,7 +6,7 @@
 
 Everything after ``--`` is a benchmark module of this directory and its options. The
 program runs ``python -m benchmarks.MODULE OPTIONS --json FILE`` ``--repeat`` times per
-side, alternating old, new, old, new, ..., each run in its own process, and prints per
+side, alternating old, new, new, old, ..., each run in its own process, and prints per
 row of the benchmark (its ``mode`` or ``system``) the median and the range of CPU µs
 per message over every sample (each run, and each repeat the run kept under ``runs``
 or ``drains``), old and new, and the ratio of the medians new/old. With the 1-minute
@@ -343,7 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             loads: list[float] = []
             load_before = os.getloadavg()[0]
             for i in range(args.repeat):
-                for side in (old, new):  # interleaved: a busy spell hits both sides
+                # Interleaved, in ABBA order (old new, new old, ...): a busy spell hits
+                # both sides, and a steady drift of the machine cancels out.
+                for side in (old, new) if i % 2 == 0 else (new, old):
                     out = tmp / f"{side.label}-{i}.json"
                     rows = run_once(driver, side, module, bench_args, out)
                     results[side.label].append(rows)
