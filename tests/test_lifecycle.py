@@ -184,7 +184,7 @@ async def test_leaving_async_with_abandons_a_sync_handler_after_shutdown_timeout
                 left = anyio.current_time()
             took = anyio.current_time() - left
         stats = consumer.statistics()
-        assert took < 0.3 + 0.5, f"leaving took {took:.2f} s"
+        assert took < 0.3 + 1.5, f"leaving took {took:.2f} s"  # the old code: 30 s
         assert not listener.returned.is_set()  # it really was still running
         assert stats.abandoned_calls == 1
         assert stats.consumed_ok == 0  # not counted as consumed
@@ -220,9 +220,9 @@ async def test_a_sync_handler_can_call_back_into_the_event_loop() -> None:
     assert sorted(m.body for m in broker.messages("out")) == [f"0-{i}".encode() for i in range(5)]
 
 
-def _start_worker(backend: str) -> subprocess.Popen[str]:
+def _start_worker(backend: str, shutdown_timeout: float) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.sigint_worker", backend, "2", "60"],
+        [sys.executable, "-m", "tests.sigint_worker", backend, str(shutdown_timeout), "60"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -237,9 +237,11 @@ def _start_worker(backend: str) -> subprocess.Popen[str]:
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_with_a_stuck_sync_handler_ends_the_process(backend: str, presses: int) -> None:
-    """One Ctrl-C: the consumer drains for shutdown_timeout (2 s), abandons the handler
-    and the process exits; a second Ctrl-C stops it at once."""
-    proc = _start_worker(backend)
+    """One Ctrl-C: the consumer drains for shutdown_timeout, abandons the handler and the
+    process exits; a second Ctrl-C stops it at once, well before shutdown_timeout.
+    (The handler sleeps 60 s: the old code waited for it.)"""
+    timeout = 2.0 if presses == 1 else 5.0
+    proc = _start_worker(backend, timeout)
     try:
         pressed = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -255,6 +257,6 @@ def test_ctrl_c_with_a_stuck_sync_handler_ends_the_process(backend: str, presses
     assert "KeyboardInterrupt" in err
     if presses == 1:
         assert "left abandoned=1" in out
-        assert 2.0 <= took < 2.0 + 2.0, f"exited {took:.2f} s after Ctrl-C"
+        assert timeout <= took < timeout + 4.0, f"exited {took:.2f} s after Ctrl-C"
     else:
-        assert took < 2.0, f"exited {took:.2f} s after the second Ctrl-C"
+        assert took < timeout - 1.0, f"exited {took:.2f} s after the second Ctrl-C"
