@@ -13,9 +13,12 @@ from ._core import StageKey as StageKey
 from ._exceptions import ConfigurationError as ConfigurationError
 from ._exceptions import ConsumerStateError as ConsumerStateError
 from ._exceptions import HandlerError as HandlerError
+from ._exceptions import InvalidMessageError as InvalidMessageError
 from ._exceptions import InvalidOptionError as InvalidOptionError
 from ._exceptions import InvalidStageDefinitionError as InvalidStageDefinitionError
 from ._exceptions import ListenerTypeError as ListenerTypeError
+from ._exceptions import ProducerStateError as ProducerStateError
+from ._exceptions import SendTimeoutError as SendTimeoutError
 from ._exceptions import SourceClosedError as SourceClosedError
 from ._exceptions import SourceError as SourceError
 from ._exceptions import StagedConsumerError as StagedConsumerError
@@ -31,11 +34,18 @@ from ._listeners import MessageListenerOrderly as MessageListenerOrderly
 from ._listeners import MessageListenerStagedConcurrently as MessageListenerStagedConcurrently
 from ._message import Message as Message
 from ._message import MessageQueue as MessageQueue
+from ._message import OutgoingMessage as OutgoingMessage
+from ._message import SendResult as SendResult
+from ._message import SendStatus as SendStatus
 from ._observability._hooks import ConsumeMessageContext as ConsumeMessageContext
 from ._observability._hooks import ConsumeMessageHook as ConsumeMessageHook
 from ._observability._hooks import ConsumeReturnType as ConsumeReturnType
 from ._observability._hooks import PullContext as PullContext
 from ._observability._hooks import SettleOutcome as SettleOutcome
+from ._observability._send_hooks import ProducerStatistics as ProducerStatistics
+from ._observability._send_hooks import ProducerView as ProducerView
+from ._observability._send_hooks import SendMessageContext as SendMessageContext
+from ._observability._send_hooks import SendMessageHook as SendMessageHook
 from ._observability._trace_codec import RMQ_SYS_TRACE_TOPIC as RMQ_SYS_TRACE_TOPIC
 from ._observability._trace_codec import TraceBean as TraceBean
 from ._observability._trace_codec import TraceContext as TraceContext
@@ -56,7 +66,9 @@ from ._observability._traceparent import inject_traceparent as inject_traceparen
 from ._observability._view import ConsumerStatistics as ConsumerStatistics
 from ._observability._view import ConsumerView as ConsumerView
 from ._options import ConsumerOptions as ConsumerOptions
+from ._options import ProducerOptions as ProducerOptions
 from ._runtime._consumer import PushConsumer as PushConsumer
+from ._runtime._producer import Producer as Producer
 from ._sources._group import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
 from ._sources._group import (
     AllocateMessageQueueByConsistentHash as AllocateMessageQueueByConsistentHash,
@@ -66,6 +78,9 @@ from ._sources._group import GroupCoordinator as GroupCoordinator
 from ._sources._group import GroupOptions as GroupOptions
 from ._sources._memory import MemoryBroker as MemoryBroker
 from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
+from ._sources._selectors import MessageQueueSelector as MessageQueueSelector
+from ._sources._selectors import SelectMessageQueueByHash as SelectMessageQueueByHash
+from ._sources._selectors import SelectMessageQueueByRandom as SelectMessageQueueByRandom
 from ._sources._source import MessageSource as MessageSource
 from ._sources._source import PullResult as PullResult
 from ._sources._source import SendBackResult as SendBackResult
@@ -111,6 +126,7 @@ __all__ = (
     "GroupCoordinator",
     "GroupOptions",
     "HandlerError",
+    "InvalidMessageError",
     "InvalidOptionError",
     "InvalidStageDefinitionError",
     "ListenerTypeError",
@@ -122,13 +138,27 @@ __all__ = (
     "MessageListenerOrderly",
     "MessageListenerStagedConcurrently",
     "MessageQueue",
+    "MessageQueueSelector",
     "MessageSource",
+    "OutgoingMessage",
     "ProcessQueueStatistics",
+    "Producer",
+    "ProducerOptions",
+    "ProducerStateError",
+    "ProducerStatistics",
+    "ProducerView",
     "PullContext",
     "PullResult",
     "PushConsumer",
     "RedisBroker",
+    "SelectMessageQueueByHash",
+    "SelectMessageQueueByRandom",
     "SendBackResult",
+    "SendMessageContext",
+    "SendMessageHook",
+    "SendResult",
+    "SendStatus",
+    "SendTimeoutError",
     "SettleOutcome",
     "SourceClosedError",
     "SourceError",

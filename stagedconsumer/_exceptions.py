@@ -7,14 +7,20 @@ The tree::
     │   ├── InvalidStageDefinitionError            non-int, zero or negative stage sizes
     │   ├── InvalidOptionError                     unknown option or value out of range
     │   ├── ListenerTypeError (also TypeError)     listener of the wrong kind
-    │   └── UnknownTopicError                      topic the source does not have
+    │   ├── UnknownTopicError                      topic the source does not have
+    │   └── InvalidMessageError                    a message that cannot be sent: body not
+    │                                              bytes, keys/tags/properties not strings,
+    │                                              over max_message_size
     ├── SourceError                                the message source failed
     │   │                                          (``retriable`` says whether to try again)
-    │   └── SourceClosedError                      the source was closed
+    │   ├── SourceClosedError                      the source was closed
+    │   └── SendTimeoutError (also TimeoutError)   a send did not succeed within
+    │                                              send_msg_timeout, retries included
     ├── HandlerError                               a listener call failed; raised only by
     │                                              ``consume_message_directly`` style helpers,
     │                                              never out of a running consumer
-    └── ConsumerStateError                         method called in the wrong state
+    ├── ConsumerStateError                         consumer method called in the wrong state
+    └── ProducerStateError                         producer method called in the wrong state
 
 Handler failures are kept apart from source and store failures: a handler that
 raises never stops the consumer (the batch is retried), while a source failure is
@@ -28,10 +34,13 @@ __all__ = (
     "ConfigurationError",
     "ConsumerStateError",
     "HandlerError",
+    "InvalidMessageError",
     "InvalidOptionError",
     "InvalidStageDefinitionError",
     "ListenerTypeError",
+    "ProducerStateError",
     "SourceClosedError",
+    "SendTimeoutError",
     "SourceError",
     "StagedConsumerError",
     "UnknownTopicError",
@@ -62,6 +71,10 @@ class UnknownTopicError(ConfigurationError):
     """A topic that the message source does not have."""
 
 
+class InvalidMessageError(ConfigurationError):
+    """A message that cannot be sent (checked before anything is sent)."""
+
+
 class SourceError(StagedConsumerError):
     """The message source failed.
 
@@ -81,9 +94,23 @@ class SourceClosedError(SourceError):
         super().__init__(message, retriable=False)
 
 
+class SendTimeoutError(SourceError, TimeoutError):
+    """A send did not succeed within ``send_msg_timeout`` (its retries included).
+
+    The message may still have been stored, by an attempt whose reply was lost
+    (at-least-once); ``__cause__`` is the last failure, if any."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retriable=True)
+
+
 class HandlerError(StagedConsumerError):
     """A listener call raised; the original exception is ``__cause__``."""
 
 
 class ConsumerStateError(StagedConsumerError):
     """A consumer method was called in a state that does not allow it."""
+
+
+class ProducerStateError(StagedConsumerError):
+    """A producer method was called in a state that does not allow it."""

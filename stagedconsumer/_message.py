@@ -1,8 +1,10 @@
-"""Value objects: :class:`Message` and :class:`MessageQueue`."""
+"""Value objects: :class:`Message` and :class:`MessageQueue`; what a producer sends
+(:class:`OutgoingMessage`) and gets back (:class:`SendResult`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import enum
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -10,7 +12,16 @@ import attrs
 
 from offsetstore._types import MessageQueue
 
-__all__ = ("EMPTY_PROPERTIES", "Message", "MessageQueue")
+from ._exceptions import InvalidMessageError
+
+__all__ = (
+    "EMPTY_PROPERTIES",
+    "Message",
+    "MessageQueue",
+    "OutgoingMessage",
+    "SendResult",
+    "SendStatus",
+)
 
 EMPTY_PROPERTIES: Mapping[str, str] = MappingProxyType({})
 
@@ -105,3 +116,109 @@ _new_message = object.__new__
     "born_timestamp",
     "reconsume_times",
 )
+
+
+def _checked_keys(keys: object) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        return (keys,) if keys else ()
+    if keys is None or isinstance(keys, (bytes, bytearray)) or not isinstance(keys, Iterable):
+        raise InvalidMessageError(
+            f"keys must be a string or a sequence of strings, got {type(keys).__name__}"
+        )
+    out = tuple(keys)
+    for key in out:
+        if not isinstance(key, str):
+            raise InvalidMessageError(f"keys must be strings, got {type(key).__name__} {key!r}")
+    return out
+
+
+def _checked_properties(properties: object) -> dict[str, str]:
+    if properties is None:
+        return {}
+    if not isinstance(properties, Mapping):
+        raise InvalidMessageError(
+            f"properties must be a mapping of str to str, got {type(properties).__name__}"
+        )
+    out: dict[str, str] = {}
+    for name, value in properties.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise InvalidMessageError(
+                "properties must map str to str, got"
+                f" {type(name).__name__} {name!r}: {type(value).__name__} {value!r}"
+            )
+        out[name] = value
+    return out
+
+
+@attrs.define(kw_only=True, eq=False)
+class OutgoingMessage:
+    """A message to send: what :meth:`~stagedconsumer.Producer.send_batch` takes and
+    what send hooks see (they may add ``properties``, e.g. a trace context).
+
+    Build it with :meth:`of`, which checks every field: ``body`` bytes, ``keys`` a
+    string or strings, ``tags`` a string or ``None``, ``properties`` str to str.
+    """
+
+    body: bytes
+    keys: tuple[str, ...] = ()
+    tags: str | None = None
+    properties: dict[str, str] = attrs.Factory(dict)
+
+    @classmethod
+    def of(
+        cls,
+        body: object,
+        *,
+        keys: object = (),
+        tags: object = None,
+        properties: object = None,
+    ) -> OutgoingMessage:
+        """A checked message; raises :class:`~stagedconsumer.InvalidMessageError`
+        naming the bad field."""
+        if not isinstance(body, (bytes, bytearray, memoryview)):
+            raise InvalidMessageError(f"body must be bytes, got {type(body).__name__}")
+        if tags is not None and not isinstance(tags, str):
+            raise InvalidMessageError(f"tags must be a string or None, got {type(tags).__name__}")
+        return cls(
+            body=bytes(body),
+            keys=_checked_keys(keys),
+            tags=tags,
+            properties=_checked_properties(properties),
+        )
+
+    def copy(self) -> OutgoingMessage:
+        """A copy whose properties can be changed without touching this one."""
+        return OutgoingMessage(
+            body=self.body, keys=self.keys, tags=self.tags, properties=dict(self.properties)
+        )
+
+
+class SendStatus(enum.Enum):
+    """How a send ended (RocketMQ's ``SendStatus``; the brokers here either store a
+    message or raise, so a result is always ``SEND_OK``)."""
+
+    SEND_OK = "SEND_OK"
+    FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"
+    FLUSH_SLAVE_TIMEOUT = "FLUSH_SLAVE_TIMEOUT"
+    SLAVE_NOT_AVAILABLE = "SLAVE_NOT_AVAILABLE"
+
+
+@attrs.frozen(kw_only=True)
+class SendResult:
+    """Where a sent message was stored."""
+
+    msg_id: str
+    message_queue: MessageQueue
+    queue_offset: int
+    status: SendStatus = SendStatus.SEND_OK
+    message: Message | None = attrs.field(default=None, repr=False, eq=False)
+    """The message as stored (what a consumer of the queue will get)."""
+
+    @classmethod
+    def of(cls, message: Message) -> SendResult:
+        return cls(
+            msg_id=message.msg_id,
+            message_queue=MessageQueue(message.topic, message.queue_id),
+            queue_offset=message.queue_offset,
+            message=message,
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -9,7 +10,7 @@ import attrs
 
 from ._exceptions import InvalidOptionError
 
-__all__ = ("MiB", "ConsumerOptions")
+__all__ = ("MiB", "ConsumerOptions", "ProducerOptions")
 
 MiB = 1024 * 1024
 
@@ -92,18 +93,57 @@ class ConsumerOptions:
         return 16 if concurrent else None
 
 
-_FIELDS = frozenset(field.name for field in attrs.fields(ConsumerOptions))
-_attrs_init = ConsumerOptions.__init__
+def _finite_positive(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _positive_number(_instance, attribute, value)
+    if not math.isfinite(value):
+        raise InvalidOptionError(f"{attribute.name} must be finite, got {value!r}")
 
 
-def _checked_init(self: ConsumerOptions, **kwargs: Any) -> None:
-    unknown = sorted(set(kwargs) - _FIELDS)
-    if unknown:
-        raise InvalidOptionError(
-            f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(sorted(_FIELDS))}"
-        )
-    _attrs_init(self, **kwargs)
+@attrs.frozen(kw_only=True)
+class ProducerOptions:
+    """Tunables of a :class:`~stagedconsumer.Producer` (RocketMQ's names and defaults).
+
+    An unknown option name or a value out of range raises
+    :class:`~stagedconsumer.InvalidOptionError`.
+    """
+
+    send_msg_timeout: float = attrs.field(default=3.0, validator=_finite_positive)
+    """Seconds one ``send`` / ``send_batch`` call may take, retries included: a hard
+    deadline, after which :class:`~stagedconsumer.SendTimeoutError` is raised."""
+    retry_times_when_send_failed: int = attrs.field(default=2, validator=_int_range(0, 1000))
+    """Further attempts after a retriable failure: on the next queue of the topic, or
+    on the same queue when a selector or ``queue_id`` chose it."""
+    max_message_size: int = attrs.field(default=4 * MiB, validator=_int_range(1, 1024 * MiB))
+    """Largest body accepted, in bytes (a batch: the sum of its bodies)."""
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> ProducerOptions:
+        """Build options from a mapping (for example parsed configuration)."""
+        return cls(**dict(values))
 
 
-_checked_init.__doc__ = _attrs_init.__doc__
-setattr(ConsumerOptions, "__init__", _checked_init)  # noqa: B010 - keep attrs' signature for type checkers
+def _reject_unknown_names(cls: type[Any]) -> None:
+    """Make ``cls(**values)`` name the unknown option instead of attrs' ``TypeError``."""
+    fields = frozenset(field.name for field in attrs.fields(cls))
+    attrs_init = cls.__init__
+
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise InvalidOptionError(
+                f"{cls.__name__} takes keyword arguments only, e.g."
+                f" {cls.__name__}({sorted(fields)[0]}=...); got {len(args)} positional"
+            )
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise InvalidOptionError(
+                f"unknown option(s) {', '.join(unknown)}; known options:"
+                f" {', '.join(sorted(fields))}"
+            )
+        attrs_init(self, **kwargs)
+
+    checked_init.__doc__ = attrs_init.__doc__
+    setattr(cls, "__init__", checked_init)  # noqa: B010 - keep attrs' signature for type checkers
+
+
+_reject_unknown_names(ConsumerOptions)
+_reject_unknown_names(ProducerOptions)

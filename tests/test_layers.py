@@ -123,7 +123,9 @@ ALLOWED = {
     "stagedconsumer._runtime": {
         "stagedconsumer._sources._source",
         "stagedconsumer._sources._group",
+        "stagedconsumer._sources._selectors",
         "stagedconsumer._observability._hooks",
+        "stagedconsumer._observability._send_hooks",
         "stagedconsumer._observability._view",
     },
     "stagedconsumer._sources": {"stagedconsumer._observability._traceparent"},

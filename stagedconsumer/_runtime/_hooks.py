@@ -1,4 +1,5 @@
-"""Consume hook plumbing of the runtime: failure isolation and the loop clock."""
+"""Hook plumbing of the runtime: failure isolation (consume and send hooks) and the
+loop clock."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import anyio
 import sniffio
 
 from .._observability._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext
+from .._observability._send_hooks import SendMessageContext, SendMessageHook
 
-__all__ = ("HookRunner", "loop_clock", "loop_wall_offset")
+__all__ = ("HookRunner", "SendHookRunner", "loop_clock", "loop_wall_offset")
 
 logger = logging.getLogger("stagedconsumer.hooks")
 
@@ -20,28 +22,25 @@ _LOG_EVERY = 10.0
 """Seconds between two log records of the same failing hook method."""
 
 
-def _overrides(hook: ConsumeMessageHook, name: str) -> bool:
-    return getattr(type(hook), name) is not getattr(ConsumeMessageHook, name)
+def _overrides(hook: object, base: type, name: str) -> bool:
+    return getattr(type(hook), name) is not getattr(base, name)
 
 
-class HookRunner:
-    """Calls the hooks of one consumer, isolating their failures (shell helper)."""
+class _Isolation:
+    """Counts the failures of hooks and logs them, at most once per 10 s per hook
+    method (shell helper)."""
 
-    __slots__ = ("_last_logged", "_suppressed", "errors", "hooks", "pull_hooks", "wants_pull")
+    __slots__ = ("_kind", "_last_logged", "_suppressed", "errors")
 
-    def __init__(self, hooks: Sequence[ConsumeMessageHook]) -> None:
-        self.hooks = tuple(hooks)
-        self.pull_hooks = tuple(h for h in self.hooks if _overrides(h, "messages_pulled"))
-        self.wants_pull = bool(self.pull_hooks)
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
         self.errors = 0
         self._last_logged: dict[tuple[int, str], float] = {}
         self._suppressed: dict[tuple[int, str], int] = {}
 
-    def services(self) -> tuple[ConsumeMessageHook, ...]:
-        """Hooks with background work (:meth:`ConsumeMessageHook.run` overridden)."""
-        return tuple(h for h in self.hooks if _overrides(h, "run"))
-
-    def failed(self, hook: ConsumeMessageHook, method: str, exc: BaseException) -> None:
+    def failed(
+        self, hook: ConsumeMessageHook | SendMessageHook, method: str, exc: BaseException
+    ) -> None:
         """Count a hook failure and log it, at most once per 10 s per hook method."""
         self.errors += 1
         key = (id(hook), method)
@@ -57,12 +56,31 @@ class HookRunner:
         except Exception:  # a broken hook_name must not hide the original failure
             name = type(hook).__name__
         logger.error(
-            "consume hook %s failed in %s (ignored; %d similar failure(s) not logged)",
+            "%s hook %s failed in %s (ignored; %d similar failure(s) not logged)",
+            self._kind,
             name,
             method,
             suppressed,
             exc_info=exc,
         )
+
+
+class HookRunner(_Isolation):
+    """Calls the consume hooks of one consumer, isolating their failures."""
+
+    __slots__ = ("hooks", "pull_hooks", "wants_pull")
+
+    def __init__(self, hooks: Sequence[ConsumeMessageHook]) -> None:
+        super().__init__("consume")
+        self.hooks = tuple(hooks)
+        self.pull_hooks = tuple(
+            h for h in self.hooks if _overrides(h, ConsumeMessageHook, "messages_pulled")
+        )
+        self.wants_pull = bool(self.pull_hooks)
+
+    def services(self) -> tuple[ConsumeMessageHook, ...]:
+        """Hooks with background work (:meth:`ConsumeMessageHook.run` overridden)."""
+        return tuple(h for h in self.hooks if _overrides(h, ConsumeMessageHook, "run"))
 
     def before(self, context: ConsumeMessageContext) -> None:
         for hook in self.hooks:
@@ -84,6 +102,41 @@ class HookRunner:
                 hook.messages_pulled(context)
             except Exception as exc:
                 self.failed(hook, "messages_pulled", exc)
+
+    async def aclose(self) -> None:
+        for hook in self.hooks:
+            try:
+                await hook.aclose()
+            except Exception as exc:
+                self.failed(hook, "aclose", exc)
+
+
+class SendHookRunner(_Isolation):
+    """Calls the send hooks of one producer, isolating their failures."""
+
+    __slots__ = ("hooks",)
+
+    def __init__(self, hooks: Sequence[SendMessageHook]) -> None:
+        super().__init__("send")
+        self.hooks = tuple(hooks)
+
+    def services(self) -> tuple[SendMessageHook, ...]:
+        """Hooks with background work (:meth:`SendMessageHook.run` overridden)."""
+        return tuple(h for h in self.hooks if _overrides(h, SendMessageHook, "run"))
+
+    def before(self, context: SendMessageContext) -> None:
+        for hook in self.hooks:
+            try:
+                hook.send_message_before(context)
+            except Exception as exc:
+                self.failed(hook, "send_message_before", exc)
+
+    def after(self, context: SendMessageContext) -> None:
+        for hook in self.hooks:
+            try:
+                hook.send_message_after(context)
+            except Exception as exc:
+                self.failed(hook, "send_message_after", exc)
 
     async def aclose(self) -> None:
         for hook in self.hooks:

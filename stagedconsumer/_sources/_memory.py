@@ -18,6 +18,7 @@ from .._message import (
     EMPTY_PROPERTIES,
     Message,
     MessageQueue,
+    OutgoingMessage,
     _new_message,
     _set_body,
     _set_born_timestamp,
@@ -189,6 +190,33 @@ class MemoryBroker(MessageSource):
         queue.log.append(message)
         queue.wake()
         return message
+
+    async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
+        queues = self._queues_of(mq.topic)
+        if not 0 <= mq.queue_id < len(queues):
+            raise ConfigurationError(
+                f"queue_id {mq.queue_id} out of range for topic {mq.topic!r} with"
+                f" {len(queues)} queues"
+            )
+        queue = queues[mq.queue_id]
+        born = time.time()
+        stored = [
+            Message(
+                topic=mq.topic,
+                queue_id=mq.queue_id,
+                queue_offset=len(queue.log) + i,
+                body=outgoing.body,
+                keys=outgoing.keys,
+                tags=outgoing.tags,
+                properties=outgoing.properties,
+                msg_id=self._next_id(),
+                born_timestamp=born,
+            )
+            for i, outgoing in enumerate(messages)
+        ]
+        queue.log.extend(stored)
+        queue.wake()
+        return stored
 
     def send_many(self, topic: str, bodies: Iterable[bytes], *, queue_id: int | None = None) -> int:
         """Append many key-less messages (round-robin, or all to ``queue_id``)."""

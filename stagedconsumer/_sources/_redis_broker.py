@@ -29,7 +29,7 @@ import attrs
 
 from .._core import retry_delay_seconds
 from .._exceptions import ConfigurationError, UnknownTopicError
-from .._message import Message, MessageQueue
+from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
 from ._group import GroupOptions
 from ._redis_codec import (
@@ -333,6 +333,45 @@ class RedisBroker(MessageSource):
             msg_id=msg_id,
             born_timestamp=round(born * 1000) / 1000,
         )
+
+    async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
+        """One Lua call appends every message (consecutive offsets); no retry here."""
+        topic, queue_id = mq.topic, mq.queue_id
+        count = await self.queue_count(topic)
+        if not 0 <= queue_id < count:
+            raise ConfigurationError(
+                f"queue_id {queue_id} out of range for topic {topic!r} with {count} queues"
+            )
+        born_ms = round(time.time() * 1000)
+        ids = [self._next_id() for _ in messages]
+        encoded = [
+            _encode_fields(msg_id, m.body, born_ms, m.keys, m.tags, m.properties, 0)
+            for msg_id, m in zip(ids, messages, strict=True)
+        ]
+        args: list[bytes | int] = [len(encoded)]
+        for fields in encoded:
+            args.append(len(fields))
+            args.extend(fields)
+        keys = [self._seq_key(topic, queue_id), self._stream_key(topic, queue_id)]
+        first = int(
+            await self._connection.call(
+                f"sending to {mq}", lambda: self._send_script(keys=keys, args=args)
+            )
+        )
+        return [
+            Message(
+                topic=topic,
+                queue_id=queue_id,
+                queue_offset=first + i,
+                body=m.body,
+                keys=m.keys,
+                tags=m.tags,
+                properties=m.properties,
+                msg_id=msg_id,
+                born_timestamp=born_ms / 1000,
+            )
+            for i, (msg_id, m) in enumerate(zip(ids, messages, strict=True))
+        ]
 
     async def send_many(
         self,

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from .._message import Message, MessageQueue
+from .._exceptions import SourceError
+from .._message import Message, MessageQueue, OutgoingMessage
 
 if TYPE_CHECKING:
     from ._group import GroupCoordinator
@@ -153,6 +154,21 @@ class MessageSource(abc.ABC):
     @abc.abstractmethod
     async def send_to_dlq(self, group: str, message: Message) -> None:
         """Move a message to the group's dead-letter queue ``%DLQ%<group>``."""
+
+    async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
+        """Store ``messages`` in queue ``mq``, in order and at consecutive offsets, in
+        one attempt; returns them as stored (with offset, message id, born time).
+
+        The producer's primitive (:class:`~stagedconsumer.Producer` chooses the queue,
+        retries and keeps the deadline): no retry and no queue choice here, and no
+        property added. Raises :class:`~stagedconsumer.UnknownTopicError` for an
+        unknown topic and :class:`~stagedconsumer.SourceError` on failure, with
+        ``retriable`` set when another attempt may succeed (it may also have stored
+        the messages, if only the reply was lost). The default: the source does not
+        accept messages.
+        """
+        del mq, messages
+        raise SourceError(f"{type(self).__name__} does not accept messages", retriable=False)
 
     def group_coordinator(self) -> GroupCoordinator | None:
         """Membership and queue locks shared by the processes of a consumer group.
