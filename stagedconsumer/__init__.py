@@ -32,6 +32,8 @@ from ._listeners import MessageListener as MessageListener
 from ._listeners import MessageListenerConcurrently as MessageListenerConcurrently
 from ._listeners import MessageListenerOrderly as MessageListenerOrderly
 from ._listeners import MessageListenerStagedConcurrently as MessageListenerStagedConcurrently
+from ._listeners import MessageQueueListener as MessageQueueListener
+from ._listeners import Ordering as Ordering
 from ._message import Message as Message
 from ._message import MessageQueue as MessageQueue
 from ._message import OutgoingMessage as OutgoingMessage
@@ -65,6 +67,7 @@ from ._observability._trace_sinks import TraceSink as TraceSink
 from ._observability._traceparent import inject_traceparent as inject_traceparent
 from ._observability._view import ConsumerStatistics as ConsumerStatistics
 from ._observability._view import ConsumerView as ConsumerView
+from ._options import ConsumeFromWhere as ConsumeFromWhere
 from ._options import ConsumerOptions as ConsumerOptions
 from ._options import ProducerOptions as ProducerOptions
 from ._runtime._consumer import PushConsumer as PushConsumer
@@ -111,6 +114,7 @@ __all__ = (
     "ConfigurationError",
     "ConsumeConcurrentlyContext",
     "ConsumeConcurrentlyStatus",
+    "ConsumeFromWhere",
     "ConsumeMessageContext",
     "ConsumeMessageHook",
     "ConsumeMessageTraceHook",
@@ -138,8 +142,10 @@ __all__ = (
     "MessageListenerOrderly",
     "MessageListenerStagedConcurrently",
     "MessageQueue",
+    "MessageQueueListener",
     "MessageQueueSelector",
     "MessageSource",
+    "Ordering",
     "OutgoingMessage",
     "ProcessQueueStatistics",
     "Producer",

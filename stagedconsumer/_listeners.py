@@ -28,6 +28,8 @@ __all__ = (
     "MessageListenerConcurrently",
     "MessageListenerOrderly",
     "MessageListenerStagedConcurrently",
+    "MessageQueueListener",
+    "Ordering",
 )
 
 
@@ -162,6 +164,16 @@ class MessageListenerConcurrently(MessageListener):
         """Handle a batch; return ``None`` (or ``CONSUME_SUCCESS``) on success."""
 
 
+class Ordering(enum.Enum):
+    """What an orderly listener keeps in order (``MessageListenerOrderly.ordering``)."""
+
+    BY_QUEUE = "by_queue"
+    """One batch at a time per queue, in offset order (RocketMQ's orderly consumption)."""
+    BY_KEY = "by_key"
+    """One batch at a time per message key, in offset order; different keys of one
+    queue run concurrently (Confluent Parallel Consumer's KEY ordering)."""
+
+
 class MessageListenerOrderly(MessageListener):
     """Consumes each queue strictly in order, one batch at a time.
 
@@ -169,13 +181,27 @@ class MessageListenerOrderly(MessageListener):
     previous one finished. Not ordered: different queues run concurrently. A failure
     suspends the queue and retries the same batch locally after
     ``suspend_current_queue_time_millis`` (unlimited times by default).
+
+    With ``ordering = Ordering.BY_KEY`` the order is per message key instead: the
+    messages of one key (:meth:`compute_key`, the first of ``msg.keys`` by default)
+    run one batch at a time in offset order, different keys of a queue concurrently
+    (up to ``consume_thread_max``); a failure holds back only its key. Messages
+    without a key are not ordered. Only keys with messages cached or in a handler are
+    kept in memory, and nothing per key is committed.
     """
+
+    ordering: Ordering = Ordering.BY_QUEUE
 
     @abc.abstractmethod
     def consume_message(
         self, msgs: Sequence[Message], context: ConsumeOrderlyContext
     ) -> ConsumeOrderlyStatus | Awaitable[ConsumeOrderlyStatus | None] | None:
         """Handle a batch; return ``None`` (or ``SUCCESS``) on success."""
+
+    def compute_key(self, msg: Message) -> str | None:
+        """The ordering key of ``msg`` with ``Ordering.BY_KEY`` (``None``: unordered).
+        The first of ``msg.keys`` by default."""
+        return msg.keys[0] if msg.keys else None
 
 
 class MessageListenerStagedConcurrently(MessageListener):
@@ -233,3 +259,22 @@ class MessageListenerStagedConcurrently(MessageListener):
         earlier messages of the stage key. Default: ``current`` (no reset).
         """
         return current
+
+
+class MessageQueueListener(abc.ABC):  # noqa: B024 - both methods are optional
+    """Told when queues are assigned to a consumer or taken away (RocketMQ's
+    ``MessageQueueListener``, Kafka's ``ConsumerRebalanceListener``): flush or load
+    your own per-queue state there.
+
+    Ordering: ``on_queues_assigned`` runs after the queues' progress is loaded and
+    before their first handler call; ``on_queues_revoked`` after their handler calls
+    in flight finished and their progress was committed, and (in a group) before
+    their locks are released. An exception is logged and counted
+    (``statistics().listener_errors``); it does not stop the hand-over.
+    """
+
+    async def on_queues_assigned(self, queues: Sequence[MessageQueue]) -> None:  # noqa: B027
+        """``queues`` (sorted) are now consumed here. The default does nothing."""
+
+    async def on_queues_revoked(self, queues: Sequence[MessageQueue]) -> None:  # noqa: B027
+        """``queues`` (sorted) are no longer consumed here. The default does nothing."""

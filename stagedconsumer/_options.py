@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,7 +11,7 @@ import attrs
 
 from ._exceptions import InvalidOptionError
 
-__all__ = ("MiB", "ConsumerOptions", "ProducerOptions")
+__all__ = ("MiB", "ConsumeFromWhere", "ConsumerOptions", "ProducerOptions")
 
 MiB = 1024 * 1024
 
@@ -36,6 +37,30 @@ def _optional_reconsume(_instance: Any, attribute: attrs.Attribute[Any], value: 
     if value is None:
         return
     _int_range(0, 2**31 - 1)(_instance, attribute, value)
+
+
+class ConsumeFromWhere(enum.Enum):
+    """Where a group with no committed progress on a queue starts (RocketMQ's
+    ``ConsumeFromWhere``). Queues with committed progress always resume there."""
+
+    CONSUME_FROM_FIRST_OFFSET = "first"
+    """The oldest message the queue still holds (the default)."""
+    CONSUME_FROM_LAST_OFFSET = "last"
+    """The queue's end: only messages sent from now on."""
+    CONSUME_FROM_TIMESTAMP = "timestamp"
+    """The first message born at or after ``consume_timestamp``."""
+
+
+def _consume_from(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, ConsumeFromWhere):
+        raise InvalidOptionError(f"{attribute.name} must be a ConsumeFromWhere, got {value!r}")
+
+
+def _timestamp(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidOptionError(f"{attribute.name} must be seconds since the epoch, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -80,6 +105,17 @@ class ConsumerOptions:
     """Seconds a pull waits at the head of a queue for new messages."""
     pull_time_delay_when_exception: float = attrs.field(default=1.0, validator=_positive_number)
     """Seconds before a failed pull is tried again (doubling up to 30 s)."""
+    consume_from_where: ConsumeFromWhere = attrs.field(
+        default=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, validator=_consume_from
+    )
+    """Where a queue with no committed progress starts (retry queues: always first)."""
+    consume_timestamp: float | None = attrs.field(default=None, validator=_timestamp)
+    """With ``CONSUME_FROM_TIMESTAMP``: seconds since the epoch (``time.time()``)."""
+
+    def __attrs_post_init__(self) -> None:
+        from_timestamp = self.consume_from_where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP
+        if from_timestamp and self.consume_timestamp is None:
+            raise InvalidOptionError("CONSUME_FROM_TIMESTAMP needs consume_timestamp")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ConsumerOptions:

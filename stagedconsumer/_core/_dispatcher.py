@@ -92,13 +92,14 @@ class Dispatcher:
     def take(self, max_count: int, now: float = _NEVER) -> Batch | None:
         """The next batch of up to ``max_count`` messages that may run now, or ``None``.
 
-        A queue whose lease ended (:attr:`ProcessQueue.lease_deadline` at or before
-        ``now``) gives no batch; pass ``now`` when queues have leases.
+        A queue that is paused, dropped, or whose lease ended
+        (:attr:`ProcessQueue.open_until` at or before ``now``) gives no batch; pass
+        ``now`` when queues have leases.
         """
         ready = self._ready
         while ready:
             pq = ready.popleft()
-            if pq.dropped or pq.lease_deadline <= now:
+            if pq.open_until <= now:
                 pq.in_ready = False
                 continue
             batch = pq.try_take_messages(max_count)
@@ -161,12 +162,24 @@ class Dispatcher:
     def set_lease(self, pq: ProcessQueue, deadline: float) -> Effects:
         """Set when the lease under which ``pq`` is consumed ends (``READY`` when
         work of a queue whose lease had lapsed can be taken again)."""
-        lapsed = pq.lease_deadline < deadline and not pq.in_ready and pq.has_ready()
-        pq.lease_deadline = deadline
-        if lapsed and not pq.dropped:
-            self._mark_ready(pq)
-            return READY
-        return NOTHING
+        pq.set_lease(deadline)
+        return self._reopened(pq)
+
+    def pause(self, pq: ProcessQueue) -> None:
+        """Hand out no more batches of ``pq`` until :meth:`unpause` (calls in handlers
+        finish; suspended batches wait)."""
+        pq.pause()
+
+    def unpause(self, pq: ProcessQueue) -> Effects:
+        """Undo :meth:`pause` (``READY`` when ``pq`` has a batch ready)."""
+        pq.unpause()
+        return self._reopened(pq)
+
+    def _reopened(self, pq: ProcessQueue) -> Effects:
+        if pq.in_ready or pq.open_until == float("-inf") or not pq.has_ready():
+            return NOTHING
+        self._mark_ready(pq)
+        return READY
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` must next be called, or ``None``."""

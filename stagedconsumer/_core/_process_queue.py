@@ -11,6 +11,10 @@ order rule; lanes never block each other:
 - concurrent mode: one lane, no order: any cached message may be taken;
 - orderly mode: one *exclusive* lane: at most one batch is pending at a time, and
   batches are taken in offset order;
+- key-ordered mode: one exclusive lane per message key, created when a message of
+  the key arrives and forgotten once none of its messages is cached or pending (so
+  memory is bounded by the queue's flow control, whatever the number of keys);
+  messages without a key go to a lane with no order;
 - staged mode: one lane per stage key ``(strategy_id, group_id)``. Each message is
   assigned a stage offset on arrival and joins an *epoch*: the run of messages of
   one stage. A message may be taken only when every message of earlier epochs of
@@ -68,6 +72,7 @@ class ConsumeMode(enum.Enum):
 
     CONCURRENT = "concurrent"
     ORDERLY = "orderly"
+    KEY_ORDERED = "key_ordered"
     STAGED = "staged"
 
 
@@ -84,6 +89,7 @@ class EraseStatus(enum.Enum):
 
 _NEVER: Final = 1 << 62
 """An offset no queue reaches: nobody waits."""
+_FOREVER: Final = float("inf")
 
 DEFAULT_STRATEGY: Final = "default"
 """Strategy id of the single definition list of ``get_stage_definitions()``."""
@@ -132,7 +138,8 @@ class AssignmentFailure:
     message: Message
     """The message that could not be assigned (the first one held)."""
     callback: str
-    """``"compute_strategy"``, ``"compute_group"`` or ``"reset_current_stage_offset_if_need"``."""
+    """``"compute_strategy"``, ``"compute_group"``, ``"reset_current_stage_offset_if_need"``
+    or (key-ordered mode) ``"compute_key"``."""
     detail: str
     """What went wrong, for the log."""
     exception: BaseException | None = None
@@ -187,6 +194,8 @@ class _Lane:
     definition: StageDefinition | None
     exclusive: bool
     counted: bool
+    name: str | None = None
+    """The message key of a key-ordered lane (``None`` for other lanes)."""
     cached: deque[Message] = attrs.Factory(deque)
     """Cached messages in offset order; the head epoch's come first."""
     cached_at: deque[float] = attrs.Factory(deque)
@@ -274,6 +283,21 @@ class ProcessQueueStatistics:
     dropped: bool
     held_count: int = 0
     """Messages held because a stage callback failed on the first of them."""
+    max_offset: int | None = None
+    """The broker's max offset of the queue as its last pull reported it (the offset
+    the next message will get; ``None`` before the first pull)."""
+    paused: bool = False
+    """Whether handing out batches is paused (``PushConsumer.pause``)."""
+    key_count: int = 0
+    """Key-ordered mode: keys with messages cached or in a handler."""
+
+    @property
+    def lag(self) -> int | None:
+        """Messages of the queue past its committed offset (``max_offset`` minus the
+        committed offset): what is left to consume, by the last pull's count."""
+        if self.max_offset is None:
+            return None
+        return max(0, self.max_offset - self.committed_offset)
 
 
 def _align_cached_at(lane: _Lane) -> None:
@@ -302,6 +326,8 @@ class ProcessQueue:
         "_flow",
         "_held",
         "_held_bytes",
+        "_key_of",
+        "_keyed",
         "_lanes",
         "_lanes_by_name",
         "_notice",
@@ -318,9 +344,12 @@ class ProcessQueue:
         "highest_offset",
         "in_ready",
         "lease_deadline",
+        "max_offset",
         "message_queue",
         "mode",
         "notify_offset",
+        "open_until",
+        "paused",
         "ready_lanes",
         "ready_retries",
     )
@@ -334,11 +363,15 @@ class ProcessQueue:
         stage_offsets: Mapping[StageKey, int] | None = None,
         plan: StagePlan | None = None,
         flow_control: FlowControl | None = None,
+        key_of: Callable[[Message], str | None] | None = None,
     ) -> None:
         if start_offset < 0:
             raise ValueError(f"start_offset must be >= 0, got {start_offset}")
         if mode is ConsumeMode.STAGED and plan is None:
             raise ValueError("staged mode needs a StagePlan")
+        self._key_of = key_of
+        if mode is ConsumeMode.KEY_ORDERED and key_of is None:
+            raise ValueError("key-ordered mode needs key_of")
         self.message_queue = message_queue
         self.mode = mode
         self._topic = message_queue.topic
@@ -380,11 +413,21 @@ class ProcessQueue:
         """The shell's request: report ``COMMITTED`` when the committed offset reaches
         this offset (someone waits for it). By default nobody waits and ``COMMITTED`` is
         never reported; ``-1`` reports every move."""
-        self.lease_deadline = float("inf")
+        self.lease_deadline = _FOREVER
         """When the lease under which this queue is consumed ends (the shell's clock;
-        infinite unless the queue is owned through a group lock). The dispatcher hands
-        out no batch of it at or after that time."""
-        if mode is not ConsumeMode.STAGED:
+        infinite unless the queue is owned through a group lock). Set it with
+        :meth:`set_lease`."""
+        self.paused = False
+        """Whether handing out batches is paused (:meth:`pause`)."""
+        self.max_offset: int | None = None
+        """The broker's max offset as the shell last saw it (statistics and lag)."""
+        self.open_until = _FOREVER
+        """Batches are handed out while the clock is before this: the lease deadline,
+        or never while paused or dropped (the one thing the dispatcher checks)."""
+        self._keyed: dict[str, _Lane] = {}
+        if mode is ConsumeMode.KEY_ORDERED:
+            pass  # lanes come and go with their keys (see _put_keyed)
+        elif mode is not ConsumeMode.STAGED:
             self._lanes[None] = _Lane(
                 None, None, exclusive=mode is ConsumeMode.ORDERLY, counted=False
             )
@@ -412,11 +455,13 @@ class ProcessQueue:
         when a stage callback failed on a message (it and the rest are held, see
         :attr:`assignment_error`).
         """
-        if self._plan is None:
+        if self._plan is None and self._key_of is None:
             return self._put_unstaged(messages, highest_offset, now)
         before = self.committed_offset
         if self._held:  # the queue stopped at a held message: the new ones wait behind it
             effects = self._hold(messages, 0, self.highest_offset)
+        elif self._key_of is not None:
+            effects = self._put_keyed(messages, self.highest_offset, now)
         else:
             effects = self._put_staged(messages, self.highest_offset, now)
         if highest_offset is not None and highest_offset > self.highest_offset:
@@ -439,7 +484,8 @@ class ProcessQueue:
         self._held_bytes = 0
         self.assignment_error = None
         before = self.committed_offset
-        effects = self._put_staged(held, held[0].queue_offset - 1, now)
+        put = self._put_keyed if self._key_of is not None else self._put_staged
+        effects = put(held, held[0].queue_offset - 1, now)
         return effects | self._committed_since(before)
 
     def _hold(self, messages: Sequence[Message], start: int, highest: int) -> Effects:
@@ -595,6 +641,77 @@ class ProcessQueue:
             self.ready_lanes.append(lane)
             return effects | READY
         return effects
+
+    def _put_keyed(self, messages: Sequence[Message], highest: int, now: float | None) -> Effects:
+        """Key-ordered mode: cache ``messages`` above ``highest``, each in the exclusive
+        lane of its key (made on first use), or the unordered lane without a key. Stops
+        at the first message ``key_of`` fails on and holds it and the rest (``HELD``)."""
+        key_of = self._key_of
+        assert key_of is not None
+        at = 0.0 if now is None else now
+        order = self._order
+        lanes = self._keyed
+        touched: list[_Lane] = []
+        effects = NOTHING
+        added = 0
+        size_total = 0
+        for i, message in enumerate(messages):
+            offset = message.queue_offset
+            if offset <= highest:
+                continue
+            try:
+                key = key_of(message)
+            except Exception as exc:
+                self.assignment_error = _callback_failed(message, "compute_key", exc).failure
+                effects = self._hold(messages, i, highest)
+                break
+            if key is None:
+                lane = self._direct_lane
+            elif type(key) is not str:
+                failed = _bad_value(message, "compute_key", key, "a str or None")
+                self.assignment_error = failed.failure
+                effects = self._hold(messages, i, highest)
+                break
+            else:
+                lane_or_none = lanes.get(key)
+                if lane_or_none is None:
+                    lane = lanes[key] = _Lane(None, None, exclusive=True, counted=False, name=key)
+                else:
+                    lane = lane_or_none
+            epoch = lane.current_epoch
+            if epoch is None:
+                epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
+            if not epoch.queued:
+                epoch.queued = True
+                epoch.runnable_at = at
+                lane.epochs.append(epoch)
+            epoch.unfinished += 1
+            epoch.cached += 1
+            if now is not None or lane.cached_at:
+                _align_cached_at(lane)
+                lane.cached_at.append(at)
+            lane.cached.append(message)
+            order.append(offset)
+            highest = offset
+            size_total += len(message.body)
+            added += 1
+            if not lane.in_ready:
+                touched.append(lane)
+        if highest > self.highest_offset:
+            self.highest_offset = highest
+        self._cached_count += added
+        self._cached_bytes += size_total
+        for lane in touched:
+            if not lane.in_ready and lane.dispatchable():
+                lane.in_ready = True
+                self.ready_lanes.append(lane)
+                effects |= READY
+        return effects
+
+    @property
+    def key_count(self) -> int:
+        """Keys with messages cached or pending (key-ordered mode): the lanes kept."""
+        return len(self._keyed)
 
     def _assign(self, message: Message) -> tuple[_Lane, _Epoch, int]:
         plan = self._plan
@@ -859,6 +976,9 @@ class ProcessQueue:
             effects |= self._noticed()
             if self.dropped:
                 return effects
+        if lane.name is not None and not epochs and not lane.in_flight:
+            del self._keyed[lane.name]  # nothing of this key left: forget it
+            return effects
         if lane.in_ready or not lane.cached or (lane.exclusive and lane.in_flight):
             return effects
         if not epochs[0].cached:
@@ -964,11 +1084,31 @@ class ProcessQueue:
         self._notice = full or self.dropped
         return full
 
+    def set_lease(self, deadline: float) -> None:
+        """The lease under which the queue is consumed now ends at ``deadline``."""
+        self.lease_deadline = deadline
+        self._reopen()
+
+    def pause(self) -> None:
+        """Hand out no more batches (those in handlers finish) until :meth:`unpause`."""
+        self.paused = True
+        self._reopen()
+
+    def unpause(self) -> None:
+        """Undo :meth:`pause`."""
+        self.paused = False
+        self._reopen()
+
+    def _reopen(self) -> None:
+        closed = self.paused or self.dropped
+        self.open_until = float("-inf") if closed else self.lease_deadline
+
     def drop(self) -> None:
         """Mark the queue released: nothing more is taken from it (finishing its last
         batch in a handler returns ``DRAINED``; see :attr:`in_handlers`)."""
         self.dropped = True
         self._notice = True
+        self._reopen()
         self.ready_lanes.clear()
         self.ready_retries.clear()
 
@@ -985,4 +1125,7 @@ class ProcessQueue:
             stage_offsets=self.committed_stage_offsets,
             dropped=self.dropped,
             held_count=len(self._held),
+            max_offset=self.max_offset,
+            paused=self.paused,
+            key_count=len(self._keyed),
         )

@@ -54,6 +54,19 @@ class ConsumerStatistics:
     abandoned_calls: int = 0
     """Handler calls still running when shutdown stopped waiting for them: their
     messages stay uncommitted and are delivered again."""
+    listener_errors: int = 0
+    """Exceptions of message queue listeners (logged and ignored)."""
+
+    @property
+    def paused_queues(self) -> list[MessageQueue]:
+        """The assigned queues that are paused."""
+        return [mq for mq, q in self.queues.items() if q.paused]
+
+    @property
+    def lag(self) -> int:
+        """Messages past the committed offsets of every assigned queue (by each
+        queue's last pull)."""
+        return sum(q.lag or 0 for q in self.queues.values())
 
     @property
     def committed_offsets(self) -> Mapping[MessageQueue, int]:

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 
 import anyio
 import anyio.abc
 
-from offsetstore import MemoryOffsetStore, OffsetStoreError, StageOffsetStore
+from offsetstore import MemoryOffsetStore, OffsetStoreError, StageKey, StageOffsetStore
 
 from .._core import ConsumeMode, Dispatcher, ProcessQueue
 from .._exceptions import ConfigurationError, ConsumerStateError, UnknownTopicError
 from .._filter import TagFilter
-from .._listeners import MessageListener
+from .._listeners import MessageListener, MessageQueueListener
 from .._message import MessageQueue
 from .._observability._hooks import ConsumeMessageHook
 from .._observability._view import ConsumerStatistics
@@ -119,12 +120,13 @@ class PushConsumer:
         )
         self._signals = Signals(self._state, self._dispatcher, self._on_room)
         self._queues = QueueTable(
-            group=group,
+            state=self._state,
             source=source,
             store=self.offset_store,
             service=self._service,
+            dispatcher=self._dispatcher,
             signals=self._signals,
-            drain_timeout=options.shutdown_timeout,
+            options=options,
         )
 
     # -- configuration ---------------------------------------------------------------
@@ -148,6 +150,19 @@ class PushConsumer:
                 f"hook must be a ConsumeMessageHook, got {type(hook).__name__}"
             )
         self._hook_list.append(hook)
+
+    def register_message_queue_listener(self, listener: MessageQueueListener) -> None:
+        """Tell ``listener`` when queues are assigned here or taken away (see
+        :class:`MessageQueueListener`). Call before starting."""
+        if self._state.started:
+            raise ConsumerStateError(
+                "register_message_queue_listener() must be called before the consumer starts"
+            )
+        if not isinstance(listener, MessageQueueListener):
+            raise ConfigurationError(
+                f"listener must be a MessageQueueListener, got {type(listener).__name__}"
+            )
+        self._queues.listeners.append(listener)
 
     def subscribe(self, topic: str, expression: str = "*") -> None:
         """Consume ``topic``, only messages whose tag matches ``expression``.
@@ -196,6 +211,7 @@ class PushConsumer:
             assert self._pulls is not None
             assert self._workers is not None
             await tg.start(self._pulls.run)
+            await self._queues.assigned([queue.mq for queue in loaded])
             for queue in loaded:
                 self._queues.start(queue)
             await tg.start(self._workers.run)
@@ -337,23 +353,7 @@ class PushConsumer:
         if self._pulls is not None:
             self._pulls.stop_all()
         if self._workers is not None:
-            timeout = self.options.shutdown_timeout
-            abandoned = await self._workers.drain(timeout)
-            if abandoned:
-                running = ", ".join(
-                    f"{queue.mq} from offset {queue.pq.committed_offset}"
-                    for queue in self._queues
-                    if queue.pq.in_handlers
-                )
-                logger.warning(
-                    "group %s: %d handler call(s) still running after shutdown_timeout"
-                    " (%.1f s) are abandoned: their messages are not committed and will be"
-                    " delivered again (%s)",
-                    self.group,
-                    abandoned,
-                    timeout,
-                    running,
-                )
+            await self._workers.drain(self.options.shutdown_timeout, self._queues)
         assert self._committer is not None
         try:
             with anyio.fail_after(self.options.shutdown_timeout):
@@ -363,6 +363,7 @@ class PushConsumer:
             if isinstance(error, OffsetStoreError) and not error.retriable:
                 state.fail(error)
         else:
+            await self._queues.revoked(self._queues.sorted())
             if self._membership is not None:
                 await self._membership.leave()
         if self._hooks is not None:
@@ -374,12 +375,40 @@ class PushConsumer:
             raise ConsumerStateError("assign_queue() needs a running consumer")
         if mq in self._queues:
             return
-        self._queues.start(await self._queues.load(mq, TagFilter.parse(expression)))
+        queue = await self._queues.load(mq, TagFilter.parse(expression))
+        await self._queues.assigned([mq])
+        self._queues.start(queue)
 
     async def release_queue(self, mq: MessageQueue) -> None:
         """Stop consuming ``mq``: stop pulling, let its in-flight handlers finish,
         persist its progress and forget it."""
-        await self._queues.release(mq)
+        if mq in self._queues:
+            await self._queues.release(mq)
+            await self._queues.revoked([mq])
+
+    def pause(self, targets: Iterable[MessageQueue | str]) -> None:
+        """Pause queues, or whole topics by name (Kafka's ``pause``): their pulling
+        stops and no new handler call starts; calls already running finish and
+        commit as usual; nothing is lost. A paused topic's queues assigned later
+        start paused. ``statistics().paused_queues`` lists them."""
+        self._queues.pause([targets] if isinstance(targets, (str, MessageQueue)) else targets)
+
+    def resume(self, targets: Iterable[MessageQueue | str]) -> None:
+        """Undo :meth:`pause` for these queues or topics."""
+        self._queues.resume([targets] if isinstance(targets, (str, MessageQueue)) else targets)
+
+    async def seek(
+        self, mq: MessageQueue, offset: int, *, stage_offsets: Mapping[StageKey, int] | None = None
+    ) -> None:
+        """Move a running consumer's queue ``mq`` to ``offset`` (RocketMQ's ``seek``):
+        its cached messages are dropped and its handler calls in flight finish (their
+        outcome no longer moves the offset); the new progress, ``offset`` with
+        ``stage_offsets`` (default: none, so every stage key starts over at its first
+        stage from ``offset``), is committed at once, backwards too, and the queue is
+        pulled from there. ``offset`` must lie in the queue's [min, max] offsets."""
+        if not self._state.started or self._state.closed:
+            raise ConsumerStateError("seek() needs a running consumer")
+        await self._queues.seek(mq, offset, stage_offsets)
 
     async def wait_caught_up(self, timeout: float | None = None) -> None:
         """Wait until every message available at call time has finished.
@@ -411,21 +440,4 @@ class PushConsumer:
 
     def statistics(self) -> ConsumerStatistics:
         """A frozen snapshot of counters and per-queue state."""
-        state = self._state
-        return ConsumerStatistics(
-            group=self.group,
-            mode=state.mode,
-            consumed_ok=state.consumed_ok,
-            consumed_failed=state.consumed_failed,
-            sent_back=state.sent_back,
-            dead_lettered=state.dead_lettered,
-            in_flight=state.in_flight,
-            pull_errors=state.pull_errors,
-            commit_errors=state.commit_errors,
-            commits=state.commits,
-            hook_errors=self._hooks.errors if self._hooks is not None else 0,
-            trace_records_dropped=sum(hook.records_dropped for hook in self._hook_list),
-            assignment_errors=state.assignment_errors,
-            abandoned_calls=state.abandoned_calls,
-            queues={mq: self._queues.states[mq].pq.statistics() for mq in self._queues.sorted()},
-        )
+        return self._queues.statistics(self._hooks, self._hook_list)

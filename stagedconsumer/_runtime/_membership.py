@@ -155,18 +155,21 @@ class GroupMembership:
             if ownership.take_failed(mq, epoch):
                 await self._unlock([mq])
             return
+        await self.queues.assigned([mq])  # before taken(): no await between it and start
         if self.state.stopping:  # shut down mid-takeover: hand the lock back now
+            await self.queues.revoked([mq])
             self.store.remove_offset(self.group, mq)
             if ownership.take_failed(mq, epoch):
                 with anyio.CancelScope(shield=True):
                     await self._unlock([mq])
             return
         if not ownership.taken(mq, epoch):  # lost meanwhile: its release is under way
+            await self.queues.revoked([mq])
             self.store.remove_offset(self.group, mq)
             return
         deadline = ownership.deadline(mq)
         assert deadline is not None
-        queue.pq.lease_deadline = deadline
+        queue.pq.set_lease(deadline)
         self.queues.start(queue)
         logger.info(
             "group %s: %s took %s at offset %d (epoch %d)",
@@ -225,6 +228,7 @@ class GroupMembership:
                     exc,
                 )
                 kept = False
+            await self.queues.revoked([mq])  # drained and committed; still locked
             if kept:
                 await self._unlock([mq])
             logger.info(

@@ -86,6 +86,11 @@ class PullService:
     def stop_all(self) -> None:
         self._scope.cancel()
 
+    def unpaused(self, state: QueueState) -> None:
+        """``state``'s queue was resumed: let its pull loop go on."""
+        if state.unpaused is not None:
+            state.unpaused.set()
+
     def room(self, pq: ProcessQueue) -> None:
         """``pq`` is back under its flow-control thresholds: resume its pull loop."""
         state = self._paused.pop(pq, None)
@@ -111,6 +116,10 @@ class PullService:
         with anyio.CancelScope() as scope:
             state.pull_scope = scope
             while not pq.dropped:
+                if pq.paused:  # PushConsumer.pause(): no pulling until resumed
+                    state.unpaused = anyio.Event()
+                    await state.unpaused.wait()
+                    continue
                 if pq.should_pause_pull():
                     state.room = anyio.Event()
                     self._paused[pq] = state
@@ -135,6 +144,7 @@ class PullService:
                     continue
                 if backoff.failures:
                     backoff.reset()
+                pq.max_offset = result.max_offset
                 messages = result.messages
                 if messages:
                     highest = messages[-1].queue_offset

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
 
-from offsetstore import QueueProgress, StageOffsetStore
+from offsetstore import QueueProgress, StageKey, StageOffsetStore
 
+from .._core import Dispatcher
+from .._exceptions import ConfigurationError, ConsumerStateError
 from .._filter import TagFilter
+from .._listeners import MessageQueueListener
 from .._message import MessageQueue
+from .._observability._hooks import ConsumeMessageHook
+from .._observability._view import ConsumerStatistics
+from .._options import ConsumeFromWhere, ConsumerOptions
 from .._sources._source import RETRY_PREFIX, MessageSource
 from ._commit import ProgressCommitter
+from ._hooks import HookRunner
 from ._pull import PullService
 from ._services import ConsumeService
 from ._signals import Signals
-from ._state import QueueState
+from ._state import ConsumerState, QueueState
 
 __all__ = ("QueueTable",)
 
@@ -28,30 +35,40 @@ class QueueTable:
     """The assigned queues of one consumer, by message queue.
 
     A queue is *loaded* from its committed progress (consume offset and stage
-    offsets, as one unit), *started* (its pull loop runs) and *released*: pulling
-    stops, nothing more is handed out, handler calls in flight finish (bounded), its
-    progress is committed and it is forgotten.
+    offsets, as one unit; without progress, from where ``consume_from_where`` says),
+    *started* (its pull loop runs) and *released*: pulling stops, nothing more is
+    handed out, handler calls in flight finish (bounded), its progress is committed
+    and it is forgotten. Queues (or whole topics) can be *paused*, which holds their
+    pulling and their next batches, also for queues assigned later. Message queue
+    listeners hear of every assignment and revocation.
     """
 
     def __init__(
         self,
         *,
-        group: str,
+        state: ConsumerState,
         source: MessageSource,
         store: StageOffsetStore,
         service: ConsumeService,
+        dispatcher: Dispatcher,
         signals: Signals,
-        drain_timeout: float,
+        options: ConsumerOptions,
     ) -> None:
-        self.group = group
+        self.state = state
+        self.group = state.group
         self.source = source
         self.store = store
         self.service = service
+        self.dispatcher = dispatcher
         self.signals = signals
-        self.drain_timeout = drain_timeout
+        self.options = options
+        self.drain_timeout = options.shutdown_timeout
         self.states: dict[MessageQueue, QueueState] = {}
         self.pulls: PullService | None = None
         self.committer: ProgressCommitter | None = None
+        self.listeners: list[MessageQueueListener] = []
+        self.paused_queues: set[MessageQueue] = set()
+        self.paused_topics: set[str] = set()
 
     def __iter__(self) -> Iterator[QueueState]:
         return iter(list(self.states.values()))
@@ -67,7 +84,7 @@ class QueueTable:
         progress = await self.store.read_progress(self.group, mq)
         stage_offsets: Mapping[Any, int]
         if progress is None or progress.consume_offset is None:
-            start = await self.source.min_offset(mq)
+            start = await self._start_without_progress(mq)
             stage_offsets = progress.stage_offsets if progress else {}
         else:
             start = progress.consume_offset
@@ -84,11 +101,114 @@ class QueueTable:
         # so that the queue's next owner resumes there instead of asking the source.
         return state
 
+    async def _start_without_progress(self, mq: MessageQueue) -> int:
+        where = self.options.consume_from_where
+        if mq.topic.startswith(RETRY_PREFIX) or where is ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET:
+            return await self.source.min_offset(mq)
+        if where is ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET:
+            return await self.source.max_offset(mq)
+        timestamp = self.options.consume_timestamp
+        assert timestamp is not None  # checked by ConsumerOptions
+        return await self.source.offset_for_timestamp(mq, timestamp)
+
     def start(self, state: QueueState) -> None:
-        """Consume ``state``'s queue: register it and start its pull loop."""
+        """Consume ``state``'s queue: register it and start its pull loop (paused if
+        the queue or its topic is paused)."""
         assert self.pulls is not None
         self.states[state.mq] = state
+        if state.mq in self.paused_queues or state.mq.topic in self.paused_topics:
+            self.dispatcher.pause(state.pq)
         self.pulls.start(state)
+
+    # -- pausing ---------------------------------------------------------------------
+
+    def pause(self, targets: Iterable[MessageQueue | str]) -> None:
+        """Pause queues and topics (a topic: every queue of it, also those assigned
+        later): no more pulling, no new handler call; calls running finish."""
+        for target in targets:
+            if isinstance(target, str):
+                self.paused_topics.add(target)
+            else:
+                self.paused_queues.add(target)
+        for queue in self:
+            if self._is_paused(queue.mq):
+                self.dispatcher.pause(queue.pq)
+
+    def resume(self, targets: Iterable[MessageQueue | str]) -> None:
+        """Undo :meth:`pause` for these queues and topics."""
+        for target in targets:
+            if isinstance(target, str):
+                self.paused_topics.discard(target)
+            else:
+                self.paused_queues.discard(target)
+        for queue in self:
+            if queue.pq.paused and not self._is_paused(queue.mq):
+                self.signals.apply(queue.pq, self.dispatcher.unpause(queue.pq))
+                assert self.pulls is not None
+                self.pulls.unpaused(queue)
+
+    def _is_paused(self, mq: MessageQueue) -> bool:
+        return mq in self.paused_queues or mq.topic in self.paused_topics
+
+    # -- listeners -------------------------------------------------------------------
+
+    async def assigned(self, queues: Sequence[MessageQueue]) -> None:
+        """Tell the message queue listeners (failures logged and counted)."""
+        await self._tell("on_queues_assigned", queues)
+
+    async def revoked(self, queues: Sequence[MessageQueue]) -> None:
+        await self._tell("on_queues_revoked", queues)
+
+    async def _tell(self, method: str, queues: Sequence[MessageQueue]) -> None:
+        if not queues or not self.listeners:
+            return
+        ordered = sorted(queues)
+        for listener in self.listeners:
+            try:
+                await getattr(listener, method)(ordered)
+            except Exception as exc:
+                self.state.listener_errors += 1
+                logger.error(
+                    "group %s: message queue listener %s failed in %s (ignored)",
+                    self.group,
+                    type(listener).__name__,
+                    method,
+                    exc_info=exc,
+                )
+
+    # -- seeking ---------------------------------------------------------------------
+
+    async def seek(
+        self,
+        mq: MessageQueue,
+        offset: int,
+        stage_offsets: Mapping[StageKey, int] | None = None,
+    ) -> None:
+        """Move ``mq`` to ``offset``: its cached messages are dropped, handler calls
+        in flight finish (at most ``drain_timeout``; their outcome no longer moves
+        anything), the progress becomes ``offset`` with ``stage_offsets`` (default:
+        none, every stage key starts at its first stage there) and is committed,
+        backwards too, and the queue is pulled again from there."""
+        state = self.states.get(mq)
+        if state is None:
+            raise ConsumerStateError(f"seek(): {mq} is not assigned to this consumer")
+        low, high = await self.source.min_offset(mq), await self.source.max_offset(mq)
+        if isinstance(offset, bool) or not isinstance(offset, int) or not low <= offset <= high:
+            raise ConfigurationError(
+                f"seek(): offset must be an int in [{low}, {high}] for {mq}, got {offset!r}"
+            )
+        assert self.pulls is not None
+        self.pulls.stop(state)
+        state.pq.drop()
+        with anyio.move_on_after(self.drain_timeout):
+            while state.pq.in_handlers > 0:
+                await self.signals.wait_for({state.pq: -1})
+        self.forget(mq)
+        progress = QueueProgress(consume_offset=offset, stage_offsets=dict(stage_offsets or {}))
+        await self.store.reset_progress(self.group, {mq: progress})
+        fresh = await self.load(mq, state.filter)
+        fresh.persisted = progress
+        self.start(fresh)
 
     async def release(
         self, mq: MessageQueue, *, fences: Mapping[MessageQueue, int] | None = None
@@ -114,6 +234,30 @@ class QueueTable:
         finally:
             self.forget(mq)
         return mq not in refused
+
+    def statistics(
+        self, hooks: HookRunner | None, hook_list: Sequence[ConsumeMessageHook]
+    ) -> ConsumerStatistics:
+        """A frozen snapshot of the consumer: its counters and every queue's state."""
+        state = self.state
+        return ConsumerStatistics(
+            group=self.group,
+            mode=state.mode,
+            consumed_ok=state.consumed_ok,
+            consumed_failed=state.consumed_failed,
+            sent_back=state.sent_back,
+            dead_lettered=state.dead_lettered,
+            in_flight=state.in_flight,
+            pull_errors=state.pull_errors,
+            commit_errors=state.commit_errors,
+            commits=state.commits,
+            hook_errors=hooks.errors if hooks is not None else 0,
+            trace_records_dropped=sum(hook.records_dropped for hook in hook_list),
+            assignment_errors=state.assignment_errors,
+            abandoned_calls=state.abandoned_calls,
+            listener_errors=state.listener_errors,
+            queues={mq: self.states[mq].pq.statistics() for mq in self.sorted()},
+        )
 
     def forget(self, mq: MessageQueue) -> None:
         state = self.states.pop(mq, None)

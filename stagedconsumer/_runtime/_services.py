@@ -42,6 +42,7 @@ from .._listeners import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
+    Ordering,
     _concurrently_context,
     _orderly_context,
     _staged_context,
@@ -78,6 +79,8 @@ class ConsumeService(abc.ABC):
     """Whether the consumer also consumes its group's retry queue (``%RETRY%<group>``)."""
     plan: StagePlan | None = None
     """How messages are assigned to stages (staged mode only)."""
+    key_of: Callable[[Message], str | None] | None = None
+    """The ordering key of a message (key-ordered mode only)."""
 
     def __init__(
         self, group: str, source: MessageSource, state: ConsumerState, options: ConsumerOptions
@@ -106,6 +109,13 @@ class ConsumeService(abc.ABC):
         if isinstance(listener, MessageListenerStagedConcurrently):
             return StagedConsumeService(group, source, state, options, build_plan(listener))
         if isinstance(listener, MessageListenerOrderly):
+            if listener.ordering is Ordering.BY_KEY:
+                return KeyOrderlyConsumeService(group, source, state, options, listener)
+            if listener.ordering is not Ordering.BY_QUEUE:
+                raise ConfigurationError(
+                    f"{type(listener).__name__}.ordering must be an Ordering, got"
+                    f" {listener.ordering!r}"
+                )
             return OrderlyConsumeService(group, source, state, options)
         if isinstance(listener, MessageListenerConcurrently):
             return ConcurrentlyConsumeService(group, source, state, options)
@@ -125,6 +135,7 @@ class ConsumeService(abc.ABC):
             stage_offsets=stage_offsets,
             plan=self.plan,
             flow_control=self.flow,
+            key_of=self.key_of,
         )
 
     context_for: Callable[[Batch, int], Any]
@@ -281,6 +292,25 @@ class OrderlyConsumeService(ConsumeService):
             suspended=suspended,
             retry_at=anyio.current_time() + delay if suspended else 0.0,
         )
+
+
+class KeyOrderlyConsumeService(OrderlyConsumeService):
+    """Key-ordered mode: one batch at a time per message key, in offset order; keys
+    of a queue run concurrently; failures as in orderly mode (a suspended batch holds
+    only its key)."""
+
+    mode = ConsumeMode.KEY_ORDERED
+
+    def __init__(
+        self,
+        group: str,
+        source: MessageSource,
+        state: ConsumerState,
+        options: ConsumerOptions,
+        listener: MessageListenerOrderly,
+    ) -> None:
+        super().__init__(group, source, state, options)
+        self.key_of = listener.compute_key
 
 
 class StagedConsumeService(OrderlyConsumeService):

@@ -40,6 +40,8 @@ class ConsumerState:
     """Failed stage assignments (a stage callback raised or returned a bad value)."""
     abandoned_calls: int = 0
     """Handler calls still running when shutdown gave up waiting for them."""
+    listener_errors: int = 0
+    """Exceptions of message queue listeners (logged and ignored)."""
     started: bool = False
     stopping: bool = False
     """Shutdown began: workers take no new batch, loops wind down."""
@@ -70,4 +72,6 @@ class QueueState:
     pull_scope: anyio.CancelScope | None = None
     room: anyio.Event | None = None
     """Set when the pull loop may go on after pausing for flow control."""
+    unpaused: anyio.Event | None = None
+    """Set when the pull loop may go on after the queue was paused."""
     persisted: QueueProgress | None = None

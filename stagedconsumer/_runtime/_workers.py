@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -22,7 +22,7 @@ from .._observability._hooks import ConsumeMessageContext, ConsumeReturnType
 from ._hooks import HookRunner, loop_clock
 from ._services import ConsumeService
 from ._signals import Signals
-from ._state import ConsumerState
+from ._state import ConsumerState, QueueState
 from ._threads import ThreadRunner
 
 __all__ = ("WorkerPool",)
@@ -86,17 +86,31 @@ class WorkerPool:
         finally:
             self._done.set()
 
-    async def drain(self, timeout: float) -> int:
+    async def drain(self, timeout: float, queues: Iterable[QueueState] = ()) -> int:
         """Let handler calls in flight finish (the consumer is stopping: no new batch is
         taken), for at most ``timeout`` seconds; then abandon the rest: their messages
-        stay pending, so they are not committed and are delivered again. Returns how
-        many calls were abandoned."""
+        stay pending, so they are not committed and are delivered again (logged, with
+        the queues of ``queues`` concerned). Returns how many calls were abandoned."""
         self.signals.work.wake_all()
         try:
             with anyio.move_on_after(timeout):
                 await self._done.wait()
             running = self.state.in_flight
-            self.state.abandoned_calls += running
+            if running:
+                self.state.abandoned_calls += running
+                logger.warning(
+                    "group %s: %d handler call(s) still running after shutdown_timeout"
+                    " (%.1f s) are abandoned: their messages are not committed and will be"
+                    " delivered again (%s)",
+                    self.state.group,
+                    running,
+                    timeout,
+                    ", ".join(
+                        f"{queue.mq} from offset {queue.pq.committed_offset}"
+                        for queue in queues
+                        if queue.pq.in_handlers
+                    ),
+                )
             if self._scope is not None:
                 self._scope.cancel()
             await self._done.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import os
@@ -190,6 +191,11 @@ class MemoryBroker(MessageSource):
         queue.log.append(message)
         queue.wake()
         return message
+
+    async def offset_for_timestamp(self, mq: MessageQueue, timestamp: float) -> int:
+        """Binary search on born times (they only grow within a queue)."""
+        log = self._queues_of(mq.topic)[mq.queue_id].log
+        return bisect.bisect_left(log, timestamp, key=lambda m: m.born_timestamp)
 
     async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
         queues = self._queues_of(mq.topic)

@@ -155,6 +155,13 @@ class MessageSource(abc.ABC):
     async def send_to_dlq(self, group: str, message: Message) -> None:
         """Move a message to the group's dead-letter queue ``%DLQ%<group>``."""
 
+    async def offset_for_timestamp(self, mq: MessageQueue, timestamp: float) -> int:
+        """The offset of the first message of ``mq`` born at or after ``timestamp``
+        (seconds since the epoch), or the max offset when there is none. The default:
+        the source cannot tell (``SourceError``, not retriable)."""
+        del mq, timestamp
+        raise SourceError(f"{type(self).__name__} cannot find an offset by time", retriable=False)
+
     async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
         """Store ``messages`` in queue ``mq``, in order and at consecutive offsets, in
         one attempt; returns them as stored (with offset, message id, born time).

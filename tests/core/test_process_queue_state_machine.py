@@ -11,6 +11,9 @@ step the machine checks the contract of design.md section 3:
   the remaining messages assigns every message the same stage (restart rule);
 - staged: no message of a later epoch of a stage key is taken while an earlier one is
   unfinished; orderly: at most one batch pending per queue, batches in offset order;
+  key-ordered: at most one batch pending per key, in offset order per key, and the
+  queue keeps a lane only for keys with messages cached or pending;
+- a paused or dropped queue hands out nothing, and an unpaused one goes on;
 - every message is taken once (retries of a suspended batch are the same batch),
   counts, bytes, span and flow control exact, suspended batches never double-count;
 - liveness: whenever the model says a batch may be taken, ``take`` returns one.
@@ -97,8 +100,16 @@ class Config:
             reset=self.reset if self.reset_kind is not None else None,
         )
 
+    def message_key(self, message: Message) -> str | None:
+        """Key-ordered mode: a message's key (its second key; "" means none)."""
+        return message.keys[1] or None
+
     def key_of(self, message: Message) -> StageKey | str:
-        """The lane: a StageKey, "direct" (staged, no strategy) or "main"."""
+        """The lane: a StageKey, "direct" (staged, no strategy; key-ordered, no key),
+        "key:<k>" (key-ordered) or "main"."""
+        if self.mode is ConsumeMode.KEY_ORDERED:
+            key = self.message_key(message)
+            return "direct" if key is None else f"key:{key}"
         if self.mode is not ConsumeMode.STAGED:
             return "main"
         strategy = STRATEGY_OF_TAG[message.keys[0]] if self.use_strategies else "default"
@@ -229,6 +240,9 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             stage_offsets=stage_offsets,
             plan=self.config.plan(),
             flow_control=self.config.flow,
+            key_of=self.config.message_key
+            if self.config.mode is ConsumeMode.KEY_ORDERED
+            else None,
         )
 
     # -- model helpers -----------------------------------------------------------
@@ -260,6 +274,8 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         """May the cached message ``m`` be taken now (ignoring FIFO order)?"""
         if self.config.mode is ConsumeMode.ORDERLY:
             return not any(x.state == "pending" for x in q.msgs.values())
+        if self.config.mode is ConsumeMode.KEY_ORDERED and m.lane != "direct":
+            return not any(x.state == "pending" and x.lane == m.lane for x in q.msgs.values())
         if isinstance(m.lane, StageKey):
             return all(
                 x.state == "finished"
@@ -269,7 +285,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         return True
 
     def takeable(self, q: MQueue) -> bool:
-        if q.pq.dropped:
+        if q.pq.dropped or q.pq.paused:
             return False
         if any(b.state == "retry" and b.queue is q for b in self.batches):
             return True
@@ -316,8 +332,10 @@ class ProcessQueueMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), max_count=st.integers(1, 5), direct=st.booleans())
     def take(self, data: st.DataObject, max_count: int, direct: bool) -> None:
-        if direct:
-            q = data.draw(st.sampled_from(self.queues))
+        if direct:  # pausing and leases are the dispatcher's: a direct take ignores them
+            q = data.draw(st.sampled_from([q for q in self.queues if not q.pq.paused] or [None]))
+            if q is None:
+                return
             batch = q.pq.try_take_messages(max_count)
             expected_work = self.takeable(q)
         else:
@@ -337,6 +355,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
 
     def check_taken(self, batch: Batch, max_count: int) -> None:
         q = next(q for q in self.queues if q.pq is batch.process_queue)
+        assert not q.pq.paused, "a batch of a paused queue was handed out"
         retried = next((b for b in self.batches if b.batch is batch), None)
         if retried is not None:
             assert retried.state == "retry", f"batch taken again while {retried.state}"
@@ -442,6 +461,23 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         assert not q.pq.has_ready()
 
     @rule(data=st.data())
+    def pause(self, data: st.DataObject) -> None:
+        """Pause a queue: nothing more is taken from it until it is unpaused."""
+        q = data.draw(st.sampled_from(self.queues))
+        self.dispatcher.pause(q.pq)
+        assert q.pq.paused
+
+    @precondition(lambda self: any(q.pq.paused for q in self.queues))
+    @rule(data=st.data())
+    def unpause(self, data: st.DataObject) -> None:
+        q = data.draw(st.sampled_from([q for q in self.queues if q.pq.paused]))
+        effects = self.dispatcher.unpause(q.pq)
+        assert not q.pq.paused
+        if self.takeable(q) and not q.pq.in_ready:
+            raise AssertionError("an unpaused queue with work ready was not made ready")
+        del effects
+
+    @rule(data=st.data())
     def restart_assigns_same_stages(self, data: st.DataObject) -> None:
         """A ProcessQueue started from committed progress assigns the same stages."""
         q = data.draw(st.sampled_from(self.queues))
@@ -523,6 +559,21 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         if self.config.mode is ConsumeMode.ORDERLY:
             for q in self.queues:
                 assert sum(1 for b in self.batches if b.queue is q) <= 1
+
+    @invariant()
+    def key_ordered_runs_one_batch_per_key_and_keeps_only_live_keys(self) -> None:
+        if self.config.mode is not ConsumeMode.KEY_ORDERED:
+            return
+        for q in self.queues:
+            pending_lanes = [b.lane for b in self.batches if b.queue is q and b.lane != "direct"]
+            assert len(pending_lanes) == len(set(pending_lanes)), "two batches of one key"
+            live = {
+                m.lane
+                for m in q.msgs.values()
+                if m.state != "finished" and m.lane != "direct"
+            }
+            if not q.pq.dropped:
+                assert q.pq.key_count == len(live), "a lane kept for a key with nothing left"
 
     @invariant()
     def timers_match_suspended_batches(self) -> None:

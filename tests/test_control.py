@@ -1,0 +1,356 @@
+"""Consumer control: where a new group starts, seek, pause and resume, message queue
+listeners, lag, and key-ordered consumption."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+import anyio.lowlevel
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offsetstore import MemoryOffsetStore, QueueProgress, StageKey
+from stagedconsumer import (
+    ConfigurationError,
+    ConsumeConcurrentlyContext,
+    ConsumeFromWhere,
+    ConsumeOrderlyContext,
+    ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
+    InvalidOptionError,
+    MemoryBroker,
+    Message,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
+    MessageQueue,
+    MessageQueueListener,
+    Ordering,
+    PushConsumer,
+)
+
+pytestmark = pytest.mark.anyio
+
+Q0, Q1 = MessageQueue("t", 0), MessageQueue("t", 1)
+
+
+def broker_with(per_queue: int, queues: int = 2) -> MemoryBroker:
+    broker = MemoryBroker()
+    broker.create_topic("t", queues)
+    for q in range(queues):
+        for i in range(per_queue):
+            broker.send("t", f"{q}-{i}".encode(), queue_id=q)
+    return broker
+
+
+class Record(MessageListenerConcurrently):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        self.seen.extend((m.queue_id, m.queue_offset) for m in msgs)
+
+
+# -- where a new group starts ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        (ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, list(range(6))),
+        (ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET, [4, 5]),
+        (ConsumeFromWhere.CONSUME_FROM_TIMESTAMP, [2, 3, 4, 5]),
+    ],
+)
+async def test_a_new_group_starts_where_consume_from_where_says(
+    where: ConsumeFromWhere, expected: list[int]
+) -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    for _i in range(2):
+        broker.send("t", b"old", queue_id=0)
+    cut = time.time()
+    for _i in range(2):
+        broker.send("t", b"newer", queue_id=0)
+    listener = Record()
+    options = ConsumerOptions(
+        consume_from_where=where,
+        consume_timestamp=cut if where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP else None,
+    )
+    consumer = PushConsumer("g", broker, listener, options=options)
+    consumer.subscribe("t")
+    async with consumer:
+        await consumer.wait_caught_up(timeout=5)
+        for _ in range(2):
+            broker.send("t", b"after start", queue_id=0)
+        await consumer.wait_caught_up(timeout=5)
+    assert sorted(o for _, o in listener.seen) == expected
+
+
+async def test_committed_progress_wins_over_consume_from_where() -> None:
+    broker = broker_with(4, queues=1)
+    store = MemoryOffsetStore()
+    store.update_progress("g", Q0, QueueProgress(consume_offset=1, stage_offsets={}))
+    await store.persist("g", Q0)
+    listener = Record()
+    options = ConsumerOptions(consume_from_where=ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET)
+    consumer = PushConsumer("g", broker, listener, offset_store=store, options=options)
+    consumer.subscribe("t")
+    async with consumer:
+        await consumer.wait_caught_up(timeout=5)
+    assert sorted(o for _, o in listener.seen) == [1, 2, 3]
+
+
+def test_consume_from_timestamp_needs_a_timestamp() -> None:
+    with pytest.raises(InvalidOptionError, match="consume_timestamp"):
+        ConsumerOptions(consume_from_where=ConsumeFromWhere.CONSUME_FROM_TIMESTAMP)
+
+
+# -- seek ------------------------------------------------------------------------------
+
+
+class Staged(MessageListenerStagedConcurrently):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return [2, 2]
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        self.seen.extend((m.queue_id, m.queue_offset, context.stage_index) for m in msgs)
+
+
+async def test_seek_backwards_replays_from_there_with_fresh_stages_and_commits_it() -> None:
+    broker = broker_with(6, queues=1)
+    store = MemoryOffsetStore()
+    listener = Staged()
+    consumer = PushConsumer("g", broker, listener, offset_store=store)
+    consumer.subscribe("t")
+    async with consumer:
+        await consumer.wait_caught_up(timeout=5)
+        assert [s for _, _, s in listener.seen] == [0, 0, 1, 1, -1, -1]
+        listener.seen.clear()
+        await consumer.seek(Q0, 3)
+        assert (await store.read_offset("g", Q0)) == 3  # committed at once, backwards
+        await consumer.wait_caught_up(timeout=5)
+        # offsets 3.. again, and stages start over at the seek point
+        assert sorted(listener.seen) == [(0, 3, 0), (0, 4, 0), (0, 5, 1)]
+        listener.seen.clear()
+        await consumer.seek(Q0, 4, stage_offsets={StageKey("default", None): 4})
+        await consumer.wait_caught_up(timeout=5)
+        assert sorted(listener.seen) == [(0, 4, -1), (0, 5, -1)]
+        with pytest.raises(ConfigurationError, match="offset must be an int in"):
+            await consumer.seek(Q0, 99)
+
+
+# -- pause and resume --------------------------------------------------------------------
+
+
+async def test_pause_holds_a_queue_and_resume_lets_it_go_on() -> None:
+    broker = broker_with(0)
+    listener = Record()
+    consumer = PushConsumer("g", broker, listener, options=ConsumerOptions())
+    consumer.subscribe("t")
+    async with consumer:
+        consumer.pause([Q0])
+        for _i in range(5):
+            broker.send("t", b"x", queue_id=0)
+            broker.send("t", b"y", queue_id=1)
+        with anyio.fail_after(5):
+            while len([1 for q, _ in listener.seen if q == 1]) < 5:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
+        assert [s for s in listener.seen if s[0] == 0] == []  # the paused queue waits
+        stats = consumer.statistics()
+        assert stats.paused_queues == [Q0]
+        assert stats.queues[Q0].committed_offset == 0  # nothing committed past it
+        consumer.resume(Q0)
+        await consumer.wait_caught_up(timeout=5)
+        assert sorted(o for q, o in listener.seen if q == 0) == list(range(5))
+        assert consumer.statistics().paused_queues == []
+
+
+async def test_pausing_a_topic_lets_running_calls_finish() -> None:
+    broker = broker_with(3, queues=2)
+    started = anyio.Event()
+    release = anyio.Event()
+    finished: list[int] = []
+
+    class Slow(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            started.set()
+            await release.wait()
+            finished.extend(m.queue_offset for m in msgs)
+
+    options = ConsumerOptions(consume_thread_max=1)
+    consumer = PushConsumer("g", broker, Slow(), options=options)
+    consumer.subscribe("t")
+    async with consumer:
+        await started.wait()
+        consumer.pause("t")
+        release.set()
+        await anyio.sleep(0.05)
+        assert len(finished) == 1  # the running call finished, no new one started
+        assert consumer.statistics().paused_queues == [Q0, Q1]
+        consumer.resume("t")
+        await consumer.wait_caught_up(timeout=5)
+    assert len(finished) == 6
+
+
+# -- listeners and lag -----------------------------------------------------------------
+
+
+class Tell(MessageQueueListener):
+    def __init__(self, store: MemoryOffsetStore, handled: list[tuple[int, int]]) -> None:
+        self.store = store
+        self.handled = handled
+        self.events: list[tuple[str, list[MessageQueue], int]] = []
+
+    async def on_queues_assigned(self, queues: Sequence[MessageQueue]) -> None:
+        self.events.append(("assigned", list(queues), len(self.handled)))
+
+    async def on_queues_revoked(self, queues: Sequence[MessageQueue]) -> None:
+        committed = [await self.store.read_offset("g", mq) for mq in queues]
+        self.events.append(("revoked", list(queues), sum(c or 0 for c in committed)))
+
+
+class Broken(MessageQueueListener):
+    async def on_queues_assigned(self, queues: Sequence[MessageQueue]) -> None:
+        raise RuntimeError("listener bug")
+
+
+async def test_queue_listeners_hear_assignment_before_work_and_revocation_after_commit() -> None:
+    broker = broker_with(3)
+    store = MemoryOffsetStore()
+    listener = Record()
+    tell = Tell(store, listener.seen)
+    consumer = PushConsumer("g", broker, listener, offset_store=store)
+    consumer.subscribe("t")
+    consumer.register_message_queue_listener(Broken())
+    consumer.register_message_queue_listener(tell)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=5)
+        await consumer.release_queue(Q1)
+        stats = consumer.statistics()
+    retry = MessageQueue("%RETRY%g", 0)
+    assert tell.events[0] == ("assigned", [retry, Q0, Q1], 0)  # before any handler call
+    assert tell.events[1] == ("revoked", [Q1], 3)  # its progress was committed first
+    assert tell.events[2] == ("revoked", [retry, Q0], 3)
+    assert stats.listener_errors == 1
+
+
+async def test_statistics_report_lag_per_queue() -> None:
+    broker = broker_with(4)
+    release = anyio.Event()
+
+    class Hold(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            if msgs[0].queue_id == 0:
+                await release.wait()
+
+    consumer = PushConsumer("g", broker, Hold())
+    consumer.subscribe("t")
+    async with consumer:
+        with anyio.fail_after(5):
+            while consumer.statistics().queues[Q1].committed_offset < 4:
+                await anyio.sleep(0.01)
+        stats = consumer.statistics()
+        assert stats.queues[Q1].max_offset == 4
+        assert stats.queues[Q1].lag == 0
+        assert stats.queues[Q0].lag == 4
+        assert stats.lag == 4
+        release.set()
+        await consumer.wait_caught_up(timeout=5)
+        assert consumer.statistics().lag == 0
+
+
+# -- key-ordered consumption -------------------------------------------------------------
+
+
+class ByKey(MessageListenerOrderly):
+    ordering = Ordering.BY_KEY
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str | None, list[int], float, float]] = []
+        self.running: set[str] = set()
+        self.overlaps = 0
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
+        key = msgs[0].keys[0] if msgs[0].keys else None
+        if key is not None:
+            if key in self.running:
+                self.overlaps += 1
+            self.running.add(key)
+        start = anyio.current_time()
+        await anyio.sleep(0.001 * (len(key or "") % 3))
+        if key is not None:
+            self.running.discard(key)
+        self.calls.append((key, [m.queue_offset for m in msgs], start, anyio.current_time()))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    keys=st.lists(st.sampled_from(["a", "bb", "ccc", "d", None]), min_size=1, max_size=40),
+    batch=st.integers(1, 3),
+)
+def test_key_ordered_runs_one_call_per_key_in_offset_order_and_loses_nothing(
+    keys: list[str | None], batch: int
+) -> None:
+    async def run() -> ByKey:
+        broker = MemoryBroker()
+        broker.create_topic("t", 1)
+        for key in keys:
+            broker.send("t", b"x", keys=() if key is None else (key,), queue_id=0)
+        listener = ByKey()
+        options = ConsumerOptions(consume_message_batch_max_size=batch, consume_thread_max=4)
+        consumer = PushConsumer("g", broker, listener, options=options)
+        consumer.subscribe("t")
+        async with consumer:
+            await consumer.wait_caught_up(timeout=10)
+            stats = consumer.statistics()
+        assert stats.queues[Q0].key_count == 0  # no key is kept once done
+        assert dict(stats.queues[Q0].stage_offsets) == {}  # nothing per key committed
+        return listener
+
+    listener = anyio.run(run)
+    assert listener.overlaps == 0
+    handled = sorted(o for _, offsets, _, _ in listener.calls for o in offsets)
+    assert handled == list(range(len(keys)))  # every message once
+    for key in {k for k in keys if k is not None}:
+        mine = [offsets for k, offsets, _, _ in listener.calls if k == key]
+        flat = [o for offsets in mine for o in offsets]
+        assert flat == sorted(flat)  # per key, offsets increase call after call
+        assert flat == [i for i, k in enumerate(keys) if k == key]
+        assert all(keys[o] == key for o in flat)  # a batch holds one key
+
+
+async def test_key_ordered_runs_different_keys_concurrently_with_bounded_memory() -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    for i in range(2000):
+        broker.send("t", b"x", keys=(f"key-{i}",), queue_id=0)  # every key distinct
+    listener = ByKey()
+    options = ConsumerOptions(pull_threshold_for_queue=100)
+    consumer = PushConsumer("g", broker, listener, options=options)
+    consumer.subscribe("t")
+    peak = 0
+    async with consumer:
+        with anyio.fail_after(20):
+            while consumer.statistics().consumed_ok < 2000:
+                peak = max(peak, consumer.statistics().queues[Q0].key_count)
+                await anyio.lowlevel.checkpoint()
+    assert 1 < peak <= 100 + 32  # the flow-control threshold (+ one pull), not 2000
+    assert listener.overlaps == 0
