@@ -1,7 +1,8 @@
 """Memory of a large backlog: flow control keeps the consumer's memory flat.
 
 A source that generates its messages on demand (so the backlog itself takes no
-memory) offers 1,000,000 messages. Each mode consumes them with a no-op handler
+memory) offers 1,000,000 messages. Each mode consumes them with a no-op handler,
+key-ordered consumption once with 10 keys and once with a distinct key per message,
 while Python's allocations are traced; the table shows the traced memory at 10%,
 50% and 100% of the backlog and the peak. The baseline, measured in the same run, is
 the hand-written way: one task per message under a semaphore of 20, fed from the
@@ -35,10 +36,12 @@ from rich.table import Table
 
 from benchmarks.overhead import NoopConcurrently, NoopOrderly, NoopStaged
 from stagedconsumer import (
+    ConsumeOrderlyContext,
     ConsumerOptions,
     Message,
     MessageQueue,
     MessageSource,
+    Ordering,
     PullResult,
     PushConsumer,
     SendBackResult,
@@ -48,13 +51,28 @@ from stagedconsumer import (
 TOPIC = "backlog"
 
 
+class NoopKeyOrdered(NoopOrderly):
+    """Key-ordered: one batch at a time per message key, keys concurrently."""
+
+    ordering = Ordering.BY_KEY
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
+        return None
+
+
 class GeneratedSource(MessageSource):
     """A read-only source whose queues hold ``per_queue`` generated messages each."""
 
-    def __init__(self, queues: int, per_queue: int, body_size: int = 100) -> None:
+    def __init__(
+        self, queues: int, per_queue: int, body_size: int = 100, keys: int | None = None
+    ) -> None:
         self.queues = queues
         self.per_queue = per_queue
         self.body = b"x" * body_size
+        self.keys = keys
+        """Messages carry one of ``keys`` keys (``0``: a distinct key each; ``None``: none)."""
 
     async def get_queues(self, topic: str) -> Sequence[MessageQueue]:
         if topic == TOPIC:
@@ -64,11 +82,16 @@ class GeneratedSource(MessageSource):
         raise UnknownTopicError(topic)
 
     def message(self, queue_id: int, offset: int) -> Message:
+        keys: tuple[str, ...] = ()
+        if self.keys is not None:
+            n = offset * self.queues + queue_id
+            keys = (f"key-{n if self.keys == 0 else n % self.keys}",)
         return Message(
             topic=TOPIC,
             queue_id=queue_id,
             queue_offset=offset,
             body=self.body,
+            keys=keys,
             msg_id=f"{queue_id}-{offset}",
         )
 
@@ -173,17 +196,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_queue = args.messages // args.queues
     total = per_queue * args.queues
     results: dict[str, dict[str, float]] = {}
-    cases: list[tuple[str, Any]] = []
+    cases: list[tuple[str, Any, int | None]] = []
     if not args.no_baseline:
-        cases.append(("baseline: task per message + Semaphore(20)", None))
+        cases.append(("baseline: task per message + Semaphore(20)", None, None))
     cases += [
-        ("concurrent", NoopConcurrently()),
-        ("staged [100]*k", NoopStaged(100, -(-per_queue // 100))),
-        ("orderly", NoopOrderly()),
+        ("concurrent", NoopConcurrently(), None),
+        ("staged [100]*k", NoopStaged(100, -(-per_queue // 100)), None),
+        ("orderly", NoopOrderly(), None),
+        ("key-ordered, 10 keys", NoopKeyOrdered(), 10),
+        (f"key-ordered, {total:,} keys (all distinct)", NoopKeyOrdered(), 0),
     ]
     with Progress() as progress:
-        for name, listener in cases:
-            source = GeneratedSource(args.queues, per_queue)
+        for name, listener, keys in cases:
+            source = GeneratedSource(args.queues, per_queue, keys=keys)
             task = progress.add_task(name, total=total)
             gc.collect()
             tracemalloc.start()
