@@ -48,6 +48,7 @@ from ._observability._send_hooks import ProducerStatistics as ProducerStatistics
 from ._observability._send_hooks import ProducerView as ProducerView
 from ._observability._send_hooks import SendMessageContext as SendMessageContext
 from ._observability._send_hooks import SendMessageHook as SendMessageHook
+from ._observability._send_trace_hook import SendMessageTraceHook as SendMessageTraceHook
 from ._observability._trace_codec import RMQ_SYS_TRACE_TOPIC as RMQ_SYS_TRACE_TOPIC
 from ._observability._trace_codec import TraceBean as TraceBean
 from ._observability._trace_codec import TraceContext as TraceContext
@@ -60,6 +61,7 @@ from ._observability._trace_dispatcher import TraceDispatcherStatistics as Trace
 from ._observability._trace_hook import ConsumeMessageTraceHook as ConsumeMessageTraceHook
 from ._observability._trace_query import query_message_trace as query_message_trace
 from ._observability._trace_query import read_trace_file as read_trace_file
+from ._observability._trace_query import read_trace_topic as read_trace_topic
 from ._observability._trace_query import trace_messages_of as trace_messages_of
 from ._observability._trace_sinks import FileTraceSink as FileTraceSink
 from ._observability._trace_sinks import SourceTraceSink as SourceTraceSink
@@ -162,6 +164,7 @@ __all__ = (
     "SendBackResult",
     "SendMessageContext",
     "SendMessageHook",
+    "SendMessageTraceHook",
     "SendResult",
     "SendStatus",
     "SendTimeoutError",
@@ -185,5 +188,6 @@ __all__ = (
     "inject_traceparent",
     "query_message_trace",
     "read_trace_file",
+    "read_trace_topic",
     "trace_messages_of",
 )

@@ -1,10 +1,17 @@
 """``stagedconsumer trace MSG_ID_OR_KEY``: a message's life from its trace records.
 
 Reads the JSON-lines file written by :class:`~stagedconsumer.FileTraceSink`
-(``--trace-file``), pairs ``SubBefore`` and ``SubAfter`` records by request id and
-prints one row per handler call: when the message was received and cached, how long
-its stage's barrier held it, when the handler started and ended, the attempt, the
-result and how a failure was settled.
+(``--trace-file``) or the trace topic of a :class:`~stagedconsumer.RedisBroker`
+(``--redis URL --namespace NS``), and prints one table per message: its send (the
+``Pub`` record: sent at, send cost, queue and offset, producer group), then every
+handler call, from a ``SubBefore``/``SubAfter`` pair matched by request id: how long
+the message waited in the broker before the consumer cached it, how long its stage's
+barrier held it, how long it then waited in the cache for a worker, when the handler
+started, how long it ran, and how a failure was settled.
+
+A message retried through the retry queue (concurrent mode) is a new message there,
+traced under the id of its first delivery (``ORIGIN_MESSAGE_ID``): its attempts are
+rows of the same table.
 """
 
 from __future__ import annotations
@@ -15,15 +22,40 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import attrs
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .._observability._trace_codec import TraceContext, TraceType
-from .._observability._trace_query import query_message_trace, read_trace_file
+from .._exceptions import StagedConsumerError
+from .._observability._trace_codec import RMQ_SYS_TRACE_TOPIC, TraceContext, TraceMessage, TraceType
+from .._observability._trace_query import query_message_trace, read_trace_file, read_trace_topic
 
-__all__ = ("LifeRow", "message_life", "register")
+__all__ = ("LifeRow", "MessageHistory", "SendRow", "message_history", "message_life", "register")
+
+
+@attrs.frozen(kw_only=True)
+class SendRow:
+    """One send of a message, from a ``Pub`` record."""
+
+    msg_id: str
+    keys: str
+    tags: str
+    group: str
+    """The producer group."""
+    topic: str
+    queue_id: int | None
+    queue_offset: int | None
+    sent_ms: int
+    """When the send call started (ms since the epoch)."""
+    cost_ms: int
+    """How long the send call took (ms, retries included)."""
+    success: bool
+    attempts: int | None
+    store_host: str
+    client_host: str
+    body_length: int
 
 
 @attrs.frozen(kw_only=True)
@@ -49,10 +81,52 @@ class LifeRow:
     """``None``: no ``SubAfter`` yet (the call was running or the consumer died)."""
     context_code: int | None
     settlement: str
+    broker_wait_ms: int | None = None
+    """From the end of the send call (first attempt) or of the previous attempt (a
+    retry through the retry queue) to the consumer caching the message; 0 when the
+    consumer had it before the send returned. ``None``: a local retry (the message
+    never left the cache) or nothing to measure from."""
+    cache_wait_ms: int | None = None
+    """From when the message was cached and its barrier open (after a local retry:
+    from the previous attempt's end) to the handler start."""
+    local_retry: bool = False
+    """The message stayed in the consumer's cache since the previous attempt
+    (suspended: orderly and staged modes retry locally)."""
 
 
-def message_life(contexts: Sequence[TraceContext]) -> list[LifeRow]:
-    """Handler calls found in ``contexts``, in start order."""
+@attrs.frozen(kw_only=True)
+class MessageHistory:
+    """Everything traced of one message: its sends, then its handler calls."""
+
+    msg_id: str
+    keys: str
+    sends: tuple[SendRow, ...]
+    calls: tuple[LifeRow, ...]
+    """In start order (several consumer groups interleave)."""
+
+
+def _send_row(pub: TraceContext) -> SendRow:
+    bean = pub.beans[0]
+    return SendRow(
+        msg_id=bean.msg_id,
+        keys=bean.keys,
+        tags=bean.tags,
+        group=pub.group_name,
+        topic=bean.topic,
+        queue_id=bean.queue_id,
+        queue_offset=bean.queue_offset,
+        sent_ms=pub.timestamp,
+        cost_ms=pub.cost_time,
+        success=pub.success,
+        attempts=pub.attempt,
+        store_host=bean.store_host,
+        client_host=bean.client_host,
+        body_length=bean.body_length,
+    )
+
+
+def _calls(contexts: Sequence[TraceContext]) -> list[LifeRow]:
+    """Handler calls found in ``contexts`` (waits not filled in)."""
     afters = {
         (c.request_id, c.beans[0].msg_id): c for c in contexts if c.trace_type is TraceType.SubAfter
     }
@@ -82,8 +156,78 @@ def message_life(contexts: Sequence[TraceContext]) -> list[LifeRow]:
                 settlement=after.settlement if after is not None else "",
             )
         )
-    rows.sort(key=lambda r: (r.msg_id, r.start_ms, r.attempt))
     return rows
+
+
+def _with_waits(calls: list[LifeRow], send: SendRow | None) -> list[LifeRow]:
+    """``calls`` (of one message, in start order) with their broker and cache waits,
+    each measured from the previous step of the same consumer group."""
+    previous: dict[str, LifeRow] = {}
+    out: list[LifeRow] = []
+    for call in calls:
+        prev = previous.get(call.group)
+        previous[call.group] = call
+        broker: int | None = None
+        cache: int | None = None
+        local = False
+        if call.cached_ms is None:
+            pass  # records of another writer: nothing to measure
+        elif prev is not None and prev.cached_ms == call.cached_ms:
+            local = True  # a local retry: the message stayed in the cache, suspended
+            if prev.end_ms is not None:
+                cache = call.start_ms - prev.end_ms
+        else:
+            handed_over: int | None = None
+            if prev is not None:
+                handed_over = prev.end_ms  # it came back through the retry queue
+            elif send is not None:
+                handed_over = send.sent_ms + send.cost_ms
+            if handed_over is not None:
+                broker = call.cached_ms - handed_over
+            cache = call.start_ms - call.cached_ms - (call.barrier_wait_ms or 0)
+        out.append(
+            attrs.evolve(
+                call,
+                broker_wait_ms=None if broker is None else max(0, broker),
+                cache_wait_ms=None if cache is None else max(0, cache),
+                local_retry=local,
+            )
+        )
+    return out
+
+
+def message_history(contexts: Sequence[TraceContext]) -> list[MessageHistory]:
+    """The messages found in ``contexts``, by message id: each one's sends (``Pub``
+    records, in time order) and handler calls (in start order, with their waits)."""
+    sends: dict[str, list[SendRow]] = {}
+    for ctx in contexts:
+        if ctx.trace_type is TraceType.Pub:
+            row = _send_row(ctx)
+            sends.setdefault(row.msg_id, []).append(row)
+    calls: dict[str, list[LifeRow]] = {}
+    for call in _calls(contexts):
+        calls.setdefault(call.msg_id, []).append(call)
+    histories: list[MessageHistory] = []
+    for msg_id in sorted(sends.keys() | calls.keys()):
+        message_sends = sorted(sends.get(msg_id, ()), key=lambda r: r.sent_ms)
+        first_send = next((s for s in message_sends if s.success), None)
+        message_calls = sorted(calls.get(msg_id, ()), key=lambda r: (r.start_ms, r.attempt))
+        keys = message_sends[0].keys if message_sends else message_calls[0].keys
+        histories.append(
+            MessageHistory(
+                msg_id=msg_id,
+                keys=keys,
+                sends=tuple(message_sends),
+                calls=tuple(_with_waits(message_calls, first_send)),
+            )
+        )
+    return histories
+
+
+def message_life(contexts: Sequence[TraceContext]) -> list[LifeRow]:
+    """Handler calls found in ``contexts``, by message id, each message's in start
+    order (see :func:`message_history`, which has the sends too)."""
+    return [call for history in message_history(contexts) for call in history.calls]
 
 
 _CODES = {0: "SUCCESS", 1: "TIME_OUT", 2: "EXCEPTION", 3: "RETURNNULL", 4: "FAILED"}
@@ -96,6 +240,16 @@ def _time(ms: int | None) -> str:
     return moment.strftime("%H:%M:%S.%f")[:-3]
 
 
+def _ms(value: int | None) -> str:
+    return "" if value is None else f"{value} ms"
+
+
+def _where(topic: str, queue_id: int | None, queue_offset: int | None) -> str:
+    if queue_id is None:
+        return topic
+    return f"{topic}:{queue_id}@{queue_offset}"
+
+
 def _result(row: LifeRow) -> str:
     if row.success is None:
         return "(no SubAfter)"
@@ -106,77 +260,169 @@ def _result(row: LifeRow) -> str:
     return text
 
 
+def _send_result(row: SendRow) -> str:
+    text = "sent" if row.success else "not SEND_OK"
+    if row.attempts is not None and row.attempts > 1:
+        text += f" ({row.attempts} attempts)"
+    return text
+
+
 def _stage(index: int | None) -> str:
     if index is None:
         return ""
     return "tail" if index < 0 else str(index)
 
 
-def _run(args: argparse.Namespace) -> int:
-    console = Console(width=max(Console().width, 140))
-    path = Path(args.trace_file)
-    if not path.exists():
-        console.print(f"[red]no trace file {path}[/red]")
-        return 1
-    contexts = query_message_trace(read_trace_file(path), args.key)
-    rows = message_life(contexts)
-    if args.json:
-        print(json.dumps([attrs.asdict(r) for r in rows], indent=2))
-        return 0 if rows else 1
-    if not rows:
-        console.print(f"no trace records for {args.key!r} in {path}")
-        return 1
-    by_message: dict[str, list[LifeRow]] = {}
-    for row in rows:
-        by_message.setdefault(row.msg_id, []).append(row)
-    for msg_id, calls in by_message.items():
-        first = calls[0]
-        where = f"{first.topic} queue {first.queue_id} offset {first.queue_offset}"
-        table = Table(
-            title=escape(f"message {msg_id}  keys [{first.keys}]  {where}  group {first.group}"),
-            caption="times: UTC, HH:MM:SS.mmm; cost: RocketMQ costTime (handler ms / batch size)",
+_COLUMNS = (
+    "step",
+    "group",
+    "queue",
+    "stage",
+    "in broker",
+    "barrier",
+    "in cache",
+    "start",
+    "took",
+    "result",
+)
+_CAPTION = "times: UTC; what the columns measure: stagedconsumer trace --help"
+_COLUMN_HELP = """\
+columns:
+  step       send (a Pub record), then attempt N (a SubBefore/SubAfter pair)
+  group      producer group, then consumer group
+  queue      topic:queue@offset where the message was stored, then where each
+             attempt pulled it from (%RETRY%<group> for a retry through the retry
+             queue: a new message there, traced under the first delivery's id)
+  stage      stage index of the attempt (tail: the unbounded last stage, and every
+             message in concurrent mode)
+  in broker  from the end of the send (or of the previous attempt, for a retry
+             through the retry queue) to the consumer caching the message
+  barrier    how long it was cached while its stage's barrier was closed
+  in cache   from cached with the barrier open (after a local retry: from the
+             previous attempt's end) to the handler start
+  start      when the send or the handler call started (UTC)
+  took       how long the send call (retries included) or the handler call took
+  result     sent; or the handler's result and how a failure was settled
+"""
+
+
+def _table(history: MessageHistory) -> Table:
+    sent_to = ""
+    if history.sends:
+        send = history.sends[0]
+        sent_to = f"  stored on {send.store_host}" if send.store_host else ""
+    table = Table(
+        title=escape(f"message {history.msg_id}  keys [{history.keys}]{sent_to}"),
+        caption=_CAPTION,
+    )
+    for name in _COLUMNS:
+        table.add_column(name, no_wrap=name != "result")
+    for send in history.sends:
+        table.add_row(
+            "send",
+            escape(send.group),
+            escape(_where(send.topic, send.queue_id, send.queue_offset)),
+            "",
+            "",
+            "",
+            "",
+            _time(send.sent_ms),
+            _ms(send.cost_ms),
+            _send_result(send),
         )
-        for name in (
-            "attempt",
-            "stage",
-            "received/cached",
-            "barrier wait",
-            "handler start",
-            "handler end",
-            "cost",
-            "result",
-        ):
-            table.add_column(name, no_wrap=True)
-        for row in calls:
-            table.add_row(
-                str(row.attempt),
-                _stage(row.stage_index),
-                _time(row.cached_ms),
-                "" if row.barrier_wait_ms is None else f"{row.barrier_wait_ms} ms",
-                _time(row.start_ms),
-                _time(row.end_ms),
-                "" if row.cost_ms is None else f"{row.cost_ms} ms",
-                _result(row),
+    for call in history.calls:
+        took = None if call.end_ms is None else call.end_ms - call.start_ms
+        table.add_row(
+            f"attempt {call.attempt}",
+            escape(call.group),
+            escape(_where(call.topic, call.queue_id, call.queue_offset)),
+            _stage(call.stage_index),
+            _ms(call.broker_wait_ms),
+            "" if call.local_retry else _ms(call.barrier_wait_ms),
+            _ms(call.cache_wait_ms),
+            _time(call.start_ms),
+            _ms(took),
+            _result(call),
+        )
+    return table
+
+
+async def _read_redis(url: str, namespace: str, topic: str) -> list[TraceMessage]:
+    from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
+
+    # An operator command: give up on an unreachable Redis after seconds, not 30.
+    async with RedisBroker(
+        url, namespace=namespace, send_timeout=2.0, socket_timeout=2.0
+    ) as broker:
+        return await read_trace_topic(broker, topic)
+
+
+def _run(args: argparse.Namespace) -> int:
+    console = Console(width=max(Console().width, 160))
+    if args.redis:
+        where = f"{args.trace_topic} of {args.redis} namespace {args.namespace}"
+        try:
+            messages = anyio.run(
+                _read_redis, args.redis, args.namespace, args.trace_topic, backend="asyncio"
             )
-        console.print(table)
+        except ImportError as exc:
+            console.print(f"[red]{exc} (pip install 'stagedconsumer[redis]')[/red]")
+            return 1
+        except StagedConsumerError as exc:
+            console.print(f"[red]cannot read {escape(where)}: {escape(str(exc))}[/red]")
+            return 1
+    else:
+        path = Path(args.trace_file)
+        where = str(path)
+        if not path.exists():
+            console.print(f"[red]no trace file {escape(where)}[/red]")
+            return 1
+        messages = list(read_trace_file(path))
+    histories = message_history(query_message_trace(messages, args.key))
+    if args.json:
+        print(json.dumps([attrs.asdict(h) for h in histories], indent=2))
+        return 0 if histories else 1
+    if not histories:
+        console.print(f"no trace records for {escape(repr(args.key))} in {escape(where)}")
+        return 1
+    for history in histories:
+        console.print(_table(history))
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "trace",
+        epilog=_COLUMN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="print a message's life from its trace records",
         description=(
-            "Print every handler call of a message (found by message id or business key)"
-            " from the trace file written by FileTraceSink: received/cached, barrier wait,"
-            " handler start and end, attempt, result."
+            "Print the life of a message (found by message id or business key) from its"
+            " trace records: its send (producer group, queue and offset, send cost), then"
+            " every handler call: time in the broker, behind the stage barrier and in the"
+            " cache, handler start and length, attempt, result."
         ),
     )
     parser.add_argument("key", metavar="MSG_ID_OR_KEY")
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--trace-file",
-        required=True,
-        help="JSON-lines file written by ConsumeMessageTraceHook(FileTraceSink(PATH))",
+        metavar="PATH",
+        help="JSON-lines file written by FileTraceSink(PATH)",
+    )
+    source.add_argument(
+        "--redis",
+        metavar="URL",
+        help="read the trace topic of the RedisBroker at URL (e.g. redis://127.0.0.1:6379/0)",
+    )
+    parser.add_argument(
+        "--namespace", default="sc", metavar="NS", help="RedisBroker namespace (default sc)"
+    )
+    parser.add_argument(
+        "--trace-topic",
+        default=RMQ_SYS_TRACE_TOPIC,
+        metavar="TOPIC",
+        help=f"trace topic to read with --redis (default {RMQ_SYS_TRACE_TOPIC})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=_run)

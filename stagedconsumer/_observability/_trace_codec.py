@@ -1,5 +1,6 @@
 """Message trace records in RocketMQ's format (``org.apache.rocketmq.client.trace``).
 
+Every send of a producer produces a ``Pub`` context, with one bean per message sent.
 Every handler call produces two trace contexts: ``SubBefore`` when the handler
 starts and ``SubAfter`` when the batch was settled, paired by a shared request id.
 Both hold one bean per message. Contexts are encoded in RocketMQ's wire format
@@ -10,11 +11,24 @@ fields, where its decoder ignores them.
 
 Field order written here (``*``: our additions)::
 
+    Pub:       type, timeStamp, regionId, groupName, topic, msgId, tags, keys,
+               storeHost, bodyLength, costTime, msgType, offsetMsgId, isSuccess,
+               clientHost, *queueId, *queueOffset, *attempt
     SubBefore: type, timeStamp, regionId, groupName, requestId, msgId, retryTimes, keys,
                *stageIndex, *barrierWaitMs, *cachedTimeStamp, *topic, *queueId,
                *queueOffset, *attempt, *strategyId, *stageGroupId
     SubAfter:  type, requestId, msgId, costTime, isSuccess, keys, contextCode,
                timeStamp, groupName, *stageIndex, *settlement, *attempt
+
+The ``SubBefore`` queue position (``*topic``, ``*queueId``, ``*queueOffset``) is the
+queue the message was pulled from: ``%RETRY%<group>`` for a message retried through
+the retry queue (traced under its first delivery's ``msgId``).
+
+A ``Pub`` record has RocketMQ's 14 fields, then ``clientHost``: RocketMQ's decoder
+reads a 15th field (and only that one past the 14) as the bean's ``clientHost``
+(a field of its older encoders), so it comes before our additions. One ``Pub``
+record is written per message (RocketMQ writes one per send call; its batch is one
+message there).
 
 A :class:`TraceMessage` is what is stored: the encoded records of several contexts
 and the keys (message ids and business keys) it is indexed by.
@@ -64,7 +78,8 @@ MAX_MSG_SIZE = 128_000
 
 
 class TraceType(enum.Enum):
-    """RocketMQ's ``TraceType`` (this library writes ``SubBefore`` and ``SubAfter``)."""
+    """RocketMQ's ``TraceType`` (this library writes ``Pub``, ``SubBefore`` and
+    ``SubAfter``)."""
 
     Pub = "Pub"
     Recall = "Recall"
@@ -83,16 +98,22 @@ class TraceBean:
     keys: str = ""
     """Business keys joined by a space."""
     store_host: str = ""
+    """``Pub``: where the message was stored (see ``MessageSource.store_host``)."""
     body_length: int = 0
     retry_times: int = 0
     msg_type: int = 0
+    """``Pub``: RocketMQ's ``MessageType`` ordinal (0 ``Normal_Msg``, 1
+    ``Trans_Msg_Half``, 2 ``Trans_msg_Commit``, 3 ``Delay_Msg``, 4 ``Order_Msg``)."""
     offset_msg_id: str = ""
     client_host: str = ""
+    """``Pub``: the producer's host."""
     # Our additions.
     barrier_wait_ms: int | None = None
     cached_timestamp: int | None = None
     """When the consumer cached the message (ms since the epoch)."""
     queue_id: int | None = None
+    """``SubBefore``: the queue the message was pulled from; ``Pub``: the queue it
+    was stored in (with ``queue_offset``)."""
     queue_offset: int | None = None
 
 
@@ -101,8 +122,10 @@ class TraceContext:
     """One trace record group (RocketMQ's ``TraceContext`` plus our fields).
 
     ``timestamp`` is in milliseconds since the epoch: the handler start for
-    ``SubBefore``, the handler end for ``SubAfter``. ``cost_time`` is RocketMQ's
-    per-message average, ``handler time / batch size`` in ms.
+    ``SubBefore``, the handler end for ``SubAfter``, the start of the send call for
+    ``Pub``. ``cost_time`` is RocketMQ's per-message average, ``handler time / batch
+    size`` in ms, for ``SubAfter``; the send call's time in ms for ``Pub`` (retries
+    included).
     """
 
     trace_type: TraceType
@@ -118,6 +141,8 @@ class TraceContext:
     # Our additions.
     stage_index: int | None = None
     attempt: int | None = None
+    """``SubBefore``/``SubAfter``: the delivery attempt; ``Pub``: the send attempts
+    the call made (1, plus one per retry)."""
     strategy_id: str = ""
     stage_group_id: str = ""
     settlement: str = ""
@@ -142,7 +167,8 @@ def _bool(value: bool) -> str:
 
 def encode_trace_context(ctx: TraceContext) -> str:
     """Encode ``ctx`` as RocketMQ's ``TraceDataEncoder.encoderFromContextBean`` does:
-    one record per bean for ``SubBefore``/``SubAfter``, plus our appended fields."""
+    one record per bean (RocketMQ encodes only the first bean of a ``Pub``
+    context), plus our appended fields."""
     out: list[str] = []
     j = CONTENT_SPLITOR.join
     if ctx.trace_type is TraceType.SubBefore:
@@ -201,6 +227,10 @@ def encode_trace_context(ctx: TraceContext) -> str:
                 bean.msg_type,
                 bean.offset_msg_id,
                 _bool(ctx.success),
+                bean.client_host,
+                _opt(bean.queue_id),
+                _opt(bean.queue_offset),
+                _opt(ctx.attempt),
             ]
             out.append(j(_clean(f) for f in fields) + FIELD_SPLITOR)
     else:
@@ -300,6 +330,8 @@ def decode_trace_data(data: str) -> list[TraceContext]:
                 success = f[13] == "true"
                 if len(f) >= 15:
                     bean.client_host = f[14]
+                    bean.queue_id = _opt_int(f, 15)
+                    bean.queue_offset = _opt_int(f, 16)
             contexts.append(
                 TraceContext(
                     trace_type=TraceType.Pub,
@@ -308,6 +340,7 @@ def decode_trace_data(data: str) -> list[TraceContext]:
                     group_name=f[3],
                     cost_time=_int(f[10]),
                     success=success,
+                    attempt=_opt_int(f, 17),
                     beans=[bean],
                 )
             )

@@ -5,7 +5,10 @@ Its encoders write the layout of :func:`~._trace_codec.encode_trace_context`
 straight from the hook context (``tests/trace/test_trace_fast_path.py`` holds them
 to it byte for byte). A retried message (concurrent mode: a new message in the retry
 queue) is traced under the id of its first delivery (property
-``ORIGIN_MESSAGE_ID``), as RocketMQ traces retries under the message's unique key.
+``ORIGIN_MESSAGE_ID``), as RocketMQ traces retries under the message's unique key;
+its record's queue position (``topic``, ``queueId``, ``queueOffset``) is where it
+was pulled from, the retry queue ``%RETRY%<group>`` (the consumer gives the message
+back its first topic, ``RETRY_TOPIC``).
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         static = self._static.get(
             (region, context.consumer_group, context.strategy_id, context.group_id, stage)
         ) or self._static_text(context, region)
-        topic = message.topic
+        topic = context.message_queue.topic  # %RETRY%<group> for a retried message
         if topic is not self._topic:
             self._topic = topic
             self._topic_text = _c(topic)
@@ -241,8 +244,7 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         request_id = self._next_request_id()
         head = f"SubBefore{_S}{round((context.start_time + wall) * 1000)}{static[0]}{request_id}"
         tail = f"{_S}{context.attempt}{static[1]}"
-        topic = ""
-        topic_text = ""
+        topic_text = _c(context.message_queue.topic)
         beans: list[tuple[str, str]] = []
         records: list[str] = []
         keys: list[str] = []
@@ -255,9 +257,6 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
                 msg_id = props.get(PROPERTY_ORIGIN_MESSAGE_ID) or msg_id
             if _S in msg_id or _E in msg_id:
                 msg_id = _c(msg_id)
-            if message.topic is not topic:
-                topic = message.topic
-                topic_text = _c(topic)
             if message.keys:
                 key_text = _c(KEY_SEPARATOR.join(message.keys))
                 keys.append(msg_id)

@@ -19,6 +19,7 @@ from ._trace_codec import TraceMessage
 from ._traceparent import without_current_span
 
 if TYPE_CHECKING:
+    from ._send_hooks import ProducerView
     from ._view import ConsumerView
 
 __all__ = ("FileTraceSink", "SourceTraceSink", "TraceSink")
@@ -46,8 +47,9 @@ class TraceSink(abc.ABC):
         del message
         return False
 
-    async def prepare(self, consumer: ConsumerView) -> None:  # noqa: B027 - optional
-        """Called when the consumer starts, before any write. The default does nothing."""
+    async def prepare(self, owner: ConsumerView | ProducerView) -> None:  # noqa: B027 - optional
+        """Called when the consumer or producer whose hook writes here starts, before
+        any write. The default does nothing."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional
         """Release resources. The default does nothing."""
@@ -83,7 +85,8 @@ class SourceTraceSink(TraceSink):
     writer (:class:`~stagedconsumer.MemoryBroker`) gets its batches written inline
     through it instead. A missing trace topic is created with one queue through the
     source's ``create_topic`` (sync or async), as RocketMQ's broker creates it with
-    one queue. With ``source=None`` the consumer's source is used.
+    one queue. With ``source=None`` the source of the consumer or producer whose
+    hook writes here is used.
     """
 
     def __init__(self, source: MessageSource | None = None) -> None:
@@ -92,9 +95,9 @@ class SourceTraceSink(TraceSink):
         # The source's synchronous trace path (MessageSource.trace_writer), if it has one.
         self._send_trace: TraceWriter | None = None
 
-    async def prepare(self, consumer: ConsumerView) -> None:
+    async def prepare(self, owner: ConsumerView | ProducerView) -> None:
         if self.source is None:
-            self.source = consumer.source
+            self.source = owner.source
         send = getattr(self.source, "send", None)
         if not callable(send):
             raise ConfigurationError(

@@ -271,6 +271,10 @@ class MemoryBroker(MessageSource):
 
     # -- MessageSource -----------------------------------------------------------
 
+    def store_host(self) -> str:
+        """``"embedded"``: the messages are in this process's memory."""
+        return "embedded"
+
     def trace_writer(self) -> TraceWriter | None:
         """:meth:`send_trace`, unless a subclass changed :meth:`send` (its trace
         messages then go through its ``send``)."""

@@ -212,6 +212,14 @@ class RedisBroker(MessageSource):
         the coordinator's included."""
         return self._connection.connection_errors
 
+    def store_host(self) -> str:
+        """The Redis server's ``host:port`` (its socket path for a ``unix://`` URL)."""
+        kwargs = self._redis.connection_pool.connection_kwargs
+        path = kwargs.get("path")
+        if path:
+            return str(path)
+        return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
     def group_coordinator(self) -> RedisCoordinator:
         return self._coordinator
 

@@ -187,6 +187,14 @@ class MessageSource(abc.ABC):
         """
         return None
 
+    def store_host(self) -> str:
+        """Where this source stores messages, as message trace writes it (the
+        ``storeHost`` of a ``Pub`` record; RocketMQ: the address of the broker that
+        stored the message). :class:`~stagedconsumer.MemoryBroker`: ``"embedded"``;
+        :class:`~stagedconsumer.RedisBroker`: the Redis server's ``host:port``. The
+        default is the class name."""
+        return type(self).__name__
+
     def trace_writer(self) -> TraceWriter | None:
         """A function that stores a message trace record batch synchronously, or ``None``.
 

@@ -87,6 +87,188 @@ def test_sub_after_keeps_rocketmq_field_order() -> None:
     assert records[1].split(CONTENT_SPLITOR)[2] == "M2"
 
 
+def _pub(**overrides: object) -> TraceContext:
+    values: dict[str, object] = {
+        "trace_type": TraceType.Pub,
+        "timestamp": 1_700_000_000_050,
+        "region_id": "DefaultRegion",
+        "group_name": "pg",
+        "cost_time": 3,
+        "success": True,
+        "attempt": 2,
+        "beans": [
+            TraceBean(
+                topic="t",
+                msg_id="M1",
+                tags="paid",
+                keys="k1 k2",
+                store_host="127.0.0.1:6379",
+                body_length=16,
+                msg_type=0,
+                offset_msg_id="3:42",
+                client_host="host-a",
+                queue_id=3,
+                queue_offset=42,
+            )
+        ],
+    }
+    values.update(overrides)
+    return TraceContext(**values)  # type: ignore[arg-type]
+
+
+def test_pub_keeps_rocketmq_field_order() -> None:
+    data = encode_trace_context(_pub())
+    assert data.endswith(FIELD_SPLITOR)
+    assert data.count(FIELD_SPLITOR) == 1
+    fields = data[:-1].split(CONTENT_SPLITOR)
+    # RocketMQ's 14 fields, clientHost (what its decoder reads as a 15th), then ours.
+    assert fields[:14] == [
+        "Pub",
+        "1700000000050",
+        "DefaultRegion",
+        "pg",
+        "t",
+        "M1",
+        "paid",
+        "k1 k2",
+        "127.0.0.1:6379",
+        "16",
+        "3",
+        "0",
+        "3:42",
+        "true",
+    ]
+    assert fields[14:] == ["host-a", "3", "42", "2"]
+
+
+def test_a_pub_context_of_several_beans_is_one_record_per_bean() -> None:
+    second = TraceBean(topic="t", msg_id="M2", keys="", queue_id=3, queue_offset=43)
+    ctx = _pub(beans=[*_pub().beans, second])
+    records = encode_trace_context(ctx).split(FIELD_SPLITOR)
+    assert len(records) == 3
+    assert records[-1] == ""
+    assert records[1].split(CONTENT_SPLITOR)[5] == "M2"
+    assert [c.beans[0].msg_id for c in decode_trace_data(encode_trace_context(ctx))] == [
+        "M1",
+        "M2",
+    ]
+    assert trace_keys([ctx]) == ["M1", "k1", "k2", "M2"]
+
+
+_MESSAGE_TYPES = ("Normal_Msg", "Trans_Msg_Half", "Trans_msg_Commit", "Delay_Msg", "Order_Msg")
+"""RocketMQ's ``MessageType``, in ordinal order."""
+
+
+def _java_split(record: str) -> list[str]:
+    """``record.split(CONTENT_SPLITOR)`` as Java's ``String.split`` does it: trailing
+    empty strings removed."""
+    fields = record.split(CONTENT_SPLITOR)
+    while len(fields) > 1 and fields[-1] == "":
+        fields.pop()
+    return fields
+
+
+def _rocketmq_decode(data: str) -> list[dict[str, object]]:
+    """What ``TraceDataEncoder.decoderFromTraceDataString`` (apache/rocketmq, client
+    ``org.apache.rocketmq.client.trace``) reads from ``data``, field by field: Java's
+    split, ``Long.parseLong`` / ``Integer.parseInt`` (which raise on anything but an
+    integer), ``MessageType.values()[i]``, ``Boolean.parseBoolean``, and its rules for
+    13, 14 and 15 or more ``Pub`` fields and 7 and 9 ``SubAfter`` fields."""
+    out: list[dict[str, object]] = []
+    for record in data.split(FIELD_SPLITOR):
+        if not record:
+            continue  # Java drops the trailing empty string after the last record
+        line = _java_split(record)
+        if line[0] == "Pub":
+            pub: dict[str, object] = {
+                "type": "Pub",
+                "timeStamp": int(line[1]),
+                "regionId": line[2],
+                "groupName": line[3],
+                "topic": line[4],
+                "msgId": line[5],
+                "tags": line[6],
+                "keys": line[7],
+                "storeHost": line[8],
+                "bodyLength": int(line[9]),
+                "costTime": int(line[10]),
+                "msgType": _MESSAGE_TYPES[int(line[11])],
+                "offsetMsgId": "",
+                "isSuccess": True,
+                "clientHost": "",
+            }
+            if len(line) == 13:
+                pub["isSuccess"] = line[12].lower() == "true"
+            elif len(line) >= 14:
+                pub["offsetMsgId"] = line[12]
+                pub["isSuccess"] = line[13].lower() == "true"
+            if len(line) >= 15:
+                pub["clientHost"] = line[14]
+            out.append(pub)
+        elif line[0] == "SubBefore":
+            out.append(
+                {
+                    "type": "SubBefore",
+                    "timeStamp": int(line[1]),
+                    "regionId": line[2],
+                    "groupName": line[3],
+                    "requestId": line[4],
+                    "msgId": line[5],
+                    "retryTimes": int(line[6]),
+                    "keys": line[7],
+                }
+            )
+        elif line[0] == "SubAfter":
+            after: dict[str, object] = {
+                "type": "SubAfter",
+                "requestId": line[1],
+                "msgId": line[2],
+                "costTime": int(line[3]),
+                "isSuccess": line[4].lower() == "true",
+                "keys": line[5],
+                "contextCode": 0,
+                "timeStamp": 0,
+                "groupName": "",
+            }
+            if len(line) >= 7:
+                after["contextCode"] = int(line[6])
+            if len(line) >= 9:
+                after["timeStamp"] = int(line[7])
+                after["groupName"] = line[8]
+            out.append(after)
+    return out
+
+
+def test_rocketmq_reads_our_pub_records_with_its_meaning() -> None:
+    [pub] = _rocketmq_decode(encode_trace_context(_pub()))
+    assert pub == {
+        "type": "Pub",
+        "timeStamp": 1_700_000_000_050,
+        "regionId": "DefaultRegion",
+        "groupName": "pg",
+        "topic": "t",
+        "msgId": "M1",
+        "tags": "paid",
+        "keys": "k1 k2",
+        "storeHost": "127.0.0.1:6379",
+        "bodyLength": 16,
+        "costTime": 3,
+        "msgType": "Normal_Msg",
+        "offsetMsgId": "3:42",
+        "isSuccess": True,
+        "clientHost": "host-a",
+    }
+    # Without clientHost and our fields (all empty), Java's split leaves RocketMQ's 14.
+    bare = _pub(beans=[TraceBean(topic="t", msg_id="M1")], attempt=None, success=False)
+    [pub] = _rocketmq_decode(encode_trace_context(bare))
+    assert (pub["msgId"], pub["isSuccess"], pub["clientHost"], pub["offsetMsgId"]) == (
+        "M1",
+        False,
+        "",
+        "",
+    )
+
+
 def test_decodes_records_written_by_rocketmq() -> None:
     s, e = CONTENT_SPLITOR, FIELD_SPLITOR
     data = (
@@ -183,8 +365,39 @@ _opt_int = st.none() | st.integers(min_value=-1, max_value=10**6)
 
 @st.composite
 def _contexts(draw: st.DrawFn) -> TraceContext:
-    kind = draw(st.sampled_from([TraceType.SubBefore, TraceType.SubAfter]))
+    kind = draw(st.sampled_from([TraceType.Pub, TraceType.SubBefore, TraceType.SubAfter]))
     keys = st.lists(_word, max_size=3).map(" ".join)
+    if kind is TraceType.Pub:
+        beans = draw(
+            st.lists(
+                st.builds(
+                    TraceBean,
+                    topic=_text,
+                    msg_id=_word,
+                    tags=_text,
+                    keys=keys,
+                    store_host=_text,
+                    body_length=st.integers(0, 2**31 - 1),
+                    msg_type=st.integers(0, 4),
+                    offset_msg_id=_text,
+                    client_host=_text,
+                    queue_id=_opt_int,
+                    queue_offset=_opt_int,
+                ),
+                min_size=1,
+                max_size=3,
+            )
+        )
+        return TraceContext(
+            trace_type=kind,
+            timestamp=draw(_ms),
+            region_id=draw(_text),
+            group_name=draw(_text),
+            cost_time=draw(st.integers(0, 10**6)),
+            success=draw(st.booleans()),
+            attempt=draw(_opt_int),
+            beans=beans,
+        )
     if kind is TraceType.SubBefore:
         beans = draw(
             st.lists(

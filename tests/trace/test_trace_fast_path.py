@@ -178,7 +178,7 @@ def _reference(
                 keys=KEY_SEPARATOR.join(m.keys),
                 barrier_wait_ms=round((opened - cached) * 1000) if opened > cached else 0,
                 cached_timestamp=round((cached + wall) * 1000),
-                topic=m.topic,
+                topic=context.message_queue.topic,
                 queue_id=m.queue_id,
                 queue_offset=m.queue_offset,
             )

@@ -98,7 +98,14 @@ async def test_staged_trace_to_file_and_cli(
     assert "failed (EXCEPTION) -> suspend" in out
     assert "success" in out
     assert main(["trace", "k3", "--trace-file", str(path), "--json"]) == 0
-    assert [r["attempt"] for r in json.loads(capsys.readouterr().out)] == [1, 2]
+    [history] = json.loads(capsys.readouterr().out)
+    assert history["msg_id"] == msg3.msg_id
+    assert history["sends"] == []  # not sent through a traced Producer
+    assert [c["attempt"] for c in history["calls"]] == [1, 2]
+    # The second attempt is a local retry: it never left the cache.
+    assert [c["local_retry"] for c in history["calls"]] == [False, True]
+    assert [c["broker_wait_ms"] for c in history["calls"]] == [None, None]
+    assert history["calls"][1]["cache_wait_ms"] >= 10  # suspended for 10 ms
     assert main(["trace", "nope", "--trace-file", str(path)]) == 1
 
 
