@@ -23,6 +23,7 @@ from ._exceptions import SourceClosedError as SourceClosedError
 from ._exceptions import SourceError as SourceError
 from ._exceptions import StagedConsumerError as StagedConsumerError
 from ._exceptions import UnknownTopicError as UnknownTopicError
+from ._exceptions import WrongThreadError as WrongThreadError
 from ._listeners import ConsumeConcurrentlyContext as ConsumeConcurrentlyContext
 from ._listeners import ConsumeConcurrentlyStatus as ConsumeConcurrentlyStatus
 from ._listeners import ConsumeOrderlyContext as ConsumeOrderlyContext
@@ -183,6 +184,7 @@ __all__ = (
     "TraceType",
     "TraceWriter",
     "UnknownTopicError",
+    "WrongThreadError",
     "decode_trace_data",
     "encode_trace_context",
     "inject_traceparent",

@@ -20,7 +20,11 @@ The tree::
     │                                              ``consume_message_directly`` style helpers,
     │                                              never out of a running consumer
     ├── ConsumerStateError                         consumer method called in the wrong state
-    └── ProducerStateError                         producer method called in the wrong state
+    ├── ProducerStateError                         producer method called in the wrong state
+    └── WrongThreadError (also RuntimeError)       a call from a thread that must not make
+                                                   it: the embedded broker's ``send`` from
+                                                   outside the event loop it serves, a
+                                                   blocking call from its own event loop
 
 Handler failures are kept apart from source and store failures: a handler that
 raises never stops the consumer (the batch is retried), while a source failure is
@@ -44,6 +48,7 @@ __all__ = (
     "SourceError",
     "StagedConsumerError",
     "UnknownTopicError",
+    "WrongThreadError",
 )
 
 
@@ -114,3 +119,15 @@ class ConsumerStateError(StagedConsumerError):
 
 class ProducerStateError(StagedConsumerError):
     """A producer method was called in a state that does not allow it."""
+
+
+class WrongThreadError(StagedConsumerError, RuntimeError):
+    """A call from a thread that must not make it.
+
+    Raised by :meth:`MemoryBroker.send <stagedconsumer.MemoryBroker.send>` called from
+    another thread than the event loop that is waiting on the queue (go through that
+    loop: ``portal.call(broker.send, ...)`` or a
+    :class:`~stagedconsumer.blocking.BlockingProducer`), and by the blocking API
+    (:mod:`stagedconsumer.blocking`) called from its own event loop's thread, where
+    waiting for the loop would wait forever (``await`` the async object instead).
+    """

@@ -114,6 +114,8 @@ class PushConsumer:
         self._committer: ProgressCommitter | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._body: anyio.CancelScope | None = None
+        self._shutdown_scope: anyio.CancelScope | None = None
+        self._cut_short = False
         self._dispatcher = Dispatcher(
             assignment_retry_delay=options.suspend_current_queue_time_millis / 1000,
             record_times=False,
@@ -318,7 +320,9 @@ class PushConsumer:
         swallowed = bool(body.__exit__(exc_type, exc, tb))
         failures: list[BaseException] = []
         try:
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True) as self._shutdown_scope:
+                if self._cut_short:
+                    self._shutdown_scope.cancel()
                 try:
                     await self._shutdown()
                 except Exception as error:  # a failed shutdown step must not hide the rest
@@ -342,6 +346,18 @@ class PushConsumer:
         if len(failures) == 1:
             raise failures[0]
         raise BaseExceptionGroup(f"consumer group {self.group!r} failed", failures)
+
+    def _cut_shutdown_short(self) -> None:
+        """Stop draining now (blocking code's second Ctrl-C; call on the event loop).
+
+        The shutdown that leaving ``async with`` runs, now or once it starts, is
+        cancelled: handler calls still in flight are abandoned, and nothing more is
+        committed or flushed (their messages are delivered again: at-least-once).
+        In async code a second Ctrl-C does the same by ending the event loop.
+        """
+        self._cut_short = True
+        if self._shutdown_scope is not None:
+            self._shutdown_scope.cancel()
 
     async def _shutdown(self) -> None:
         """Stop rebalancing, stop pulling, drain workers (bounded), stop the commit

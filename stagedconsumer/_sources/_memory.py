@@ -6,6 +6,7 @@ import bisect
 import heapq
 import itertools
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -14,7 +15,7 @@ import anyio
 import attrs
 
 from .._core import retry_delay_seconds
-from .._exceptions import ConfigurationError, UnknownTopicError
+from .._exceptions import ConfigurationError, UnknownTopicError, WrongThreadError
 from .._message import (
     EMPTY_PROPERTIES,
     Message,
@@ -62,11 +63,25 @@ class MemoryBrokerStatistics:
 
 
 class _Queue:
-    __slots__ = ("log", "waiters")
+    __slots__ = ("log", "thread", "waiters")
 
     def __init__(self) -> None:
         self.log: list[Message] = []
         self.waiters: list[anyio.Event] = []
+        self.thread = 0
+        """The thread of the event loop whose pulls wait in :attr:`waiters`."""
+
+    def check_thread(self, topic: str) -> None:
+        """Refuse an append from another thread while an event loop waits here:
+        waking its waiters from outside the loop is not thread-safe (asyncio would
+        not wake up, trio raises), and offsets could be given twice."""
+        if self.waiters and threading.get_ident() != self.thread:
+            raise WrongThreadError(
+                f"MemoryBroker.send({topic!r}, ...) called from thread"
+                f" {threading.current_thread().name!r} while the event loop of another"
+                " thread uses the broker: send through that loop (a BlockingProducer on"
+                " its portal, or portal.call(broker.send, ...)), or before it starts"
+            )
 
     def wake(self) -> None:
         if self.waiters:
@@ -78,6 +93,7 @@ class _Queue:
         """Wait for an append (or ``timeout``); leaves nothing behind when cancelled,
         so the broker can serve another event loop later."""
         waiter = anyio.Event()
+        self.thread = threading.get_ident()
         self.waiters.append(waiter)
         try:
             with anyio.move_on_after(timeout):
@@ -98,7 +114,12 @@ class MemoryBroker(MessageSource):
     go to the group's dead-letter queue.
 
     The broker lives on one event loop: call it from that loop's thread (from a worker
-    thread, go through ``anyio.from_thread``). ``clock`` is the time source of retry
+    thread, go through ``anyio.from_thread``; from other threads, through the loop's
+    portal, see :mod:`stagedconsumer.blocking`). Before any loop uses it (topics and a
+    first backlog made by the main thread), and after, any single thread may. A
+    :meth:`send` from another thread while a consumer's pull waits for that queue
+    raises :class:`~stagedconsumer.WrongThreadError`; other cross-thread calls are
+    not detected. ``clock`` is the time source of retry
     delays; by default the running event loop's clock (``anyio.current_time``), so
     virtual-time tests see virtual delays.
     """
@@ -177,6 +198,8 @@ class MemoryBroker(MessageSource):
                 f"queue_id {queue_id} out of range for topic {topic!r} with {len(queues)} queues"
             )
         queue = queues[queue_id]
+        if queue.waiters:
+            queue.check_thread(topic)
         message = Message(
             topic=topic,
             queue_id=queue_id,
