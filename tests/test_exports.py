@@ -23,6 +23,8 @@ DESIGN_NAMES = {
         "MemoryBroker",
     ],
     "offsetstore": ["StageOffsetStore", "MemoryOffsetStore", "ReadOffsetType"],
+    # the blocking API (design.md 5b), a public module of its own
+    "stagedconsumer.blocking": ["BlockingProducer", "BlockingConsumer"],
 }
 
 
