@@ -169,9 +169,11 @@ class PushConsumer:
     def subscribe(self, topic: str, expression: str = "*") -> None:
         """Consume ``topic``, only messages whose tag matches ``expression``.
 
-        ``expression`` is ``"*"`` (everything) or ``"tag1 || tag2"``. Call before
-        starting. An unknown topic raises :class:`UnknownTopicError` here when the
-        source can tell at once (the embedded broker can), otherwise on start.
+        ``expression`` is ``"*"`` (everything) or ``"tag1 || tag2"`` (RocketMQ's tag
+        grammar; anything else, such as ``"a && b"`` or a tag with a space, raises
+        :class:`ConfigurationError`). Call before starting. An unknown topic raises
+        :class:`UnknownTopicError` here when the source can tell at once (the embedded
+        broker can), otherwise on start.
         """
         if self._state.started:
             raise ConsumerStateError("subscribe() must be called before the consumer starts")
