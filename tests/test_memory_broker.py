@@ -165,3 +165,38 @@ def test_broker_serves_a_second_event_loop_after_cancelled_pull() -> None:
 
     anyio.run(abandoned_pull)
     assert anyio.run(later) == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"tags": 5}, "tags must be a string or None, got int"),
+        ({"properties": {"a": 1}}, "properties must map str to str"),
+        ({"properties": {1: "a"}}, "properties must map str to str"),
+        ({"properties": "x"}, "properties must be a mapping of str to str, got str"),
+        ({"keys": [1, 2]}, "keys must be strings, got int"),
+        ({"keys": None}, "keys must be a string or a sequence of strings, got NoneType"),
+        ({"body": "text"}, "body must be bytes, got str"),
+    ],
+)
+def test_send_checks_the_message_as_the_producer_does(
+    fields: dict[str, object], fragment: str
+) -> None:
+    from stagedconsumer import InvalidMessageError
+
+    broker = MemoryBroker()
+    broker.create_topic("t", 2)
+    kwargs: dict[str, object] = {"body": b"x", **fields}
+    body = kwargs.pop("body")
+    with pytest.raises(InvalidMessageError) as info:
+        broker.send("t", body, **kwargs)  # type: ignore[arg-type]
+    assert fragment in str(info.value)
+    for q in (0, 1):  # nothing stored
+        assert anyio.run(broker.max_offset, MessageQueue("t", q)) == 0
+
+
+def test_send_rejects_a_queue_id_that_is_not_an_int() -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 2)
+    with pytest.raises(ConfigurationError, match="queue_id must be an int"):
+        broker.send("t", b"x", queue_id="0")  # type: ignore[arg-type]

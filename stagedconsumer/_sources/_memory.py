@@ -183,16 +183,21 @@ class MemoryBroker(MessageSource):
 
         When OpenTelemetry is loaded and a span is current, its context is added as
         the W3C ``traceparent`` property (the message's creation context).
+
+        The message is checked as :class:`~stagedconsumer.Producer` checks it:
+        :class:`~stagedconsumer.InvalidMessageError` for a body that is not bytes,
+        keys, tags or properties that are not strings.
         """
+        outgoing = OutgoingMessage.of(body, keys=keys, tags=tags, properties=properties)
         queues = self._queues_of(topic)
-        if not isinstance(body, (bytes, bytearray, memoryview)):
-            raise TypeError(f"body must be bytes, got {type(body).__name__}")
-        key_tuple = (keys,) if isinstance(keys, str) else tuple(keys)
+        key_tuple = outgoing.keys
         if queue_id is None:
             if key_tuple:
                 queue_id = zlib.crc32(key_tuple[0].encode()) % len(queues)
             else:
                 queue_id = next(self._round_robin[topic]) % len(queues)
+        elif isinstance(queue_id, bool) or not isinstance(queue_id, int):
+            raise ConfigurationError(f"queue_id must be an int or None, got {queue_id!r}")
         elif not 0 <= queue_id < len(queues):
             raise ConfigurationError(
                 f"queue_id {queue_id} out of range for topic {topic!r} with {len(queues)} queues"
@@ -204,10 +209,10 @@ class MemoryBroker(MessageSource):
             topic=topic,
             queue_id=queue_id,
             queue_offset=len(queue.log),
-            body=bytes(body),
+            body=outgoing.body,
             keys=key_tuple,
-            tags=tags,
-            properties=with_traceparent(properties) or {},
+            tags=outgoing.tags,
+            properties=with_traceparent(outgoing.properties) or {},
             msg_id=self._next_id(),
             born_timestamp=time.time(),
         )

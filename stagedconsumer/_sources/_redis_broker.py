@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 
 from .._core import retry_delay_seconds
-from .._exceptions import ConfigurationError, UnknownTopicError
+from .._exceptions import ConfigurationError, InvalidMessageError, UnknownTopicError
 from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
 from ._group import GroupOptions
@@ -286,7 +286,9 @@ class RedisBroker(MessageSource):
             if rr is None:
                 rr = self._round_robin[topic] = itertools.count()
             return next(rr) % count
-        if isinstance(queue_id, bool) or not 0 <= queue_id < count:
+        if isinstance(queue_id, bool) or not isinstance(queue_id, int):
+            raise ConfigurationError(f"queue_id must be an int or None, got {queue_id!r}")
+        if not 0 <= queue_id < count:
             raise ConfigurationError(
                 f"queue_id {queue_id} out of range for topic {topic!r} with {count} queues"
             )
@@ -317,17 +319,19 @@ class RedisBroker(MessageSource):
 
         When OpenTelemetry is loaded and a span is current, its context is added as
         the W3C ``traceparent`` property (the message's creation context).
+
+        The message is checked as :class:`~stagedconsumer.Producer` checks it:
+        :class:`~stagedconsumer.InvalidMessageError` for a body that is not bytes,
+        keys, tags or properties that are not strings.
         """
-        if not isinstance(body, (bytes, bytearray, memoryview)):
-            raise TypeError(f"body must be bytes, got {type(body).__name__}")
+        outgoing = OutgoingMessage.of(body, keys=keys, tags=tags, properties=properties)
         if _is_system(topic):
             raise ConfigurationError(f"cannot send to system topic {topic!r}")
-        properties = with_traceparent(properties)
-        key_tuple = (keys,) if isinstance(keys, str) else tuple(keys)
+        properties = with_traceparent(outgoing.properties)
+        key_tuple, tags, body = outgoing.keys, outgoing.tags, outgoing.body
         qid = await self._pick_queue(topic, key_tuple, queue_id)
         msg_id = self._next_id()
         born = time.time()
-        body = bytes(body)
         fields = _encode_fields(msg_id, body, round(born * 1000), key_tuple, tags, properties, 0)
         offset = await self._append(topic, qid, [fields])
         return Message(
@@ -395,6 +399,8 @@ class RedisBroker(MessageSource):
         pending: dict[int, list[list[bytes]]] = {}
         total = 0
         for body in bodies:
+            if not isinstance(body, (bytes, bytearray, memoryview)):
+                raise InvalidMessageError(f"body must be bytes, got {type(body).__name__}")
             qid = await self._pick_queue(topic, (), queue_id)
             batch = pending.setdefault(qid, [])
             batch.append(

@@ -16,6 +16,7 @@ from stagedconsumer import (
     ConfigurationError,
     ConsumeConcurrentlyContext,
     ConsumerOptions,
+    InvalidMessageError,
     Message,
     MessageListenerConcurrently,
     MessageQueue,
@@ -382,3 +383,30 @@ def test_trio_gets_a_clear_error(redis_url: str) -> None:
             await broker.pull(MessageQueue("t", 0), 0, 1)
 
     trio.run(use)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"tags": 5}, "tags must be a string or None, got int"),
+        ({"properties": {"a": 1}}, "properties must map str to str"),
+        ({"properties": "x"}, "properties must be a mapping of str to str, got str"),
+        ({"keys": [1, 2]}, "keys must be strings, got int"),
+        ({"keys": None}, "keys must be a string or a sequence of strings, got NoneType"),
+        ({"body": "text"}, "body must be bytes, got str"),
+        ({"queue_id": "0"}, "queue_id must be an int"),
+    ],
+)
+async def test_send_checks_the_message_as_the_producer_does(
+    broker: RedisBroker, fields: dict[str, Any], fragment: str
+) -> None:
+    await broker.create_topic("t", 2)
+    kwargs: dict[str, Any] = {"body": b"x", **fields}
+    body = kwargs.pop("body")
+    with pytest.raises(ConfigurationError) as info:
+        await broker.send("t", body, **kwargs)
+    assert fragment in str(info.value)
+    for q in (0, 1):  # nothing stored
+        assert await broker.max_offset(MessageQueue("t", q)) == 0
+    with pytest.raises(InvalidMessageError, match="body must be bytes"):
+        await broker.send_many("t", ["text"])  # type: ignore[list-item]
