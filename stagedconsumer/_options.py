@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +32,12 @@ def _int_range(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any]
 def _positive_number(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise InvalidOptionError(f"{attribute.name} must be a positive number, got {value!r}")
+
+
+def _finite_positive(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _positive_number(_instance, attribute, value)
+    if not math.isfinite(value):
+        raise InvalidOptionError(f"{attribute.name} must be finite, got {value!r}")
 
 
 def _optional_reconsume(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -68,8 +75,12 @@ class ConsumerOptions:
     """Tunables of a :class:`~stagedconsumer.PushConsumer` (RocketMQ names and defaults).
 
     Ranges follow RocketMQ's ``checkConfig``: threads 1..1000, batch sizes 1..1024,
-    queue thresholds 1..65535 messages and 1 B..1024 MiB. An unknown option name or
-    a value out of range raises :class:`~stagedconsumer.InvalidOptionError`.
+    queue thresholds 1..65535 messages and 1 B..1024 MiB. Durations are seconds,
+    positive and finite: an infinite interval, timeout or backoff would turn a
+    stuck store, handler or pull into a consumer that never commits, never stops or
+    never starts (wait forever explicitly with ``wait_caught_up(timeout=None)``). An
+    unknown option name, a positional argument or a value out of range raises
+    :class:`~stagedconsumer.InvalidOptionError`.
     """
 
     consume_thread_max: int = attrs.field(default=20, validator=_int_range(1, 1000))
@@ -93,17 +104,17 @@ class ConsumerOptions:
         default=1000, validator=_int_range(10, 30000)
     )
     """Orderly and staged: wait before a failed batch is retried."""
-    persist_consumer_offset_interval: float = attrs.field(default=5.0, validator=_positive_number)
+    persist_consumer_offset_interval: float = attrs.field(default=5.0, validator=_finite_positive)
     """Seconds between commits of progress to the offset store."""
-    shutdown_timeout: float = attrs.field(default=30.0, validator=_positive_number)
+    shutdown_timeout: float = attrs.field(default=30.0, validator=_finite_positive)
     """Seconds that leaving ``async with`` waits for in-flight handlers; calls still
     running then are abandoned (their messages are not committed and come again)."""
-    start_timeout: float = attrs.field(default=30.0, validator=_positive_number)
+    start_timeout: float = attrs.field(default=30.0, validator=_finite_positive)
     """Seconds that starting waits for an offset store that cannot be reached (retried
     with backoff, each failed attempt logged) before it raises."""
-    pull_long_polling_timeout: float = attrs.field(default=15.0, validator=_positive_number)
+    pull_long_polling_timeout: float = attrs.field(default=15.0, validator=_finite_positive)
     """Seconds a pull waits at the head of a queue for new messages."""
-    pull_time_delay_when_exception: float = attrs.field(default=1.0, validator=_positive_number)
+    pull_time_delay_when_exception: float = attrs.field(default=1.0, validator=_finite_positive)
     """Seconds before a failed pull is tried again (doubling up to 30 s)."""
     consume_from_where: ConsumeFromWhere = attrs.field(
         default=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, validator=_consume_from
@@ -127,12 +138,6 @@ class ConsumerOptions:
         if self.max_reconsume_times is not None:
             return self.max_reconsume_times
         return 16 if concurrent else None
-
-
-def _finite_positive(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _positive_number(_instance, attribute, value)
-    if not math.isfinite(value):
-        raise InvalidOptionError(f"{attribute.name} must be finite, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -165,9 +170,11 @@ def _reject_unknown_names(cls: type[Any]) -> None:
 
     def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
         if args:
+            first = attrs.fields(cls)[0].name
             raise InvalidOptionError(
                 f"{cls.__name__} takes keyword arguments only, e.g."
-                f" {cls.__name__}({sorted(fields)[0]}=...); got {len(args)} positional"
+                f" {cls.__name__}({first}={args[0]!r}); got {len(args)} positional"
+                f" argument(s) {', '.join(repr(a) for a in args)}"
             )
         unknown = sorted(set(kwargs) - fields)
         if unknown:
@@ -178,6 +185,9 @@ def _reject_unknown_names(cls: type[Any]) -> None:
         attrs_init(self, **kwargs)
 
     checked_init.__doc__ = attrs_init.__doc__
+    checked_init.__name__ = "__init__"
+    checked_init.__qualname__ = f"{cls.__name__}.__init__"
+    checked_init.__signature__ = inspect.signature(attrs_init)  # type: ignore[attr-defined]
     setattr(cls, "__init__", checked_init)  # noqa: B010 - keep attrs' signature for type checkers
 
 

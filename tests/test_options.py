@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import inspect
+import math
+from typing import Any
+
+import attrs
 import pytest
 
-from stagedconsumer import ConsumerOptions, InvalidOptionError
+from stagedconsumer import ConsumerOptions, InvalidOptionError, ProducerOptions
 
 
 def test_defaults_are_rocketmqs() -> None:
@@ -59,3 +64,61 @@ def test_options_are_frozen() -> None:
     options = ConsumerOptions()
     with pytest.raises(AttributeError):
         options.consume_thread_max = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", [ConsumerOptions, ProducerOptions])
+def test_positional_arguments_get_a_clear_message(cls: type[Any]) -> None:
+    with pytest.raises(InvalidOptionError) as info:
+        cls(10)
+    message = str(info.value)
+    assert "keyword arguments only" in message
+    assert f"{cls.__name__}({attrs.fields(cls)[0].name}=10)" in message
+    assert "_checked_init" not in message
+    assert "checked_init" not in cls.__init__.__qualname__
+    assert "consume_thread_max" in str(inspect.signature(ConsumerOptions))
+
+
+FLOAT_OPTIONS = [
+    "persist_consumer_offset_interval",
+    "shutdown_timeout",
+    "start_timeout",
+    "pull_long_polling_timeout",
+    "pull_time_delay_when_exception",
+]
+
+
+@pytest.mark.parametrize("name", FLOAT_OPTIONS)
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [(math.inf, "finite"), (-math.inf, "positive"), (math.nan, "positive"), (-1.0, "positive")],
+)
+def test_durations_must_be_positive_and_finite(name: str, value: float, fragment: str) -> None:
+    with pytest.raises(InvalidOptionError) as info:
+        ConsumerOptions(**{name: value})  # type: ignore[arg-type]
+    assert name in str(info.value)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("name", FLOAT_OPTIONS)
+def test_durations_accept_small_and_int_values(name: str) -> None:
+    assert getattr(ConsumerOptions(**{name: 0.001}), name) == 0.001  # type: ignore[arg-type]
+    assert getattr(ConsumerOptions(**{name: 2}), name) == 2  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("timeout", [-1.0, -0.001, math.nan])
+async def test_wait_caught_up_rejects_a_negative_or_nan_timeout(timeout: float) -> None:
+    from stagedconsumer import MemoryBroker, MessageListenerConcurrently, PushConsumer
+
+    class Listener(MessageListenerConcurrently):
+        async def consume_message(self, msgs: object, context: object) -> None:
+            pass
+
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    consumer = PushConsumer("g", broker, Listener())
+    consumer.subscribe("t")
+    async with consumer:
+        with pytest.raises(ValueError, match="timeout must be None or >= 0"):
+            await consumer.wait_caught_up(timeout)
+        await consumer.wait_caught_up(math.inf)  # infinity is "no timeout"
