@@ -133,6 +133,25 @@ def test_listener_of_wrong_kind() -> None:
         PushConsumer("g", MemoryBroker(), NotAListener())  # type: ignore[arg-type]
 
 
+def test_listener_class_instead_of_an_instance_says_pass_an_instance() -> None:
+    with pytest.raises(ListenerTypeError, match=r"pass an instance, Concurrent\(\.\.\.\)"):
+        PushConsumer("g", MemoryBroker(), Concurrent)  # type: ignore[arg-type]
+
+    class NotAListener:
+        pass
+
+    with pytest.raises(ListenerTypeError, match="got the class NotAListener"):
+        PushConsumer("g", MemoryBroker(), NotAListener)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [5, None, "consume"])
+def test_consume_message_that_is_not_callable_is_caught_at_construction(value: object) -> None:
+    # as written in a class body: ``consume_message = 5``
+    broken = type("Broken", (MessageListenerConcurrently,), {"consume_message": value})
+    with pytest.raises(ListenerTypeError, match=r"Broken\.consume_message must be a method"):
+        PushConsumer("g", MemoryBroker(), broken())
+
+
 @pytest.mark.parametrize(
     ("stages", "fragment"),
     [

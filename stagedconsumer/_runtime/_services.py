@@ -106,6 +106,7 @@ class ConsumeService(abc.ABC):
         options: ConsumerOptions,
     ) -> ConsumeService:
         """The service of ``listener``'s kind; raises :class:`ListenerTypeError`."""
+        _check_listener(listener)
         if isinstance(listener, MessageListenerStagedConcurrently):
             return StagedConsumeService(group, source, state, options, build_plan(listener))
         if isinstance(listener, MessageListenerOrderly):
@@ -148,6 +149,32 @@ class ConsumeService(abc.ABC):
     ) -> Settlement:
         """Judge a failed handler call (``error`` raised, or ``result`` returned) and
         do its I/O (send back, dead-letter); the worker applies the settlement."""
+
+
+def _check_listener(listener: object) -> None:
+    """A listener instance whose ``consume_message`` can be called (checked once,
+    here, rather than found out per message)."""
+    kinds = (
+        "a MessageListenerConcurrently, MessageListenerOrderly or MessageListenerStagedConcurrently"
+    )
+    if isinstance(listener, type):
+        if issubclass(listener, MessageListener):
+            raise ListenerTypeError(
+                f"listener must be an instance, got the class {listener.__name__}:"
+                f" pass an instance, {listener.__name__}(...)"
+            )
+        raise ListenerTypeError(
+            f"listener must be an instance of {kinds}, got the class {listener.__name__}"
+        )
+    if not isinstance(listener, MessageListener):
+        return  # the caller names the expected kinds
+    consume = getattr(listener, "consume_message", None)
+    if not callable(consume):
+        raise ListenerTypeError(
+            f"{type(listener).__name__}.consume_message must be a method"
+            f" (async def or def consume_message(self, msgs, context)),"
+            f" got {type(consume).__name__} {consume!r}"
+        )
 
 
 class ConcurrentlyConsumeService(ConsumeService):
