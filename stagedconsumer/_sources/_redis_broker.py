@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import time
 import zlib
@@ -86,6 +87,18 @@ def _raw_reply(response: Any, **options: Any) -> Any:
     return response
 
 
+def _check_seconds(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or not math.isfinite(value)
+    ):
+        raise ConfigurationError(
+            f"{name} must be a positive, finite number of seconds, got {value!r}"
+        )
+
+
 def _is_system(topic: str) -> bool:
     return topic.startswith((RETRY_PREFIX, DLQ_PREFIX))
 
@@ -136,10 +149,20 @@ class RedisBroker(MessageSource):
         socket_timeout: float = 10.0,
         read_ahead: int = 128,
     ) -> None:
+        if not isinstance(url, str) or not url:
+            raise ConfigurationError(
+                f"url must be a redis:// URL string, got {type(url).__name__} {url!r}"
+            )
         if not namespace or not isinstance(namespace, str):
             raise ConfigurationError(f"namespace must be a non-empty string, got {namespace!r}")
-        if not send_timeout > 0:
-            raise ConfigurationError(f"send_timeout must be positive, got {send_timeout!r}")
+        if group_options is not None and not isinstance(group_options, GroupOptions):
+            raise ConfigurationError(
+                f"group_options must be GroupOptions or None, got"
+                f" {type(group_options).__name__} {group_options!r}"
+                " (use GroupOptions(lock_ttl=..., ...))"
+            )
+        _check_seconds("send_timeout", send_timeout)
+        _check_seconds("socket_timeout", socket_timeout)
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
         self.read_ahead = read_ahead

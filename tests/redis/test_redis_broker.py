@@ -410,3 +410,26 @@ async def test_send_checks_the_message_as_the_producer_does(
         assert await broker.max_offset(MessageQueue("t", q)) == 0
     with pytest.raises(InvalidMessageError, match="body must be bytes"):
         await broker.send_many("t", ["text"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"group_options": "x"}, "group_options must be GroupOptions or None, got str"),
+        ({"group_options": {"lock_ttl": 60}}, "group_options must be GroupOptions"),
+        ({"url": 5}, "url must be a redis:// URL string, got int"),
+        ({"url": b"redis://127.0.0.1"}, "url must be a redis:// URL string, got bytes"),
+        ({"namespace": 5}, "namespace must be a non-empty string"),
+        ({"send_timeout": float("inf")}, "send_timeout must be a positive, finite"),
+        ({"send_timeout": "3"}, "send_timeout must be a positive, finite"),
+        ({"send_timeout": True}, "send_timeout must be a positive, finite"),
+        ({"socket_timeout": "x"}, "socket_timeout must be a positive, finite"),
+        ({"socket_timeout": None}, "socket_timeout must be a positive, finite"),
+        ({"socket_timeout": float("nan")}, "socket_timeout must be a positive, finite"),
+        ({"read_ahead": 1.5}, "read_ahead must be an int"),
+    ],
+)
+def test_constructor_checks_argument_types(kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        RedisBroker(**kwargs)
+    assert fragment in str(info.value)
