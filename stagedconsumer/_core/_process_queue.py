@@ -1103,6 +1103,21 @@ class ProcessQueue:
         closed = self.paused or self.dropped
         self.open_until = float("-inf") if closed else self.lease_deadline
 
+    def move_to(self, offset: int) -> None:
+        """Resume an idle queue at ``offset``: the next message expected is ``offset``
+        and the committed offset becomes ``offset``, backwards too, stage offsets
+        unchanged. For the shell's correction of a position past the source's end
+        (RocketMQ's ``OFFSET_ILLEGAL``); only when nothing is unfinished, so the
+        committed offset still passes no unfinished message."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        if self.unfinished_count:
+            raise ValueError(
+                f"{self.message_queue}: cannot move a queue with {self.unfinished_count}"
+                " unfinished messages"
+            )
+        self.highest_offset = offset - 1
+
     def drop(self) -> None:
         """Mark the queue released: nothing more is taken from it (finishing its last
         batch in a handler returns ``DRAINED``; see :attr:`in_handlers`)."""

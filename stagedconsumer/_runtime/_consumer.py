@@ -291,6 +291,7 @@ class PushConsumer:
             signals=self._signals,
             options=options,
             hooks=self._hooks,
+            past_end=self._queues.on_past_end,
         )
         self._workers = WorkerPool(
             state=state,

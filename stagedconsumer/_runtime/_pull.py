@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -51,8 +52,12 @@ class PullService:
         signals: Signals,
         options: ConsumerOptions,
         hooks: HookRunner | None,
+        past_end: Callable[[QueueState, int, int], Awaitable[int]] | None = None,
     ) -> None:
         self.state = state
+        self.past_end = past_end
+        """Called when a pull finds the queue's end below the loop's offset (the
+        broker lost messages): returns the offset to go on from."""
         self.source = source
         self.dispatcher = dispatcher
         self.signals = signals
@@ -168,4 +173,9 @@ class PullService:
                                 max_offset=result.max_offset,
                             )
                         )
+                elif result.next_offset < offset and self.past_end is not None:
+                    # Past the queue's end (OFFSET_OVERFLOW_BADLY): never follow the
+                    # source back silently, the process queue would drop what comes.
+                    offset = await self.past_end(state, offset, result.next_offset)
+                    continue
                 offset = result.next_offset

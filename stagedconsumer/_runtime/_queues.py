@@ -80,7 +80,11 @@ class QueueTable:
         return sorted(self.states, key=lambda mq: (mq.topic, mq.queue_id))
 
     async def load(self, mq: MessageQueue, tag_filter: TagFilter) -> QueueState:
-        """Build the state of ``mq`` from its committed progress."""
+        """Build the state of ``mq`` from its committed progress.
+
+        A committed consume offset beyond the queue's max offset (the store was
+        reused with another broker, or the broker lost its messages) is corrected
+        as RocketMQ does: see :meth:`correct_past_end`."""
         progress = await self.store.read_progress(self.group, mq)
         stage_offsets: Mapping[Any, int]
         if progress is None or progress.consume_offset is None:
@@ -89,6 +93,10 @@ class QueueTable:
         else:
             start = progress.consume_offset
             stage_offsets = progress.stage_offsets
+            max_offset = await self.source.max_offset(mq)
+            if start > max_offset:
+                progress = await self.correct_past_end(mq, start, max_offset, stage_offsets)
+                start = max_offset
         is_retry = mq.topic.startswith(RETRY_PREFIX)
         if is_retry:  # retry queues are consumed concurrently, whatever the mode
             pq = self.service.new_process_queue(mq, start, {})
@@ -110,6 +118,56 @@ class QueueTable:
         timestamp = self.options.consume_timestamp
         assert timestamp is not None  # checked by ConsumerOptions
         return await self.source.offset_for_timestamp(mq, timestamp)
+
+    async def correct_past_end(
+        self,
+        mq: MessageQueue,
+        offset: int,
+        max_offset: int,
+        stage_offsets: Mapping[Any, int],
+    ) -> QueueProgress:
+        """Move the committed progress of ``mq`` from ``offset``, beyond the queue's
+        end, back to ``max_offset``, and store it (an overwrite: the store's
+        increase-only commits could not move it back).
+
+        RocketMQ's rule for an offset out of range: the broker answers a pull beyond
+        the max offset with ``OFFSET_OVERFLOW_BADLY`` and the max offset as the next
+        offset, and the client (``OFFSET_ILLEGAL``) takes that offset, stores it and
+        goes on from there: messages sent from then on are consumed, none is
+        skipped. Stage offsets are kept (stages go on counting, as after
+        ``stagedconsumer offsets reset --to-offset``)."""
+        logger.warning(
+            "group %s: committed consume offset %d of %s is beyond the queue's max offset"
+            " %d (the offset store was used with another broker, or the broker lost its"
+            " messages); consuming from the max offset %d and storing it, as RocketMQ does"
+            " with an offset out of range",
+            self.group,
+            offset,
+            mq,
+            max_offset,
+            max_offset,
+        )
+        progress = QueueProgress(consume_offset=max_offset, stage_offsets=stage_offsets)
+        await self.store.reset_progress(self.group, {mq: progress})
+        return progress
+
+    async def on_past_end(self, state: QueueState, offset: int, max_offset: int) -> int:
+        """The pull loop of ``state`` found its ``offset`` beyond the queue's
+        ``max_offset`` while running (the broker lost messages): where to pull next.
+
+        When every message before ``offset`` has finished, the queue moves to
+        ``max_offset`` as at load (see :meth:`correct_past_end`); while some are
+        unfinished it stays (pulling from lower offsets would skip the messages
+        sent there) and the check repeats on the next empty pull."""
+        pq = state.pq
+        if pq.unfinished_count or pq.dropped:
+            return offset
+        progress = await self.correct_past_end(
+            state.mq, offset, max_offset, pq.committed_stage_offsets
+        )
+        pq.move_to(max_offset)
+        state.persisted = progress
+        return max_offset
 
     def start(self, state: QueueState) -> None:
         """Consume ``state``'s queue: register it and start its pull loop (paused if

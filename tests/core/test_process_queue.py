@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
+from offsetstore import StageKey
 from stagedconsumer import Message, MessageQueue
 from stagedconsumer._core import ConsumeMode, EraseStatus, ProcessQueue, StagePlan
 
@@ -102,3 +105,20 @@ def test_caching_allocates_no_container_object_per_message() -> None:
         after = len(gc.get_objects())
         assert pq.cached_count == 2000
         assert after - before < 100, (mode, after - before)
+
+
+def test_move_to_resumes_an_idle_queue_backwards_keeping_stage_offsets() -> None:
+    key = StageKey("default", None)
+    pq = ProcessQueue(
+        MQ, ConsumeMode.STAGED, start_offset=500, stage_offsets={key: 3}, plan=StagePlan.single([5])
+    )
+    pq.move_to(10)
+    assert pq.committed_offset == 10
+    assert pq.committed_stage_offsets == {key: 3}
+    pq.put_messages(messages(10, 2))
+    batch = pq.try_take_messages(10)
+    assert batch is not None
+    assert [m.queue_offset for m in batch] == [10, 11]
+    assert batch.stage_index == 0  # stage offsets 3 and 4 of [5]
+    with pytest.raises(ValueError, match="unfinished"):
+        pq.move_to(0)  # never past (or before) an unfinished message
