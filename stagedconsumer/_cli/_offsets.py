@@ -8,8 +8,11 @@ at its next persist). Stage keys are written ``STRATEGY`` (no stage group) or
 default strategy is ``default``.
 
 Lag (messages in the queue beyond the consume offset) needs the queue's max offset
-from the source: ``show --redis URL`` reads it from a :class:`RedisBroker`; without
-it there is no lag column (the embedded broker lives inside the consumer's process).
+from the source: ``show --redis URL`` reads it from a :class:`RedisBroker` (and
+exits 1, after printing the progress, when it cannot); without it there is no lag
+column (the embedded broker lives inside the consumer's process). ``reset --redis
+URL`` checks ``--queue`` ids against the topic's queues; without a broker they
+cannot be checked, and the command says so.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from .._message import MessageQueue
 
 if TYPE_CHECKING:
     from offsetstore import SqlOffsetStore
+
+    from .._sources._redis_broker import RedisBroker
 
 __all__ = ("format_stage_key", "parse_stage_key", "register")
 
@@ -127,15 +132,18 @@ async def _show(args: argparse.Namespace) -> int:
     finally:
         await store.aclose()
     lags: dict[MessageQueue, int] | None = None
+    lag_error: str | None = None
     if args.redis and progress:
-        lags = await _lags(args, progress, err)
+        lags, lag_error = await _lags(args, progress)
+        if lag_error is not None:
+            err.print(f"[bold yellow]warning:[/] no lag: {lag_error}", highlight=False)
     if args.json:
         queues = [_progress_json(mq, p) for mq, p in progress.items()]
         if lags is not None:
             for entry, mq in zip(queues, progress, strict=True):
                 entry["lag"] = lags.get(mq)
         sys.stdout.write(json.dumps({"group": args.group, "queues": queues}, indent=2) + "\n")
-        return 0
+        return 0 if lag_error is None else 1
     console = Console()
     where = f"group [bold]{args.group}[/]"
     if args.topic:
@@ -156,30 +164,62 @@ async def _show(args: argparse.Namespace) -> int:
             row.append(str(lags[mq]) if mq in lags else "?")
         table.add_row(*row)
     console.print(table)
-    return 0
+    return 0 if lag_error is None else 1
 
 
-async def _lags(
-    args: argparse.Namespace, progress: Mapping[MessageQueue, QueueProgress], err: Console
-) -> dict[MessageQueue, int]:
-    """Max offset minus consume offset of every queue, from a RedisBroker."""
+def _redis_broker(args: argparse.Namespace) -> RedisBroker:
+    """The RedisBroker of ``--redis``; raises ``ImportError`` without redis-py."""
     try:
         from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
     except ImportError as exc:
-        err.print(f"[yellow]no lag: {exc} (pip install 'stagedconsumer[redis]')[/]")
-        return {}
+        raise ImportError(f"{exc} (pip install 'stagedconsumer[redis]')") from exc
+    # An operator command: give up on an unreachable Redis after seconds, not 30.
+    return RedisBroker(
+        args.redis, namespace=args.redis_namespace, send_timeout=2.0, socket_timeout=2.0
+    )
+
+
+async def _lags(
+    args: argparse.Namespace, progress: Mapping[MessageQueue, QueueProgress]
+) -> tuple[dict[MessageQueue, int], str | None]:
+    """Max offset minus consume offset of every queue, from a RedisBroker, and why
+    some are missing (``None``: none is)."""
     lags: dict[MessageQueue, int] = {}
     try:
-        # An operator command: give up on an unreachable Redis after seconds, not 30.
-        async with RedisBroker(
-            args.redis, namespace=args.redis_namespace, send_timeout=2.0, socket_timeout=2.0
-        ) as broker:
+        async with _redis_broker(args) as broker:
             for mq, value in progress.items():
                 max_offset = await broker.max_offset(mq)
                 lags[mq] = max(max_offset - (value.consume_offset or 0), 0)
-    except StagedConsumerError as exc:
-        err.print(f"[yellow]no lag: {exc}[/]", highlight=False)
-    return lags
+    except (ImportError, StagedConsumerError) as exc:
+        return lags, f"{args.redis}: {exc}"
+    return lags, None
+
+
+async def _check_queues(args: argparse.Namespace, err: Console) -> str | None:
+    """Check ``--queue`` ids against the topic's queues on the ``--redis`` broker; the
+    error, or ``None``. Without a broker the ids cannot be checked: say so."""
+    if not args.queue:
+        return None
+    if not args.redis:
+        err.print(
+            "[bold yellow]note:[/] queue ids are not checked against the topic's queues"
+            " (no broker given: add --redis URL to check them); a queue the topic does not"
+            " have would get a row no consumer reads",
+            highlight=False,
+        )
+        return None
+    try:
+        async with _redis_broker(args) as broker:
+            count = await broker.queue_count(args.topic)
+    except (ImportError, StagedConsumerError) as exc:
+        return f"cannot check the queues of topic {args.topic!r} on {args.redis}: {exc}"
+    bad = sorted(q for q in set(args.queue) if q >= count)
+    if bad:
+        return (
+            f"topic {args.topic!r} has {count} queue(s), 0 to {count - 1}:"
+            f" no queue {', '.join(map(str, bad))}"
+        )
+    return None
 
 
 # -- reset -----------------------------------------------------------------------------------
@@ -211,6 +251,9 @@ async def _reset(args: argparse.Namespace) -> int:
         return _fail(
             err, "nothing to reset: give --to-offset, --stage-offset or --clear-stage-offsets"
         )
+    problem = await _check_queues(args, err)
+    if problem is not None:
+        return _fail(err, problem)
     try:
         store = _store(args)
     except OffsetStoreError as exc:
@@ -303,7 +346,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     common(show, topic_required=False)
     show.add_argument("--json", action="store_true", help="print JSON instead of a table")
     show.add_argument(
-        "--redis", metavar="URL", help="RedisBroker holding the queues: adds a lag column"
+        "--redis",
+        metavar="URL",
+        help="RedisBroker holding the queues: adds a lag column (exit 1 if unreachable)",
     )
     show.add_argument(
         "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
@@ -332,6 +377,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--clear-stage-offsets",
         action="store_true",
         help="drop every stage offset first (stage keys restart at 0)",
+    )
+    reset.add_argument(
+        "--redis",
+        metavar="URL",
+        help="RedisBroker holding the topic: --queue ids are checked against its queues",
+    )
+    reset.add_argument(
+        "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
     )
     reset.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     reset.set_defaults(handler=_run(_reset))

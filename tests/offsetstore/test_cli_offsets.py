@@ -144,9 +144,7 @@ def test_reset_confirmed_at_the_prompt(store_url: str, monkeypatch: pytest.Monke
     assert _stored(store_url)[MessageQueue("audit", 0)].consume_offset == 0
 
 
-def test_reset_needs_something_to_reset(
-    store_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_reset_needs_something_to_reset(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
     assert main([*args, "--yes"]) == 1
     assert "nothing to reset" in capsys.readouterr().err
@@ -217,12 +215,76 @@ def test_show_with_a_redis_broker_adds_lag(
         anyio.run(clean)
 
 
-def test_show_with_an_unreachable_redis_still_shows_progress(
+@pytest.mark.parametrize("json_output", [True, False], ids=["json", "table"])
+def test_show_with_an_unreachable_redis_shows_progress_warns_and_fails(
+    store_url: str, capsys: pytest.CaptureFixture[str], json_output: bool
+) -> None:
+    pytest.importorskip("redis")
+    args = ["offsets", "show", "--store", store_url, "--group", GROUP]
+    if json_output:
+        args.append("--json")
+    assert main([*args, "--redis", "redis://127.0.0.1:1/0"]) == 1
+    captured = capsys.readouterr()
+    assert "warning: no lag: redis://127.0.0.1:1/0" in captured.err
+    if json_output:
+        assert len(json.loads(captured.out)["queues"]) == 4
+    else:
+        assert "orders#2" in captured.out
+
+
+@pytest.mark.redis
+def test_reset_checks_queue_ids_against_the_topic_on_the_broker(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stagedconsumer._sources._redis_broker import RedisBroker
+    from tests.redis.conftest import require_redis
+
+    redis_url = require_redis()
+    namespace = f"test-{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            await broker.create_topic("orders", 4)
+
+    async def clean() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            await broker.delete_namespace()
+
+    anyio.run(create)
+    try:
+        before = _stored(store_url)
+        common = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--to-offset",
+                  "0", "--yes", "--redis", redis_url, "--redis-namespace", namespace]  # fmt: skip
+        args = [*common, "--topic", "orders"]
+        assert main([*args, "--queue", "99"]) == 1
+        err = capsys.readouterr().err
+        assert "topic 'orders' has 4 queue(s), 0 to 3: no queue 99" in err
+        assert _stored(store_url) == before  # no phantom row
+        assert main([*args, "--queue", "3"]) == 0  # a queue without progress yet: fine
+        assert _stored(store_url)[MessageQueue("orders", 3)].consume_offset == 0
+        assert main([*common, "--topic", "nope", "--queue", "0"]) == 1
+        assert "does not exist" in capsys.readouterr().err
+    finally:
+        anyio.run(clean)
+
+
+def test_reset_without_a_broker_says_the_queue_ids_are_not_checked(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--queue", "1", "--to-offset", "0", "--yes"]) == 0
+    err = capsys.readouterr().err
+    assert "not checked against the topic's queues" in err
+    assert "--redis URL" in err
+
+
+def test_reset_with_an_unreachable_broker_changes_nothing(
     store_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("redis")
-    args = ["offsets", "show", "--store", store_url, "--group", GROUP, "--json"]
-    assert main([*args, "--redis", "redis://127.0.0.1:1/0"]) == 0
-    captured = capsys.readouterr()
-    assert "no lag" in captured.err
-    assert len(json.loads(captured.out)["queues"]) == 4
+    before = _stored(store_url)
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--queue", "1", "--to-offset", "0", "--yes",
+                 "--redis", "redis://127.0.0.1:1/0"]) == 1  # fmt: skip
+    assert "cannot check the queues of topic 'orders'" in capsys.readouterr().err
+    assert _stored(store_url) == before
