@@ -300,9 +300,15 @@ async def _reset(args: argparse.Namespace) -> int:
             try:
                 answer = await anyio.to_thread.run_sync(input, question)
             except EOFError:
-                answer = ""
+                console.print()
+                where = "is not a terminal" if not sys.stdin.isatty() else "was closed"
+                return _fail(
+                    err,
+                    f"no answer to the confirmation (stdin {where}); nothing changed."
+                    " Pass --yes (-y) to reset without asking.",
+                )
             if answer.strip().lower() not in ("y", "yes"):
-                console.print("Aborted; nothing changed.")
+                console.print("Aborted; nothing changed (--yes resets without asking).")
                 return 1
         await store.reset_progress(args.group, plan)
         console.print(f"Reset {len(plan)} queue(s).")
@@ -359,7 +365,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "reset",
         help="overwrite consume and/or stage offsets of a stopped group",
         description="Overwrite consume and/or stage offsets of a group that is not running."
-        " Without --queue, every queue of the topic with stored progress is reset.",
+        " Without --queue, every queue of the topic with stored progress is reset."
+        " Prints the planned change and asks for confirmation (y/N) on stdin; --yes skips"
+        " the question (needed when stdin is not a terminal, e.g. in scripts).",
     )
     common(reset, topic_required=True)
     reset.add_argument(
@@ -386,5 +394,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     reset.add_argument(
         "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
     )
-    reset.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    reset.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help="reset without asking for confirmation (for scripts: stdin not a terminal)",
+    )
     reset.set_defaults(handler=_run(_reset))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -288,3 +290,23 @@ def test_reset_with_an_unreachable_broker_changes_nothing(
                  "--redis", "redis://127.0.0.1:1/0"]) == 1  # fmt: skip
     assert "cannot check the queues of topic 'orders'" in capsys.readouterr().err
     assert _stored(store_url) == before
+
+
+def test_reset_without_a_terminal_says_to_pass_yes(store_url: str) -> None:
+    before = _stored(store_url)
+    command = [sys.executable, "-m", "stagedconsumer", "offsets", "reset", "--store", store_url,
+               "--group", GROUP, "--topic", "orders", "--to-offset", "0"]  # fmt: skip
+    result = subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "stdin is not a terminal" in result.stderr
+    assert "Pass --yes (-y) to reset without asking" in result.stderr
+    assert _stored(store_url) == before
+    result = subprocess.run(
+        [*command, "--yes"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert all(
+        p.consume_offset == 0 for mq, p in _stored(store_url).items() if mq.topic == "orders"
+    )
