@@ -377,17 +377,43 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--messages", type=_positive_int, default=100, help="messages on the queue (100)"
+        "--messages",
+        type=_positive_int,
+        default=100,
+        metavar="N",
+        help="messages on the queue (100)",
     )
     parser.add_argument(
-        "--cost-ms", type=_positive_float, default=10.0, help="handler time per message in ms (10)"
+        "--cost-ms",
+        type=_positive_float,
+        default=10.0,
+        metavar="MS",
+        help="handler time per message in ms (10)",
     )
-    parser.add_argument("--workers", type=_positive_int, default=20, help="consume_thread_max (20)")
     parser.add_argument(
-        "--stages", type=_parse_stages, default=[10, 20, 70], help="stage sizes, e.g. 10,20,70"
+        "--workers",
+        type=_positive_int,
+        default=20,
+        metavar="N",
+        help="handler calls at once, consume_thread_max (20)",
     )
-    parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument(
-        "--virtual", action="store_true", help="run on trio in virtual time (exact, instant)"
+        "--stages",
+        type=_parse_stages,
+        default=[10, 20, 70],
+        metavar="N,N,...",
+        help="stage sizes (10,20,70)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["asyncio", "trio"],
+        default="asyncio",
+        help="event loop of the wall-clock run: asyncio (default) or trio (needs the"
+        " trio extra: pip install 'stagedconsumer[trio]')",
+    )
+    parser.add_argument(
+        "--virtual",
+        action="store_true",
+        help="run on trio in virtual time: exact and instant (needs the trio extra)",
     )
     parser.set_defaults(handler=_handle)

@@ -336,7 +336,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="offsets_command", metavar="ACTION", required=True)
+    commands = parser.add_subparsers(dest="offsets_command", metavar="ACTION", title="actions")
+
+    def no_action(args: argparse.Namespace) -> int:
+        parser.print_help()  # no action: the help, with the actions, as a usage error
+        return 2
+
+    parser.set_defaults(handler=no_action)
 
     def common(sub: argparse.ArgumentParser, *, topic_required: bool) -> None:
         sub.add_argument(

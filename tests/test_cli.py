@@ -1,0 +1,108 @@
+"""The ``stagedconsumer`` command itself: help, version, usage errors, help texts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stagedconsumer._cli import main
+from stagedconsumer._version import __version__
+
+COMMANDS = ("demo", "offsets", "trace")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "100"}
+    return subprocess.run(
+        [sys.executable, "-m", "stagedconsumer", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_no_command_prints_the_help_with_the_commands_and_exits_2() -> None:
+    result = run()
+    assert result.returncode == 2
+    assert "commands:" in result.stdout
+    for command in COMMANDS:
+        assert f"    {command} " in result.stdout
+    assert "stagedconsumer COMMAND --help" in result.stdout
+
+
+def test_help_exits_0() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    assert "commands:" in result.stdout
+    assert "--version" in result.stdout
+
+
+def test_an_unknown_command_exits_2_naming_the_commands() -> None:
+    result = run("nope")
+    assert result.returncode == 2
+    assert "invalid choice: 'nope'" in result.stderr
+    for command in COMMANDS:
+        assert repr(command) in result.stderr
+    assert "Run 'stagedconsumer --help' for help." in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str) -> None:
+    result = run(flag)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"stagedconsumer {__version__}"
+
+
+def test_offsets_without_an_action_prints_its_help_and_exits_2() -> None:
+    result = run("offsets")
+    assert result.returncode == 2
+    assert "actions:" in result.stdout
+    assert "show" in result.stdout
+    assert "reset" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args", [(), ("demo",), ("offsets",), ("offsets", "show"), ("offsets", "reset"), ("trace",)]
+)
+def test_help_texts_show_no_rest_markup(args: tuple[str, ...]) -> None:
+    result = run(*args, "--help")
+    assert result.returncode == 0
+    for markup in ("``", ":class:", ":func:", ":meth:", "`~"):
+        assert markup not in result.stdout, f"{markup!r} in {' '.join(args)} --help"
+
+
+def test_every_demo_option_has_a_help_text() -> None:
+    result = run("demo", "--help")
+    assert "event loop of the wall-clock run" in result.stdout
+    lines = result.stdout.splitlines()
+    options = [i for i, line in enumerate(lines) if line.lstrip().startswith("--")]
+    assert len(options) == 6
+    for i in options:  # a help text on the option's line, or indented on the next one
+        name, _, rest = lines[i].strip().partition("  ")
+        assert rest.strip() or lines[i + 1].startswith(" " * 20), f"{name} has no help"
+
+
+@pytest.mark.parametrize(
+    ("text", "plain"),
+    [
+        ("``offsets show``", "offsets show"),
+        ("a :class:`~stagedconsumer.RedisBroker` b", "a RedisBroker b"),
+        (":func:`anyio.run`", "anyio.run"),
+        (":ref:`the table <options>`", "the table"),
+        (":py:class:`x.Y`", "x.Y"),
+    ],
+)
+def test_plain_text(text: str, plain: str) -> None:
+    from stagedconsumer._cli import plain_text
+
+    assert plain_text(text) == plain
+
+
+def test_main_returns_2_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "commands:" in capsys.readouterr().out
