@@ -106,3 +106,46 @@ def test_plain_text(text: str, plain: str) -> None:
 def test_main_returns_2_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "commands:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+@pytest.mark.parametrize("virtual", [True, False], ids=["virtual", "wall-clock"])
+def test_demo_table_fits_the_terminal_and_never_cuts_a_mode(columns: int, virtual: bool) -> None:
+    pytest.importorskip("trio")
+    args = ["demo", "--messages", "40", "--cost-ms", "2"]
+    env = {**os.environ, "COLUMNS": str(columns)}
+    result = subprocess.run(
+        [sys.executable, "-m", "stagedconsumer", *args, *(["--virtual"] if virtual else [])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    assert "…" not in result.stdout
+    assert any(line.startswith("concurrent ") for line in lines)
+    assert ("bare" in lines[1]) is not virtual  # the bare schedule: wall clock only
+
+
+def test_demo_lists_order_violations_below_the_table() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from stagedconsumer._cli._demo import DemoResult, render
+
+    def result(mode: str, violations: tuple[str, ...] = ()) -> DemoResult:
+        return DemoResult(
+            mode=mode, messages=10, elapsed=0.1, bound_units=10, unit=0.01,
+            peak_concurrency=1, violations=violations, bare=0.1,
+        )  # fmt: skip
+
+    console = Console(file=StringIO(), width=80)
+    broken = ("offset 3 ran as stage 1, expected 0",)
+    render([result("orderly"), result("staged", broken)], console, virtual=True)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "FAILED" in out
+    assert "staged: offset 3 ran as stage 1, expected 0" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -40,3 +41,28 @@ def test_readme_has_the_two_setup_commands() -> None:
     test_command = re.search(r"^python3 -m venv .*pytest$", ci, re.M)
     assert test_command is not None
     assert test_command.group(0) in text
+
+
+def _wall_time_free(text: str) -> list[str]:
+    """Lines without trailing spaces, the wall time (the one varying number) masked."""
+    return [
+        re.sub(r"\d+\.\d\d s of wall time", "N s of wall time", line.rstrip())
+        for line in text.strip().splitlines()
+    ]
+
+
+def test_readme_demo_output_is_what_the_command_prints() -> None:
+    pytest.importorskip("trio")
+    text = README.read_text()
+    block = re.search(r"```text\n\$ stagedconsumer demo --virtual\n(.*?)```", text, re.S)
+    assert block is not None
+    result = subprocess.run(
+        [sys.executable, "-m", "stagedconsumer", "demo", "--virtual"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert _wall_time_free(block.group(1)) == _wall_time_free(result.stdout)
