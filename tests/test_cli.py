@@ -149,3 +149,25 @@ def test_demo_lists_order_violations_below_the_table() -> None:
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "FAILED" in out
     assert "staged: offset 3 ran as stage 1, expected 0" in out
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--backend=trio", "--backend trio needs trio: pip install 'stagedconsumer[trio]'"),
+        ("--virtual", "--virtual runs on trio: pip install 'stagedconsumer[trio]'"),
+    ],
+)
+def test_demo_on_trio_without_trio_names_the_extra(flag: str, message: str) -> None:
+    # a base install: importing trio fails
+    code = (
+        "import sys; sys.modules['trio'] = None; from stagedconsumer._cli import main;"
+        f" sys.exit(main(['demo', '--messages', '5', {flag!r}]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "LookupError" not in result.stderr

@@ -375,6 +375,13 @@ def _handle(args: argparse.Namespace) -> int:
         "stages": args.stages,
     }
     started = time.perf_counter()
+    if args.backend == "trio" and not args.virtual:
+        try:
+            import trio  # only to say which extra is missing
+        except ImportError:
+            raise SystemExit(
+                "stagedconsumer demo --backend trio needs trio: pip install 'stagedconsumer[trio]'"
+            ) from None
     if args.virtual:
         try:
             import trio.testing
