@@ -309,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--worktree", type=Path, help="keep the base commit's git worktree here (reused)"
     )
     parser.add_argument("--json", type=Path, help="also write the comparison as JSON here")
+    if "--" not in argv and any(arg in ("-h", "--help") for arg in argv):
+        parser.parse_args(argv)  # prints the help and exits
     try:
         own, module, bench_args = split_argv(argv)
     except ValueError as exc:

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    # Run as a script, benchmarks/ comes first on sys.path, where benchmarks/offsetstore.py
-    # would shadow the offsetstore package: put the repository root there instead.
+    # Run as a script, benchmarks/ comes first on sys.path: put the repository root
+    # there instead, so that imports resolve as under ``python -m benchmarks.X``.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import anyio

@@ -44,8 +44,7 @@ Two phases per system:
     python -m benchmarks.redis_e2e                     # 100,000 messages
     python -m benchmarks.redis_e2e --messages 20000 --latency-messages 5000 --json out.json
 
-Run it as a module (``-m``): ``benchmarks/offsetstore.py`` would shadow the package
-when the script's folder is first on ``sys.path``.
+``python benchmarks/redis_e2e.py`` (as a script) runs the same.
 """
 
 from __future__ import annotations

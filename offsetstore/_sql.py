@@ -27,7 +27,7 @@ greenlets bridging into asyncio drivers), and the runtime must run on trio too. 
 store's work is a few statements per ``persist_consumer_offset_interval``, so a
 thread per call costs nothing measurable, and while a large commit runs in its thread
 the event loop keeps handling messages: slower while the thread holds the GIL (the
-driver's per-row Python work), never stopped (``benchmarks/offsetstore.py``
+driver's per-row Python work), never stopped (``benchmarks/store_commit.py``
 measures loop lag and handler throughput during back-to-back 10,000-queue commits).
 Only a cheap snapshot of the in-memory table runs on the loop, in chunks.
 """

@@ -11,8 +11,8 @@
    ``--messages`` messages on 8 queues) alone, and while 10,000-queue commits run
    back to back on the same event loop.
 
-    python benchmarks/offsetstore.py
-    python benchmarks/offsetstore.py --backends sqlite postgres --repeat 5 --json out.json
+    python -m benchmarks.store_commit        # or: python benchmarks/store_commit.py
+    python -m benchmarks.store_commit --backends sqlite postgres --repeat 5 --json out.json
 
 PostgreSQL and MariaDB URLs come from ``--postgres-url`` / ``--mysql-url`` (defaults:
 ``STAGEDCONSUMER_TEST_POSTGRES_URL`` / ``STAGEDCONSUMER_TEST_MYSQL_URL`` or this
@@ -36,17 +36,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this file's directory comes first on sys.path, and this file is
-# named like the package it measures: drop the directory so ``offsetstore`` is the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+if __package__ in (None, ""):
+    # Run as a script, benchmarks/ comes first on sys.path: put the repository root
+    # there instead, so that imports resolve as under ``python -m benchmarks.X``.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-import anyio  # noqa: E402
-import sqlalchemy as sa  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import anyio
+import sqlalchemy as sa
+from rich.console import Console
+from rich.table import Table
 
-from offsetstore import (  # noqa: E402
+from offsetstore import (
     MemoryOffsetStore,
     OffsetStoreError,
     QueueProgress,
@@ -54,7 +54,7 @@ from offsetstore import (  # noqa: E402
     StageKey,
     StageOffsetStore,
 )
-from stagedconsumer import (  # noqa: E402
+from stagedconsumer import (
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     MemoryBroker,
