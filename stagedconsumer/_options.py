@@ -40,6 +40,11 @@ def _finite_positive(_instance: Any, attribute: attrs.Attribute[Any], value: Any
         raise InvalidOptionError(f"{attribute.name} must be finite, got {value!r}")
 
 
+def _optional_finite_positive(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _finite_positive(_instance, attribute, value)
+
+
 def _optional_reconsume(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
@@ -122,6 +127,13 @@ class ConsumerOptions:
     """Where a queue with no committed progress starts (retry queues: always first)."""
     consume_timestamp: float | None = attrs.field(default=None, validator=_timestamp)
     """With ``CONSUME_FROM_TIMESTAMP``: seconds since the epoch (``time.time()``)."""
+    event_loop_block_threshold: float | None = attrs.field(
+        default=1.0, validator=_optional_finite_positive
+    )
+    """Seconds the event loop may be blocked before a warning names what blocked it
+    (an ``async def`` handler calling ``time.sleep`` or blocking I/O stops every
+    queue), once per handler; ``None`` turns the check off. It costs nothing per
+    message: a task beats ten times per threshold and a thread checks the beat."""
 
     def __attrs_post_init__(self) -> None:
         from_timestamp = self.consume_from_where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP

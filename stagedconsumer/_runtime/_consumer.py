@@ -38,7 +38,8 @@ from ._queues import QueueTable
 from ._services import ConsumeService
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
-from ._workers import WorkerPool
+from ._watchdog import LoopWatchdog
+from ._workers import WORKER_BATCH_LOCAL, WORKER_CODE, WorkerPool
 
 __all__ = ("PushConsumer",)
 
@@ -110,6 +111,7 @@ class PushConsumer:
         self._hooks: HookRunner | None = None
         self._membership: GroupMembership | None = None
         self._workers: WorkerPool | None = None
+        self._watchdog: LoopWatchdog | None = None
         self._pulls: PullService | None = None
         self._committer: ProgressCommitter | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -214,6 +216,8 @@ class PushConsumer:
                     await tg.start(hook.run, self)
             assert self._pulls is not None
             assert self._workers is not None
+            if self._watchdog is not None:  # first: it watches everything after it
+                await tg.start(self._watchdog.run)
             await tg.start(self._pulls.run)
             await self._queues.assigned([queue.mq for queue in loaded])
             for queue in loaded:
@@ -234,6 +238,8 @@ class PushConsumer:
         self._body = anyio.CancelScope()
         self._body.__enter__()
         state.on_failure = self._body.cancel
+        if state.failure is not None:  # it failed while starting (a handler's sys.exit())
+            self._body.cancel()
         return self
 
     async def _start_up(self) -> tuple[dict[MessageQueue, TagFilter], list[QueueState]]:
@@ -304,6 +310,16 @@ class PushConsumer:
             hooks=self._hooks,
             leased=membership is not None,
         )
+        threshold = options.event_loop_block_threshold
+        if threshold is not None:
+            consume = self.listener.consume_message  # type: ignore[attr-defined]
+            self._watchdog = LoopWatchdog(
+                group=self.group,
+                threshold=threshold,
+                worker_code=WORKER_CODE,
+                batch_local=WORKER_BATCH_LOCAL,
+                handler_code=getattr(getattr(consume, "__func__", consume), "__code__", None),
+            )
 
     def _on_room(self, pq: ProcessQueue) -> None:
         if self._pulls is not None:

@@ -31,6 +31,8 @@ logger = logging.getLogger("stagedconsumer")
 
 _CHECKPOINT_EVERY = 64
 """Batches a worker runs back to back before it yields to other tasks."""
+_NEVER_AGAIN = 365 * 24 * 3600.0
+"""Seconds a batch whose handler called ``sys.exit()`` waits: the consumer stops first."""
 _SUCCESS = EraseStatus.SUCCESS
 _READY = READY
 _NOT_READY = ~READY
@@ -166,6 +168,9 @@ class WorkerPool:
                     result = await call_sync(messages, context)
             except Exception as exc:  # a failing handler never stops the consumer
                 error = exc
+            except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
+                self._exit_requested(batch, exc)
+                return
             finally:
                 state.in_flight -= 1
             if hook_ctx is not None:
@@ -192,6 +197,25 @@ class WorkerPool:
             if streak >= _CHECKPOINT_EVERY:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
+
+    def _exit_requested(self, batch: Batch, exc: SystemExit) -> None:
+        """A handler raised ``SystemExit`` (called ``sys.exit()``): a request to stop.
+
+        The batch is not finished: it stays pending (suspended, out of the handlers),
+        so nothing from it on is committed and it is delivered again. The consumer
+        stops as on any failure that stops it (drains the other calls, commits,
+        leaves) and ``SystemExit`` comes out of ``async with``."""
+        logger.warning(
+            "group %s: a handler called sys.exit(%r) on %s at offset %d: stopping the"
+            " consumer (the batch is not committed and will be delivered again)",
+            self.state.group,
+            exc.code,
+            batch.process_queue.message_queue,
+            batch.messages[0].queue_offset,
+        )
+        effects = self.dispatcher.suspend(batch, anyio.current_time() + _NEVER_AGAIN)
+        self.signals.apply(batch.process_queue, effects)
+        self.state.fail(exc)
 
     async def _settle(
         self,
@@ -242,3 +266,9 @@ class WorkerPool:
         else:
             hook_ctx.status = ConsumeReturnType.FAILED
         self.hooks.after(hook_ctx)
+
+
+WORKER_CODE = WorkerPool._worker.__code__
+"""The code of the worker loop, and the name of its local holding the batch it runs:
+the watchdog finds them on a blocked loop's stack."""
+WORKER_BATCH_LOCAL = "batch"
