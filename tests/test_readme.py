@@ -66,3 +66,69 @@ def test_readme_demo_output_is_what_the_command_prints() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert _wall_time_free(block.group(1)) == _wall_time_free(result.stdout)
+
+
+@pytest.mark.redis
+@pytest.mark.postgres
+def test_readme_consumer_group_members_keep_running_and_split_the_queues(
+    tmp_path: Path,
+) -> None:
+    """Two members started with --keep-running share the 8 queues 4/4, print their
+    queues when they change, and end quietly on Ctrl-C."""
+    import signal
+    import time
+
+    code = next(code for section, code in python_blocks() if "--keep-running" in code)
+    script = tmp_path / "rewards.py"
+    script.write_text(code)
+
+    files = []
+
+    def start(name: str) -> tuple[subprocess.Popen[str], Path]:
+        log = tmp_path / f"{name}.log"
+        files.append(log.open("w"))
+        process = subprocess.Popen(
+            [sys.executable, "-u", str(script), "--keep-running"],
+            stdout=files[-1],
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        return process, log
+
+    def queues(log: Path) -> set[str] | None:
+        lines = [line for line in log.read_text().splitlines() if line.startswith("this member's")]
+        if not lines:
+            return None
+        listed = lines[-1].partition(": ")[2]
+        return set() if listed == "none" else set(listed.split(", "))
+
+    members = [start("a"), start("b")]
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            seen = [queues(log) for _, log in members]
+            if all(s is not None and len(s) == 4 for s in seen):
+                break
+            assert time.monotonic() < deadline, f"no 4/4 split: {seen}"
+            assert all(p.poll() is None for p, _ in members), "a member exited"
+            time.sleep(0.5)
+        a, b = seen
+        assert a is not None
+        assert b is not None
+        assert a | b == {f"orders#{q}" for q in range(8)}
+        for process, _ in members:
+            process.send_signal(signal.SIGINT)
+        for process, log in members:
+            assert process.wait(timeout=60) == 0, log.read_text()[-2000:]
+            out = log.read_text()
+            assert "stopped: progress committed" in out
+            assert "Traceback" not in out
+    finally:
+        for process, _ in members:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for file in files:
+            file.close()
