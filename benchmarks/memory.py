@@ -50,6 +50,9 @@ from stagedconsumer import (
 
 TOPIC = "backlog"
 
+COLUMNS = ("mode", "at 10%", "at 50%", "at 100%", "peak", "seconds")
+"""The table's columns (the README's table has the same)."""
+
 
 class NoopKeyOrdered(NoopOrderly):
     """Key-ordered: one batch at a time per message key, keys concurrently."""
@@ -219,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tracemalloc.stop()
             progress.update(task, completed=total)
     table = Table(title=f"Traced Python memory while consuming a {total:,}-message backlog")
-    for column in ("mode", "at 10%", "at 50%", "at 100%", "peak", "seconds"):
+    for column in COLUMNS:
         table.add_column(column, justify="left" if column == "mode" else "right")
     for name, r in results.items():
         table.add_row(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -132,3 +133,24 @@ def test_readme_consumer_group_members_keep_running_and_split_the_queues(
                 process.wait()
         for file in files:
             file.close()
+
+
+def test_every_table_ends_before_the_next_block() -> None:
+    lines = README.read_text().splitlines()
+    for number, (line, following) in enumerate(itertools.pairwise(lines), start=1):
+        if line.startswith("|"):
+            assert following.startswith("|") or not following.strip(), (
+                f"README.md:{number + 1}: a table runs into {following!r}"
+            )
+
+
+def test_the_memory_table_has_the_columns_the_command_prints() -> None:
+    from benchmarks.memory import COLUMNS
+
+    header = next(
+        line
+        for line in README.read_text().splitlines()
+        if line.startswith("| `python -m benchmarks.memory`")
+    )
+    cells = [cell.strip() for cell in header.strip("|").split("|")]
+    assert cells[1:] == list(COLUMNS[1:])
