@@ -267,59 +267,7 @@ class PushConsumer:
 
     def _wire(self, subscribed: dict[MessageQueue, TagFilter]) -> None:
         """Build the services (once the consumer starts: hooks are known then)."""
-        state, options = self._state, self.options
-        if self._hook_list:
-            self._hooks = HookRunner(self._hook_list)
-            self._dispatcher.record_times = True
-        if self._coordinator is not None:
-            self._membership = GroupMembership(
-                coordinator=self._coordinator,
-                state=state,
-                client_id=self.client_id,
-                store=self.offset_store,
-                queues=self._queues,
-                dispatcher=self._dispatcher,
-                subscribed=subscribed,
-            )
-        membership = self._membership
-        self._committer = self._queues.committer = ProgressCommitter(
-            state=state,
-            store=self.offset_store,
-            queues=self._queues,
-            interval=options.persist_consumer_offset_interval,
-            fences=membership.ownership.fences if membership is not None else None,
-            on_fenced=membership.on_fenced if membership is not None else None,
-        )
-        self._pulls = self._queues.pulls = PullService(
-            state=state,
-            source=self.source,
-            dispatcher=self._dispatcher,
-            signals=self._signals,
-            options=options,
-            hooks=self._hooks,
-            past_end=self._queues.on_past_end,
-        )
-        self._workers = WorkerPool(
-            state=state,
-            dispatcher=self._dispatcher,
-            service=self._service,
-            signals=self._signals,
-            consume=self.listener.consume_message,  # type: ignore[attr-defined]
-            workers=options.consume_thread_max,
-            batch_size=options.consume_message_batch_max_size,
-            hooks=self._hooks,
-            leased=membership is not None,
-        )
-        threshold = options.event_loop_block_threshold
-        if threshold is not None:
-            consume = self.listener.consume_message  # type: ignore[attr-defined]
-            self._watchdog = LoopWatchdog(
-                group=self.group,
-                threshold=threshold,
-                worker_code=WORKER_CODE,
-                batch_local=WORKER_BATCH_LOCAL,
-                handler_code=getattr(getattr(consume, "__func__", consume), "__code__", None),
-            )
+        _wire_services(self, subscribed)
 
     def _on_room(self, pq: ProcessQueue) -> None:
         if self._pulls is not None:
@@ -476,3 +424,60 @@ class PushConsumer:
     def statistics(self) -> ConsumerStatistics:
         """A frozen snapshot of counters and per-queue state."""
         return self._queues.statistics(self._hooks, self._hook_list)
+
+
+def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFilter]) -> None:
+    """Build the services of ``consumer`` (when it starts: its hooks are known then)."""
+    state, options = consumer._state, consumer.options
+    if consumer._hook_list:
+        consumer._hooks = HookRunner(consumer._hook_list)
+        consumer._dispatcher.record_times = True
+    if consumer._coordinator is not None:
+        consumer._membership = GroupMembership(
+            coordinator=consumer._coordinator,
+            state=state,
+            client_id=consumer.client_id,
+            store=consumer.offset_store,
+            queues=consumer._queues,
+            dispatcher=consumer._dispatcher,
+            subscribed=subscribed,
+        )
+    membership = consumer._membership
+    consumer._committer = consumer._queues.committer = ProgressCommitter(
+        state=state,
+        store=consumer.offset_store,
+        queues=consumer._queues,
+        interval=options.persist_consumer_offset_interval,
+        fences=membership.ownership.fences if membership is not None else None,
+        on_fenced=membership.on_fenced if membership is not None else None,
+    )
+    consumer._pulls = consumer._queues.pulls = PullService(
+        state=state,
+        source=consumer.source,
+        dispatcher=consumer._dispatcher,
+        signals=consumer._signals,
+        options=options,
+        hooks=consumer._hooks,
+        past_end=consumer._queues.on_past_end,
+    )
+    consumer._workers = WorkerPool(
+        state=state,
+        dispatcher=consumer._dispatcher,
+        service=consumer._service,
+        signals=consumer._signals,
+        consume=consumer.listener.consume_message,  # type: ignore[attr-defined]
+        workers=options.consume_thread_max,
+        batch_size=options.consume_message_batch_max_size,
+        hooks=consumer._hooks,
+        leased=membership is not None,
+    )
+    threshold = options.event_loop_block_threshold
+    if threshold is not None:
+        consume = consumer.listener.consume_message  # type: ignore[attr-defined]
+        consumer._watchdog = LoopWatchdog(
+            group=consumer.group,
+            threshold=threshold,
+            worker_code=WORKER_CODE,
+            batch_local=WORKER_BATCH_LOCAL,
+            handler_code=getattr(getattr(consume, "__func__", consume), "__code__", None),
+        )
