@@ -127,6 +127,14 @@ class ConsumerOptions:
     """Where a queue with no committed progress starts (retry queues: always first)."""
     consume_timestamp: float | None = attrs.field(default=None, validator=_timestamp)
     """With ``CONSUME_FROM_TIMESTAMP``: seconds since the epoch (``time.time()``)."""
+    consume_timeout: float | None = attrs.field(
+        default=900.0, validator=_optional_finite_positive
+    )
+    """Seconds a handler call may run (RocketMQ's ``consumeTimeout``, 15 minutes);
+    a call still running then is timed out, between this and 1.1 times it: an
+    ``async def`` handler is cancelled, a plain ``def`` handler's call is abandoned
+    (its thread finishes it unobserved, the result is ignored). The call counts as
+    failed and is retried as the mode retries failures. ``None`` turns it off."""
     event_loop_block_threshold: float | None = attrs.field(
         default=1.0, validator=_optional_finite_positive
     )

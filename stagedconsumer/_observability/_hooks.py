@@ -49,7 +49,7 @@ class ConsumeReturnType(enum.Enum):
 
     SUCCESS = 0
     TIME_OUT = 1
-    """Not produced here (handlers have no consume timeout); decoded from RocketMQ traces."""
+    """The call ran longer than ``consume_timeout`` (cancelled or abandoned)."""
     EXCEPTION = 2
     """The handler raised."""
     RETURNNULL = 3

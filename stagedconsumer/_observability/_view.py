@@ -56,6 +56,9 @@ class ConsumerStatistics:
     messages stay uncommitted and are delivered again."""
     listener_errors: int = 0
     """Exceptions of message queue listeners (logged and ignored)."""
+    timed_out_calls: int = 0
+    """Handler calls that ran longer than ``consume_timeout`` (cancelled, or
+    abandoned for a plain ``def`` handler) and were retried as failures."""
 
     @property
     def paused_queues(self) -> list[MessageQueue]:

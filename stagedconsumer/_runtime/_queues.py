@@ -314,6 +314,7 @@ class QueueTable:
             assignment_errors=state.assignment_errors,
             abandoned_calls=state.abandoned_calls,
             listener_errors=state.listener_errors,
+            timed_out_calls=state.timed_out_calls,
             queues={mq: self.states[mq].pq.statistics() for mq in self.sorted()},
         )
 

@@ -42,6 +42,8 @@ class ConsumerState:
     """Handler calls still running when shutdown gave up waiting for them."""
     listener_errors: int = 0
     """Exceptions of message queue listeners (logged and ignored)."""
+    timed_out_calls: int = 0
+    """Handler calls that ran longer than ``consume_timeout``."""
     started: bool = False
     stopping: bool = False
     """Shutdown began: workers take no new batch, loops wind down."""

@@ -38,6 +38,21 @@ _READY = READY
 _NOT_READY = ~READY
 
 
+class _Slot:
+    """One worker's handler call in progress, seen by the consume-timeout scanner."""
+
+    __slots__ = ("call", "scope", "seen", "since", "timed_out")
+
+    def __init__(self) -> None:
+        self.call: tuple[Batch, Any, ConsumeMessageContext | None] | None = None
+        """The batch, its context and hook context while the handler runs."""
+        self.scope: anyio.CancelScope | None = None
+        self.seen: object = None
+        """The call the scanner saw last, and since when (``since``)."""
+        self.since = 0.0
+        self.timed_out = False
+
+
 class WorkerPool:
     """Runs the listener on batches from the dispatcher, ``workers`` at a time.
 
@@ -72,6 +87,8 @@ class WorkerPool:
         self.leased = leased
         self._threads = ThreadRunner(workers)
         self._scope: anyio.CancelScope | None = None
+        self.consume_timeout = service.options.consume_timeout
+        self._slots: list[_Slot] = []
         self._done = anyio.Event()
 
     async def run(
@@ -81,10 +98,14 @@ class WorkerPool:
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
-                async with anyio.create_task_group() as workers:
-                    for _ in range(self.workers):
-                        workers.start_soon(self._worker)
-                    task_status.started()
+                async with anyio.create_task_group() as watcher:
+                    if self.consume_timeout is not None:
+                        watcher.start_soon(self._watch_timeouts, self.consume_timeout)
+                    async with anyio.create_task_group() as workers:
+                        for _ in range(self.workers):
+                            workers.start_soon(self._worker)
+                        task_status.started()
+                    watcher.cancel_scope.cancel()  # the workers are done
         finally:
             self._done.set()
 
@@ -127,7 +148,73 @@ class WorkerPool:
         return result
 
     async def _worker(self) -> None:
-        """Take batches and run the listener on them until the consumer stops."""
+        """Take batches and run the listener on them until the consumer stops.
+
+        With a consume timeout, the loop runs in a cancel scope that the scanner
+        (:meth:`_watch_timeouts`) cancels when a handler call runs too long; the
+        call is then settled as a failure and the loop starts again."""
+        if self.consume_timeout is None:
+            await self._work(None)
+            return
+        slot = _Slot()
+        self._slots.append(slot)
+        while True:
+            slot.timed_out = False
+            with anyio.CancelScope() as scope:
+                slot.scope = scope
+                await self._work(slot)
+            if not slot.timed_out:  # the consumer stops
+                return
+            call, slot.call = slot.call, None
+            assert call is not None
+            await self._timed_out(*call)
+
+    async def _watch_timeouts(self, timeout: float) -> None:
+        """Every tenth of ``timeout``: time out the handler calls that the previous
+        scans saw running for ``timeout`` seconds (so a call ends between ``timeout``
+        and 1.1 times it). Costs the workers one tuple per call, nothing else."""
+        interval = timeout / 10
+        slots = self._slots
+        while True:
+            await anyio.sleep(interval)
+            now = anyio.current_time()
+            for slot in slots:
+                call = slot.call
+                if call is None:
+                    slot.seen = None
+                elif call is not slot.seen:  # started since the last scan
+                    slot.seen, slot.since = call, now
+                elif now - slot.since >= timeout - interval / 2 and not slot.timed_out:
+                    slot.timed_out = True
+                    if slot.scope is not None:
+                        slot.scope.cancel()
+
+    async def _timed_out(
+        self, batch: Batch, context: Any, hook_ctx: ConsumeMessageContext | None
+    ) -> None:
+        """A handler call ran longer than ``consume_timeout``: a failure like any other."""
+        timeout = self.consume_timeout
+        messages = batch.messages
+        self.state.timed_out_calls += 1
+        logger.warning(
+            "group %s: a handler call on %s (offsets %d..%d) ran longer than"
+            " consume_timeout (%.6g s): %s, and the call is retried as a failure",
+            self.state.group,
+            batch.process_queue.message_queue,
+            messages[0].queue_offset,
+            messages[-1].queue_offset,
+            timeout,
+            "cancelled" if self.is_async else "abandoned (its thread finishes it unobserved)",
+        )
+        error = TimeoutError(f"handler call ran longer than consume_timeout ({timeout:.6g} s)")
+        if hook_ctx is not None:
+            hook_ctx.end_time = anyio.current_time()
+        await self._settle(batch, context, error, None, hook_ctx)
+        if hook_ctx is not None:
+            self._hooks_after(hook_ctx, error, None, timed_out=True)
+
+    async def _work(self, slot: _Slot | None) -> None:
+        """The worker loop (see :meth:`_worker`)."""
         state, dispatcher, signals, service = (
             self.state,
             self.dispatcher,
@@ -161,6 +248,8 @@ class WorkerPool:
                 hook_ctx = self._hook_context(batch, clock)
                 hooks.before(hook_ctx)
             state.in_flight += 1
+            if slot is not None:
+                slot.call = (batch, context, hook_ctx)
             try:
                 if is_async:
                     result = await consume(messages, context)
@@ -173,6 +262,10 @@ class WorkerPool:
                 return
             finally:
                 state.in_flight -= 1
+            if slot is not None:
+                if slot.timed_out:  # timed out as it returned: the result is ignored
+                    return
+                slot.call = None
             if hook_ctx is not None:
                 hook_ctx.end_time = clock()
             if (
@@ -254,12 +347,19 @@ class WorkerPool:
         )
 
     def _hooks_after(
-        self, hook_ctx: ConsumeMessageContext, error: Exception | None, result: object
+        self,
+        hook_ctx: ConsumeMessageContext,
+        error: Exception | None,
+        result: object,
+        *,
+        timed_out: bool = False,
     ) -> None:
         assert self.hooks is not None
         hook_ctx.exception = error
         hook_ctx.result = result
-        if hook_ctx.success:
+        if timed_out:
+            hook_ctx.status = ConsumeReturnType.TIME_OUT
+        elif hook_ctx.success:
             hook_ctx.status = ConsumeReturnType.SUCCESS
         elif error is not None:
             hook_ctx.status = ConsumeReturnType.EXCEPTION
@@ -268,7 +368,7 @@ class WorkerPool:
         self.hooks.after(hook_ctx)
 
 
-WORKER_CODE = WorkerPool._worker.__code__
+WORKER_CODE = WorkerPool._work.__code__
 """The code of the worker loop, and the name of its local holding the batch it runs:
 the watchdog finds them on a blocked loop's stack."""
 WORKER_BATCH_LOCAL = "batch"
