@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,9 +27,10 @@ import anyio
 import attrs
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
-from .._exceptions import StagedConsumerError
+from .._exceptions import ConfigurationError, StagedConsumerError
 from .._observability._trace_codec import RMQ_SYS_TRACE_TOPIC, TraceContext, TraceMessage, TraceType
 from .._observability._trace_query import query_message_trace, read_trace_file, read_trace_topic
 
@@ -208,7 +210,7 @@ def message_history(contexts: Sequence[TraceContext]) -> list[MessageHistory]:
     for call in _calls(contexts):
         calls.setdefault(call.msg_id, []).append(call)
     histories: list[MessageHistory] = []
-    for msg_id in sorted(sends.keys() | calls.keys()):
+    for msg_id in sorted(sends.keys() | calls.keys()):  # then by time, below
         message_sends = sorted(sends.get(msg_id, ()), key=lambda r: r.sent_ms)
         first_send = next((s for s in message_sends if s.success), None)
         message_calls = sorted(calls.get(msg_id, ()), key=lambda r: (r.start_ms, r.attempt))
@@ -221,7 +223,15 @@ def message_history(contexts: Sequence[TraceContext]) -> list[MessageHistory]:
                 calls=tuple(_with_waits(message_calls, first_send)),
             )
         )
+    histories.sort(key=_first_time)
     return histories
+
+
+def _first_time(history: MessageHistory) -> int:
+    """When a message's history starts: its first send, else its first handler call."""
+    times = [send.sent_ms for send in history.sends[:1]]
+    times += [call.start_ms for call in history.calls[:1]]
+    return min(times, default=0)
 
 
 def message_life(contexts: Sequence[TraceContext]) -> list[LifeRow]:
@@ -347,6 +357,46 @@ def _table(history: MessageHistory) -> Table:
     return table
 
 
+def _narrow(history: MessageHistory) -> list[str]:
+    """The rows of :func:`_table` for a terminal too narrow for it: per row one line
+    with the step, start, group, queue, stage and length, then the result and the
+    waits, indented."""
+    sent_to = ""
+    if history.sends and history.sends[0].store_host:
+        sent_to = f"  stored on {history.sends[0].store_host}"
+    lines = [escape(f"message {history.msg_id}  keys [{history.keys}]{sent_to}")]
+    indent = " " * 11
+    for send in history.sends:
+        lines.append(
+            f"{'send':<11}{_time(send.sent_ms)}  {escape(send.group)}"
+            f"  {escape(_where(send.topic, send.queue_id, send.queue_offset))}"
+            f"  took {_ms(send.cost_ms)}"
+        )
+        lines.append(f"{indent}{_send_result(send)}")
+    for call in history.calls:
+        took = None if call.end_ms is None else call.end_ms - call.start_ms
+        lines.append(
+            f"{f'attempt {call.attempt}':<11}{_time(call.start_ms)}  {escape(call.group)}"
+            f"  {escape(_where(call.topic, call.queue_id, call.queue_offset))}"
+            + (f"  stage {_stage(call.stage_index)}" if call.stage_index is not None else "")
+            + f"  took {_ms(took) or '?'}"
+        )
+        lines.append(f"{indent}{_result(call)}")
+        waits = [
+            f"{name} {_ms(value)}"
+            for name, value in (
+                ("in broker", call.broker_wait_ms),
+                ("barrier", None if call.local_retry else call.barrier_wait_ms),
+                ("in cache", call.cache_wait_ms),
+            )
+            if value is not None
+        ]
+        if waits:
+            lines.append(f"{indent}waited: {', '.join(waits)}")
+    lines.append(_CAPTION)
+    return lines
+
+
 async def _read_redis(url: str, namespace: str, topic: str) -> list[TraceMessage]:
     from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
 
@@ -357,8 +407,18 @@ async def _read_redis(url: str, namespace: str, topic: str) -> list[TraceMessage
         return await read_trace_topic(broker, topic)
 
 
+def _console() -> Console:
+    """A terminal's own width (the table folds to fit it); 160 columns when the
+    output goes to a file or a pipe and ``COLUMNS`` does not say otherwise, so a
+    saved table keeps one line per row."""
+    console = Console()
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(width=160)
+
+
 def _run(args: argparse.Namespace) -> int:
-    console = Console(width=max(Console().width, 160))
+    console = _console()
     if args.redis:
         where = f"{args.trace_topic} of {args.redis} namespace {args.namespace}"
         try:
@@ -377,7 +437,13 @@ def _run(args: argparse.Namespace) -> int:
         if not path.exists():
             console.print(f"[red]no trace file {escape(where)}[/red]")
             return 1
-        messages = list(read_trace_file(path))
+        try:
+            messages = list(read_trace_file(path))
+        except (ConfigurationError, OSError) as exc:
+            Console(stderr=True).print(
+                f"[red]stagedconsumer trace: {escape(str(exc))}[/red]", soft_wrap=True
+            )
+            return 1
     histories = message_history(query_message_trace(messages, args.key))
     if args.json:
         print(json.dumps([attrs.asdict(h) for h in histories], indent=2))
@@ -385,8 +451,21 @@ def _run(args: argparse.Namespace) -> int:
     if not histories:
         console.print(f"no trace records for {escape(repr(args.key))} in {escape(where)}")
         return 1
+    if len(histories) > 1:
+        console.print(
+            f"{len(histories)} messages match {escape(repr(args.key))}, oldest first"
+            " (a trace file written by several runs holds the records of each: FileTraceSink"
+            " appends)",
+            highlight=False,
+        )
     for history in histories:
-        console.print(_table(history))
+        table = _table(history)
+        wide = Measurement.get(console, console.options.update_width(10_000), table)
+        if wide.maximum <= console.width:
+            console.print(table)
+        else:  # a narrow terminal: a few lines per row instead of a folded table
+            for line in _narrow(history):
+                console.print(line, highlight=False)
     return 0
 
 

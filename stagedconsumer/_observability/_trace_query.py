@@ -26,11 +26,25 @@ _PULL_BATCH = 1000
 
 
 def read_trace_file(path: str | os.PathLike[str]) -> Iterator[TraceMessage]:
-    """The trace messages of a :class:`FileTraceSink` file (blank lines skipped)."""
-    with Path(path).open(encoding="utf-8") as file:
-        for line in file:
-            if line.strip():
+    """The trace messages of a :class:`FileTraceSink` file (blank lines skipped).
+
+    A line that is not a trace message as the sink writes it (a JSON object with
+    ``topic``, ``keys`` and ``body``) raises :class:`~stagedconsumer.ConfigurationError`
+    naming the file and the line."""
+    with Path(path).open(encoding="utf-8", errors="replace") as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
                 yield TraceMessage.from_json(line)
+            except (ValueError, KeyError, TypeError) as exc:
+                shown = line.strip()
+                if len(shown) > 60:
+                    shown = shown[:57] + "..."
+                raise ConfigurationError(
+                    f"{os.fspath(path)}, line {number}: not a trace record written by"
+                    f" FileTraceSink (a JSON object with topic, keys and body): {shown!r}"
+                ) from exc
 
 
 def trace_messages_of(source: Any, topic: str = RMQ_SYS_TRACE_TOPIC) -> Iterator[TraceMessage]:

@@ -41,15 +41,15 @@ _NOT_READY = ~READY
 class _Slot:
     """One worker's handler call in progress, seen by the consume-timeout scanner."""
 
-    __slots__ = ("call", "scope", "seen", "since", "timed_out")
+    __slots__ = ("call", "scans", "scope", "seen", "timed_out")
 
     def __init__(self) -> None:
         self.call: tuple[Batch, Any, ConsumeMessageContext | None] | None = None
         """The batch, its context and hook context while the handler runs."""
         self.scope: anyio.CancelScope | None = None
         self.seen: object = None
-        """The call the scanner saw last, and since when (``since``)."""
-        self.since = 0.0
+        """The call the scanner saw last, and how many scans since it first did."""
+        self.scans = 0
         self.timed_out = False
 
 
@@ -177,17 +177,22 @@ class WorkerPool:
         slots = self._slots
         while True:
             await anyio.sleep(interval)
-            now = anyio.current_time()
             for slot in slots:
                 call = slot.call
                 if call is None:
                     slot.seen = None
                 elif call is not slot.seen:  # started since the last scan
-                    slot.seen, slot.since = call, now
-                elif now - slot.since >= timeout - interval / 2 and not slot.timed_out:
-                    slot.timed_out = True
-                    if slot.scope is not None:
-                        slot.scope.cancel()
+                    slot.seen, slot.scans = call, 0
+                else:
+                    # Seen first at most one interval after it started: ten more scans
+                    # (at least ``timeout`` later, each sleep lasting at least its
+                    # interval) put the call past ``timeout`` and, on a loop that keeps
+                    # time, within 1.1 times it.
+                    slot.scans += 1
+                    if slot.scans >= 10 and not slot.timed_out:
+                        slot.timed_out = True
+                        if slot.scope is not None:
+                            slot.scope.cancel()
 
     async def _timed_out(
         self, batch: Batch, context: Any, hook_ctx: ConsumeMessageContext | None
