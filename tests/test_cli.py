@@ -81,7 +81,7 @@ def test_every_demo_option_has_a_help_text() -> None:
     assert "event loop of the wall-clock run" in result.stdout
     lines = result.stdout.splitlines()
     options = [i for i, line in enumerate(lines) if line.lstrip().startswith("--")]
-    assert len(options) == 6
+    assert len(options) == 7
     for i in options:  # a help text on the option's line, or indented on the next one
         name, _, rest = lines[i].strip().partition("  ")
         assert rest.strip() or lines[i + 1].startswith(" " * 20), f"{name} has no help"
@@ -108,11 +108,14 @@ def test_main_returns_2_without_a_command(capsys: pytest.CaptureFixture[str]) ->
     assert "commands:" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("keys", [0, 10])
 @pytest.mark.parametrize("columns", [80, 100])
 @pytest.mark.parametrize("virtual", [True, False], ids=["virtual", "wall-clock"])
-def test_demo_table_fits_the_terminal_and_never_cuts_a_mode(columns: int, virtual: bool) -> None:
+def test_demo_table_fits_the_terminal_and_never_cuts_a_mode(
+    columns: int, virtual: bool, keys: int
+) -> None:
     pytest.importorskip("trio")
-    args = ["demo", "--messages", "40", "--cost-ms", "2"]
+    args = ["demo", "--messages", "40", "--cost-ms", "2", "--keys", str(keys)]
     env = {**os.environ, "COLUMNS": str(columns)}
     result = subprocess.run(
         [sys.executable, "-m", "stagedconsumer", *args, *(["--virtual"] if virtual else [])],
@@ -126,6 +129,10 @@ def test_demo_table_fits_the_terminal_and_never_cuts_a_mode(columns: int, virtua
     assert max(len(line) for line in lines) <= columns
     assert "…" not in result.stdout
     assert any(line.startswith("concurrent ") for line in lines)
+    if keys:
+        assert any(line.startswith("key-ordered ") for line in lines)
+        assert any(line.startswith("staged/key ") for line in lines)
+        assert "speedup" in lines[1]  # a header not folded
     assert ("bare" in lines[1]) is not virtual  # the bare schedule: wall clock only
 
 

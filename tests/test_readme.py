@@ -52,13 +52,14 @@ def _wall_time_free(text: str) -> list[str]:
     ]
 
 
-def test_readme_demo_output_is_what_the_command_prints() -> None:
+@pytest.mark.parametrize("command", ["demo --virtual", "demo --keys 10 --virtual"])
+def test_readme_demo_output_is_what_the_command_prints(command: str) -> None:
     pytest.importorskip("trio")
     text = README.read_text()
-    block = re.search(r"```text\n\$ stagedconsumer demo --virtual\n(.*?)```", text, re.S)
+    block = re.search(rf"```text\n\$ stagedconsumer {command}\n(.*?)```", text, re.S)
     assert block is not None
     result = subprocess.run(
-        [sys.executable, "-m", "stagedconsumer", "demo", "--virtual"],
+        [sys.executable, "-m", "stagedconsumer", *command.split()],
         capture_output=True,
         text=True,
         timeout=120,

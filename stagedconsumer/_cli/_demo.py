@@ -5,6 +5,10 @@ definitions ``[10, 20, 70]``. Orderly consumption takes 100 units, staged
 ``ceil(10/20) + ceil(20/20) + ceil(70/20) = 6``, concurrent ``ceil(100/20) = 5``.
 Every run logs handler start and end times; the order check verifies, from that
 log, each mode's guarantee and that every message was consumed exactly once.
+
+With --keys K, message i has the key user-{i % K}, and the modes are orderly,
+key-ordered (one message at a time per key, keys concurrently), staged per key
+(the stages count each key's messages) and concurrent.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .._listeners import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
+    Ordering,
 )
 from .._message import Message
 from .._options import ConsumerOptions
@@ -47,6 +52,7 @@ class _Event:
     stage: int
     start: float
     end: float
+    key: str = ""
 
 
 class _Log:
@@ -66,7 +72,14 @@ class _Log:
             self.running -= 1
         end = anyio.current_time()
         self.events.extend(
-            _Event(offset=m.queue_offset, stage=stage, start=start, end=end) for m in msgs
+            _Event(
+                offset=m.queue_offset,
+                stage=stage,
+                start=start,
+                end=end,
+                key=m.keys[0] if m.keys else "",
+            )
+            for m in msgs
         )
 
 
@@ -90,10 +103,26 @@ class _Orderly(MessageListenerOrderly):
         await self.log.handle(msgs, TAIL_STAGE)
 
 
+class _KeyOrdered(MessageListenerOrderly):
+    ordering = Ordering.BY_KEY
+
+    def __init__(self, log: _Log) -> None:
+        self.log = log
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
+        await self.log.handle(msgs, TAIL_STAGE)
+
+
 class _Staged(MessageListenerStagedConcurrently):
-    def __init__(self, log: _Log, stages: Sequence[int]) -> None:
+    def __init__(self, log: _Log, stages: Sequence[int], *, by_key: bool = False) -> None:
         self.log = log
         self.stages = list(stages)
+        self.by_key = by_key
+
+    def compute_group(self, msg: Message) -> str | None:
+        return msg.keys[0] if self.by_key else None
 
     def get_stage_definitions(self) -> Sequence[int]:
         return self.stages
@@ -118,6 +147,8 @@ class DemoResult:
     """Seconds per unit (the handler cost)."""
     peak_concurrency: int
     violations: tuple[str, ...]
+    keys: int = 0
+    """Distinct message keys (0: none, the RIP-22 example)."""
     bare: float
     """Seconds the same schedule of sleeps takes with no consumer at all (the timer
     floor of this machine and event loop), measured in the same run."""
@@ -135,8 +166,16 @@ class DemoResult:
         return not self.violations
 
 
-def theoretical_units(mode: str, messages: int, workers: int, stages: Sequence[int]) -> int:
-    """Makespan in handler-cost units with batch size 1 and equal costs."""
+def theoretical_units(
+    mode: str, messages: int, workers: int, stages: Sequence[int], keys: int = 0
+) -> int:
+    """Makespan in handler-cost units with batch size 1 and equal costs.
+
+    With ``keys``, message ``i`` has key ``i % keys`` and the key modes are those of
+    the ideal schedule that starts, each unit, the ready messages lowest offset first
+    (see :func:`_rounds`)."""
+    if mode in ("key-ordered", "staged/key"):
+        return len(_rounds(mode, messages, workers, stages, keys))
     if mode == "orderly":
         return messages
     if mode == "concurrent":
@@ -153,7 +192,27 @@ def theoretical_units(mode: str, messages: int, workers: int, stages: Sequence[i
 def check_order(
     mode: str, events: Sequence[_Event], messages: int, stages: Sequence[int]
 ) -> list[str]:
-    """Verify the mode's guarantee from the handler log; returns the violations."""
+    """Verify the mode's guarantee from the handler log; returns the violations.
+
+    The key modes check each key's messages as orderly (``key-ordered``) or staged
+    (``staged/key``) check a queue's."""
+    if mode in ("key-ordered", "staged/key"):
+        problems = _check_exactly_once(events, messages)
+        by_key: dict[str, list[_Event]] = {}
+        for event in sorted(events, key=lambda e: e.offset):
+            by_key.setdefault(event.key, []).append(event)
+        inner = "orderly" if mode == "key-ordered" else "staged"
+        for key, key_events in by_key.items():
+            # Each key's n-th message as offset n of its own sequence.
+            renumbered = [attrs.evolve(e, offset=n) for n, e in enumerate(key_events)]
+            for problem in _check_sequence(inner, renumbered, stages):
+                problems.append(f"key {key}: {problem} (counting the key's messages)")
+                break
+        return problems
+    return _check_exactly_once(events, messages) + _check_sequence(mode, events, stages)
+
+
+def _check_exactly_once(events: Sequence[_Event], messages: int) -> list[str]:
     problems: list[str] = []
     offsets = sorted(e.offset for e in events)
     if offsets != list(range(messages)):
@@ -163,6 +222,11 @@ def check_order(
             f"consumed {len(offsets)} of {messages}"
             f" (missing {missing[:5]}, duplicates {duplicates})"
         )
+    return problems
+
+
+def _check_sequence(mode: str, events: Sequence[_Event], stages: Sequence[int]) -> list[str]:
+    problems: list[str] = []
     by_offset = sorted(events, key=lambda e: e.offset)
     if mode == "orderly":
         for before, after in itertools.pairwise(by_offset):
@@ -195,8 +259,12 @@ def check_order(
     return problems
 
 
-def _rounds(mode: str, messages: int, workers: int, stages: Sequence[int]) -> list[int]:
+def _rounds(
+    mode: str, messages: int, workers: int, stages: Sequence[int], keys: int = 0
+) -> list[int]:
     """Handler calls per round of the ideal schedule (each round lasts one unit)."""
+    if mode in ("key-ordered", "staged/key"):
+        return _key_rounds(mode, messages, workers, stages, keys)
     if mode == "orderly":
         return [1] * messages
     groups = [messages] if mode == "concurrent" else []
@@ -214,6 +282,40 @@ def _rounds(mode: str, messages: int, workers: int, stages: Sequence[int]) -> li
     return rounds
 
 
+def _key_rounds(
+    mode: str, messages: int, workers: int, stages: Sequence[int], keys: int
+) -> list[int]:
+    """Rounds of the key modes: each round starts up to ``workers`` ready messages,
+    lowest offset first. Key-ordered: a key's next message is ready when its previous
+    one finished. Staged by key: a key's messages of its current stage are ready, the
+    next stage when all of them finished."""
+    definition = StageDefinition.of(stages)
+    stage_of = {}
+    per_key: dict[int, list[int]] = {}
+    for offset in range(messages):
+        sequence = per_key.setdefault(offset % keys, [])
+        stage_of[offset] = definition.stage_index(len(sequence))
+        sequence.append(offset)
+    rounds: list[int] = []
+    while per_key:
+        ready: list[int] = []
+        for sequence in per_key.values():
+            if mode == "key-ordered":
+                ready.append(sequence[0])
+            else:
+                stage = stage_of[sequence[0]]
+                ready.extend(o for o in sequence if stage_of[o] == stage)
+        started = set(sorted(ready)[:workers])
+        rounds.append(len(started))
+        for key in list(per_key):
+            left = [o for o in per_key[key] if o not in started]
+            if left:
+                per_key[key] = left
+            else:
+                del per_key[key]
+    return rounds
+
+
 async def _bare_schedule(rounds: Sequence[int], cost: float) -> float:
     start = anyio.current_time()
     for width in rounds:
@@ -224,20 +326,23 @@ async def _bare_schedule(rounds: Sequence[int], cost: float) -> float:
 
 
 async def _run_mode(
-    mode: str, *, messages: int, cost: float, workers: int, stages: Sequence[int]
+    mode: str, *, messages: int, cost: float, workers: int, stages: Sequence[int], keys: int = 0
 ) -> DemoResult:
     broker = MemoryBroker()
     broker.create_topic(TOPIC, 1)
     for i in range(messages):
-        broker.send(TOPIC, f"order {i}".encode(), queue_id=0)
+        message_keys = [f"user-{i % keys}"] if keys else []
+        broker.send(TOPIC, f"order {i}".encode(), keys=message_keys, queue_id=0)
     log = _Log(cost)
     listener: MessageListener
     if mode == "orderly":
         listener = _Orderly(log)
     elif mode == "concurrent":
         listener = _Concurrent(log)
+    elif mode == "key-ordered":
+        listener = _KeyOrdered(log)
     else:
-        listener = _Staged(log, stages)
+        listener = _Staged(log, stages, by_key=mode == "staged/key")
     from .._runtime._consumer import PushConsumer
 
     consumer = PushConsumer(
@@ -252,11 +357,12 @@ async def _run_mode(
         mode=mode,
         messages=messages,
         elapsed=elapsed,
-        bound_units=theoretical_units(mode, messages, workers, stages),
+        bound_units=theoretical_units(mode, messages, workers, stages, keys),
         unit=cost,
         peak_concurrency=log.peak,
         violations=tuple(check_order(mode, log.events, messages, stages)),
-        bare=await _bare_schedule(_rounds(mode, messages, workers, stages), cost),
+        bare=await _bare_schedule(_rounds(mode, messages, workers, stages, keys), cost),
+        keys=keys,
     )
 
 
@@ -266,12 +372,22 @@ async def run_demo(
     cost: float = 0.010,
     workers: int = 20,
     stages: Sequence[int] = (10, 20, 70),
+    keys: int = 0,
 ) -> list[DemoResult]:
-    """Run orderly, concurrent and staged consumption of the same workload."""
+    """Run orderly, concurrent and staged consumption of the same workload; with
+    ``keys``, message ``i`` has key ``user-{i % keys}`` and the modes are orderly,
+    key-ordered, staged by key (``stages`` per key) and concurrent."""
     StageDefinition.of(stages)
+    modes = (
+        ("orderly", "key-ordered", "staged/key", "concurrent")
+        if keys
+        else ("orderly", "concurrent", "staged")
+    )
     return [
-        await _run_mode(mode, messages=messages, cost=cost, workers=workers, stages=stages)
-        for mode in ("orderly", "concurrent", "staged")
+        await _run_mode(
+            mode, messages=messages, cost=cost, workers=workers, stages=stages, keys=keys
+        )
+        for mode in modes
     ]
 
 
@@ -294,6 +410,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -312,7 +435,11 @@ def render(results: Sequence[DemoResult], console: Console, *, virtual: bool) ->
     clock = "virtual time" if virtual else "wall clock"
     first = results[0]
     table = Table(
-        title=f"RIP-22 example: {first.messages} messages x {first.unit * 1000:g} ms ({clock})",
+        title=(
+            f"{first.messages} messages of {first.keys} keys x {first.unit * 1000:g} ms ({clock})"
+            if first.keys
+            else f"RIP-22 example: {first.messages} messages x {first.unit * 1000:g} ms ({clock})"
+        ),
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -323,7 +450,8 @@ def render(results: Sequence[DemoResult], console: Console, *, virtual: bool) ->
         columns.remove("bare")
     for column in columns:
         if column == "mode":
-            table.add_column(column, no_wrap=True, min_width=len("concurrent"))
+            width = max(len(r.mode) for r in results)
+            table.add_column(column, no_wrap=True, min_width=width)
         else:
             table.add_column(
                 column, justify="left" if column == "order" else "right", overflow="fold"
@@ -348,6 +476,12 @@ def render(results: Sequence[DemoResult], console: Console, *, virtual: bool) ->
         " messages, staged = sum of ceil(stage / workers), concurrent = ceil(messages /"
         " workers)); /bound: elapsed over bound;"
     )
+    if first.keys:
+        legend = legend.replace(
+            " /bound:",
+            " key-ordered and staged/key: the rounds of the ideal schedule that starts"
+            " the ready messages lowest offset first; /bound:",
+        )
     if not virtual:
         legend += (
             " bare: ms the same schedule of sleeps takes with no consumer, the timer"
@@ -364,6 +498,8 @@ def render(results: Sequence[DemoResult], console: Console, *, virtual: bool) ->
 
 
 def _handle(args: argparse.Namespace) -> int:
+    if args.stages is None:  # RIP-22's stages; per key, stages that fit a key's share
+        args.stages = [1, 2, 3] if args.keys else [10, 20, 70]
     try:
         StageDefinition.of(args.stages)
     except ConfigurationError as exc:
@@ -373,6 +509,7 @@ def _handle(args: argparse.Namespace) -> int:
         "cost": args.cost_ms / 1000,
         "workers": args.workers,
         "stages": args.stages,
+        "keys": args.keys,
     }
     started = time.perf_counter()
     if args.backend == "trio" and not args.virtual:
@@ -439,9 +576,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--stages",
         type=_parse_stages,
-        default=[10, 20, 70],
+        default=None,
         metavar="N,N,...",
-        help="stage sizes (10,20,70)",
+        help="stage sizes (10,20,70; with --keys, per key: 1,2,3)",
+    )
+    parser.add_argument(
+        "--keys",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="give message i the key user-{i %% K} and compare orderly, key-ordered,"
+        " staged by key and concurrent (0: the RIP-22 example)",
     )
     parser.add_argument(
         "--backend",
