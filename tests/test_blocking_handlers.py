@@ -106,6 +106,67 @@ async def test_a_sync_handler_that_sleeps_does_not_block_the_loop(
     assert block_warnings(caplog) == []
 
 
+class Busy(MessageListenerConcurrently):
+    """Blocks the loop computing (on the CPU, runnable all along) on offset 1."""
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        if msgs[0].queue_offset == 1 and msgs[0].queue_id == 1:
+            end = time.thread_time() + THRESHOLD * 2.5
+            while time.thread_time() < end:  # CPU time: as long on a loaded machine
+                pass
+        await anyio.lowlevel.checkpoint()
+
+
+async def test_an_async_handler_that_computes_is_named_though_its_thread_is_runnable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The loop thread was runnable and on the CPU: blocked, not starved."""
+    with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
+        await consume(Busy(), broker_with(4))
+    [warning] = block_warnings(caplog)
+    assert "by the async def handler Busy.consume_message" in warning
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
+def test_the_thread_state_tells_runnable_from_sleeping() -> None:
+    """What the watchdog reads to tell a starved loop (runnable, hardly on the CPU: the
+    machine is overloaded, nothing to report) from one blocked in a call (sleeping or
+    waiting for I/O)."""
+    import threading
+
+    from stagedconsumer._runtime._watchdog import _ThreadState
+
+    seen: dict[str, bool | None] = {}
+    ready = threading.Event()
+    phase = ["busy"]
+    state: list[_ThreadState | None] = [None]
+
+    def work() -> None:
+        state[0] = _ThreadState.of_current()
+        ready.set()
+        while phase[0] == "busy":
+            pass
+        time.sleep(0.5)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    ready.wait(5)
+    reader = state[0]
+    assert reader is not None
+    # Busy: runnable (on the CPU or waiting for it; the GIL may make it wait, so
+    # sample until one reading says runnable).
+    deadline = time.monotonic() + 5
+    while not seen.get("busy") and time.monotonic() < deadline:
+        seen["busy"] = reader.runnable()
+    phase[0] = "sleep"
+    time.sleep(0.2)
+    seen["sleeping"] = reader.runnable()
+    thread.join()
+    assert seen == {"busy": True, "sleeping": False}
+
+
 async def test_the_check_can_be_turned_off(caplog: pytest.LogCaptureFixture) -> None:
     options = ConsumerOptions(event_loop_block_threshold=None)
     with caplog.at_level(logging.WARNING, logger="stagedconsumer"):

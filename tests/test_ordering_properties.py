@@ -1114,6 +1114,7 @@ def test_a_blocked_stage_key_never_blocks_other_keys(
                 consume_thread_max=len(slow) + scenario.workers,
                 persist_consumer_offset_interval=SLOW,
                 pull_long_polling_timeout=SLOW,
+                consume_timeout=None,  # the slow call is slow, not hung: never timed out
             ),
             RecordingStore(log),
         )
