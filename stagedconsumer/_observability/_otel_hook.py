@@ -27,6 +27,7 @@ This module imports OpenTelemetry; the rest of the package does not.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,26 +36,32 @@ import anyio
 import anyio.abc
 import attrs
 from opentelemetry import context as otel_context
-from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
-    SpanContext,
     SpanKind,
     Status,
     StatusCode,
-    TraceFlags,
     TracerProvider,
-    TraceState,
 )
 from opentelemetry.util.types import AttributeValue
 
 from .._message import Message, MessageQueue
 from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 from ._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext, SettleOutcome
-from ._traceparent import TRACEPARENT, TRACESTATE, parse_traceparent
+from ._otel_common import (
+    BATCH_COUNT,
+    DURATION_BUCKETS,
+    MESSAGE_ID,
+    SCHEMA_URL,
+    Counts,
+    creation_link,
+    error_type_of,
+    instruments,
+    ns,
+)
 
 if TYPE_CHECKING:
     from ._view import ConsumerView
@@ -67,14 +74,6 @@ __all__ = (
     "serve_prometheus",
 )
 
-SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
-DURATION_BUCKETS: Sequence[float] = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10,
-)  # fmt: skip
-"""Semconv's advisory bucket boundaries of ``messaging.process.duration`` (seconds)."""
-
-MESSAGE_ID = "messaging.message.id"
-BATCH_COUNT = "messaging.batch.message_count"
 STAGE_INDEX = "stagedconsumer.stage.index"
 STAGE_STRATEGY = "stagedconsumer.stage.strategy_id"
 STAGE_GROUP = "stagedconsumer.stage.group_id"
@@ -90,44 +89,20 @@ _SETTLE_NAMES = {
 
 
 def _creation_link(message: Message) -> Link | None:
-    """A link to the creation context in the message's W3C ``traceparent`` property
-    (with the message's id as the link's ``messaging.message.id``), or ``None``."""
-    properties = message.properties
-    value = properties.get(TRACEPARENT)
-    if not value:
-        return None
-    parsed = parse_traceparent(value)
-    if parsed is None:
-        return None
-    trace_id, span_id, flags = parsed
-    state = properties.get(TRACESTATE)
-    creation = SpanContext(
-        trace_id,
-        span_id,
-        True,  # is_remote
-        TraceFlags(flags & 0xFF),
-        TraceState.from_header([state]) if state else None,
-    )
-    return Link(creation, {MESSAGE_ID: _message_id(message)})
+    """A link to the creation context in the message's properties (W3C
+    ``traceparent``, or what the configured propagators read), with the message's
+    id as the link's ``messaging.message.id``, or ``None``."""
+    return creation_link(message.properties, _message_id(message))
 
 
 def _message_id(message: Message) -> str:
     return message.properties.get(PROPERTY_ORIGIN_MESSAGE_ID) or message.msg_id
 
 
-def _ns(wall_seconds: float) -> int:
-    return int(wall_seconds * 1e9)
-
-
 def _error_type(context: ConsumeMessageContext) -> str:
     exc = context.exception
     if exc is not None:
-        cls = type(exc)
-        return (
-            cls.__qualname__
-            if cls.__module__ == "builtins"
-            else f"{cls.__module__}.{cls.__qualname__}"
-        )
+        return error_type_of(exc)
     result = context.result
     name = getattr(result, "name", None)
     if isinstance(name, str):
@@ -191,27 +166,6 @@ def _records_every_root(sampler: object) -> bool:
     return False
 
 
-class _Counts:
-    """Monotonic counts per attribute set, for an asynchronous counter."""
-
-    __slots__ = ("_counts",)
-
-    def __init__(self) -> None:
-        # Keyed by the identity of a cached attribute dict, or its items when fresh.
-        self._counts: dict[object, tuple[dict[str, AttributeValue], int]] = {}
-
-    def add(self, amount: int, attributes: dict[str, AttributeValue]) -> None:
-        key: object = (
-            id(attributes) if "error.type" not in attributes else tuple(sorted(attributes.items()))
-        )
-        current = self._counts.get(key)
-        self._counts[key] = (attributes, amount + (current[1] if current else 0))
-
-    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        del options
-        return [Observation(count, attrs) for attrs, count in list(self._counts.values())]
-
-
 class OpenTelemetryHook(ConsumeMessageHook):
     """Spans and metrics of one consumer, after the messaging semantic conventions.
 
@@ -254,16 +208,16 @@ class OpenTelemetryHook(ConsumeMessageHook):
         metrics: bool = True,
         wait_metrics: bool = True,
     ) -> None:
-        from .._version import __version__
-
+        if not isinstance(messaging_system, str) or not messaging_system:
+            raise TypeError(
+                f"OpenTelemetryHook: messaging_system must be a non-empty string,"
+                f" got {messaging_system!r}"
+            )
+        self._tracer, meter = instruments("OpenTelemetryHook", tracer_provider, meter_provider)
         self.messaging_system = messaging_system
         self.spans = spans
         self.metrics = metrics
         self.wait_metrics = wait_metrics
-        self._tracer = trace.get_tracer(
-            "stagedconsumer", __version__, tracer_provider, schema_url=SCHEMA_URL
-        )
-        meter = otel_metrics.get_meter("stagedconsumer", __version__, meter_provider, SCHEMA_URL)
         self._process_duration = meter.create_histogram(
             "messaging.process.duration",
             unit="s",
@@ -273,9 +227,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # Counters are kept here and observed at collection time (asynchronous
         # counters export exactly like counters): one dict update per handler call
         # instead of an SDK measurement.
-        self._consumed_counts = _Counts()
-        self._dlq_counts = _Counts()
-        self._retried_counts = _Counts()
+        self._consumed_counts = Counts()
+        self._dlq_counts = Counts()
+        self._retried_counts = Counts()
         meter.create_observable_counter(
             "messaging.client.consumed.messages",
             [self._consumed_counts.observe],
@@ -409,7 +363,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # not recorded and links may come after creation, only if a recorded span
         # needs it): its process and settle spans reuse the link (links are
         # immutable once a span holds them).
-        start_time = _ns(context.wall(context.start_time))
+        start_time = ns(context.wall(context.start_time))
         links: list[Link | None] | None = None
         if self._receive_links_after_creation:
             span = self._tracer.start_span(
@@ -434,7 +388,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
                 links=[link for link in links if link is not None],
                 start_time=start_time,
             )
-        span.end(end_time=_ns(context.wall(context.end_time)))
+        span.end(end_time=ns(context.wall(context.end_time)))
         span_context = span.get_span_context()
         parent = (
             trace.set_span_in_context(NonRecordingSpan(span_context), _EMPTY)
@@ -483,7 +437,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         received = self._received.get(mq)
         entry = received.get(first.queue_offset) if received else None
         parent = entry[0] if entry is not None else None
-        start_time = _ns(context.start_time + context.wall_offset)
+        start_time = ns(context.start_time + context.wall_offset)
         if not self._links_after_creation or (entry is not None and entry[2]):
             # Links at creation: the sampler may look at them, or the span will most
             # likely be recorded (its parent is).
@@ -542,7 +496,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     parent = trace.set_span_in_context(span, _EMPTY)
                     for outcome, settled_messages in settled.items():
                         self._settle_span(context, outcome, settled_messages, parent, topic, now_ns)
-                span.end(end_time=_ns(context.end_time + context.wall_offset))
+                span.end(end_time=ns(context.end_time + context.wall_offset))
             finally:
                 otel_context.detach(token)
         # Forget the messages that will not be handled again here.
@@ -605,7 +559,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         else:
             attributes[BATCH_COUNT] = len(settled)
         attributes[STAGE_INDEX] = context.stage_index
-        start_ns = min(_ns(context.wall(context.end_time)), now_ns)
+        start_ns = min(ns(context.wall(context.end_time)), now_ns)
         span = self._tracer.start_span(
             f"{name} {topic}",
             context=parent,
@@ -723,9 +677,24 @@ def serve_prometheus(
 
     if registry is None:
         registry = REGISTRY
+    try:
+        server, thread = start_http_server(port, addr, registry=registry)
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            reason = {
+                errno.EADDRINUSE: "is already in use (another process or endpoint serves it)",
+                errno.EACCES: "needs privileges (ports below 1024)",
+                errno.EADDRNOTAVAIL: "is on an address this machine does not have",
+            }[exc.errno]
+            raise OSError(
+                exc.errno,
+                f"serve_prometheus: cannot listen on {addr}:{port}: the port {reason};"
+                " pass another port, or port=0 for a free one",
+            ) from exc
+        raise
+    # The reader registers itself with the registry: made once the port is ours.
     reader = PrometheusMetricReader(registry=registry)
     provider = SdkMeterProvider(metric_readers=[reader])
-    server, thread = start_http_server(port, addr, registry=registry)
     return PrometheusEndpoint(
         meter_provider=provider,
         port=server.server_port,

@@ -405,7 +405,7 @@ async def test_a_sampler_that_may_use_links_sees_them_at_creation(otel: Otel) ->
 
 
 async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.MonkeyPatch) -> None:
-    import stagedconsumer._observability._otel_hook as otel_hook
+    import stagedconsumer._observability._otel_common as otel_common
 
     broker, _, _ = produce(otel, 3)
     parsed: list[str] = []
@@ -415,7 +415,7 @@ async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.M
         parsed.append(value)
         return real(value)
 
-    monkeypatch.setattr(otel_hook, "parse_traceparent", counting)
+    monkeypatch.setattr(otel_common, "parse_traceparent", counting)
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0)))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
