@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import propagate, trace
-from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+from opentelemetry.metrics import CallbackOptions, Histogram, Meter, MeterProvider, Observation
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace import Link, SpanContext, TraceFlags, Tracer, TracerProvider, TraceState
 from opentelemetry.util.types import AttributeValue
@@ -29,6 +29,7 @@ __all__ = (
     "error_type_of",
     "instruments",
     "ns",
+    "seconds_histogram",
 )
 
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
@@ -46,11 +47,15 @@ _W3C_FIELDS = frozenset({TRACEPARENT, TRACESTATE, "baggage"})
 
 
 def instruments(
-    owner: str, tracer_provider: object, meter_provider: object
+    owner: str, tracer_provider: object, meter_provider: object, messaging_system: object
 ) -> tuple[Tracer, Meter]:
     """The project's tracer and meter from the given providers (the global ones for
-    ``None``); a provider of another type raises :class:`TypeError` naming it, here
-    rather than at the first message."""
+    ``None``); a provider of another type, or a ``messaging_system`` that is not a
+    name, raises :class:`TypeError` naming it, here rather than at the first message."""
+    if not isinstance(messaging_system, str) or not messaging_system:
+        raise TypeError(
+            f"{owner}: messaging_system must be a non-empty string, got {messaging_system!r}"
+        )
     if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
         raise TypeError(
             f"{owner}: tracer_provider must be an opentelemetry.trace.TracerProvider (such as"
@@ -68,6 +73,16 @@ def instruments(
     tracer = trace.get_tracer("stagedconsumer", __version__, tracer_provider, schema_url=SCHEMA_URL)
     meter = otel_metrics.get_meter("stagedconsumer", __version__, meter_provider, SCHEMA_URL)
     return tracer, meter
+
+
+def seconds_histogram(meter: Meter, name: str, description: str) -> Histogram:
+    """A histogram in seconds with semconv's advisory buckets (:data:`DURATION_BUCKETS`)."""
+    return meter.create_histogram(
+        name,
+        unit="s",
+        description=description,
+        explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+    )
 
 
 def ns(wall_seconds: float) -> int:

@@ -61,6 +61,7 @@ from ._otel_common import (
     error_type_of,
     instruments,
     ns,
+    seconds_histogram,
 )
 
 if TYPE_CHECKING:
@@ -208,21 +209,15 @@ class OpenTelemetryHook(ConsumeMessageHook):
         metrics: bool = True,
         wait_metrics: bool = True,
     ) -> None:
-        if not isinstance(messaging_system, str) or not messaging_system:
-            raise TypeError(
-                f"OpenTelemetryHook: messaging_system must be a non-empty string,"
-                f" got {messaging_system!r}"
-            )
-        self._tracer, meter = instruments("OpenTelemetryHook", tracer_provider, meter_provider)
+        self._tracer, meter = instruments(
+            "OpenTelemetryHook", tracer_provider, meter_provider, messaging_system
+        )
         self.messaging_system = messaging_system
         self.spans = spans
         self.metrics = metrics
         self.wait_metrics = wait_metrics
-        self._process_duration = meter.create_histogram(
-            "messaging.process.duration",
-            unit="s",
-            description="Duration of processing operation.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        self._process_duration = seconds_histogram(
+            meter, "messaging.process.duration", "Duration of processing operation."
         )
         # Counters are kept here and observed at collection time (asynchronous
         # counters export exactly like counters): one dict update per handler call
@@ -236,17 +231,15 @@ class OpenTelemetryHook(ConsumeMessageHook):
             unit="{message}",
             description="Number of messages that were delivered to the application.",
         )
-        self._await = meter.create_histogram(
+        self._await = seconds_histogram(
+            meter,
             "stagedconsumer.consumer.await.duration",
-            unit="s",
-            description="Time from caching a message to the start of its handler call.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            "Time from caching a message to the start of its handler call.",
         )
-        self._barrier = meter.create_histogram(
+        self._barrier = seconds_histogram(
+            meter,
             "stagedconsumer.consumer.barrier_wait.duration",
-            unit="s",
-            description="Time a cached message waited for its stage's barrier to open.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            "Time a cached message waited for its stage's barrier to open.",
         )
         meter.create_observable_counter(
             "stagedconsumer.consumer.dlq.messages",

@@ -36,13 +36,13 @@ from opentelemetry.util.types import AttributeValue
 
 from ._otel_common import (
     BATCH_COUNT,
-    DURATION_BUCKETS,
     MESSAGE_ID,
     Counts,
     creation_context,
     error_type_of,
     instruments,
     ns,
+    seconds_histogram,
 )
 from ._send_hooks import SendMessageContext, SendMessageHook
 
@@ -77,22 +77,16 @@ class OpenTelemetrySendHook(SendMessageHook):
         spans: bool = True,
         metrics: bool = True,
     ) -> None:
-        if not isinstance(messaging_system, str) or not messaging_system:
-            raise TypeError(
-                f"OpenTelemetrySendHook: messaging_system must be a non-empty string,"
-                f" got {messaging_system!r}"
-            )
-        self._tracer, meter = instruments("OpenTelemetrySendHook", tracer_provider, meter_provider)
+        self._tracer, meter = instruments(
+            "OpenTelemetrySendHook", tracer_provider, meter_provider, messaging_system
+        )
         self.messaging_system = messaging_system
         self.spans = spans
         self.metrics = metrics
-        self._duration = meter.create_histogram(
+        self._duration = seconds_histogram(
+            meter,
             "messaging.client.operation.duration",
-            unit="s",
-            description=(
-                "Duration of messaging operation initiated by a producer or consumer client."
-            ),
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            "Duration of messaging operation initiated by a producer or consumer client.",
         )
         self._sent_counts = Counts()
         meter.create_observable_counter(
@@ -155,22 +149,16 @@ class OpenTelemetrySendHook(SendMessageHook):
         if len(messages) == 1:
             message = messages[0]
             existing = creation_context(message.properties)
+            # The send span is the creation context, unless the message has one.
+            span = tracer.start_span(
+                f"send {topic}",
+                kind=SpanKind.PRODUCER if existing is None else SpanKind.CLIENT,
+                attributes=attributes,
+                links=None if existing is None else [Link(existing)],
+                start_time=start_time,
+            )
             if existing is None:
-                span = tracer.start_span(
-                    f"send {topic}",
-                    kind=SpanKind.PRODUCER,
-                    attributes=attributes,
-                    start_time=start_time,
-                )
                 propagate.inject(message.properties, trace.set_span_in_context(span))
-            else:
-                span = tracer.start_span(
-                    f"send {topic}",
-                    kind=SpanKind.CLIENT,
-                    attributes=attributes,
-                    links=[Link(existing)],
-                    start_time=start_time,
-                )
         else:
             create_attrs = self._create_attrs.get(topic)
             if create_attrs is None:

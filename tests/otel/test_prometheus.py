@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import urllib.request
 from collections.abc import Sequence
 
@@ -76,3 +78,18 @@ async def test_metrics_are_served_for_prometheus() -> None:
         if line.startswith("messaging_client_consumed_messages_total{")
     ]
     assert [float(line.rsplit(" ", 1)[1]) for line in consumed] == [3.0]
+
+
+def test_a_busy_port_is_named_in_the_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        registry = CollectorRegistry()
+        with pytest.raises(
+            OSError, match=rf"127\.0\.0\.1:{port}.*already in use.*port=0"
+        ) as caught:
+            serve_prometheus(port, "127.0.0.1", registry=registry)
+    assert caught.value.errno == errno.EADDRINUSE
+    # Nothing was left registered for the port that was not served.
+    assert list(registry.collect()) == []
