@@ -299,7 +299,17 @@ def sdk_floor(broker: MemoryBroker, n: int, *, staged: bool, sampled: float = 1.
             start_time=now,
         )
         receive.end(end_time=now)
-        parent = set_span(NonRecordingSpan(receive.get_span_context()), empty)
+        receive_span = NonRecordingSpan(receive.get_span_context())
+        parent = set_span(receive_span, empty)
+        if not receive.get_span_context().trace_flags.sampled:
+            # The sampler (parent based) would drop the process spans: like the hook,
+            # make none and run each call with the receive span's context current.
+            for _ in process:
+                token = attach(parent)
+                detach(token)
+                for histogram in histograms:
+                    histogram.record(0.0001, attrs, parent)
+            continue
         for process_attrs, link in process:
             span = tracer.start_span(
                 "process bench",
@@ -309,11 +319,12 @@ def sdk_floor(broker: MemoryBroker, n: int, *, staged: bool, sampled: float = 1.
                 links=[link],
                 start_time=now,
             )
-            token = attach(set_span(span))
+            current = set_span(span)
+            token = attach(current)
             detach(token)
             span.end(end_time=now)
             for histogram in histograms:
-                histogram.record(0.0001, attrs)
+                histogram.record(0.0001, attrs, current)
     tracer_provider.force_flush()
     elapsed = time.process_time() - start
     tracer_provider.shutdown()

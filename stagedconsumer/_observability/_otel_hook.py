@@ -41,6 +41,7 @@ from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
+    Span,
     SpanKind,
     Status,
     StatusCode,
@@ -118,9 +119,10 @@ class _Pending:
 
 
 _PENDING = _Pending()
-_Received = tuple[otel_context.Context | None, Link | _Pending | None, bool]
+_Received = tuple[otel_context.Context | None, Link | _Pending | None, bool, Span]
 """A received message: its process span's parent context, its creation link (or
-``_PENDING``), whether the parent (its receive span) is recorded."""
+``_PENDING``), whether the parent (its receive span) is recorded, and the parent as
+a non-recording span."""
 
 
 def _ignores_links(sampler: object) -> bool:
@@ -147,6 +149,23 @@ def _ignores_links(sampler: object) -> bool:
         )
         return all(_ignores_links(delegate) for delegate in delegates)
     return False
+
+
+def _drops_children_of_unsampled(sampler: object) -> bool:
+    """Whether ``sampler`` is the SDK's ``ParentBased`` with its default for a local
+    parent that is not sampled (always off): a child of such a parent is then never
+    recorded, whatever its name, attributes or links."""
+    try:
+        from opentelemetry.sdk.trace import sampling
+    except ImportError:  # pragma: no cover - the API without the SDK
+        return False
+    if type(sampler) is not sampling.ParentBased:
+        return False
+    delegate = getattr(sampler, "_local_parent_not_sampled", None)
+    return (
+        type(delegate) is sampling.StaticSampler
+        and getattr(delegate, "_decision", None) is sampling.Decision.DROP
+    )
 
 
 def _records_every_root(sampler: object) -> bool:
@@ -277,6 +296,12 @@ class OpenTelemetryHook(ConsumeMessageHook):
         self._receive_links_after_creation = self._links_after_creation and not (
             _records_every_root(sampler)
         )
+        # When the sampler drops every child of a local parent that is not sampled
+        # (the SDK's ParentBased, as configured by default), a process span whose
+        # receive span was not sampled would be dropped: it is not made at all (no
+        # sampler call, ids, attributes or end), and the handler runs with the
+        # receive span's context current, so that its own spans are dropped too.
+        self._skip_unsampled = _drops_children_of_unsampled(sampler)
 
     @property
     def hook_name(self) -> str:
@@ -383,21 +408,18 @@ class OpenTelemetryHook(ConsumeMessageHook):
             )
         span.end(end_time=ns(context.wall(context.end_time)))
         span_context = span.get_span_context()
-        parent = (
-            trace.set_span_in_context(NonRecordingSpan(span_context), _EMPTY)
-            if span_context.is_valid
-            else None
-        )
+        parent_span = NonRecordingSpan(span_context)
+        parent = trace.set_span_in_context(parent_span, _EMPTY) if span_context.is_valid else None
         recorded = span.is_recording() or span_context.trace_flags.sampled
         received = self._received.get(mq)
         if received is None:
             received = self._received[mq] = {}
         if links is None:
             for message in messages:
-                received[message.queue_offset] = (parent, _PENDING, recorded)
+                received[message.queue_offset] = (parent, _PENDING, recorded, parent_span)
         else:
             for message, link in zip(messages, links):  # noqa: B905 - same length
-                received[message.queue_offset] = (parent, link, recorded)
+                received[message.queue_offset] = (parent, link, recorded, parent_span)
 
     def _links(self, mq: MessageQueue, messages: Sequence[Message]) -> list[Link]:
         """The creation links of ``messages``: made when they were received, or now."""
@@ -420,6 +442,19 @@ class OpenTelemetryHook(ConsumeMessageHook):
         messages = context.messages
         mq = context.message_queue
         first = messages[0]
+        received = self._received.get(mq)
+        entry = received.get(first.queue_offset) if received else None
+        if entry is not None and not entry[2] and self._skip_unsampled:
+            # The sampler would drop this span (see __init__): not made. The receive
+            # span's context is current instead (made once per pull, used as it is
+            # when nothing else is current, as in the consumer's own tasks).
+            current = (
+                entry[0]
+                if entry[0] is not None and not otel_context.get_current()
+                else trace.set_span_in_context(entry[3])
+            )
+            context.props[self._props_key] = (None, otel_context.attach(current), current)
+            return
         name, static = self._process_attrs(context, first.topic)
         attributes = static.copy()
         if len(messages) == 1:
@@ -427,10 +462,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
         else:
             attributes[BATCH_COUNT] = len(messages)
         attributes[ATTEMPT] = context.attempt
-        received = self._received.get(mq)
-        entry = received.get(first.queue_offset) if received else None
         parent = entry[0] if entry is not None else None
-        start_time = ns(context.start_time + context.wall_offset)
+        start_time = int((context.start_time + context.wall_offset) * 1e9)
         if not self._links_after_creation or (entry is not None and entry[2]):
             # Links at creation: the sampler may look at them, or the span will most
             # likely be recorded (its parent is).
@@ -476,7 +509,10 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # Measurements are made in the process span's context, so that a recorded
         # span becomes their exemplar (the SDK's default, trace-based exemplar filter).
         measured_in = _EMPTY
-        if state is not None:
+        if state is not None and state[0] is None:
+            measured_in = state[2]  # a process span not made (sampled out)
+            otel_context.detach(state[1])
+        elif state is not None:
             span, token, measured_in = state
             try:
                 if error_type is not None:
@@ -494,7 +530,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
                 otel_context.detach(token)
         # Forget the messages that will not be handled again here.
         received = self._received.get(mq)
-        if received and SettleOutcome.SUSPEND not in settled:
+        if received and (not settled or SettleOutcome.SUSPEND not in settled):
             if len(messages) == 1:
                 received.pop(messages[0].queue_offset, None)
             else:
@@ -502,18 +538,22 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     received.pop(message.queue_offset, None)
         if not self.metrics:
             return
-        queue_attrs = metric_attrs = self._metric_attrs(topic, context.consumer_group, mq.queue_id)
+        queue_attrs = self._metric_attrs_cache.get((topic, mq.queue_id))
+        if queue_attrs is None:
+            queue_attrs = self._metric_attrs(topic, context.consumer_group, mq.queue_id)
+        metric_attrs = queue_attrs
         if error_type is not None:
             metric_attrs = {**queue_attrs, "error.type": error_type}
         # Per handler call, as semconv defines them: one duration per process
         # operation, and the consumed count (an asynchronous counter kept here).
+        start = context.start_time
+        duration = context.end_time - start
         self._process_duration.record(
-            max(0.0, context.end_time - context.start_time), metric_attrs, measured_in
+            duration if duration > 0.0 else 0.0, metric_attrs, measured_in
         )
         self._consumed_counts.add(len(messages), metric_attrs)
         if self.wait_metrics:
             # Per message (our own histograms): how long each waited.
-            start = context.start_time
             record_await = self._await.record
             for cached in context.cached_times:
                 record_await(start - cached if start > cached else 0.0, queue_attrs, measured_in)
