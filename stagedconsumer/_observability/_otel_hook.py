@@ -205,7 +205,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
     with the SDK's samplers, which ignore links, spans that are not recorded do
     no link work (links are added once a span records; other samplers see them
     at creation; when every root span is recorded, as with the SDK's default
-    sampler, receive spans get theirs at creation). Histograms are measured in the
+    sampler, receive spans get theirs at creation). With the SDK's parent-based
+    sampler (the default kind), a process span whose receive span was sampled out
+    is not made at all: the sampler would drop it. Histograms are measured in the
     process span's context, so recorded spans are their exemplars. Attribute sets
     that repeat are built once. What remains is the Python
     SDK's own cost, tens of microseconds per span and several per histogram
