@@ -706,9 +706,16 @@ def serve_prometheus(
     :class:`OpenTelemetryHook`. ``port=0`` picks a free port (see ``.port``).
     ``registry`` defaults to ``prometheus_client``'s global registry.
     """
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
-    from prometheus_client import REGISTRY, start_http_server
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+        from prometheus_client import REGISTRY, start_http_server
+    except ImportError as exc:
+        raise ImportError(
+            f"serve_prometheus needs {exc.name or 'the Prometheus exporter'}, which is not"
+            " installed: pip install 'stagedconsumer[otel]'",
+            name=exc.name,
+        ) from None
 
     if registry is None:
         registry = REGISTRY

@@ -104,3 +104,39 @@ def test_importing_the_otel_module_without_the_extra_says_what_to_install() -> N
         "ImportError: stagedconsumer.otel needs OpenTelemetry, which is not installed:"
         " pip install 'stagedconsumer[otel]'"
     )
+
+
+BLOCKED_EXPORTER = textwrap.dedent(
+    """
+    import sys
+
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "prometheus_client":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, Block())
+    from stagedconsumer.otel import serve_prometheus
+
+    try:
+        serve_prometheus(0, "127.0.0.1")
+    except ImportError as exc:
+        print(exc)
+    """
+)
+
+
+def test_serve_prometheus_without_the_exporter_says_what_to_install() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKED_EXPORTER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "serve_prometheus needs prometheus_client, which is not installed:"
+        " pip install 'stagedconsumer[otel]'"
+    )
