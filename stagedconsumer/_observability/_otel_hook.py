@@ -27,6 +27,7 @@ This module imports OpenTelemetry; the rest of the package does not.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,26 +36,34 @@ import anyio
 import anyio.abc
 import attrs
 from opentelemetry import context as otel_context
-from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
-    SpanContext,
+    Span,
     SpanKind,
     Status,
     StatusCode,
-    TraceFlags,
     TracerProvider,
-    TraceState,
 )
 from opentelemetry.util.types import AttributeValue
 
 from .._message import Message, MessageQueue
 from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 from ._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext, SettleOutcome
-from ._traceparent import TRACEPARENT, TRACESTATE, parse_traceparent
+from ._otel_common import (
+    BATCH_COUNT,
+    DURATION_BUCKETS,
+    MESSAGE_ID,
+    SCHEMA_URL,
+    Counts,
+    creation_link,
+    error_type_of,
+    instruments,
+    ns,
+    seconds_histogram,
+)
 
 if TYPE_CHECKING:
     from ._view import ConsumerView
@@ -67,14 +76,6 @@ __all__ = (
     "serve_prometheus",
 )
 
-SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
-DURATION_BUCKETS: Sequence[float] = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10,
-)  # fmt: skip
-"""Semconv's advisory bucket boundaries of ``messaging.process.duration`` (seconds)."""
-
-MESSAGE_ID = "messaging.message.id"
-BATCH_COUNT = "messaging.batch.message_count"
 STAGE_INDEX = "stagedconsumer.stage.index"
 STAGE_STRATEGY = "stagedconsumer.stage.strategy_id"
 STAGE_GROUP = "stagedconsumer.stage.group_id"
@@ -90,44 +91,20 @@ _SETTLE_NAMES = {
 
 
 def _creation_link(message: Message) -> Link | None:
-    """A link to the creation context in the message's W3C ``traceparent`` property
-    (with the message's id as the link's ``messaging.message.id``), or ``None``."""
-    properties = message.properties
-    value = properties.get(TRACEPARENT)
-    if not value:
-        return None
-    parsed = parse_traceparent(value)
-    if parsed is None:
-        return None
-    trace_id, span_id, flags = parsed
-    state = properties.get(TRACESTATE)
-    creation = SpanContext(
-        trace_id,
-        span_id,
-        True,  # is_remote
-        TraceFlags(flags & 0xFF),
-        TraceState.from_header([state]) if state else None,
-    )
-    return Link(creation, {MESSAGE_ID: _message_id(message)})
+    """A link to the creation context in the message's properties (W3C
+    ``traceparent``, or what the configured propagators read), with the message's
+    id as the link's ``messaging.message.id``, or ``None``."""
+    return creation_link(message.properties, _message_id(message))
 
 
 def _message_id(message: Message) -> str:
     return message.properties.get(PROPERTY_ORIGIN_MESSAGE_ID) or message.msg_id
 
 
-def _ns(wall_seconds: float) -> int:
-    return int(wall_seconds * 1e9)
-
-
 def _error_type(context: ConsumeMessageContext) -> str:
     exc = context.exception
     if exc is not None:
-        cls = type(exc)
-        return (
-            cls.__qualname__
-            if cls.__module__ == "builtins"
-            else f"{cls.__module__}.{cls.__qualname__}"
-        )
+        return error_type_of(exc)
     result = context.result
     name = getattr(result, "name", None)
     if isinstance(name, str):
@@ -142,9 +119,10 @@ class _Pending:
 
 
 _PENDING = _Pending()
-_Received = tuple[otel_context.Context | None, Link | _Pending | None, bool]
+_Received = tuple[otel_context.Context | None, Link | _Pending | None, bool, Span]
 """A received message: its process span's parent context, its creation link (or
-``_PENDING``), whether the parent (its receive span) is recorded."""
+``_PENDING``), whether the parent (its receive span) is recorded, and the parent as
+a non-recording span."""
 
 
 def _ignores_links(sampler: object) -> bool:
@@ -173,6 +151,23 @@ def _ignores_links(sampler: object) -> bool:
     return False
 
 
+def _drops_children_of_unsampled(sampler: object) -> bool:
+    """Whether ``sampler`` is the SDK's ``ParentBased`` with its default for a local
+    parent that is not sampled (always off): a child of such a parent is then never
+    recorded, whatever its name, attributes or links."""
+    try:
+        from opentelemetry.sdk.trace import sampling
+    except ImportError:  # pragma: no cover - the API without the SDK
+        return False
+    if type(sampler) is not sampling.ParentBased:
+        return False
+    delegate = getattr(sampler, "_local_parent_not_sampled", None)
+    return (
+        type(delegate) is sampling.StaticSampler
+        and getattr(delegate, "_decision", None) is sampling.Decision.DROP
+    )
+
+
 def _records_every_root(sampler: object) -> bool:
     """Whether ``sampler`` is one of the SDK's samplers that record every root span
     (always on, a trace id ratio of 1, or parent based on one of those at the root,
@@ -189,27 +184,6 @@ def _records_every_root(sampler: object) -> bool:
     if kind is sampling.ParentBased:
         return _records_every_root(getattr(sampler, "_root", None))
     return False
-
-
-class _Counts:
-    """Monotonic counts per attribute set, for an asynchronous counter."""
-
-    __slots__ = ("_counts",)
-
-    def __init__(self) -> None:
-        # Keyed by the identity of a cached attribute dict, or its items when fresh.
-        self._counts: dict[object, tuple[dict[str, AttributeValue], int]] = {}
-
-    def add(self, amount: int, attributes: dict[str, AttributeValue]) -> None:
-        key: object = (
-            id(attributes) if "error.type" not in attributes else tuple(sorted(attributes.items()))
-        )
-        current = self._counts.get(key)
-        self._counts[key] = (attributes, amount + (current[1] if current else 0))
-
-    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        del options
-        return [Observation(count, attrs) for attrs, count in list(self._counts.values())]
 
 
 class OpenTelemetryHook(ConsumeMessageHook):
@@ -231,7 +205,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
     with the SDK's samplers, which ignore links, spans that are not recorded do
     no link work (links are added once a span records; other samplers see them
     at creation; when every root span is recorded, as with the SDK's default
-    sampler, receive spans get theirs at creation). Histograms are measured in the
+    sampler, receive spans get theirs at creation). With the SDK's parent-based
+    sampler (the default kind), a process span whose receive span was sampled out
+    is not made at all: the sampler would drop it. Histograms are measured in the
     process span's context, so recorded spans are their exemplars. Attribute sets
     that repeat are built once. What remains is the Python
     SDK's own cost, tens of microseconds per span and several per histogram
@@ -254,45 +230,37 @@ class OpenTelemetryHook(ConsumeMessageHook):
         metrics: bool = True,
         wait_metrics: bool = True,
     ) -> None:
-        from .._version import __version__
-
+        self._tracer, meter = instruments(
+            "OpenTelemetryHook", tracer_provider, meter_provider, messaging_system
+        )
         self.messaging_system = messaging_system
         self.spans = spans
         self.metrics = metrics
         self.wait_metrics = wait_metrics
-        self._tracer = trace.get_tracer(
-            "stagedconsumer", __version__, tracer_provider, schema_url=SCHEMA_URL
-        )
-        meter = otel_metrics.get_meter("stagedconsumer", __version__, meter_provider, SCHEMA_URL)
-        self._process_duration = meter.create_histogram(
-            "messaging.process.duration",
-            unit="s",
-            description="Duration of processing operation.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        self._process_duration = seconds_histogram(
+            meter, "messaging.process.duration", "Duration of processing operation."
         )
         # Counters are kept here and observed at collection time (asynchronous
         # counters export exactly like counters): one dict update per handler call
         # instead of an SDK measurement.
-        self._consumed_counts = _Counts()
-        self._dlq_counts = _Counts()
-        self._retried_counts = _Counts()
+        self._consumed_counts = Counts()
+        self._dlq_counts = Counts()
+        self._retried_counts = Counts()
         meter.create_observable_counter(
             "messaging.client.consumed.messages",
             [self._consumed_counts.observe],
             unit="{message}",
             description="Number of messages that were delivered to the application.",
         )
-        self._await = meter.create_histogram(
+        self._await = seconds_histogram(
+            meter,
             "stagedconsumer.consumer.await.duration",
-            unit="s",
-            description="Time from caching a message to the start of its handler call.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            "Time from caching a message to the start of its handler call.",
         )
-        self._barrier = meter.create_histogram(
+        self._barrier = seconds_histogram(
+            meter,
             "stagedconsumer.consumer.barrier_wait.duration",
-            unit="s",
-            description="Time a cached message waited for its stage's barrier to open.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            "Time a cached message waited for its stage's barrier to open.",
         )
         meter.create_observable_counter(
             "stagedconsumer.consumer.dlq.messages",
@@ -330,6 +298,12 @@ class OpenTelemetryHook(ConsumeMessageHook):
         self._receive_links_after_creation = self._links_after_creation and not (
             _records_every_root(sampler)
         )
+        # When the sampler drops every child of a local parent that is not sampled
+        # (the SDK's ParentBased, as configured by default), a process span whose
+        # receive span was not sampled would be dropped: it is not made at all (no
+        # sampler call, ids, attributes or end), and the handler runs with the
+        # receive span's context current, so that its own spans are dropped too.
+        self._skip_unsampled = _drops_children_of_unsampled(sampler)
 
     @property
     def hook_name(self) -> str:
@@ -409,7 +383,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # not recorded and links may come after creation, only if a recorded span
         # needs it): its process and settle spans reuse the link (links are
         # immutable once a span holds them).
-        start_time = _ns(context.wall(context.start_time))
+        start_time = ns(context.wall(context.start_time))
         links: list[Link | None] | None = None
         if self._receive_links_after_creation:
             span = self._tracer.start_span(
@@ -434,23 +408,20 @@ class OpenTelemetryHook(ConsumeMessageHook):
                 links=[link for link in links if link is not None],
                 start_time=start_time,
             )
-        span.end(end_time=_ns(context.wall(context.end_time)))
+        span.end(end_time=ns(context.wall(context.end_time)))
         span_context = span.get_span_context()
-        parent = (
-            trace.set_span_in_context(NonRecordingSpan(span_context), _EMPTY)
-            if span_context.is_valid
-            else None
-        )
+        parent_span = NonRecordingSpan(span_context)
+        parent = trace.set_span_in_context(parent_span, _EMPTY) if span_context.is_valid else None
         recorded = span.is_recording() or span_context.trace_flags.sampled
         received = self._received.get(mq)
         if received is None:
             received = self._received[mq] = {}
         if links is None:
             for message in messages:
-                received[message.queue_offset] = (parent, _PENDING, recorded)
+                received[message.queue_offset] = (parent, _PENDING, recorded, parent_span)
         else:
             for message, link in zip(messages, links):  # noqa: B905 - same length
-                received[message.queue_offset] = (parent, link, recorded)
+                received[message.queue_offset] = (parent, link, recorded, parent_span)
 
     def _links(self, mq: MessageQueue, messages: Sequence[Message]) -> list[Link]:
         """The creation links of ``messages``: made when they were received, or now."""
@@ -473,6 +444,19 @@ class OpenTelemetryHook(ConsumeMessageHook):
         messages = context.messages
         mq = context.message_queue
         first = messages[0]
+        received = self._received.get(mq)
+        entry = received.get(first.queue_offset) if received else None
+        if entry is not None and not entry[2] and self._skip_unsampled:
+            # The sampler would drop this span (see __init__): not made. The receive
+            # span's context is current instead (made once per pull, used as it is
+            # when nothing else is current, as in the consumer's own tasks).
+            current = (
+                entry[0]
+                if entry[0] is not None and not otel_context.get_current()
+                else trace.set_span_in_context(entry[3])
+            )
+            context.props[self._props_key] = (None, otel_context.attach(current), current)
+            return
         name, static = self._process_attrs(context, first.topic)
         attributes = static.copy()
         if len(messages) == 1:
@@ -480,10 +464,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
         else:
             attributes[BATCH_COUNT] = len(messages)
         attributes[ATTEMPT] = context.attempt
-        received = self._received.get(mq)
-        entry = received.get(first.queue_offset) if received else None
         parent = entry[0] if entry is not None else None
-        start_time = _ns(context.start_time + context.wall_offset)
+        start_time = int((context.start_time + context.wall_offset) * 1e9)
         if not self._links_after_creation or (entry is not None and entry[2]):
             # Links at creation: the sampler may look at them, or the span will most
             # likely be recorded (its parent is).
@@ -529,7 +511,10 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # Measurements are made in the process span's context, so that a recorded
         # span becomes their exemplar (the SDK's default, trace-based exemplar filter).
         measured_in = _EMPTY
-        if state is not None:
+        if state is not None and state[0] is None:
+            measured_in = state[2]  # a process span not made (sampled out)
+            otel_context.detach(state[1])
+        elif state is not None:
             span, token, measured_in = state
             try:
                 if error_type is not None:
@@ -542,12 +527,12 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     parent = trace.set_span_in_context(span, _EMPTY)
                     for outcome, settled_messages in settled.items():
                         self._settle_span(context, outcome, settled_messages, parent, topic, now_ns)
-                span.end(end_time=_ns(context.end_time + context.wall_offset))
+                span.end(end_time=ns(context.end_time + context.wall_offset))
             finally:
                 otel_context.detach(token)
         # Forget the messages that will not be handled again here.
         received = self._received.get(mq)
-        if received and SettleOutcome.SUSPEND not in settled:
+        if received and (not settled or SettleOutcome.SUSPEND not in settled):
             if len(messages) == 1:
                 received.pop(messages[0].queue_offset, None)
             else:
@@ -555,18 +540,22 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     received.pop(message.queue_offset, None)
         if not self.metrics:
             return
-        queue_attrs = metric_attrs = self._metric_attrs(topic, context.consumer_group, mq.queue_id)
+        queue_attrs = self._metric_attrs_cache.get((topic, mq.queue_id))
+        if queue_attrs is None:
+            queue_attrs = self._metric_attrs(topic, context.consumer_group, mq.queue_id)
+        metric_attrs = queue_attrs
         if error_type is not None:
             metric_attrs = {**queue_attrs, "error.type": error_type}
         # Per handler call, as semconv defines them: one duration per process
         # operation, and the consumed count (an asynchronous counter kept here).
+        start = context.start_time
+        duration = context.end_time - start
         self._process_duration.record(
-            max(0.0, context.end_time - context.start_time), metric_attrs, measured_in
+            duration if duration > 0.0 else 0.0, metric_attrs, measured_in
         )
         self._consumed_counts.add(len(messages), metric_attrs)
         if self.wait_metrics:
             # Per message (our own histograms): how long each waited.
-            start = context.start_time
             record_await = self._await.record
             for cached in context.cached_times:
                 record_await(start - cached if start > cached else 0.0, queue_attrs, measured_in)
@@ -605,7 +594,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         else:
             attributes[BATCH_COUNT] = len(settled)
         attributes[STAGE_INDEX] = context.stage_index
-        start_ns = min(_ns(context.wall(context.end_time)), now_ns)
+        start_ns = min(ns(context.wall(context.end_time)), now_ns)
         span = self._tracer.start_span(
             f"{name} {topic}",
             context=parent,
@@ -717,15 +706,37 @@ def serve_prometheus(
     :class:`OpenTelemetryHook`. ``port=0`` picks a free port (see ``.port``).
     ``registry`` defaults to ``prometheus_client``'s global registry.
     """
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
-    from prometheus_client import REGISTRY, start_http_server
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+        from prometheus_client import REGISTRY, start_http_server
+    except ImportError as exc:
+        raise ImportError(
+            f"serve_prometheus needs {exc.name or 'the Prometheus exporter'}, which is not"
+            " installed: pip install 'stagedconsumer[otel]'",
+            name=exc.name,
+        ) from None
 
     if registry is None:
         registry = REGISTRY
+    try:
+        server, thread = start_http_server(port, addr, registry=registry)
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            reason = {
+                errno.EADDRINUSE: "is already in use (another process or endpoint serves it)",
+                errno.EACCES: "needs privileges (ports below 1024)",
+                errno.EADDRNOTAVAIL: "is on an address this machine does not have",
+            }[exc.errno]
+            raise OSError(
+                exc.errno,
+                f"serve_prometheus: cannot listen on {addr}:{port}: the port {reason};"
+                " pass another port, or port=0 for a free one",
+            ) from exc
+        raise
+    # The reader registers itself with the registry: made once the port is ours.
     reader = PrometheusMetricReader(registry=registry)
     provider = SdkMeterProvider(metric_readers=[reader])
-    server, thread = start_http_server(port, addr, registry=registry)
     return PrometheusEndpoint(
         meter_provider=provider,
         port=server.server_port,

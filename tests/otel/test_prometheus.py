@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import urllib.request
 from collections.abc import Sequence
 
@@ -14,9 +16,10 @@ from stagedconsumer import (
     MemoryBroker,
     Message,
     MessageListenerStagedConcurrently,
+    Producer,
     PushConsumer,
 )
-from stagedconsumer.otel import OpenTelemetryHook, serve_prometheus
+from stagedconsumer.otel import OpenTelemetryHook, OpenTelemetrySendHook, serve_prometheus
 
 pytestmark = pytest.mark.anyio
 
@@ -76,3 +79,54 @@ async def test_metrics_are_served_for_prometheus() -> None:
         if line.startswith("messaging_client_consumed_messages_total{")
     ]
     assert [float(line.rsplit(" ", 1)[1]) for line in consumed] == [3.0]
+
+
+def test_a_busy_port_is_named_in_the_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        registry = CollectorRegistry()
+        with pytest.raises(
+            OSError, match=rf"127\.0\.0\.1:{port}.*already in use.*port=0"
+        ) as caught:
+            serve_prometheus(port, "127.0.0.1", registry=registry)
+    assert caught.value.errno == errno.EADDRINUSE
+    # Nothing was left registered for the port that was not served.
+    assert list(registry.collect()) == []
+
+
+async def test_send_metrics_are_served_for_prometheus() -> None:
+    endpoint = serve_prometheus(0, "127.0.0.1", registry=CollectorRegistry())
+    try:
+        broker = MemoryBroker()
+        broker.create_topic("orders", 1)
+        producer = Producer(broker, group="shop")
+        producer.register_send_message_hook(
+            OpenTelemetrySendHook(meter_provider=endpoint.meter_provider)
+        )
+        async with producer:
+            for i in range(3):
+                await producer.send("orders", str(i).encode())
+        text = await anyio.to_thread.run_sync(scrape, endpoint.port)
+    finally:
+        endpoint.close()
+    lines = text.splitlines()
+    sent = [line for line in lines if line.startswith("messaging_client_sent_messages_total{")]
+    assert len(sent) == 1
+    for label in (
+        'messaging_destination_name="orders"',
+        'messaging_destination_partition_id="0"',
+        'messaging_operation_name="send"',
+        'messaging_system="stagedconsumer"',
+    ):
+        assert label in sent[0]
+    assert float(sent[0].rsplit(" ", 1)[1]) == 3.0
+    count = [
+        line
+        for line in lines
+        if line.startswith("messaging_client_operation_duration_seconds_count{")
+    ]
+    assert len(count) == 1
+    assert 'messaging_operation_type="send"' in count[0]
+    assert float(count[0].rsplit(" ", 1)[1]) == 3.0

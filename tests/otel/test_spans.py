@@ -405,7 +405,7 @@ async def test_a_sampler_that_may_use_links_sees_them_at_creation(otel: Otel) ->
 
 
 async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.MonkeyPatch) -> None:
-    import stagedconsumer._observability._otel_hook as otel_hook
+    import stagedconsumer._observability._otel_common as otel_common
 
     broker, _, _ = produce(otel, 3)
     parsed: list[str] = []
@@ -415,7 +415,7 @@ async def test_unsampled_spans_do_no_link_work(otel: Otel, monkeypatch: pytest.M
         parsed.append(value)
         return real(value)
 
-    monkeypatch.setattr(otel_hook, "parse_traceparent", counting)
+    monkeypatch.setattr(otel_common, "parse_traceparent", counting)
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0)))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -497,3 +497,69 @@ async def test_wait_metrics_can_be_turned_off_alone(otel: Otel) -> None:
     assert "stagedconsumer.consumer.await.duration" not in metrics
     assert "stagedconsumer.consumer.barrier_wait.duration" not in metrics
     assert len(otel.spans("process")) == 3
+
+
+class CountingParentBased(ParentBased):
+    """The SDK's ParentBased sampler, counting the spans it is asked about by name
+    (a subclass: the hook cannot tell what it decides, so it asks for every span)."""
+
+    def __init__(self, root: Sampler) -> None:
+        super().__init__(root)
+        self.asked: list[str] = []
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        self.asked.append(args[2] if len(args) > 2 else kwargs["name"])
+        return super().should_sample(*args, **kwargs)
+
+
+class CurrentSpans(MessageListenerConcurrently):
+    def __init__(self) -> None:
+        self.current: list[Any] = []
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        self.current.append(trace.get_current_span())
+
+
+async def test_process_spans_the_sampler_would_drop_are_not_made(otel: Otel) -> None:
+    broker, _, _ = produce(otel, 4)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0)))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    hook = OpenTelemetryHook(tracer_provider=provider, meter_provider=otel.meter_provider)
+    assert hook._skip_unsampled
+    listener = CurrentSpans()
+    consumer = PushConsumer("g", broker, listener)
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    assert exporter.get_finished_spans() == ()
+    # The handler ran under the (unsampled) receive span of its messages: spans it
+    # starts stay in that trace, unsampled, as children of a dropped span would.
+    assert len(listener.current) == 4
+    for span in listener.current:
+        span_context = span.get_span_context()
+        assert span_context.is_valid
+        assert not span.is_recording()
+        assert not span_context.trace_flags.sampled
+    # Metrics stay complete.
+    [duration] = otel.metrics()["messaging.process.duration"]
+    assert duration.count == 4  # type: ignore[attr-defined]
+    provider.shutdown()
+
+
+async def test_a_sampler_of_another_kind_is_asked_about_every_process_span(otel: Otel) -> None:
+    broker, _, _ = produce(otel, 3)
+    sampler = CountingParentBased(TraceIdRatioBased(0.0))
+    provider = TracerProvider(sampler=sampler)
+    hook = OpenTelemetryHook(tracer_provider=provider, meter_provider=otel.meter_provider)
+    assert not hook._skip_unsampled
+    consumer = PushConsumer("g", broker, CurrentSpans())
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    assert sampler.asked.count("process t") == 3
+    provider.shutdown()
