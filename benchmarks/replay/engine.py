@@ -47,13 +47,27 @@ from stagedconsumer._core import (
     clamp_suspend_millis,
     retry_delay_seconds,
 )
+from stagedconsumer._message import (
+    EMPTY_PROPERTIES,
+    _new_message,
+    _set_body,
+    _set_born_timestamp,
+    _set_keys,
+    _set_msg_id,
+    _set_properties,
+    _set_queue_id,
+    _set_queue_offset,
+    _set_reconsume_times,
+    _set_tags,
+    _set_topic,
+)
 from stagedconsumer._runtime._services import ConsumeService
 from stagedconsumer._runtime._state import ConsumerState
 from stagedconsumer._sources._source import retry_topic
 
 from .runner import TOPIC, CallLog, ReplayConfig, _listener, _opt_str
 
-__all__ = ("simulate",)
+__all__ = ("Prepared", "simulate")
 
 _SUCCESS = EraseStatus.SUCCESS
 _SENT_BACK = EraseStatus.SENT_BACK
@@ -100,10 +114,59 @@ class _Pull:
         """The wait for the next delayed retry message (retry queue only)."""
 
 
+class Prepared:
+    """A consumer instance's messages as the broker stores them, built once for
+    every mode: queue ``q`` of the replay's topic holds the messages of the
+    ``q``-th ``qid``, in publishing order (publish time, then queue order, as the
+    runtime replay sends them); stored messages are immutable, so modes share them."""
+
+    def __init__(self, messages: pd.DataFrame) -> None:
+        qids = sorted(set(messages["qid"].tolist()))
+        local = {qid: i for i, qid in enumerate(qids)}
+        queue_of = messages["qid"].map(local).tolist()
+        keys = [_opt_str(v) for v in messages["key"].tolist()]
+        tags = [_opt_str(v) for v in messages["strategy"].tolist()]
+        publish = messages["publish_us"].tolist()
+        n = len(queue_of)
+        self.queues = max(1, len(qids))
+        self.order = sorted(range(n), key=publish.__getitem__)
+        self.publish_at = [publish[i] for i in self.order]
+        self.backlog = all(p == 0 for p in publish)
+        self.backlog_logs: list[list[Message]] = [[] for _ in range(self.queues)]
+        stored: list[Message | None] = [None] * n
+        new, empty = _new_message, EMPTY_PROPERTIES
+        set_topic, set_queue_id, set_queue_offset = _set_topic, _set_queue_id, _set_queue_offset
+        set_body, set_keys, set_tags = _set_body, _set_keys, _set_tags
+        set_properties = _set_properties
+        set_msg_id, set_born, set_reconsume = _set_msg_id, _set_born_timestamp, _set_reconsume_times
+        logs = self.backlog_logs
+        for i in self.order:
+            queue = queue_of[i]
+            log = logs[queue]
+            key = keys[i]
+            # Message(topic=..., ...) through its slots' setters (as the broker's
+            # trace writer builds them): the values are already in stored form
+            message = new(Message)
+            set_topic(message, TOPIC)
+            set_queue_id(message, queue)
+            set_queue_offset(message, len(log))
+            set_body(message, b"%d" % i)
+            set_keys(message, () if key is None else (key,))
+            set_tags(message, tags[i])
+            set_properties(message, empty)
+            set_msg_id(message, "")
+            set_born(message, 0.0)
+            set_reconsume(message, 0)
+            log.append(message)
+            stored[i] = message
+        self.stored: list[Message] = stored  # type: ignore[assignment]
+
+
 class _Sim:
     """One consumer instance replayed in one mode."""
 
-    def __init__(self, messages: pd.DataFrame, mode: str, config: ReplayConfig) -> None:
+    def __init__(self, messages: pd.DataFrame, mode: str, config: ReplayConfig,
+                 prepared: Prepared | None = None) -> None:
         options = config.options()
         self.options = options
         self.concurrent = mode == "concurrent"
@@ -137,23 +200,15 @@ class _Sim:
         self.idle: deque[int] = deque()
         self.done = n == 0
 
-        qids = sorted(set(messages["qid"].tolist()))
-        local = {qid: i for i, qid in enumerate(qids)}
-        queue_of = messages["qid"].map(local).tolist()
-        keys = [_opt_str(v) for v in messages["key"].tolist()]
-        strategies = [_opt_str(v) for v in messages["strategy"].tolist()]
-        publish = messages["publish_us"].tolist()
-        self.logs = [_Log() for _ in range(max(1, len(qids)))]
-        # publishing order: by publish time, then queue order (as the runtime replay)
-        self.order = sorted(range(n), key=publish.__getitem__)
-        self.queue_of = queue_of
-        self.keys = [() if k is None else (k,) for k in keys]
-        self.tags = strategies
-        self.publish_at = [publish[i] for i in self.order]
-        self.backlog = all(p == 0 for p in publish)
-        if self.backlog:  # published before the consumer starts
-            for i in self.order:
-                self.send(i)
+        prep = prepared if prepared is not None else Prepared(messages)
+        self.prepared = prep
+        self.logs = [_Log() for _ in range(prep.queues)]
+        self.order = prep.order
+        self.publish_at = prep.publish_at
+        self.backlog = prep.backlog
+        if self.backlog:  # published before the consumer starts: the logs are shared
+            for log, stored in zip(self.logs, prep.backlog_logs, strict=True):
+                log.messages = stored
         self.pulls: list[_Pull] = []
         for qid in range(len(self.logs)):
             mq = MessageQueue(TOPIC, qid)
@@ -162,6 +217,16 @@ class _Sim:
         self.retry_log: _Log | None = None
         self.delayed: list[tuple[float, int, Message]] = []
         self.batch_size = options.consume_message_batch_max_size
+        log = self.log
+        self.costs, self.fails = log.costs, log.fails
+        self.rec_index, self.rec_attempt = log.index.append, log.attempt.append
+        self.rec_stage, self.rec_start = log.call_stage.append, log.call_start.append
+        self.rec_end, self.rec_ok = log.call_end.append, log.call_ok.append
+        self.rec_size = log.call_size.append
+        dispatcher = self.dispatcher
+        self.take, self.has_ready, self.finish = (
+            dispatcher.take, dispatcher.has_ready, dispatcher.finish
+        )
         if service.retry_queues:
             self.retry_log = _Log()
             mq = MessageQueue(retry_topic(group), 0)
@@ -204,6 +269,13 @@ class _Sim:
             jump = heap[0][0] - now
             if jump > 0:
                 now = self.now = now + jump
+            if heap[0][0] > now:  # the jump fell short by rounding: trio jumps again
+                continue
+            entry = pop(heap)
+            if (not heap or heap[0][0] > now) and type(entry[3]) is not _Timer:
+                entry[2](entry[3])  # alone at this instant: run it at once
+                continue
+            heapq.heappush(heap, entry)
             while heap and heap[0][0] <= now:
                 _, _, fn, arg = pop(heap)
                 if type(arg) is _Timer:
@@ -236,12 +308,9 @@ class _Sim:
 
     def send(self, index: int) -> None:
         """``MemoryBroker.send`` of message ``index`` to its queue."""
-        queue = self.queue_of[index]
-        log = self.logs[queue]
-        log.messages.append(Message(
-            topic=TOPIC, queue_id=queue, queue_offset=len(log.messages), body=b"%d" % index,
-            keys=self.keys[index], tags=self.tags[index],
-        ))
+        message = self.prepared.stored[index]
+        log = self.logs[message.queue_id]
+        log.messages.append(message)
         self.wake(log)
 
     def wake(self, log: _Log) -> None:
@@ -434,43 +503,61 @@ class _Sim:
 
     def work(self, w: int) -> None:
         """A worker at the top of its loop: take a batch and start the handler."""
-        batch = self.dispatcher.take(self.batch_size)
+        batch = self.take(self.batch_size)
         if batch is None:
             self.streak[w] = 0
             self.idle.append(w)
             return
         idle = self.idle
-        if idle and self.dispatcher.has_ready():
+        if idle and self.has_ready():
             self.runq.append((self.work, idle.popleft()))
-        log = self.log
-        costs = log.costs
+        costs = self.costs
         self.batch[w] = batch
         now = self.now
         self.start_time[w] = now
-        cost = sum([costs[int(m.body)] for m in batch.messages])
-        if cost == 0:
+        messages = batch.messages
+        if len(messages) == 1:
+            cost = costs[int(messages[0].body)]
+        else:
+            cost = sum([costs[int(m.body)] for m in messages])
+        if cost == 0:  # anyio.sleep(0) is a checkpoint
             self.runq.append((self.handled, w))
         else:
             heapq.heappush(self.heap, (now + cost, next(self.seq), self.handled, w))
 
     def handled(self, w: int) -> None:
-        """The handler call of worker ``w`` returned."""
+        """The handler call of worker ``w`` returned (``_Recorder.handle`` and the
+        rest of the worker loop's iteration)."""
         batch = self.batch[w]
         assert batch is not None
-        self.batch[w] = None
         messages = batch.messages
         log = self.log
-        failed = log.record(
-            [int(m.body) for m in messages],
-            [m.reconsume_times for m in messages],
-            batch.stage_index if self.stage_reported else None,
-            self.start_time[w],
-            self.now,
-        )
+        if len(messages) == 1:  # CallLog.record for one message, inlined
+            message = messages[0]
+            index = int(message.body)
+            attempt = message.reconsume_times
+            failed = attempt < self.fails[index]
+            self.rec_index(index)
+            self.rec_attempt(attempt)
+            self.rec_stage(batch.stage_index if self.stage_reported else None)
+            self.rec_start(self.start_time[w])
+            self.rec_end(self.now)
+            self.rec_ok(not failed)
+            self.rec_size(1)
+            if not failed or (self.limit is not None and attempt >= self.limit):
+                log.remaining -= 1  # succeeded, or dead-lettered
+        else:
+            failed = log.record(
+                [int(m.body) for m in messages],
+                [m.reconsume_times for m in messages],
+                batch.stage_index if self.stage_reported else None,
+                self.start_time[w],
+                self.now,
+            )
         if log.remaining <= 0:
             self.done = True
         if not failed:
-            effects = self.dispatcher.finish(batch, _SUCCESS)
+            effects = self.finish(batch, _SUCCESS)
             if effects > READY:
                 self.apply(batch.process_queue, effects & _NOT_READY)
         else:
@@ -519,7 +606,9 @@ class _Sim:
         self.apply(batch.process_queue, self.dispatcher.settle(batch, settlement))
 
 
-def simulate(messages: pd.DataFrame, mode: str, config: ReplayConfig) -> CallLog:
+def simulate(messages: pd.DataFrame, mode: str, config: ReplayConfig,
+             prepared: Prepared | None = None) -> CallLog:
     """Replay one consumer instance's messages (sorted by ``qid`` and ``offset``) in
-    ``mode`` and return its handler calls."""
-    return _Sim(messages, mode, config).run()
+    ``mode`` and return its handler calls; ``prepared``: ``Prepared(messages)``,
+    to share between the modes of the same messages."""
+    return _Sim(messages, mode, config, prepared).run()

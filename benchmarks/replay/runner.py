@@ -164,7 +164,14 @@ class CallLog:
 
         attempt = np.asarray(self.attempt, dtype=np.int32)
         ok = per_message(self.call_ok, np.bool_)
-        stage = pd.array(per_message(self.call_stage, object), dtype="Int32")
+        call_stage = self.call_stage
+        if all(s is None for s in call_stage):
+            stage = pd.arrays.IntegerArray(np.zeros(len(ok), np.int32), np.ones(len(ok), np.bool_))
+        else:
+            values = np.fromiter((-(2**31) if s is None else s for s in call_stage),
+                                 dtype=np.int64, count=calls)
+            per = np.repeat(values, sizes)
+            stage = pd.arrays.IntegerArray(per.astype(np.int32), per == -(2**31))
         limit = self.limit
         dlq = ~ok & (attempt >= limit) if limit is not None else np.zeros(len(ok), np.bool_)
         return {
@@ -353,24 +360,26 @@ def deterministic_trio() -> Iterator[None]:
         self._active += 1
 
     saved_r, saved_add = _run._r, _run.Deadlines.add
-    _run._r = _FifoRandom()  # type: ignore[misc]
+    _run._r = _FifoRandom()
     _run.Deadlines.add = add  # type: ignore[method-assign]
     try:
         yield
     finally:
-        _run._r = saved_r  # type: ignore[misc]
+        _run._r = saved_r
         _run.Deadlines.add = saved_add  # type: ignore[method-assign]
 
 
 def replay_consumer(
     messages: pd.DataFrame, mode: str, config: ReplayConfig, *, wall_clock: bool = False,
-    engine: str = "runtime",
+    engine: str = "runtime", prepared: Any = None,
 ) -> pd.DataFrame:
     """Replay one consumer instance's messages in ``mode``; returns the event log.
 
     ``messages`` must be in queue order within each queue (it is sorted here by
     ``qid`` and ``offset``). ``engine``: one of :data:`ENGINES` (``core`` runs in
-    virtual time only).
+    virtual time only); ``prepared``: the core engine's
+    :class:`~benchmarks.replay.engine.Prepared` of the same (sorted) messages, to
+    build the stored messages once for several modes.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -380,7 +389,7 @@ def replay_consumer(
             raise ValueError("the core engine runs in virtual time only (no wall clock)")
         from .engine import simulate
 
-        return event_frame(messages, mode, simulate(messages, mode, config))
+        return event_frame(messages, mode, simulate(messages, mode, config, prepared))
     return event_frame(messages, mode, _run_runtime(messages, mode, config, wall_clock))
 
 
@@ -417,13 +426,28 @@ def event_frame(messages: pd.DataFrame, mode: str, log: CallLog) -> pd.DataFrame
     """The event log (:data:`EVENT_COLUMNS`) of ``log``'s calls on ``messages``."""
     rec = log.columns()
     index = rec["index"]
+    n = len(index)
+
+    def take(column: str, dtype: Any) -> Any:
+        return messages[column].to_numpy(dtype=dtype)[index]
+
+    stage_col = messages["stage"]
+    if isinstance(stage_col.dtype, pd.api.extensions.ExtensionDtype):
+        expected = stage_col.array.take(index).astype("Int32")
+    else:
+        expected = pd.array(stage_col.to_numpy(dtype=object)[index], dtype="Int32")
+    mode_col = np.empty(n, dtype=object)
+    mode_col[:] = mode
+
+    def objects(values: Any) -> pd.Series:
+        return pd.Series(values, dtype=object, copy=False)
     out: dict[str, Any] = {
-        "mode": mode,
-        "consumer": messages["consumer"].to_numpy()[index],
-        "topic": messages["topic"].to_numpy()[index],
-        "queue": messages["queue"].to_numpy()[index],
-        "qid": messages["qid"].to_numpy()[index],
-        "offset": messages["offset"].to_numpy()[index],
+        "mode": objects(mode_col),
+        "consumer": take("consumer", np.int32),
+        "topic": take("topic", np.int32),
+        "queue": take("queue", np.int32),
+        "qid": take("qid", np.int32),
+        "offset": take("offset", np.int64),
         "stage": rec["stage"],
         "attempt": rec["attempt"],
         "batch": rec["batch"],
@@ -431,17 +455,10 @@ def event_frame(messages: pd.DataFrame, mode: str, log: CallLog) -> pd.DataFrame
         "end": rec["end"],
         "ok": rec["ok"],
         "dlq": rec["dlq"],
-        "publish": messages["publish_us"].to_numpy()[index] / 1e6,
-        "strategy": messages["strategy"].to_numpy(dtype=object)[index],
-        "grp": messages["grp"].to_numpy(dtype=object)[index],
-        "expected_stage": pd.array(messages["stage"].to_numpy(dtype=object)[index],
-                                   dtype="Int32"),
+        "publish": take("publish_us", np.float64) / 1e6,
+        # object, not pandas 3's Arrow-backed str: Spark's Arrow writer wants plain arrays
+        "strategy": objects(take("strategy", object)),
+        "grp": objects(take("grp", object)),
+        "expected_stage": expected,
     }
-    frame = pd.DataFrame(out, columns=list(EVENT_COLUMNS))
-    # object, not pandas 3's Arrow-backed str: Spark's Arrow writer wants plain arrays
-    return frame.astype(
-        {"mode": object, "strategy": object, "grp": object, "consumer": "int32",
-         "topic": "int32", "queue": "int32", "qid": "int32", "offset": "int64",
-         "attempt": "int32", "batch": "int64", "start": "float64", "end": "float64",
-         "ok": "bool", "dlq": "bool", "publish": "float64"}
-    )
+    return pd.DataFrame(out, columns=list(EVENT_COLUMNS), copy=False)
