@@ -359,14 +359,16 @@ def deterministic_trio() -> Iterator[None]:
         heapq.heappush(self._heap, (deadline, next(counter), cancel_scope))
         self._active += 1
 
-    saved_r, saved_add = _run._r, _run.Deadlines.add
+    saved = (_run._r, _run.Deadlines.add, _run._ALLOW_DETERMINISTIC_SCHEDULING)
     _run._r = _FifoRandom()
     _run.Deadlines.add = add  # type: ignore[method-assign]
+    # importing hypothesis turns on trio's own test mode (batches sorted by task
+    # creation, then shuffled): not first-in first-out either
+    _run._ALLOW_DETERMINISTIC_SCHEDULING = False  # type: ignore[misc]
     try:
         yield
     finally:
-        _run._r = saved_r
-        _run.Deadlines.add = saved_add  # type: ignore[method-assign]
+        _run._r, _run.Deadlines.add, _run._ALLOW_DETERMINISTIC_SCHEDULING = saved  # type: ignore[method-assign, misc]
 
 
 def replay_consumer(
