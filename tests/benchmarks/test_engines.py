@@ -126,6 +126,7 @@ CONFIGS = st.builds(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=ROWS, config=CONFIGS, backlog=st.booleans())
 def test_engines_agree_on_generated_workloads(
