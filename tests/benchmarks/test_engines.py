@@ -174,3 +174,25 @@ def test_the_core_engine_refuses_the_wall_clock() -> None:
         replay_consumer(messages, "orderly", config, engine="core", wall_clock=True)
     with pytest.raises(ValueError, match="engine must be one of"):
         replay_consumer(messages, "orderly", config, engine="other")
+
+
+@pytest.mark.slow
+def test_engines_agree_when_flow_control_pauses_pulling() -> None:
+    # queue 0: a 10 s message first, then 2,599 of 1 ms (concurrent mode stops pulling
+    # at a span of 2,000, the others at 1,000 unfinished messages); queue 1: 1,500
+    # messages, 2 % failing once
+    rng = np.random.default_rng(1)
+    rows: list[tuple[int, int, int, int, str | None, str | None]] = [
+        (0, 10_000_000 if i == 0 else 1000, 0, 0, None, "default") for i in range(2600)
+    ]
+    rows += [(1, int(rng.integers(500, 3000)), int(rng.random() < 0.02), 0, None, "default")
+             for _ in range(1500)]
+    messages = frame(rows)
+    config = ReplayConfig(threads=4, batch_size=1, pull_batch_size=32, suspend_millis=100,
+                          max_reconsume_times=None, strategies={"default": (500, 1000)},
+                          group_by_key=False)
+    for mode in MODES:
+        assert_same_schedule(messages, mode, config)
+    events = replay_consumer(messages, "concurrent", config, engine="core")
+    late = events[(events["qid"] == 0) & (events["offset"] >= 2100)]
+    assert late["start"].min() >= 10.0  # pulled only once the slow message finished
