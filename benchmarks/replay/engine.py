@@ -232,7 +232,6 @@ class _Sim:
             mq = MessageQueue(retry_topic(group), 0)
             self.pulls.append(_Pull(service.new_process_queue(mq, 0, {}), self.retry_log, True))
         self.paused: dict[ProcessQueue, _Pull] = {}
-        self.pull_of = {p.pq: p for p in self.pulls}
         threads = options.consume_thread_max
         self.streak = [0] * threads
         self.batch: list[Batch | None] = [None] * threads
@@ -335,7 +334,7 @@ class _Sim:
             due = publish_at[position] / 1e6
             now = self.now
             if due > now:
-                self.at(now + (due - now), self.produce, position + 0)
+                self.at(now + (due - now), self.produce, position)
                 return
             self.send(order[position])
             position += 1
