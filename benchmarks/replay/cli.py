@@ -18,6 +18,7 @@ while Spark works.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import threading
@@ -36,7 +37,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from . import analysis, report
 from .generate import generate_messages
-from .runner import ReplayConfig
+from .runner import ENGINES, ReplayConfig
 from .spark import clear_events, get_session, mark_by_consumer, replay_summaries, ship_code
 from .workload import MODES, Workload, WorkloadError, load_workload
 
@@ -108,6 +109,10 @@ class BenchResult:
         self.queues = queues
         self.timings = timings
         self.report_path = report_path
+        self.engine = "core"
+        """The engine of the virtual-time replay."""
+        self.environment: dict[str, str] = {}
+        """Versions (Python, PySpark, Java) and load averages of the run."""
         self.cross_checked: dict[str, bool] = {}
         """Per clock, when the event log was written: whether Spark SQL's recount of
         the violations over it agreed with the replay tasks' counts."""
@@ -137,13 +142,16 @@ def run_bench(
     command: str = "",
     master: str = "",
     events: bool | None = None,
+    engine: str = "core",
 ) -> BenchResult:
     """Generate, replay, analyse and report one workload into ``out``.
 
     ``events``: write the event log (``events-<clock>.parquet``) and recount the
     violations over it in Spark SQL; by default for up to :data:`EVENT_LOG_LIMIT`
     message-replays. Without it the replay tasks summarise their own events and
-    nothing of size N leaves them.
+    nothing of size N leaves them. ``engine``: how virtual time is replayed (see
+    :data:`~benchmarks.replay.runner.ENGINES`); the wall-clock replay always runs the
+    PushConsumer.
     """
     modes = tuple(modes) if modes else w.modes
     out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +191,7 @@ def run_bench(
             replay_summaries(
                 messages, config, modes, workers=w.threads,
                 max_reconsume=w.failures.max_reconsume_times, wall_clock=clock == "wall",
-                events_path=events_path,
+                events_path=events_path, engine="runtime" if clock == "wall" else engine,
             ).write.mode("overwrite").parquet(consumers_path)
             return spark.read.parquet(consumers_path)
 
@@ -232,13 +240,39 @@ def run_bench(
     queues.to_parquet(out / "queues.parquet", index=False)
     charts = report.write_charts(summary, quantiles, out)
     timings["report"] = time.perf_counter() - t0
+    env = environment(spark)
     path = report.write_markdown(out, w, summary, queues, timings, command, master, charts,
                                  replay_cpu=cpu_info, replays=replays,
-                                 cross_checked=cross_checked)
+                                 cross_checked=cross_checked, engine=engine, environment=env)
     messages.unpersist()
     result = BenchResult(out, summary, queues, timings, path, cpu_info, replays)
+    result.engine = engine
+    result.environment = env
     result.cross_checked = cross_checked
     return result
+
+
+def environment(spark: SparkSession) -> dict[str, str]:
+    """Python, PySpark and Java versions (Java as the driver's JVM reports it), cores
+    and the load average (1, 5, 15 min) now."""
+    import os
+    import platform
+
+    import pyspark
+
+    jvm = spark.sparkContext._jvm  # the driver's JVM, through py4j
+    java = "unknown"
+    if jvm is not None:
+        system = jvm.java.lang.System
+        java = f"{system.getProperty('java.version')} ({system.getProperty('java.vm.name')})"
+    load = os.getloadavg()
+    return {
+        "python": platform.python_version(),
+        "pyspark": pyspark.__version__,
+        "java": java,
+        "cores": str(os.cpu_count()),
+        "load": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+    }
 
 
 def _same_violations(summary: pd.DataFrame, recount: pd.DataFrame) -> bool:
@@ -259,6 +293,7 @@ def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("bench-results") / w.name
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in args.argv)
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     # Spark's default of 200 is far too many here: the one large shuffle (messages to
     # consumer instances) has an explicit partition count, and the analysis shuffles
     # only per-consumer summaries.
@@ -273,6 +308,7 @@ def _bench(args: argparse.Namespace) -> int:
             result = run_bench(
                 spark, w, out, modes=args.modes, wall_clock=args.wall_clock,
                 progress=progress, command=command, master=args.master, events=args.events,
+                engine=args.engine,
             )
     finally:
         spark.stop()
@@ -290,7 +326,15 @@ def _bench(args: argparse.Namespace) -> int:
             f"violations ({clock} time) recounted in Spark SQL over the event log: "
             + ("same as the replay tasks" if same else "[red]DIFFERENT[/red] from the replay tasks")
         )
+    env = result.environment
+    console.print(
+        f"engine {result.engine}; Python {env.get('python')}, PySpark {env.get('pyspark')},"
+        f" Java {env.get('java')}; {env.get('cores')} cores, load average"
+        f" {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} before,"
+        f" {env.get('load')} after"
+    )
     console.print(f"report: {result.report_path}")
+    console.print(f"reproduce: {command}", soft_wrap=True)
     return 0
 
 
@@ -317,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--master", default="local[*]", help="Spark master URL (default local[*])")
     bench.add_argument("--out", help="output directory (default bench-results/<name>)")
     bench.add_argument("--modes", nargs="+", choices=MODES, help="modes to replay")
+    bench.add_argument("--engine", choices=ENGINES, default="core",
+                       help="virtual-time replay engine: core (discrete events over the"
+                       " sans-I/O core, the default) or runtime (the PushConsumer on trio's"
+                       " MockClock, the reference; same schedule, ~15x the CPU)")
     bench.add_argument("--wall-clock", action="store_true",
                        help="also replay on the real clock (handler costs really waited)")
     events = bench.add_mutually_exclusive_group()

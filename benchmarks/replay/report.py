@@ -162,6 +162,13 @@ def _workload_lines(w: Workload) -> list[str]:
     return lines
 
 
+ENGINE_TEXT = {
+    "core": "the discrete-event engine over the sans-I/O core (benchmarks/replay/engine.py),"
+    " which reproduces the runtime engine's schedule exactly.",
+    "runtime": "the real PushConsumer on trio's MockClock (deterministic scheduling).",
+}
+
+
 def write_markdown(
     out: Path,
     w: Workload,
@@ -175,6 +182,8 @@ def write_markdown(
     replay_cpu: Mapping[str, float] | None = None,
     replays: int = 0,
     cross_checked: Mapping[str, bool] | None = None,
+    engine: str = "runtime",
+    environment: Mapping[str, str] | None = None,
 ) -> Path:
     cols = ([("clock", "clock")] if "clock" in summary.columns else []) + list(SUMMARY_COLUMNS)
     parts = [
@@ -182,6 +191,20 @@ def write_markdown(
         "",
         f"Command: `{command}` (Spark master `{master}`).",
         "",
+        f"Engine (virtual time): `{engine}` — "
+        + (ENGINE_TEXT.get(engine, engine)),
+        "",
+        *(
+            [
+                f"Environment: Python {environment.get('python')}, PySpark"
+                f" {environment.get('pyspark')}, Java {environment.get('java')},"
+                f" {environment.get('cores')} cores, load average (1/5/15 min) at the end"
+                f" {environment.get('load')}.",
+                "",
+            ]
+            if environment
+            else []
+        ),
         *_workload_lines(w),
         "",
         "## Per mode",

@@ -17,9 +17,13 @@ failure schedule (``attempt < fail_attempts``, the attempt being the message's
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import heapq
+import itertools
 import logging
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -45,7 +49,10 @@ from stagedconsumer import (
 
 from .workload import Workload
 
-__all__ = ("EVENT_COLUMNS", "HandlerFailed", "ReplayConfig", "replay_consumer")
+__all__ = (
+    "ENGINES", "EVENT_COLUMNS", "CallLog", "HandlerFailed", "ReplayConfig", "deterministic_trio",
+    "event_frame", "replay_consumer",
+)
 
 EVENT_COLUMNS: tuple[str, ...] = (
     "mode", "consumer", "topic", "queue", "qid", "offset", "stage", "attempt", "batch",
@@ -96,15 +103,21 @@ class ReplayConfig:
             pull_batch_size=self.pull_batch_size,
             suspend_current_queue_time_millis=self.suspend_millis,
             max_reconsume_times=self.max_reconsume_times,
+            # wall-clock safety nets, idle in a replay: off, so that the scheduling is
+            # the consumer's alone (their timers would only add virtual-time steps)
+            consume_timeout=None,
+            event_loop_block_threshold=None,
         )
 
 
-class _Recorder:
-    """Simulates handler costs and failures and records every attempt.
+class CallLog:
+    """Handler calls and the attempts they made, as both engines record them.
 
     Per handler call it keeps one entry (stage, start, end, ok, size) and per
     message only its index and attempt: :meth:`columns` expands them with numpy, so
-    the recording costs little next to the runtime's own work per message.
+    the recording costs little next to the replay's own work per message.
+    ``remaining`` counts messages not yet finished for good (succeeded or
+    dead-lettered); the replay ends when it reaches 0.
     """
 
     def __init__(self, costs: Sequence[float], fails: Sequence[int], limit: int | None,
@@ -113,7 +126,6 @@ class _Recorder:
         self.fails = fails
         self.limit = limit
         self.remaining = total
-        self.done = anyio.Event()
         self.t0 = 0.0
         self.index: list[int] = []
         self.attempt: list[int] = []
@@ -122,17 +134,11 @@ class _Recorder:
         self.call_end: list[float] = []
         self.call_ok: list[bool] = []
         self.call_size: list[int] = []
-        if total == 0:
-            self.done.set()
 
-    async def handle(self, msgs: Sequence[Message], stage: int | None) -> None:
-        costs = self.costs
+    def record(self, indexes: list[int], attempts: list[int], stage: int | None,
+               start: float, end: float) -> bool:
+        """Record one handler call; returns whether it failed (failure schedule)."""
         fails = self.fails
-        indexes = [int(m.body) for m in msgs]
-        attempts = [m.reconsume_times for m in msgs]
-        start = anyio.current_time()
-        await anyio.sleep(sum([costs[i] for i in indexes]))
-        end = anyio.current_time()
         failed = any(a < fails[i] for a, i in zip(attempts, indexes, strict=True))
         self.index += indexes
         self.attempt += attempts
@@ -146,10 +152,7 @@ class _Recorder:
         elif self.limit is not None:
             limit = self.limit
             self.remaining -= sum([1 for a in attempts if a >= limit])  # dead-lettered
-        if self.remaining <= 0:
-            self.done.set()
-        if failed:
-            raise HandlerFailed("simulated failure (failure schedule)")
+        return failed
 
     def columns(self) -> dict[str, Any]:
         """Per attempt: index, stage, attempt, batch, start, end, ok, dlq (numpy)."""
@@ -161,7 +164,14 @@ class _Recorder:
 
         attempt = np.asarray(self.attempt, dtype=np.int32)
         ok = per_message(self.call_ok, np.bool_)
-        stage = pd.array(per_message(self.call_stage, object), dtype="Int32")
+        call_stage = self.call_stage
+        if all(s is None for s in call_stage):
+            stage = pd.arrays.IntegerArray(np.zeros(len(ok), np.int32), np.ones(len(ok), np.bool_))
+        else:
+            values = np.fromiter((-(2**31) if s is None else s for s in call_stage),
+                                 dtype=np.int64, count=calls)
+            per = np.repeat(values, sizes)
+            stage = pd.arrays.IntegerArray(per.astype(np.int32), per == -(2**31))
         limit = self.limit
         dlq = ~ok & (attempt >= limit) if limit is not None else np.zeros(len(ok), np.bool_)
         return {
@@ -175,6 +185,30 @@ class _Recorder:
             "dlq": dlq,
         }
 
+
+class _Recorder(CallLog):
+    """Simulates handler costs and failures on the event loop's clock and records
+    every attempt (the runtime engine)."""
+
+    def __init__(self, costs: Sequence[float], fails: Sequence[int], limit: int | None,
+                 total: int) -> None:
+        super().__init__(costs, fails, limit, total)
+        self.done = anyio.Event()
+        if total == 0:
+            self.done.set()
+
+    async def handle(self, msgs: Sequence[Message], stage: int | None) -> None:
+        costs = self.costs
+        indexes = [int(m.body) for m in msgs]
+        attempts = [m.reconsume_times for m in msgs]
+        start = anyio.current_time()
+        await anyio.sleep(sum([costs[i] for i in indexes]))
+        end = anyio.current_time()
+        failed = self.record(indexes, attempts, stage, start, end)
+        if self.remaining <= 0:
+            self.done.set()
+        if failed:
+            raise HandlerFailed("simulated failure (failure schedule)")
 
 class _Orderly(MessageListenerOrderly):
     def __init__(self, recorder: _Recorder) -> None:
@@ -197,7 +231,7 @@ class _Concurrent(MessageListenerConcurrently):
 
 
 class _Staged(MessageListenerStagedConcurrently):
-    def __init__(self, recorder: _Recorder, config: ReplayConfig) -> None:
+    def __init__(self, recorder: _Recorder | None, config: ReplayConfig) -> None:
         self.recorder = recorder
         self.strategies = {k: list(v) for k, v in config.strategies.items()}
         self.group_by_key = config.group_by_key
@@ -219,6 +253,7 @@ class _Staged(MessageListenerStagedConcurrently):
     async def consume_message(
         self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
     ) -> None:
+        assert self.recorder is not None
         await self.recorder.handle(msgs, context.stage_index)
 
 
@@ -291,15 +326,77 @@ async def _replay(messages: pd.DataFrame, mode: str, config: ReplayConfig) -> _R
     return recorder
 
 
+ENGINES: tuple[str, ...] = ("core", "runtime")
+"""``core``: the discrete-event engine (:mod:`benchmarks.replay.engine`) driving the
+sans-I/O core; ``runtime``: the real PushConsumer on trio's MockClock (the reference)."""
+
+
+class _FifoRandom(random.Random):
+    """trio's scheduler reverses each batch of runnable tasks when ``random() < 0.5``:
+    always reversing, then popping from the end, runs them first-in first-out."""
+
+    def random(self) -> float:
+        return 0.0
+
+
+@contextlib.contextmanager
+def deterministic_trio() -> Iterator[None]:
+    """Make trio's scheduling a function of the program alone, for one replay.
+
+    trio deliberately randomises the order of tasks that are runnable at the same
+    moment (each batch is reversed with probability 1/2) and breaks ties between
+    equal deadlines by the cancel scopes' memory addresses, so two replays of the
+    same workload differ wherever two events fall on the same virtual instant (at
+    time 0 with a backlog, with whole-millisecond costs). Here batches run
+    first-in first-out and equal deadlines expire in the order they were set: the
+    schedule the core engine reproduces exactly.
+    """
+    from trio._core import _run
+
+    counter = itertools.count()
+
+    def add(self: Any, deadline: float, cancel_scope: Any) -> None:
+        heapq.heappush(self._heap, (deadline, next(counter), cancel_scope))
+        self._active += 1
+
+    saved = (_run._r, _run.Deadlines.add, _run._ALLOW_DETERMINISTIC_SCHEDULING)
+    _run._r = _FifoRandom()
+    _run.Deadlines.add = add  # type: ignore[method-assign]
+    # importing hypothesis turns on trio's own test mode (batches sorted by task
+    # creation, then shuffled): not first-in first-out either
+    _run._ALLOW_DETERMINISTIC_SCHEDULING = False  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        _run._r, _run.Deadlines.add, _run._ALLOW_DETERMINISTIC_SCHEDULING = saved  # type: ignore[method-assign, misc]
+
+
 def replay_consumer(
-    messages: pd.DataFrame, mode: str, config: ReplayConfig, *, wall_clock: bool = False
+    messages: pd.DataFrame, mode: str, config: ReplayConfig, *, wall_clock: bool = False,
+    engine: str = "runtime", prepared: Any = None,
 ) -> pd.DataFrame:
     """Replay one consumer instance's messages in ``mode``; returns the event log.
 
     ``messages`` must be in queue order within each queue (it is sorted here by
-    ``qid`` and ``offset``).
+    ``qid`` and ``offset``). ``engine``: one of :data:`ENGINES` (``core`` runs in
+    virtual time only); ``prepared``: the core engine's
+    :class:`~benchmarks.replay.engine.Prepared` of the same (sorted) messages, to
+    build the stored messages once for several modes.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     messages = messages.sort_values(["qid", "offset"], kind="stable").reset_index(drop=True)
+    if engine == "core":
+        if wall_clock:
+            raise ValueError("the core engine runs in virtual time only (no wall clock)")
+        from .engine import simulate
+
+        return event_frame(messages, mode, simulate(messages, mode, config, prepared))
+    return event_frame(messages, mode, _run_runtime(messages, mode, config, wall_clock))
+
+
+def _run_runtime(messages: pd.DataFrame, mode: str, config: ReplayConfig,
+                 wall_clock: bool) -> CallLog:
 
     async def main() -> _Recorder:
         return await _replay(messages, mode, config)
@@ -318,20 +415,41 @@ def replay_consumer(
         if wall_clock:
             recorder = trio.run(main)
         else:
-            recorder = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+            with deterministic_trio():
+                recorder = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         runtime_logger.setLevel(level)
         if gc_was_enabled:
             gc.enable()
-    rec = recorder.columns()
+    return recorder
+
+
+def event_frame(messages: pd.DataFrame, mode: str, log: CallLog) -> pd.DataFrame:
+    """The event log (:data:`EVENT_COLUMNS`) of ``log``'s calls on ``messages``."""
+    rec = log.columns()
     index = rec["index"]
+    n = len(index)
+
+    def take(column: str, dtype: Any) -> Any:
+        return messages[column].to_numpy(dtype=dtype)[index]
+
+    stage_col = messages["stage"]
+    if isinstance(stage_col.dtype, pd.api.extensions.ExtensionDtype):
+        expected = stage_col.array.take(index).astype("Int32")
+    else:
+        expected = pd.array(stage_col.to_numpy(dtype=object)[index], dtype="Int32")
+    mode_col = np.empty(n, dtype=object)
+    mode_col[:] = mode
+
+    def objects(values: Any) -> pd.Series:
+        return pd.Series(values, dtype=object, copy=False)
     out: dict[str, Any] = {
-        "mode": mode,
-        "consumer": messages["consumer"].to_numpy()[index],
-        "topic": messages["topic"].to_numpy()[index],
-        "queue": messages["queue"].to_numpy()[index],
-        "qid": messages["qid"].to_numpy()[index],
-        "offset": messages["offset"].to_numpy()[index],
+        "mode": objects(mode_col),
+        "consumer": take("consumer", np.int32),
+        "topic": take("topic", np.int32),
+        "queue": take("queue", np.int32),
+        "qid": take("qid", np.int32),
+        "offset": take("offset", np.int64),
         "stage": rec["stage"],
         "attempt": rec["attempt"],
         "batch": rec["batch"],
@@ -339,17 +457,10 @@ def replay_consumer(
         "end": rec["end"],
         "ok": rec["ok"],
         "dlq": rec["dlq"],
-        "publish": messages["publish_us"].to_numpy()[index] / 1e6,
-        "strategy": messages["strategy"].to_numpy(dtype=object)[index],
-        "grp": messages["grp"].to_numpy(dtype=object)[index],
-        "expected_stage": pd.array(messages["stage"].to_numpy(dtype=object)[index],
-                                   dtype="Int32"),
+        "publish": take("publish_us", np.float64) / 1e6,
+        # object, not pandas 3's Arrow-backed str: Spark's Arrow writer wants plain arrays
+        "strategy": objects(take("strategy", object)),
+        "grp": objects(take("grp", object)),
+        "expected_stage": expected,
     }
-    frame = pd.DataFrame(out, columns=list(EVENT_COLUMNS))
-    # object, not pandas 3's Arrow-backed str: Spark's Arrow writer wants plain arrays
-    return frame.astype(
-        {"mode": object, "strategy": object, "grp": object, "consumer": "int32",
-         "topic": "int32", "queue": "int32", "qid": "int32", "offset": "int64",
-         "attempt": "int32", "batch": "int64", "start": "float64", "end": "float64",
-         "ok": "bool", "dlq": "bool", "publish": "float64"}
-    )
+    return pd.DataFrame(out, columns=list(EVENT_COLUMNS), copy=False)
