@@ -244,8 +244,11 @@ def check_staged(log: CallLog, plan: StagePlan) -> list[Violation]:
             violations.append(
                 Violation(
                     "wrong-key",
-                    f"call #{call.number} ran as strategy {call.strategy_id!r}, group"
-                    f" {call.group_id!r}; the listener's callbacks give {_key_text(first.key)}",
+                    f"call #{call.number} ran {_where(known[0])} as strategy"
+                    f" {call.strategy_id!r}, group {call.group_id!r}, but compute_strategy and"
+                    f" compute_group now give strategy {first.key[1]!r}, group"
+                    f" {first.key[2]!r}: a stage key must depend on the message alone (a"
+                    " message delivered again must get the same stage)",
                     (call,),
                 )
             )

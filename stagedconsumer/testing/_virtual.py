@@ -9,6 +9,7 @@ time and every timing is exact. The broker is a :class:`MemoryBroker`, the store
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -51,6 +52,14 @@ def default_seed() -> int | None:
 
 class InjectedFailure(Exception):
     """Raised by a handler call that a :class:`FailureSchedule` fails."""
+
+
+class _QuietInjectedFailures(logging.Filter):
+    """Drops the consumer's report of a scheduled failure (planned, and there may be
+    thousands in a property test); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], InjectedFailure))
 
 
 @attrs.frozen(kw_only=True)
@@ -217,7 +226,8 @@ def run_virtual(
     - ``listener``: yours, of any kind; it is wrapped in a :class:`RecordingListener`
       (pass one to use its log) and, with ``failures`` or ``costs``, in a wrapper that
       sleeps the call's cost (the largest of its messages') and fails the scheduled
-      attempts without calling your handler.
+      attempts without calling your handler (the consumer's log records of those
+      :class:`InjectedFailure` exceptions are filtered out during the run).
     - ``costs``: seconds per message, a sequence cycled by message index, or a function.
     - ``crash_at``: crash points, each a number of handler calls ended (over all runs):
       right after the ``n``-th call ends the consumer dies (calls in flight are
@@ -347,9 +357,15 @@ def run_virtual(
     chosen = seed if seed is not None else _default_seed
     if chosen is not None:
         _seed_scheduler(chosen)
+    quiet = _QuietInjectedFailures()
+    logger = logging.getLogger("stagedconsumer")
+    logger.addFilter(quiet)
     began = time.perf_counter()
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    wall = time.perf_counter() - began
+    try:
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        wall = time.perf_counter() - began
+        logger.removeFilter(quiet)
     ended_calls = [c for c in log.calls if c.ended]
     makespan = (
         max(c.end for c in ended_calls) - min(c.start for c in log.calls) if ended_calls else 0.0

@@ -247,3 +247,18 @@ def test_assert_lists_at_most_ten_violations() -> None:
         assert_at_least_once(w.log, [])
     assert len(info.value.violations) == 12
     assert str(info.value).endswith("... and 2 more")
+
+
+def test_a_stage_key_the_callbacks_do_not_give_again_is_reported() -> None:
+    log = CallLog()
+    context = ConsumeStagedConcurrentlyContext(
+        message_queue=MQ, stage_index=0, strategy_id="default", group_id="other"
+    )
+    call = log.start_call([SENT[0]], context, 0.0)
+    log.end_call(call, 1.0, Outcome.SUCCESS, acked=1)
+    (violation,) = check_staged(log, PLAN)
+    assert violation.rule == "wrong-key"
+    assert violation.explanation.startswith(
+        "call #0 ran t:0@0 as strategy 'default', group 'other', but compute_strategy and"
+        " compute_group now give strategy 'default', group None"
+    )
