@@ -239,6 +239,16 @@ def check_staged(log: CallLog, plan: StagePlan) -> list[Violation]:
                     )
                 )
         if first.key is None:
+            if call.stage_index is not None and call.strategy_id is not None:
+                violations.append(
+                    Violation(
+                        "wrong-key",
+                        f"call #{call.number} ran {_where(known[0])} as strategy"
+                        f" {call.strategy_id!r}, but compute_strategy gives no known strategy"
+                        " for it: it should run directly, with strategy None",
+                        (call,),
+                    )
+                )
             continue
         if call.stage_index is not None and (call.strategy_id, call.group_id) != first.key[1:]:
             violations.append(

@@ -111,6 +111,15 @@ class HandlerCall:
         return self.outcome is Outcome.SUCCESS
 
     @property
+    def failed(self) -> bool:
+        """Ended without success (raised, returned a failure status, or cancelled)."""
+        return self.ended and self.outcome is not Outcome.SUCCESS
+
+    @property
+    def cancelled(self) -> bool:
+        return self.outcome is Outcome.CANCELLED
+
+    @property
     def finished_messages(self) -> tuple[Message, ...]:
         """The messages this call finished (consumed successfully)."""
         return self.messages[: self.acked] if self.outcome is Outcome.SUCCESS else ()
@@ -153,9 +162,11 @@ class CallLog:
     dead_letters: list[DeadLetter] = attrs.Factory(list)
     run: int = 0
     """The incarnation new calls belong to (``run_virtual`` bumps it on each restart)."""
+    on_start: list[Callable[[HandlerCall], None]] = attrs.Factory(list)
+    """Called (in the handler's task or thread) after each call was recorded as started."""
     on_end: list[Callable[[HandlerCall], None]] = attrs.Factory(list)
-    """Called (on the recording thread) after each call ended; ``run_virtual`` uses it
-    to crash at a given point."""
+    """Called (in the handler's task or thread) after each call was recorded as ended;
+    ``run_virtual`` uses it to crash at a given point."""
     _events: Iterator[int] = attrs.field(factory=itertools.count, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
@@ -180,6 +191,8 @@ class CallLog:
                 start_seq=self.next_seq(),
             )
             self.calls.append(call)
+        for callback in self.on_start:
+            callback(call)
         return call
 
     def end_call(

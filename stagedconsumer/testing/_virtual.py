@@ -319,27 +319,29 @@ def run_virtual(
                     consumer._cut_shutdown_short()
                     crash.set()
 
-            log.on_end[:] = [on_end]
-            async with consumer, anyio.create_task_group() as tg:
+            log.on_end.append(on_end)
+            try:
+                async with consumer, anyio.create_task_group() as tg:
 
-                async def finish(consumer: PushConsumer = consumer) -> None:
-                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                        await consumer.wait_caught_up()
-                        while not wanted <= log.finish_seqs().keys():
-                            await anyio.sleep(1.0)
+                    async def finish(consumer: PushConsumer = consumer) -> None:
+                        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                             await consumer.wait_caught_up()
-                        state["completed"] = True
-                    if not state["completed"]:
-                        consumer._cut_shutdown_short()
-                    tg.cancel_scope.cancel()
+                            while not wanted <= log.finish_seqs().keys():
+                                await anyio.sleep(1.0)
+                                await consumer.wait_caught_up()
+                            state["completed"] = True
+                        if not state["completed"]:
+                            consumer._cut_shutdown_short()
+                        tg.cancel_scope.cancel()
 
-                async def die(crash: anyio.Event = crash) -> None:
-                    await crash.wait()
-                    tg.cancel_scope.cancel()
+                    async def die(crash: anyio.Event = crash) -> None:
+                        await crash.wait()
+                        tg.cancel_scope.cancel()
 
-                tg.start_soon(finish)
-                tg.start_soon(die)
-            log.on_end.clear()
+                    tg.start_soon(finish)
+                    tg.start_soon(die)
+            finally:
+                log.on_end.remove(on_end)
             if not crash.is_set():
                 return
             points.pop(0)
