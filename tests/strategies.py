@@ -1,7 +1,9 @@
 """Shared hypothesis strategies for the property tests.
 
 Everything here draws plain data (lists, ints, frozensets, :class:`Scenario`); the
-tests turn it into listeners, brokers and process queues.
+tests turn it into listeners, brokers and process queues. Stage definitions come from
+the public kit, ``stagedconsumer.testing``; the rest is shaped for the internal tests
+(failures by queue, offset and attempt, arrival gaps, flow-control thresholds).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from collections.abc import Sequence
 
 import attrs
 from hypothesis import strategies as st
+
+from stagedconsumer.testing import stage_definitions
 
 __all__ = (
     "Scenario",
@@ -29,12 +33,9 @@ __all__ = (
 
 
 def stage_sizes(*, max_stages: int = 5, max_size: int = 6) -> st.SearchStrategy[list[int]]:
-    """Valid stage definitions, weighted towards the degenerate ones (``[]``, ``[1] * n``)."""
-    return st.one_of(
-        st.just([]),
-        st.integers(1, 8).map(lambda n: [1] * n),
-        st.lists(st.integers(1, max_size), min_size=1, max_size=max_stages),
-    )
+    """Valid stage definitions, weighted towards the degenerate ones (``[]``, ``[1] * n``):
+    the public kit's :func:`stagedconsumer.testing.stage_definitions`."""
+    return stage_definitions(max_stages=max_stages, max_size=max_size)
 
 
 def degenerate_orderly_sizes() -> st.SearchStrategy[list[int]]:

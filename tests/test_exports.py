@@ -25,6 +25,33 @@ DESIGN_NAMES = {
     "offsetstore": ["StageOffsetStore", "MemoryOffsetStore", "ReadOffsetType"],
     # the blocking API (design.md 5b), a public module of its own
     "stagedconsumer.blocking": ["BlockingProducer", "BlockingConsumer"],
+    # property-based ordering tests for users' listeners (design.md 5b)
+    "stagedconsumer.testing": [
+        "messages",
+        "stage_definitions",
+        "failure_schedules",
+        "handler_costs",
+        "MessageSpec",
+        "FailureSchedule",
+        "FailureKind",
+        "RecordingListener",
+        "CallLog",
+        "HandlerCall",
+        "Outcome",
+        "check_staged",
+        "check_orderly",
+        "check_key_order",
+        "check_at_least_once",
+        "assert_staged",
+        "assert_orderly",
+        "assert_key_order",
+        "assert_at_least_once",
+        "StagePlan",
+        "Violation",
+        "OrderingViolation",
+        "run_virtual",
+        "VirtualRun",
+    ],
 }
 
 
