@@ -270,3 +270,25 @@ async def test_send_hooks_see_each_call_may_stamp_it_and_failures_are_isolated(
     stats = producer.statistics()
     assert stats.hook_errors == 4  # before and after of both calls
     assert sum("send hook Broken failed" in r.getMessage() for r in caplog.records) == 2
+
+
+class ShuffledQueues(MemoryBroker):
+    """Lists a topic's queues in a scrambled order."""
+
+    async def get_queues(self, topic: str) -> Sequence[MessageQueue]:
+        queues = list(await super().get_queues(topic))
+        return [queues[i] for i in (2, 0, 3, 1)]
+
+
+async def test_queues_listed_out_of_order_are_chosen_by_queue_id() -> None:
+    from stagedconsumer._sources._selectors import stable_hash
+
+    broker = ShuffledQueues()
+    broker.create_topic("t", 4)
+    async with Producer(broker) as producer:
+        pinned = await producer.send("t", b"x", queue_id=1)
+        keyed = await producer.send("t", b"x", keys=["order-7"])
+        rotated = [(await producer.send("t", b"x")).message_queue.queue_id for _ in range(4)]
+    assert pinned.message_queue == MessageQueue("t", 1)
+    assert keyed.message_queue.queue_id == stable_hash("order-7") % 4
+    assert rotated == [0, 1, 2, 3]

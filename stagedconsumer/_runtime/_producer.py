@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
@@ -259,7 +260,7 @@ class Producer:
         options = self.options
         last: SourceError | None = None
         with anyio.move_on_after(options.send_msg_timeout) as deadline:
-            queues = sorted(await self.source.get_queues(context.topic))
+            queues = _in_order(await self.source.get_queues(context.topic))
             index = self._first_queue(
                 context.topic, queues, context.messages[0], selector, arg, queue_id
             )
@@ -344,3 +345,15 @@ class Producer:
             hook_errors=self._hooks.errors,
             trace_records_dropped=sum(hook.records_dropped for hook in self._hook_list),
         )
+
+
+def _in_order(queues: Sequence[MessageQueue]) -> Sequence[MessageQueue]:
+    """A topic's queues by queue id (sources list them in order, as a rule: then as
+    they are, without comparing ``MessageQueue`` objects, which costs microseconds)."""
+    ids = [mq.queue_id for mq in queues]
+    if ids == sorted(ids):
+        return queues
+    return sorted(queues, key=_QUEUE_ID)
+
+
+_QUEUE_ID = operator.attrgetter("queue_id")

@@ -126,6 +126,8 @@ class MemoryBroker(MessageSource):
 
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self._topics: dict[str, list[_Queue]] = {}
+        self._queue_lists: dict[str, tuple[MessageQueue, ...]] = {}
+        """What :meth:`get_queues` returns, per topic."""
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._delayed: list[tuple[float, int, str, Message]] = []
         self._delay_seq = itertools.count()
@@ -314,7 +316,13 @@ class MemoryBroker(MessageSource):
         return topic in self._topics or topic.startswith((RETRY_PREFIX, DLQ_PREFIX))
 
     async def get_queues(self, topic: str) -> Sequence[MessageQueue]:
-        return [MessageQueue(topic, i) for i in range(len(self._queues_of(topic)))]
+        count = len(self._queues_of(topic))
+        queues = self._queue_lists.get(topic)
+        if queues is None or len(queues) != count:  # built once per topic (and size)
+            queues = self._queue_lists[topic] = tuple(
+                MessageQueue(topic, i) for i in range(count)
+            )
+        return queues
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else anyio.current_time()
