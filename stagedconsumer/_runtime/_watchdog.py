@@ -16,13 +16,12 @@ back and the beat task finds it woke at least ``threshold`` late, it logs what t
 thread saw. Both read the loop's own clock: in virtual time (trio's ``MockClock``)
 that clock stands still while the loop works, so nothing is reported there.
 
-A loop that is late because the machine is overloaded is not blocked: its thread is
-runnable but gets no CPU. On Linux the thread also reads whether the loop thread is
-runnable (state ``R``) when it takes the stack, and the beat task its own thread's
-CPU time: a loop thread that was runnable yet on the CPU for less than a tenth of the
-time between two beats was starved, not blocked, and nothing is reported (counted in
-``starved``). A blocking call shows as sleeping or waiting (``time.sleep``, blocking
-I/O) or as time on the CPU (a long computation).
+A loop that is late because the machine is overloaded is not blocked: the whole
+process waits for the CPU. The watching thread then wakes late as well, while a call
+blocking the loop thread leaves it on time (sleeping or waiting for I/O releases the
+GIL, and Python code yields it every 5 ms). So a block during which the watching
+thread itself woke a quarter of the threshold late is counted (``starved``) and not
+reported.
 """
 
 from __future__ import annotations
@@ -70,9 +69,7 @@ class _Suspect:
     """``file:line in function`` of the innermost frame."""
     batch: str | None
     """Queue and offsets of the batch the handler was running."""
-    runnable: bool | None = None
-    """Whether the loop thread was runnable when seen (``None``: unknown); sleeping
-    or waiting for I/O, it was blocked by a call, not starved."""
+
 
 
 class LoopWatchdog:
@@ -103,6 +100,8 @@ class LoopWatchdog:
         self._beat = 0.0
         self._seq = 0
         self._suspect: _Suspect | None = None
+        self._starved_seq = -1
+        """The beat (``_seq``) during which the watching thread itself woke late."""
         self.starved = 0
         """Blocks of ``threshold`` or more not reported: the loop thread was starved."""
         self._stop = threading.Event()
@@ -117,29 +116,25 @@ class LoopWatchdog:
         self._beat = clock()
         thread = threading.Thread(
             target=self._watch,
-            args=(clock, loop_thread, _ThreadState.of_current()),
+            args=(clock, loop_thread),
             name=f"stagedconsumer watchdog ({self.group})",
             daemon=True,
         )
         thread.start()
         task_status.started()
-        cpu, wall = time.thread_time(), time.monotonic()
         try:
             while True:
                 due = clock() + interval
                 await anyio.sleep(interval)
                 now = clock()
                 suspect, self._suspect = self._suspect, None
+                starved = self._starved_seq == self._seq
                 self._beat = now
                 self._seq += 1
                 late = now - due
-                used, waited = -cpu, -wall
-                cpu, wall = time.thread_time(), time.monotonic()
-                used, waited = used + cpu, waited + wall
                 if late < self.threshold:
                     continue
-                if suspect is not None and suspect.runnable and used < 0.1 * waited:
-                    # runnable, yet hardly on the CPU: the machine starved the loop
+                if starved:  # the machine, not a call, held the loop up
                     self.blocks += 1
                     self.starved += 1
                 else:
@@ -148,21 +143,25 @@ class LoopWatchdog:
             self._stop.set()
             thread.join()  # at once: the thread waits on the event
 
-    def _watch(
-        self, clock: Callable[[], float], loop_thread: int, state: _ThreadState | None
-    ) -> None:
+    def _watch(self, clock: Callable[[], float], loop_thread: int) -> None:
         poll = self.threshold / 8
         half = self.threshold / 2
         sampled = -1
+        expected = time.monotonic() + poll
         while not self._stop.wait(poll):
+            now = time.monotonic()
+            lag, expected = now - expected, now + poll
             seq = self._seq
+            if lag >= self.threshold / 4:
+                # This thread woke late too: the whole process was starved of CPU
+                # (a blocking call on the loop thread leaves it on time: sleeping or
+                # waiting releases the GIL, Python code yields it every 5 ms).
+                self._starved_seq = seq
             if seq == sampled or clock() - self._beat < half:
                 continue
             frame = sys._current_frames().get(loop_thread)
             suspect = self._describe(frame) if frame is not None else None
             del frame
-            if suspect is not None and state is not None:
-                suspect = attrs.evolve(suspect, runnable=state.runnable())
             if self._seq == seq:  # still blocked: what it saw is what blocks
                 self._suspect = suspect
                 sampled = seq
@@ -230,33 +229,6 @@ class LoopWatchdog:
                 suspect.where,
                 threshold,
             )
-
-
-class _ThreadState:
-    """Whether a thread is runnable (on the CPU or waiting for it) rather than
-    sleeping or waiting for I/O, read from another thread (Linux:
-    ``/proc/self/task/<tid>/stat``)."""
-
-    def __init__(self, stat: str) -> None:
-        self._stat = stat
-
-    @classmethod
-    def of_current(cls) -> _ThreadState | None:
-        """The calling thread's, or ``None`` where it cannot be read."""
-        state = cls(f"/proc/self/task/{threading.get_native_id()}/stat")
-        try:
-            state.runnable()
-        except (OSError, ValueError, IndexError):
-            return None
-        return state
-
-    def runnable(self) -> bool | None:
-        try:
-            with open(self._stat, encoding="ascii") as file:
-                # "pid (comm) state ...": comm may hold spaces and parentheses
-                return file.read().rpartition(")")[2].split()[0] == "R"
-        except OSError:
-            return None
 
 
 def _waiting(frame: FrameType) -> bool:
