@@ -386,13 +386,24 @@ def replay_consumer(
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     messages = messages.sort_values(["qid", "offset"], kind="stable").reset_index(drop=True)
-    if engine == "core":
-        if wall_clock:
-            raise ValueError("the core engine runs in virtual time only (no wall clock)")
-        from .engine import simulate
+    if engine == "core" and wall_clock:
+        raise ValueError("the core engine runs in virtual time only (no wall clock)")
+    # The replay holds every message of the consumer instance (200,000 in `large`):
+    # the cyclic collector's full passes over them cost ~15 % of the replay and find
+    # little (measured: same peak memory), so it waits until the replay is done.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if engine == "core":
+            from .engine import simulate
 
-        return event_frame(messages, mode, simulate(messages, mode, config, prepared))
-    return event_frame(messages, mode, _run_runtime(messages, mode, config, wall_clock))
+            log = simulate(messages, mode, config, prepared)
+        else:
+            log = _run_runtime(messages, mode, config, wall_clock)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return event_frame(messages, mode, log)
 
 
 def _run_runtime(messages: pd.DataFrame, mode: str, config: ReplayConfig,
@@ -406,11 +417,6 @@ def _run_runtime(messages: pd.DataFrame, mode: str, config: ReplayConfig,
     runtime_logger = logging.getLogger("stagedconsumer")
     level = runtime_logger.level
     runtime_logger.setLevel(logging.ERROR)
-    # The replay holds every message of the consumer instance (200,000 in `large`):
-    # the cyclic collector's full passes over them cost ~15 % of the replay and find
-    # little (measured: same peak memory), so it waits until the replay is done.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     try:
         if wall_clock:
             recorder = trio.run(main)
@@ -419,8 +425,6 @@ def _run_runtime(messages: pd.DataFrame, mode: str, config: ReplayConfig,
                 recorder = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         runtime_logger.setLevel(level)
-        if gc_was_enabled:
-            gc.enable()
     return recorder
 
 
