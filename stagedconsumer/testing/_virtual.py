@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -104,8 +104,8 @@ class _CrashableStore(MemoryOffsetStore):
     crashed = False
 
     async def _write_stored(
-        self, group: str, progress: Any
-    ) -> None:  # Mapping[MessageQueue, QueueProgress]
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress]
+    ) -> None:
         if not self.crashed:
             await super()._write_stored(group, progress)
 
@@ -114,9 +114,6 @@ class _CrashableStore(MemoryOffsetStore):
         for mq in queues:
             self.remove_offset(group, mq)
         self.crashed = False
-
-
-_QueueProgress = QueueProgress  # (kept for readers: what _write_stored receives)
 
 
 class _Faulty(MessageListener):
