@@ -238,7 +238,11 @@ def run_virtual(
       fails forever) stops and comes back with ``completed=False``.
 
     The event-loop watchdog (``event_loop_block_threshold``) is turned off: it
-    reports nothing in virtual time and costs a thread per consumer.
+    reports nothing in virtual time and costs a thread per consumer. Plain ``def``
+    handlers run in worker threads as usual, but while a thread computes, every task
+    waits and the mock clock jumps to the next deadline: virtual time is exact for
+    ``async def`` handlers only (with plain ``def`` ones, a short ``consume_timeout``
+    may fire).
 
     Returns a :class:`VirtualRun` with the log, the messages as sent and the makespan.
     """
