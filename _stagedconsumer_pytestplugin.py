@@ -9,6 +9,9 @@ stagedconsumer only inside its hooks and fixtures.
   call that passes no ``seed`` (one interleaving per seed; the seed is shown in
   the report header so a failing run can be repeated). Without it, the scheduler is
   left alone: inside ``@given`` hypothesis seeds it per example.
+- ``--hypothesis-profile stagedconsumer`` works: the profile is registered by
+  ``stagedconsumer.testing`` (``HYPOTHESIS_PROFILE``), imported here first when the
+  option names it.
 - ``memory_broker``: a fresh :class:`~stagedconsumer.MemoryBroker` per test.
 - ``stagedconsumer_seed``: the seed given on the command line, or ``None``.
 """
@@ -38,7 +41,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    # tryfirst: the profile must exist before hypothesis's plugin loads the one
+    # named by --hypothesis-profile (importing stagedconsumer.testing registers it)
+    if config.getoption("--hypothesis-profile", None) == "stagedconsumer":
+        import stagedconsumer.testing  # noqa: F401
     seed = config.getoption("stagedconsumer_seed", None)
     if seed is not None:
         from stagedconsumer.testing._virtual import set_default_seed

@@ -51,6 +51,7 @@ DESIGN_NAMES = {
         "OrderingViolation",
         "run_virtual",
         "VirtualRun",
+        "HYPOTHESIS_PROFILE",
     ],
 }
 

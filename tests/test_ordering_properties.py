@@ -1,10 +1,12 @@
 """End-to-end property tests: try to break every ordering guarantee of the runtime.
 
-Each scenario runs the real :class:`PushConsumer` on a :class:`MemoryBroker` with a
-listener that logs the start and end of every handler call (queue, offsets, stage,
-stage key, attempt, time, a global sequence number) and samples
-``consumer.statistics()`` at every event and from a watcher task. The checks work
-from that log against a naive model of the contract (design.md sections 2 and 3):
+Each scenario runs the real :class:`PushConsumer` on a :class:`MemoryBroker` with the
+listener wrapped in ``stagedconsumer.testing.RecordingListener``, which logs every
+handler call (queue, offsets, stage, stage key, attempt, time, a global event number);
+``consumer.statistics()`` is sampled at every call's start and end and from a watcher
+task. The checks work from that log against the kit's naive model of the contract
+(``StagePlan``; design.md sections 2 and 3), with the kit's checkers where they apply
+(``assert_staged``, ``assert_orderly``, ``assert_at_least_once``):
 
 (a) no stage-k+1 (or tail) handler of a stage key starts before every stage-k message
     of that key finished (succeeded, or went to the DLQ); every message gets the stage
@@ -62,6 +64,17 @@ from stagedconsumer import (
     SourceError,
 )
 from stagedconsumer._core import retry_delay_seconds
+from stagedconsumer.testing import (
+    Assignment,
+    CallLog,
+    HandlerCall,
+    RecordingListener,
+    StagePlan,
+    assert_at_least_once,
+    assert_orderly,
+    assert_staged,
+    origin_id,
+)
 
 from .strategies import Scenario, degenerate_orderly_sizes, scenarios, stage_sizes
 
@@ -76,41 +89,20 @@ QueueOffset = tuple[int, int]
 
 
 @attrs.define(eq=False)
-class Attempt:
-    """One handler call."""
-
-    run: int
-    queue: int
-    offsets: tuple[int, ...]
-    msg_ids: tuple[str, ...]
-    stage: int | None
-    strategy: str | None
-    group: str | None
-    reconsume: int
-    start_seq: int
-    start_time: float
-    end_seq: int = -1
-    end_time: float = -1.0
-    failed: bool = False
-    cancelled: bool = False
-    """The call was cancelled (shutdown timeout): it finished nothing."""
-
-
-@attrs.define(eq=False)
 class Log:
-    attempts: list[Attempt] = attrs.Factory(list)
-    seq: int = 0
+    """The handler calls (a :class:`CallLog` filled by the :class:`RecordingListener`
+    that :func:`consume` wraps every listener in) and, on the same event numbering,
+    samples of the committed offsets and every offset the store persisted."""
+
+    calls: CallLog = attrs.Factory(CallLog)
     running: int = 0
     max_running: int = 0
-    run: int = 0
     ends: int = 0
     consumer: PushConsumer | None = None
     samples: list[tuple[int, int, dict[int, int]]] = attrs.Factory(list)
-    """(seq, run, committed offset per queue of TOPIC)."""
+    """(event, run, committed offset per queue of TOPIC)."""
     writes: list[tuple[int, int, dict[int, int]]] = attrs.Factory(list)
-    """Every consume offset the store persisted: (seq, run, offset per queue)."""
-    dead: list[tuple[int, int, QueueOffset, str]] = attrs.Factory(list)
-    """Messages moved to the DLQ: (seq, run, queue and offset, original msg id)."""
+    """Every consume offset the store persisted: (event, run, offset per queue)."""
     stop_after: int | None = None
     stop: anyio.Event | None = None
     poke: anyio.Event | None = None
@@ -119,11 +111,28 @@ class Log:
     most_unfinished: dict[int, tuple[int, int]] = attrs.Factory(dict)
     """Per queue: the most unfinished (cached + pending) messages and the widest
     offset span seen in any sample."""
+    lock: threading.Lock = attrs.Factory(threading.Lock)
 
-    def dead_letter(self, message: Message) -> None:
-        self.seq += 1
-        origin = message.properties.get(ORIGIN_ID, message.msg_id)
-        self.dead.append((self.seq, self.run, (message.queue_id, message.queue_offset), origin))
+    def __attrs_post_init__(self) -> None:
+        self.calls.on_start.append(self._started)
+        self.calls.on_end.append(self._ended)
+
+    @property
+    def attempts(self) -> list[HandlerCall]:
+        return self.calls.calls
+
+    @property
+    def run(self) -> int:
+        """The consumer incarnation new calls belong to (0, then 1 after a restart)."""
+        return self.calls.run
+
+    @run.setter
+    def run(self, value: int) -> None:
+        self.calls.run = value
+
+    def next_seq(self) -> int:
+        """A new event number (the handler calls' numbering)."""
+        return self.calls.next_seq()
 
     def sample(self) -> None:
         consumer = self.consumer
@@ -141,7 +150,7 @@ class Log:
                 )
         self.samples.append(
             (
-                self.seq,
+                self.next_seq(),
                 self.run,
                 {mq.queue_id: c for mq, c in committed.items() if mq.topic == TOPIC},
             )
@@ -151,37 +160,22 @@ class Log:
         if self.poke is not None:
             self.poke.set()
 
-    def start(self, msgs: Sequence[Message], context: Any) -> Attempt:
-        self.sample()
-        self.seq += 1
-        attempt = Attempt(
-            run=self.run,
-            queue=msgs[0].queue_id,
-            offsets=tuple(m.queue_offset for m in msgs),
-            msg_ids=tuple(m.msg_id for m in msgs),
-            stage=getattr(context, "stage_index", None),
-            strategy=getattr(context, "strategy_id", None),
-            group=getattr(context, "group_id", None),
-            reconsume=msgs[0].reconsume_times,
-            start_seq=self.seq,
-            start_time=anyio.current_time(),
-        )
-        assert all(m.reconsume_times == attempt.reconsume for m in msgs)
-        assert all(m.topic == TOPIC and m.queue_id == attempt.queue for m in msgs)
-        self.attempts.append(attempt)
-        self.running += 1
-        self.max_running = max(self.max_running, self.running)
-        self._poke()
-        return attempt
+    def _started(self, call: HandlerCall) -> None:
+        assert all(m.reconsume_times == call.attempt - 1 for m in call.messages)
+        assert all(m.topic == TOPIC for m in call.messages)
+        with self.lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        if on_the_loop():
+            self.sample()
+            self._poke()
 
-    def end(self, attempt: Attempt, failed: bool, *, cancelled: bool = False) -> None:
-        self.seq += 1
-        attempt.end_seq = self.seq
-        attempt.end_time = anyio.current_time()
-        attempt.failed = failed or cancelled
-        attempt.cancelled = cancelled
-        self.running -= 1
-        self.ends += 1
+    def _ended(self, call: HandlerCall) -> None:
+        with self.lock:
+            self.running -= 1
+            self.ends += 1
+        if not on_the_loop():
+            return  # a plain def handler's worker thread: no sampling, no stopping
         self.sample()
         if self.stop is not None and self.stop_after is not None and self.ends >= self.stop_after:
             self.stop.set()
@@ -189,6 +183,15 @@ class Log:
             if self.ends >= after:
                 event.set()
         self._poke()
+
+
+def on_the_loop() -> bool:
+    """Not in a plain ``def`` handler's worker thread (the loop runs in the main thread)."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def queue_of(call: HandlerCall) -> int:
+    return call.queue.queue_id
 
 
 class RecordingStore(MemoryOffsetStore):
@@ -212,7 +215,7 @@ class RecordingStore(MemoryOffsetStore):
             raise StoreCommitError(f"planned failure of write #{attempt}", retriable=True)
         self.log.writes.append(
             (
-                self.log.seq,
+                self.log.next_seq(),
                 self.log.run,
                 {
                     mq.queue_id: p.consume_offset
@@ -247,19 +250,13 @@ class Behaviour:
         return _fail_how(msgs)
 
     async def handle(self, msgs: Sequence[Message], context: Any) -> bool:
-        attempt = self.log.start(msgs, context)
+        """Sleep the batch's cost; True when the scenario fails this attempt."""
         q = msgs[0].queue_id
         cost = max(
             self.slow.get((q, m.queue_offset), self.scenario.cost(q, m.queue_offset)) for m in msgs
         )
-        try:
-            await anyio.sleep(cost * self.unit)
-        except anyio.get_cancelled_exc_class():
-            self.log.end(attempt, False, cancelled=True)
-            raise
-        failed = any(self.scenario.fails(q, m.queue_offset, m.reconsume_times) for m in msgs)
-        self.log.end(attempt, failed)
-        return failed
+        await anyio.sleep(cost * self.unit)
+        return any(self.scenario.fails(q, m.queue_offset, m.reconsume_times) for m in msgs)
 
 
 class Boom(Exception):
@@ -377,7 +374,7 @@ class ScheduledBroker(MemoryBroker):
     async def send_to_dlq(self, group: str, message: Message) -> None:
         await super().send_to_dlq(group, message)
         if self.log is not None:
-            self.log.dead_letter(message)
+            self.log.calls.record_dead_letter(message, anyio.current_time())
 
     def send_one(self, q: int, o: int, keys: tuple[str, ...], tag: str | None = None) -> None:
         message = self.send(TOPIC, b"x" * (o % 3), keys=keys, tags=tag, queue_id=q)
@@ -458,7 +455,8 @@ async def consume(
     """
     if isinstance(broker, ScheduledBroker):
         broker.log = log
-    consumer = PushConsumer(GROUP, broker, listener, offset_store=store, options=options)
+    recorder = RecordingListener(listener, log.calls)
+    consumer = PushConsumer(GROUP, broker, recorder, offset_store=store, options=options)
     consumer.subscribe(TOPIC, expression)
     log.stop = anyio.Event()
     log.stop_after = stop_after
@@ -535,7 +533,7 @@ async def consume(
     return consumer
 
 
-def run_virtual(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+def run_in_virtual_time(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """Run ``fn(*args)`` on trio in virtual time: sleeps take no wall time."""
     return trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -545,124 +543,71 @@ def run_asyncio(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     return anyio.run(fn, *args, backend="asyncio")
 
 
-# -- the naive model -----------------------------------------------------------------
+# -- the model and the checks (stagedconsumer.testing) ---------------------------------
 
 
-@attrs.frozen
-class Assigned:
-    key: tuple[int, str, str | None] | None
-    """(queue, strategy, group); None for messages consumed directly (no stage)."""
-    stage: int
-    epoch: int
-
-
-def naive_stage(sizes: Sequence[int], offset: int) -> int:
-    position = 0
-    for index, size in enumerate(sizes):
-        position += size
-        if offset < position:
-            return index
-    return TAIL_STAGE
-
-
-def naive_assign(
+def plan_for(
     sent: Mapping[QueueOffset, Message],
     definitions: Mapping[str, Sequence[int]],
     strategy_of: Callable[[Message], str | None] = lambda m: "default",
     group_of: Callable[[Message], str | None] = lambda m: None,
     reset: Callable[[int], int] | None = None,
-) -> dict[QueueOffset, Assigned]:
-    """Walk each stage key's messages one at a time, as design.md section 2 says."""
-    counters: dict[tuple[int, str, str | None], int] = defaultdict(int)
-    last: dict[tuple[int, str, str | None], tuple[int, int]] = {}
-    epochs = 0
-    out: dict[QueueOffset, Assigned] = {}
-    for (q, o), message in sorted(sent.items()):
-        strategy = strategy_of(message)
-        if strategy is None or strategy not in definitions:
-            out[q, o] = Assigned(None, TAIL_STAGE, 0)
-            continue
-        sizes = definitions[strategy]
-        key = (q, strategy, group_of(message))
-        offset = counters[key]
-        changed = False
-        boundaries = {0, *(sum(sizes[: i + 1]) for i in range(len(sizes)))}
-        if reset is not None and (offset >= sum(sizes) or offset in boundaries):
-            wanted = max(0, reset(offset))
-            if wanted != offset:
-                offset, changed = wanted, True
-        stage = naive_stage(sizes, offset)
-        previous = last.get(key)
-        if previous is None or changed or previous[0] != stage:
-            epochs += 1
-            previous = last[key] = (stage, epochs)
-        counters[key] = offset + 1
-        out[q, o] = Assigned(key, stage, previous[1])
+) -> StagePlan:
+    """The contract's stage of every sent message (the kit's naive model)."""
+    return StagePlan.from_definitions(
+        definitions,
+        sent.values(),
+        strategy_of,
+        group_of,
+        None if reset is None else lambda topic, current: reset(current),
+    )
+
+
+def assignments_by_offset(plan: StagePlan) -> dict[QueueOffset, Assignment]:
+    """The plan by queue and offset."""
+    return {
+        (m.queue_id, m.queue_offset): plan.assignments[ident] for ident, m in plan.messages.items()
+    }
+
+
+def per_message(log: Log) -> dict[QueueOffset, list[HandlerCall]]:
+    out: dict[QueueOffset, list[HandlerCall]] = defaultdict(list)
+    for call in log.attempts:
+        for o in call.offsets:
+            out[queue_of(call), o].append(call)
     return out
 
 
-# -- checks --------------------------------------------------------------------------
-
-
-def per_message(log: Log) -> dict[QueueOffset, list[Attempt]]:
-    out: dict[QueueOffset, list[Attempt]] = defaultdict(list)
-    for attempt in log.attempts:
-        for o in attempt.offsets:
-            out[attempt.queue, o].append(attempt)
-    return out
+def by_offset(message: Message) -> QueueOffset:
+    return (message.queue_id, message.queue_offset)
 
 
 def finish_seq(log: Log, *, running_ok: bool = False) -> dict[QueueOffset, int]:
-    """Sequence number of the first event that finished each message: the end of a
+    """Event number of the first event that finished each message: the end of a
     successful call, or its move to the DLQ."""
-    done: dict[QueueOffset, int] = {}
-    for attempt in log.attempts:
-        if attempt.end_seq < 0 and running_ok:
-            continue
-        assert attempt.end_seq > 0, "a handler call never ended"
-        if not attempt.failed:
-            for o in attempt.offsets:
-                key = (attempt.queue, o)
-                done[key] = min(done.get(key, attempt.end_seq), attempt.end_seq)
-    for seq, _, key, _ in log.dead:
-        done[key] = min(done.get(key, seq), seq)
-    return done
+    if not running_ok:
+        assert all(call.ended for call in log.attempts), "a handler call never ended"
+    return log.calls.finish_seqs(key=by_offset)
 
 
 def check_exactly_once(
     log: Log, broker: MemoryBroker, sent: Mapping[QueueOffset, Message], limit: int | None
 ) -> None:
     """(c): each message finishes once (success or DLQ), retries are consecutive and
-    never overlap, nothing runs after it finished, the DLQ topic is exact."""
+    never overlap, nothing runs after it finished (the kit's check); a message goes to
+    the DLQ only after ``limit`` retries, and the DLQ topic holds exactly those."""
+    assert_at_least_once(log.calls, sent.values(), exactly_once=True)
     attempts = per_message(log)
-    assert set(attempts) == set(sent), "some message was never consumed (lost)"
-    dead: dict[QueueOffset, list[int]] = defaultdict(list)
-    for seq, _, key, _ in log.dead:
-        dead[key].append(seq)
-    assert set(dead) <= set(sent)
-    for key, tries in attempts.items():
-        tries.sort(key=lambda a: a.start_seq)
-        assert [a.reconsume for a in tries] == list(range(len(tries))), (
-            f"{key}: attempts {[a.reconsume for a in tries]} are not 0, 1, 2, ..."
-        )
-        successes = [a.end_seq for a in tries if not a.failed]
-        assert len(successes) + len(dead[key]) == 1, (
-            f"{key} finished {len(successes)} times by success, {len(dead[key])} by DLQ"
-        )
-        finished = successes[0] if successes else dead[key][0]
-        assert all(a.start_seq < finished for a in tries), f"{key} consumed after it finished"
-        for earlier, later in itertools.pairwise(tries):
-            assert earlier.end_seq < later.start_seq, f"{key}: a retry overlaps its attempt"
-        if dead[key]:
-            last = tries[-1]
-            assert last.failed
-            assert limit is not None, f"{key} dead-lettered with unlimited retries"
-            assert last.reconsume >= limit, f"{key} dead-lettered after {last.reconsume} retries"
-            assert last.end_seq < finished
+    dead = [by_offset(letter.message) for letter in log.calls.dead_letters]
+    for key in dead:
+        last = max(attempts[key], key=lambda c: c.start_seq)
+        assert last.failed
+        assert limit is not None, f"{key} dead-lettered with unlimited retries"
+        assert last.attempt - 1 >= limit, f"{key} dead-lettered after {last.attempt - 1} retries"
     dlq_topic = f"%DLQ%{GROUP}"
     dlq = broker.messages(dlq_topic) if dlq_topic in broker.statistics().topics else ()
     in_dlq = [m.properties.get(ORIGIN_ID, m.msg_id) for m in dlq]
-    expected = [sent[key].msg_id for key, seqs in dead.items() if seqs]
+    expected = [sent[key].msg_id for key in dead]
     assert sorted(in_dlq) == sorted(expected), "the DLQ does not hold exactly the spent messages"
 
 
@@ -709,54 +654,17 @@ def check_flow_control(log: Log, scenario: Scenario, *, max_span: int | None = N
             assert span <= max_span - 1 + scenario.pull_batch, f"queue {q} spanned {span}"
 
 
-def check_barrier(log: Log, model: Mapping[QueueOffset, Assigned], limit: int | None) -> None:
-    """(a): stages as the model says; no later epoch of a key starts before earlier ones end."""
-    done = finish_seq(log)
-    by_key: dict[tuple[int, str, str | None], list[tuple[int, int]]] = defaultdict(list)
-    for (_, o), assigned in model.items():
-        if assigned.key is not None:
-            by_key[assigned.key].append((assigned.epoch, o))
-    for attempt in log.attempts:
-        first = model[attempt.queue, attempt.offsets[0]]
-        for o in attempt.offsets:
-            assigned = model[attempt.queue, o]
-            assert assigned.stage == attempt.stage, (
-                f"{attempt.queue}:{o} ran in stage {attempt.stage}, expected {assigned.stage}"
-            )
-            assert assigned.key == first.key, "a batch mixes stage keys"
-            assert assigned.epoch == first.epoch, "a batch mixes stages"
-        if first.key is None:
-            assert attempt.strategy is None
-            continue
-        assert (attempt.queue, attempt.strategy, attempt.group) == first.key
-        for epoch, o in by_key[first.key]:
-            if epoch < first.epoch:
-                assert done.get((attempt.queue, o), math.inf) < attempt.start_seq, (
-                    f"stage {first.stage} of {first.key} started at {attempt.offsets} before"
-                    f" offset {o} of an earlier stage finished"
-                )
+def check_barrier(log: Log, plan: StagePlan) -> None:
+    """(a): every message in the stage the plan gives it, no batch mixing stage keys or
+    stages, no later stage of a key started before the earlier ones finished."""
+    assert_staged(log.calls, plan)
 
 
 def check_orderly(log: Log, queue: int, upto: int | None = None) -> None:
-    """(b): handler calls of ``queue`` (below offset ``upto``) never overlap, offset order."""
-    calls = sorted(
-        (a for a in log.attempts if a.queue == queue and (upto is None or a.offsets[0] < upto)),
-        key=lambda a: a.start_seq,
-    )
-    previous: Attempt | None = None
-    for call in calls:
-        assert list(call.offsets) == sorted(call.offsets)
-        if previous is not None:
-            assert previous.end_seq < call.start_seq, (
-                f"orderly calls overlap on queue {queue}: {previous.offsets} and {call.offsets}"
-            )
-            if call.offsets[0] <= previous.offsets[-1]:
-                # only a retry of (part of) the same batch may repeat offsets
-                assert previous.failed, (
-                    f"queue {queue}: {call.offsets} ran after {previous.offsets}"
-                )
-                assert set(call.offsets) <= set(previous.offsets), "a retry is not the same batch"
-        previous = call
+    """(b): handler calls of ``queue`` (below offset ``upto``) never overlap and run in
+    offset order; only a failed batch is repeated (after a restart or a re-assignment,
+    a queue may go back to its committed offset)."""
+    assert_orderly(log.calls, queues=[MessageQueue(TOPIC, queue)], upto=upto)
 
 
 def check_concurrency_bound(log: Log, workers: int) -> None:
@@ -781,13 +689,13 @@ def check_retry_delays(log: Log, scenario: Scenario, *, vary: bool, exact: bool)
         for failed, retry in itertools.pairwise(tries):
             millis = scenario.suspend_millis
             if vary:
-                chosen = chosen_suspend(failed.offsets[0], failed.reconsume)
+                chosen = chosen_suspend(failed.offsets[0], (failed.attempt - 1))
                 millis = millis if chosen is None else chosen
-            due = failed.end_time + max(10, min(30_000, millis)) / 1000
-            assert retry.start_time >= due - 1e-6, f"{key} retried too early"
+            due = failed.end + max(10, min(30_000, millis)) / 1000
+            assert retry.start >= due - 1e-6, f"{key} retried too early"
             if exact:
-                assert math.isclose(retry.start_time, due, abs_tol=1e-6), (
-                    f"{key} retried at {retry.start_time}, due at {due}"
+                assert math.isclose(retry.start, due, abs_tol=1e-6), (
+                    f"{key} retried at {retry.start}, due at {due}"
                 )
 
 
@@ -795,14 +703,14 @@ def staged_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> N
     broker = ScheduledBroker()
     sent = fill(broker, scenario, unit=unit)
     log = Log()
-    vary = runner is run_virtual
+    vary = runner is run_in_virtual_time
     listener = Staged(Behaviour(scenario, log, unit, vary_suspend=vary), scenario.sizes)
     store = RecordingStore(log)
     runner(lambda: consume(broker, listener, log, options_for(scenario), store))
     limit = scenario.max_reconsume_times
-    model = naive_assign(sent, {"default": scenario.sizes})
+    model = plan_for(sent, {"default": scenario.sizes})
     check_exactly_once(log, broker, sent, limit)
-    check_barrier(log, model, limit)
+    check_barrier(log, model)
     check_committed(log, scenario.counts, limit)
     check_concurrency_bound(log, scenario.workers)
     check_retry_delays(log, scenario, vary=vary, exact=False)
@@ -815,7 +723,7 @@ def staged_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> N
 
 @given(scenarios())
 def test_staged_guarantees_virtual_time(scenario: Scenario) -> None:
-    staged_run(scenario, 1.0, run_virtual)
+    staged_run(scenario, 1.0, run_in_virtual_time)
 
 
 @settings(max_examples=12)
@@ -835,7 +743,7 @@ def orderly_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> 
     broker = ScheduledBroker()
     sent = fill(broker, scenario, unit=unit)
     log = Log()
-    vary = runner is run_virtual
+    vary = runner is run_in_virtual_time
     listener = Orderly(Behaviour(scenario, log, unit, vary_suspend=vary))
     store = RecordingStore(log)
     runner(lambda: consume(broker, listener, log, options_for(scenario), store))
@@ -855,7 +763,7 @@ def orderly_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> 
 
 @given(scenarios())
 def test_orderly_guarantees_virtual_time(scenario: Scenario) -> None:
-    orderly_run(scenario, 1.0, run_virtual)
+    orderly_run(scenario, 1.0, run_in_virtual_time)
 
 
 @settings(max_examples=8)
@@ -868,7 +776,7 @@ def test_orderly_guarantees_asyncio(scenario: Scenario) -> None:
 
 
 def timings(log: Log) -> dict[QueueOffset, tuple[float, float]]:
-    return {(a.queue, o): (a.start_time, a.end_time) for a in log.attempts for o in a.offsets}
+    return {(queue_of(a), o): (a.start, a.end) for a in log.attempts for o in a.offsets}
 
 
 @given(scenarios(sizes=st.just([]), with_failures=False))
@@ -880,11 +788,13 @@ def test_empty_definition_behaves_as_concurrent(scenario: Scenario) -> None:
         log = logs[kind] = Log()
         behaviour = Behaviour(scenario, log, 1.0)
         listener: Any = Staged(behaviour, []) if kind == "staged" else Concurrent(behaviour)
-        run_virtual(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
+        run_in_virtual_time(
+            consume, broker, listener, log, options_for(scenario), MemoryOffsetStore()
+        )
         check_exactly_once(log, broker, sent, None)
         check_concurrency_bound(log, scenario.workers)
     staged, concurrent = logs["staged"], logs["concurrent"]
-    assert all(a.stage == TAIL_STAGE for a in staged.attempts)
+    assert all(a.stage_index == TAIL_STAGE for a in staged.attempts)
     if (
         min(scenario.costs) >= 1
         and scenario.batch_size == 1
@@ -908,10 +818,12 @@ def test_all_ones_behaves_as_orderly_for_the_first_n(scenario: Scenario) -> None
     sent = fill(broker, scenario)
     log = Log()
     listener = Staged(Behaviour(scenario, log, 1.0), scenario.sizes)
-    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log)))
+    run_in_virtual_time(
+        lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log))
+    )
     limit = scenario.max_reconsume_times
     check_exactly_once(log, broker, sent, limit)
-    check_barrier(log, naive_assign(sent, {"default": scenario.sizes}), limit)
+    check_barrier(log, plan_for(sent, {"default": scenario.sizes}))
     for q in range(scenario.queue_count):
         check_orderly(log, q, upto=n)
     for a in log.attempts:
@@ -933,7 +845,9 @@ def test_all_ones_has_orderly_timing_on_one_queue(scenario: Scenario) -> None:
         listener: Any = (
             Staged(behaviour, scenario.sizes) if kind == "staged" else Orderly(behaviour)
         )
-        run_virtual(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
+        run_in_virtual_time(
+            consume, broker, listener, log, options_for(scenario), MemoryOffsetStore()
+        )
     staged = {k: v for k, v in timings(runs["staged"]).items() if k[1] < n}
     orderly = {k: v for k, v in timings(runs["orderly"]).items() if k[1] < n}
     assert staged == orderly
@@ -995,14 +909,14 @@ def test_restart_assigns_the_same_stages(
     broker = ScheduledBroker()
     sent = fill(broker, scenario)
     log = Log()
-    run_virtual(
+    run_in_virtual_time(
         lambda: consume(
             broker, restart_listener(scenario, log, reset), log, options, RecordingStore(log)
         )
     )
-    model = naive_assign(sent, {"default": scenario.sizes}, reset=RESETS[reset])
-    check_barrier(log, model, limit)
-    expected = {(a.queue, o): a.stage for a in log.attempts for o in a.offsets}
+    model = plan_for(sent, {"default": scenario.sizes}, reset=RESETS[reset])
+    check_barrier(log, model)
+    expected = {(queue_of(a), o): a.stage_index for a in log.attempts for o in a.offsets}
     # interrupted after `stop_after` handler calls, then resumed by a second consumer
     broker = ScheduledBroker()
     fill(broker, scenario)
@@ -1022,12 +936,12 @@ def test_restart_assigns_the_same_stages(
         forget_memory(store, scenario)
         await consume(broker, restart_listener(scenario, log, reset), log, options, store)
 
-    run_virtual(twice)
+    run_in_virtual_time(twice)
     for a in log.attempts:
         for o in a.offsets:
-            assert a.stage == expected[a.queue, o], (
-                f"{a.queue}:{o} got stage {a.stage} in run {a.run},"
-                f" {expected[a.queue, o]} without the restart"
+            assert a.stage_index == expected[queue_of(a), o], (
+                f"{queue_of(a)}:{o} got stage {a.stage_index} in run {a.run},"
+                f" {expected[queue_of(a), o]} without the restart"
             )
     # nothing lost, nothing committed consumed again
     persisted = dict.fromkeys(range(scenario.queue_count), 0)
@@ -1037,7 +951,7 @@ def test_restart_assigns_the_same_stages(
                 persisted[q] = max(persisted[q], c)
     for a in log.attempts:
         if a.run == 1:
-            assert a.offsets[-1] >= persisted[a.queue], "a committed message was consumed again"
+            assert a.offsets[-1] >= persisted[queue_of(a)], "a committed message was consumed again"
     assert set(per_message(log)) == set(sent), "a message was lost across the restart"
     check_committed(log, scenario.counts, limit)
 
@@ -1074,11 +988,13 @@ def test_groups_and_strategies_are_independent_stage_sequences(
     sent = fill(broker, scenario, keys=lambda q, o: tags[(q * 7 + o) % len(tags)])
     log = Log()
     listener = StagedKeyed(Behaviour(scenario, log, 1.0), definitions, keyed_strategy, keyed_group)
-    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log)))
+    run_in_virtual_time(
+        lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log))
+    )
     limit = scenario.max_reconsume_times
-    model = naive_assign(sent, definitions, keyed_strategy, keyed_group)
+    model = plan_for(sent, definitions, keyed_strategy, keyed_group)
     check_exactly_once(log, broker, sent, limit)
-    check_barrier(log, model, limit)
+    check_barrier(log, model)
     check_committed(log, scenario.counts, limit)
     check_concurrency_bound(log, scenario.workers)
 
@@ -1104,7 +1020,7 @@ def test_a_blocked_stage_key_never_blocks_other_keys(
     listener = StagedKeyed(
         Behaviour(scenario, log, 1.0, slow=slow), definitions, keyed_strategy, keyed_group
     )
-    run_virtual(
+    run_in_virtual_time(
         lambda: consume(
             broker,
             listener,
@@ -1119,8 +1035,9 @@ def test_a_blocked_stage_key_never_blocks_other_keys(
             RecordingStore(log),
         )
     )
-    model = naive_assign(sent, definitions, keyed_strategy, keyed_group)
-    check_barrier(log, model, None)
+    plan = plan_for(sent, definitions, keyed_strategy, keyed_group)
+    check_barrier(log, plan)
+    model = assignments_by_offset(plan)
     for (q, o), assigned in model.items():
         if (q, 0) not in slow or o == 0:
             continue
@@ -1130,11 +1047,11 @@ def test_a_blocked_stage_key_never_blocks_other_keys(
             and assigned.key == blocker.key
             and assigned.epoch != blocker.epoch
         )
-        (attempt,) = [a for a in log.attempts if a.queue == q and o in a.offsets]
+        (attempt,) = [a for a in log.attempts if queue_of(a) == q and o in a.offsets]
         if blocked:
-            assert attempt.start_time >= SLOW
+            assert attempt.start >= SLOW
         else:
-            assert attempt.end_time < SLOW, (
+            assert attempt.end < SLOW, (
                 f"{q}:{o} (key {assigned.key}) waited for the slow message of key {blocker.key}"
             )
 
@@ -1147,7 +1064,9 @@ def test_reset_hook_applies_only_at_stage_boundaries(scenario: Scenario, reset: 
     hook = RESETS[reset]
     assert hook is not None
     listener = StagedWithReset(Behaviour(scenario, log, 1.0), scenario.sizes, hook)
-    run_virtual(lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log)))
+    run_in_virtual_time(
+        lambda: consume(broker, listener, log, options_for(scenario), RecordingStore(log))
+    )
     limit = scenario.max_reconsume_times
     starts = {0}
     total = 0
@@ -1156,9 +1075,9 @@ def test_reset_hook_applies_only_at_stage_boundaries(scenario: Scenario, reset: 
         starts.add(total)
     for current in listener.reset_calls:
         assert current in starts or current >= total, f"hook consulted mid-stage at {current}"
-    model = naive_assign(sent, {"default": scenario.sizes}, reset=hook)
+    model = plan_for(sent, {"default": scenario.sizes}, reset=hook)
     check_exactly_once(log, broker, sent, limit)
-    check_barrier(log, model, limit)
+    check_barrier(log, model)
     check_committed(log, scenario.counts, limit)
 
 
@@ -1166,7 +1085,7 @@ def test_reset_hook_applies_only_at_stage_boundaries(scenario: Scenario, reset: 
 
 
 def makespan(log: Log) -> float:
-    return max(a.end_time for a in log.attempts) - min(a.start_time for a in log.attempts)
+    return max(a.end for a in log.attempts) - min(a.start for a in log.attempts)
 
 
 def constant(
@@ -1198,7 +1117,7 @@ def staged_makespan(scenario: Scenario, listener_kind: str = "staged") -> float:
         listener = Orderly(behaviour)
     else:
         listener = Concurrent(behaviour)
-    run_virtual(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
+    run_in_virtual_time(consume, broker, listener, log, options_for(scenario), MemoryOffsetStore())
     return makespan(log) if log.attempts else 0
 
 
@@ -1215,9 +1134,14 @@ def test_staged_makespan_is_the_sum_of_stage_rounds(
 ) -> None:
     """Each stage takes ceil(batches / workers) rounds; batches fill up to the batch
     size but never cross a stage (RIP-22: 6 units for [10, 20, 70], 20 workers)."""
+    queue = [
+        Message(topic=TOPIC, queue_id=0, queue_offset=o, body=b"", msg_id=str(o))
+        for o in range(messages)
+    ]
+    plan = plan_for({(0, m.queue_offset): m for m in queue}, {"default": sizes})
     per_stage: dict[int, int] = defaultdict(int)
-    for o in range(messages):
-        per_stage[naive_stage(sizes, o)] += 1
+    for m in queue:
+        per_stage[plan.stage_of(m)] += 1
     bound = sum(math.ceil(math.ceil(count / batch) / workers) for count in per_stage.values())
     assert staged_makespan(constant(sizes, messages, workers, batch)) == bound
 
@@ -1329,13 +1253,13 @@ def test_source_failures_do_not_break_guarantees(
     log = Log()
     behaviour = Behaviour(scenario, log, 1.0)
     listener: Any = Staged(behaviour, scenario.sizes) if mode == "staged" else Orderly(behaviour)
-    run_virtual(consume, broker, listener, log, options_for(scenario), RecordingStore(log))
+    run_in_virtual_time(consume, broker, listener, log, options_for(scenario), RecordingStore(log))
     limit = scenario.max_reconsume_times
     check_exactly_once(log, broker, sent, limit)
     check_committed(log, scenario.counts, limit)
     check_concurrency_bound(log, scenario.workers)
     if mode == "staged":
-        check_barrier(log, naive_assign(sent, {"default": scenario.sizes}), limit)
+        check_barrier(log, plan_for(sent, {"default": scenario.sizes}))
     else:
         for q in range(scenario.queue_count):
             check_orderly(log, q)
@@ -1357,10 +1281,10 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(
 
     def all_final() -> bool:
         final = {k for k, _, failed, _, _ in listener.calls if not failed}
-        final |= {listener.origin[origin] for _, _, _, origin in log.dead}
+        final |= {listener.origin[origin_id(d.message)] for d in log.calls.dead_letters}
         return len(final) == scenario.total and not broker.pending
 
-    run_virtual(
+    run_in_virtual_time(
         functools.partial(
             consume,
             broker,
@@ -1376,8 +1300,8 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(
         calls[key].append((rt, failed, start, end))
     assert set(calls) == set(sent), "a message was never consumed"
     dead: dict[QueueOffset, int] = defaultdict(int)
-    for _, _, _, origin in log.dead:
-        dead[listener.origin[origin]] += 1
+    for letter in log.calls.dead_letters:
+        dead[listener.origin[origin_id(letter.message)]] += 1
     flaky = bool(failures["send_back"] or failures["dlq"])
     for key, tries in calls.items():
         tries.sort(key=lambda t: t[2])
@@ -1430,11 +1354,13 @@ def test_release_and_reassign_keeps_stages_and_loses_nothing(
     broker = ScheduledBroker()
     sent = fill(broker, scenario)
     log = Log()
-    run_virtual(consume, broker, listener_for(log), log, options_for(scenario), MemoryOffsetStore())
-    expected = {(a.queue, o): a.stage for a in log.attempts for o in a.offsets}
+    run_in_virtual_time(
+        consume, broker, listener_for(log), log, options_for(scenario), MemoryOffsetStore()
+    )
+    expected = {(queue_of(a), o): a.stage_index for a in log.attempts for o in a.offsets}
 
     broker = ScheduledBroker()
-    fill(broker, scenario)
+    sent = fill(broker, scenario)  # the same messages, with this broker's ids
     log = Log()
     store = RecordingStore(log)
     released: list[int] = []
@@ -1443,11 +1369,11 @@ def test_release_and_reassign_keeps_stages_and_loses_nothing(
         mq = MessageQueue(TOPIC, q)
         await consumer.release_queue(mq)
         assert mq not in consumer.statistics().queues
-        released.append(log.seq)
+        released.append(log.next_seq())
         log.run = 1  # attempts after the release
         await consumer.assign_queue(mq)
 
-    run_virtual(
+    run_in_virtual_time(
         functools.partial(
             consume,
             broker,
@@ -1460,7 +1386,7 @@ def test_release_and_reassign_keeps_stages_and_loses_nothing(
     )
     for a in log.attempts:
         for o in a.offsets:
-            assert a.stage == expected[a.queue, o], f"{a.queue}:{o} changed stage"
+            assert a.stage_index == expected[queue_of(a), o], f"{queue_of(a)}:{o} changed stage"
     assert set(per_message(log)) == set(sent), "a message was lost"
     if released:
         committed = max(
@@ -1468,35 +1394,17 @@ def test_release_and_reassign_keeps_stages_and_loses_nothing(
             default=0,
         )
         for a in log.attempts:
-            if a.queue == q and a.start_seq > released[0]:
+            if queue_of(a) == q and a.start_seq > released[0]:
                 assert a.offsets[-1] >= committed, "a committed message was consumed again"
         for a in log.attempts:
-            if a.queue == q and a.start_seq <= released[0]:
+            if queue_of(a) == q and a.start_seq <= released[0]:
                 assert a.end_seq <= released[0], "release returned with a handler running"
     if mode == "orderly":
         for queue in range(scenario.queue_count):
-            check_orderly_at_least_once(log, queue)
+            check_orderly(log, queue)
     else:
-        done = finish_seq(log)
-        by_key = naive_assign(sent, {"default": scenario.sizes}, reset=RESETS[reset])
-        for a in log.attempts:
-            first = by_key[a.queue, a.offsets[0]]
-            for (queue, o), assigned in by_key.items():
-                if queue == a.queue and assigned.key == first.key and assigned.epoch < first.epoch:
-                    assert done.get((queue, o), math.inf) < a.start_seq, "barrier broken"
+        check_barrier(log, plan_for(sent, {"default": scenario.sizes}, reset=RESETS[reset]))
     check_committed(log, scenario.counts, limit)
-
-
-def check_orderly_at_least_once(log: Log, queue: int) -> None:
-    """(b) when messages may be delivered again: calls of ``queue`` never overlap, and
-    each call starts at or below where the previous one ended + 1 only after a retry or
-    a re-assignment (offsets never skip an unfinished message)."""
-    calls = sorted((a for a in log.attempts if a.queue == queue), key=lambda a: a.start_seq)
-    for previous, call in itertools.pairwise(calls):
-        assert previous.end_seq < call.start_seq, f"orderly calls overlap on queue {queue}"
-        assert list(call.offsets) == sorted(call.offsets)
-        if call.run == previous.run and call.offsets[0] <= previous.offsets[-1]:
-            assert previous.failed, f"queue {queue}: {call.offsets} ran after {previous.offsets}"
 
 
 # -- tag filtering ------------------------------------------------------------------------
@@ -1525,7 +1433,7 @@ def test_filtered_messages_take_no_stage_and_never_hold_back_the_commit(
     filtered = frozenset(sent) - frozenset(wanted)
     log = Log()
     options = options_for(scenario)
-    run_virtual(
+    run_in_virtual_time(
         functools.partial(
             consume,
             broker,
@@ -1537,11 +1445,9 @@ def test_filtered_messages_take_no_stage_and_never_hold_back_the_commit(
         )
     )
     check_exactly_once(log, broker, wanted, limit)
-    check_barrier(
-        log, naive_assign(wanted, {"default": scenario.sizes}, reset=RESETS[reset]), limit
-    )
+    check_barrier(log, plan_for(wanted, {"default": scenario.sizes}, reset=RESETS[reset]))
     check_committed(log, scenario.counts, limit, filtered=filtered)
-    expected = {(a.queue, o): a.stage for a in log.attempts for o in a.offsets}
+    expected = {(queue_of(a), o): a.stage_index for a in log.attempts for o in a.offsets}
 
     broker = ScheduledBroker()
     fill(broker, scenario, tags=tag_of)
@@ -1556,11 +1462,13 @@ def test_filtered_messages_take_no_stage_and_never_hold_back_the_commit(
         listener = restart_listener(scenario, log, reset)
         await consume(broker, listener, log, options, store, expression="a")
 
-    run_virtual(twice)
+    run_in_virtual_time(twice)
     assert set(per_message(log)) == set(wanted)
     for a in log.attempts:
         for o in a.offsets:
-            assert a.stage == expected[a.queue, o], f"{a.queue}:{o} changed stage on restart"
+            assert a.stage_index == expected[queue_of(a), o], (
+                f"{queue_of(a)}:{o} changed stage on restart"
+            )
     check_committed(log, scenario.counts, limit, filtered=filtered)
 
 
@@ -1568,13 +1476,11 @@ def test_filtered_messages_take_no_stage_and_never_hold_back_the_commit(
 
 
 class SyncStaged(MessageListenerStagedConcurrently):
-    """A plain ``def`` handler (run in worker threads); logs under a lock."""
+    """A plain ``def`` handler (run in worker threads; the recorder logs it there)."""
 
-    def __init__(self, scenario: Scenario, log: Log, unit: float) -> None:
+    def __init__(self, scenario: Scenario, unit: float) -> None:
         self.scenario = scenario
-        self.log = log
         self.unit = unit
-        self.lock = threading.Lock()
 
     def get_stage_definitions(self) -> Sequence[int]:
         return list(self.scenario.sizes)
@@ -1582,33 +1488,9 @@ class SyncStaged(MessageListenerStagedConcurrently):
     def consume_message(
         self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
     ) -> ConsumeOrderlyStatus | None:
-        log = self.log
         q = msgs[0].queue_id
-        with self.lock:
-            log.seq += 1
-            attempt = Attempt(
-                run=log.run,
-                queue=q,
-                offsets=tuple(m.queue_offset for m in msgs),
-                msg_ids=tuple(m.msg_id for m in msgs),
-                stage=context.stage_index,
-                strategy=context.strategy_id,
-                group=context.group_id,
-                reconsume=msgs[0].reconsume_times,
-                start_seq=log.seq,
-                start_time=time.monotonic(),
-            )
-            log.attempts.append(attempt)
-            log.running += 1
-            log.max_running = max(log.max_running, log.running)
         time.sleep(max(self.scenario.cost(q, m.queue_offset) for m in msgs) * self.unit)
         failed = any(self.scenario.fails(q, m.queue_offset, m.reconsume_times) for m in msgs)
-        with self.lock:
-            log.seq += 1
-            attempt.end_seq = log.seq
-            attempt.end_time = time.monotonic()
-            attempt.failed = failed
-            log.running -= 1
         return _fail_how(msgs) if failed else None
 
 
@@ -1622,7 +1504,7 @@ def test_sync_handlers_in_threads_keep_the_guarantees(backend: str, scenario: Sc
     broker = ScheduledBroker()
     sent = fill(broker, scenario)
     log = Log()
-    listener = SyncStaged(scenario, log, 0.0005)
+    listener = SyncStaged(scenario, 0.0005)
     anyio.run(
         consume,
         broker,
@@ -1634,7 +1516,7 @@ def test_sync_handlers_in_threads_keep_the_guarantees(backend: str, scenario: Sc
     )
     limit = scenario.max_reconsume_times
     check_exactly_once(log, broker, sent, limit)
-    check_barrier(log, naive_assign(sent, {"default": scenario.sizes}), limit)
+    check_barrier(log, plan_for(sent, {"default": scenario.sizes}))
     check_concurrency_bound(log, scenario.workers)
     check_committed(log, scenario.counts, limit)
 
@@ -1665,7 +1547,7 @@ def test_restart_with_groups_and_strategies_assigns_the_same_stages(
     options = options_for(scenario, persist_consumer_offset_interval=2.0)
     broker = ScheduledBroker()
     sent = fill(broker, scenario, keys=keys)
-    model = naive_assign(sent, definitions, keyed_strategy, keyed_group)
+    model = assignments_by_offset(plan_for(sent, definitions, keyed_strategy, keyed_group))
     broker2 = ScheduledBroker()
     fill(broker2, scenario, keys=keys)
     log = Log()
@@ -1677,9 +1559,11 @@ def test_restart_with_groups_and_strategies_assigns_the_same_stages(
         forget_memory(store, scenario)
         await consume(broker2, listener_for(log), log, options, store)
 
-    run_virtual(twice)
+    run_in_virtual_time(twice)
     for a in log.attempts:
         for o in a.offsets:
-            assert a.stage == model[a.queue, o].stage, f"{a.queue}:{o} got another stage"
+            assert a.stage_index == model[queue_of(a), o].stage, (
+                f"{queue_of(a)}:{o} got another stage"
+            )
     assert set(per_message(log)) == set(sent), "a message was lost across the restart"
     check_committed(log, scenario.counts, scenario.max_reconsume_times)

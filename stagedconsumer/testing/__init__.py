@@ -12,6 +12,7 @@ trio). The pieces:
   ``assert_*`` variants raising :class:`OrderingViolation`;
 - :func:`run_virtual`, which runs the real consumer in virtual time on the embedded
   broker, with scheduled failures and crashes, and returns a :class:`VirtualRun`;
+- :data:`HYPOTHESIS_PROFILE`, a hypothesis settings profile for such properties;
 - a pytest plugin (loaded through its entry point): the ``memory_broker`` fixture
   and the ``--stagedconsumer-seed`` option.
 """
@@ -34,6 +35,7 @@ from ._log import HandlerCall as HandlerCall
 from ._log import Outcome as Outcome
 from ._log import RecordingListener as RecordingListener
 from ._log import origin_id as origin_id
+from ._strategies import HYPOTHESIS_PROFILE as HYPOTHESIS_PROFILE
 from ._strategies import FailureKind as FailureKind
 from ._strategies import FailureSchedule as FailureSchedule
 from ._strategies import MessageSpec as MessageSpec
@@ -46,6 +48,7 @@ from ._virtual import VirtualRun as VirtualRun
 from ._virtual import run_virtual as run_virtual
 
 __all__ = (
+    "HYPOTHESIS_PROFILE",
     "Assignment",
     "CallLog",
     "DeadLetter",

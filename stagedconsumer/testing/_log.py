@@ -15,7 +15,7 @@ import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import anyio
 import anyio.from_thread
@@ -32,6 +32,8 @@ from .._listeners import (
 )
 from .._message import Message, MessageQueue
 from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
+
+_K = TypeVar("_K")
 
 __all__ = ("CallLog", "DeadLetter", "HandlerCall", "Outcome", "RecordingListener", "origin_id")
 
@@ -223,17 +225,22 @@ class CallLog:
     def ended_calls(self) -> int:
         return sum(1 for call in self.calls if call.ended)
 
-    def finish_seqs(self) -> dict[str, int]:
-        """The first event that finished each message, by :func:`origin_id`: the end of
-        a call that consumed it successfully, or its move to the DLQ."""
-        done: dict[str, int] = {}
+    @overload
+    def finish_seqs(self) -> dict[str, int]: ...
+    @overload
+    def finish_seqs(self, key: Callable[[Message], _K]) -> dict[_K, int]: ...
+    def finish_seqs(self, key: Callable[[Message], Any] = origin_id) -> dict[Any, int]:
+        """The first event that finished each message: the end of a call that consumed
+        it successfully, or its move to the DLQ; by :func:`origin_id`, or by ``key``
+        (e.g. ``lambda m: (m.queue_id, m.queue_offset)``)."""
+        done: dict[Any, int] = {}
         for call in self.calls:
             for message in call.finished_messages:
-                key = origin_id(message)
-                done[key] = min(done.get(key, call.end_seq), call.end_seq)
+                k = key(message)
+                done[k] = min(done.get(k, call.end_seq), call.end_seq)
         for dead in self.dead_letters:
-            key = origin_id(dead.message)
-            done[key] = min(done.get(key, dead.seq), dead.seq)
+            k = key(dead.message)
+            done[k] = min(done.get(k, dead.seq), dead.seq)
         return done
 
     def format(self, calls: Sequence[HandlerCall] | None = None) -> str:

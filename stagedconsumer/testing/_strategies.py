@@ -11,11 +11,13 @@ import enum
 from collections.abc import Mapping, Sequence
 
 import attrs
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from .._message import OutgoingMessage
 
 __all__ = (
+    "HYPOTHESIS_PROFILE",
     "FailureKind",
     "FailureSchedule",
     "MessageSpec",
@@ -23,6 +25,22 @@ __all__ = (
     "handler_costs",
     "messages",
     "stage_definitions",
+)
+
+
+HYPOTHESIS_PROFILE = "stagedconsumer"
+"""A hypothesis settings profile for ``run_virtual`` properties, registered on import:
+no deadline (an example takes milliseconds on an idle machine, far more on a loaded
+one), no ``too_slow`` health check, and no ``explain`` phase (it re-runs a failing
+example hundreds of times under a tracer). Load it with
+``settings.load_profile(HYPOTHESIS_PROFILE)`` or ``pytest --hypothesis-profile
+stagedconsumer``; the example budget stays hypothesis's default (100)."""
+
+settings.register_profile(
+    HYPOTHESIS_PROFILE,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[phase for phase in Phase if phase is not Phase.explain],
 )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -104,8 +104,8 @@ class _CrashableStore(MemoryOffsetStore):
     crashed = False
 
     async def _write_stored(
-        self, group: str, progress: Any
-    ) -> None:  # Mapping[MessageQueue, QueueProgress]
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress]
+    ) -> None:
         if not self.crashed:
             await super()._write_stored(group, progress)
 
@@ -114,9 +114,6 @@ class _CrashableStore(MemoryOffsetStore):
         for mq in queues:
             self.remove_offset(group, mq)
         self.crashed = False
-
-
-_QueueProgress = QueueProgress  # (kept for readers: what _write_stored receives)
 
 
 class _Faulty(MessageListener):
@@ -241,7 +238,11 @@ def run_virtual(
       fails forever) stops and comes back with ``completed=False``.
 
     The event-loop watchdog (``event_loop_block_threshold``) is turned off: it
-    reports nothing in virtual time and costs a thread per consumer.
+    reports nothing in virtual time and costs a thread per consumer. Plain ``def``
+    handlers run in worker threads as usual, but while a thread computes, every task
+    waits and the mock clock jumps to the next deadline: virtual time is exact for
+    ``async def`` handlers only (with plain ``def`` ones, a short ``consume_timeout``
+    may fire).
 
     Returns a :class:`VirtualRun` with the log, the messages as sent and the makespan.
     """

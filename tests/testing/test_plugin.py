@@ -90,6 +90,38 @@ def test_without_the_option_the_seed_is_none(tmp_path: Path) -> None:
     assert "stagedconsumer: --stagedconsumer-seed" not in result.stdout
 
 
+PROFILE_TEST = """
+from hypothesis import Phase, settings
+
+
+def test_profile():
+    print("PROFILE", settings.get_current_profile_name(), settings.default.deadline,
+          Phase.explain in settings.default.phases, settings.default.max_examples)
+"""
+
+
+def test_the_hypothesis_profile_loads_from_the_command_line(tmp_path: Path) -> None:
+    (tmp_path / "test_profile.py").write_text(PROFILE_TEST)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "--hypothesis-profile=stagedconsumer",
+            "test_profile.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert lines(result.stdout, "PROFILE") == ["PROFILE stagedconsumer None False 100"]
+
+
 def test_a_bad_seed_is_a_usage_error(tmp_path: Path) -> None:
     result = run_pytest(tmp_path, "--stagedconsumer-seed=abc")
     assert result.returncode == pytest.ExitCode.USAGE_ERROR
