@@ -123,6 +123,10 @@ class RedisBroker(MessageSource):
     that was. Redis without persistence loses everything on a restart: use
     ``appendonly yes`` for data that must survive it.
 
+    Entering it (``async with RedisBroker(...)``) checks the connection with a
+    ``PING`` and raises :class:`~stagedconsumer.SourceError` within
+    ``connect_timeout`` seconds (5 by default) when Redis is not there.
+
     Runs on asyncio only (redis-py's asyncio client), not on trio.
 
     :meth:`group_coordinator` provides membership and queue locks for consumer
@@ -148,6 +152,7 @@ class RedisBroker(MessageSource):
         send_timeout: float = 30.0,
         socket_timeout: float = 10.0,
         read_ahead: int = 128,
+        connect_timeout: float = 5.0,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(
@@ -163,6 +168,9 @@ class RedisBroker(MessageSource):
             )
         _check_seconds("send_timeout", send_timeout)
         _check_seconds("socket_timeout", socket_timeout)
+        _check_seconds("connect_timeout", connect_timeout)
+        self.connect_timeout = connect_timeout
+        """Entering the broker waits this long at most for Redis to answer ``PING``."""
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
         self.read_ahead = read_ahead
@@ -172,7 +180,9 @@ class RedisBroker(MessageSource):
         self.url = url
         self.namespace = namespace
         self.send_timeout = send_timeout
-        connection = RedisConnection.from_url(url, socket_timeout=socket_timeout)
+        connection = RedisConnection.from_url(
+            url, socket_timeout=socket_timeout, connect_timeout=connect_timeout
+        )
         # Redis may have restarted without its data: offsets could be reused.
         connection.on_connection_error.append(self._buffered.clear)
         self._connection = connection
@@ -209,6 +219,18 @@ class RedisBroker(MessageSource):
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> RedisBroker:
+        """Check that Redis answers (``PING``) within ``connect_timeout`` seconds.
+
+        Raises :class:`~stagedconsumer.SourceError` naming the URL when it does not
+        (nothing listening on the port, a host that does not answer, a wrong
+        password); the broker is closed then. Connection losses after this are
+        retried with backoff (see the class documentation).
+        """
+        try:
+            await self._connection.ping(self.connect_timeout)
+        except BaseException:
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(

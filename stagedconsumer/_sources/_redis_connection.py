@@ -91,7 +91,9 @@ class RedisConnection:
         self._on_asyncio = False
 
     @classmethod
-    def from_url(cls, url: str, *, socket_timeout: float) -> RedisConnection:
+    def from_url(
+        cls, url: str, *, socket_timeout: float, connect_timeout: float = 5.0
+    ) -> RedisConnection:
         """A client for ``url`` that never retries on its own (:meth:`call_retrying`
         does, with the project's backoff) and returns raw bytes.
 
@@ -102,7 +104,7 @@ class RedisConnection:
                 url,
                 decode_responses=False,
                 socket_timeout=socket_timeout,
-                socket_connect_timeout=min(socket_timeout, 5.0),
+                socket_connect_timeout=min(socket_timeout, connect_timeout),
                 retry=Retry(NoBackoff(), 0),
                 health_check_interval=0,
             )
@@ -126,6 +128,28 @@ class RedisConnection:
             return
         self._closed = True
         await self.client.aclose()
+
+    async def ping(self, connect_timeout: float) -> None:
+        """``PING`` the server once, within ``connect_timeout`` seconds: entering a
+        broker fails fast when Redis is not there.
+
+        Raises ``SourceError(retriable=True)`` naming the URL when no reply came in
+        time or the connection was refused, ``SourceError(retriable=False)`` when
+        Redis answered with an error (a wrong password, for example).
+        """
+        try:
+            with anyio.fail_after(connect_timeout):
+                await self.call("PING", self.client.ping)
+        except TimeoutError as exc:
+            raise SourceError(
+                f"Redis at {self.url} did not answer PING within {connect_timeout:g} s"
+                " (connect_timeout)"
+            ) from exc
+        except SourceError as exc:
+            raise SourceError(
+                f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
+                retriable=exc.retriable,
+            ) from exc
 
     def check_open(self) -> None:
         if self._closed:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 
 from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.conftest import require_service
+from tests.redis._server import RedisServer
 
 REDIS_URL = os.environ.get("STAGEDCONSUMER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -42,6 +45,18 @@ def require_redis(url: str = REDIS_URL) -> str:
     error = redis_error(url)
     require_service("Redis", error is None, f"{url}: {error}")
     return url
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own (``appendonly yes``), killed after the test."""
+    require_service("redis-server binary", shutil.which("redis-server") is not None, "not on PATH")
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from stagedconsumer._sources._source import (
     PROPERTY_RETRY_TOPIC,
     SendBackResult,
 )
+from tests.redis._server import RedisServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -352,9 +353,41 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_unreachable_redis_is_reported_as_retriable_and_sends_retry() -> None:
-    url = f"redis://127.0.0.1:{_free_port()}/0"
-    async with RedisBroker(url, namespace="nowhere", send_timeout=0.5) as broker:
+async def test_entering_fails_fast_with_a_source_error_when_nothing_listens() -> None:
+    port = _free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    started = time.monotonic()
+    with pytest.raises(SourceError, match=f"cannot connect to Redis at {url}") as raised:
+        async with RedisBroker(url, namespace="nowhere"):
+            pytest.fail("entered a broker with nothing listening")
+    assert time.monotonic() - started < 2  # refused at once, not retried for seconds
+    assert raised.value.retriable
+
+
+async def test_entering_gives_up_after_connect_timeout_when_redis_does_not_answer() -> None:
+    # A listening socket that never answers: the TCP connection succeeds, PING does not.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        started = time.monotonic()
+        with pytest.raises(SourceError, match=r"did not answer PING within 0\.3 s"):
+            async with RedisBroker(url, namespace="nowhere", connect_timeout=0.3):
+                pytest.fail("entered a broker whose Redis never answered")
+        assert 0.25 < time.monotonic() - started < 2
+
+
+async def test_entering_pings_a_reachable_redis(redis_url: str) -> None:
+    async with RedisBroker(redis_url, namespace="ping-check", connect_timeout=1) as broker:
+        assert broker.connection_errors == 0
+        assert broker.connect_timeout == 1
+
+
+async def test_a_connection_lost_after_entering_is_retriable_and_sends_retry(
+    redis_server: RedisServer,
+) -> None:
+    async with RedisBroker(redis_server.url, namespace="gone", send_timeout=0.5) as broker:
+        redis_server.stop()
         with pytest.raises(SourceError) as pulled:
             await broker.pull(MessageQueue("t", 0), 0, 10)
         assert pulled.value.retriable
@@ -426,6 +459,8 @@ async def test_send_checks_the_message_as_the_producer_does(
         ({"socket_timeout": "x"}, "socket_timeout must be a positive, finite"),
         ({"socket_timeout": None}, "socket_timeout must be a positive, finite"),
         ({"socket_timeout": float("nan")}, "socket_timeout must be a positive, finite"),
+        ({"connect_timeout": 0}, "connect_timeout must be a positive, finite"),
+        ({"connect_timeout": float("inf")}, "connect_timeout must be a positive, finite"),
         ({"read_ahead": 1.5}, "read_ahead must be an int"),
     ],
 )
