@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 
 from .._core import retry_delay_seconds
-from .._exceptions import ConfigurationError, InvalidMessageError, UnknownTopicError
+from .._exceptions import (
+    ConfigurationError,
+    InvalidMessageError,
+    SourceError,
+    UnknownTopicError,
+)
 from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
 from ._group import GroupOptions
@@ -37,6 +42,7 @@ from ._redis_codec import (
     _decode_entries,
     _encode_fields,
     _entry_offset,
+    _ForeignEntry,
     _message_fields,
     _pack,
 )
@@ -97,6 +103,15 @@ def _check_seconds(name: str, value: object) -> None:
         raise ConfigurationError(
             f"{name} must be a positive, finite number of seconds, got {value!r}"
         )
+
+
+def _foreign_error(stream: str, exc: _ForeignEntry, why: str = "") -> SourceError:
+    return SourceError(
+        f"stream {stream} holds a foreign {exc}{', ' + why if why else ''}: only"
+        " RedisBroker writes the streams of its topics (another application's XADD?);"
+        " consume streams written by others with attach_stream()",
+        retriable=False,
+    )
 
 
 def _is_system(topic: str) -> bool:
@@ -523,15 +538,26 @@ class RedisBroker(MessageSource):
             if entries:
                 break
         if entries:
-            messages = _decode_entries(topic, queue_id, entries)
+            try:
+                messages = _decode_entries(topic, queue_id, entries)
+            except _ForeignEntry as exc:
+                raise _foreign_error(stream, exc) from None
             end = messages[-1].queue_offset + 1
-            if len(messages) >= count or messages[0].queue_offset == offset:
-                # A full read: ``end`` is a lower bound of the max offset. A short
-                # one from ``offset`` on: offsets are consecutive, so nothing exists
-                # past the last one returned.
+            if messages[0].queue_offset == offset and end - offset == len(messages):
+                # Consecutive from ``offset`` on: ``end`` is the max offset when the
+                # read came back short, a lower bound when it was full.
                 return self._serve(topic, queue_id, messages, end, max_count)
+            # Entries were deleted (XDEL, MAXLEN), or one is foreign: the counter
+            # tells, every entry the broker wrote is below it.
             max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
-            return self._serve(topic, queue_id, messages, max(max_offset, end), max_count)
+            if end > max_offset:
+                entry = next(m for m in messages if m.queue_offset >= max_offset)
+                raise _foreign_error(
+                    stream,
+                    _ForeignEntry(b"%d-0" % (entry.queue_offset + 1)),
+                    f"past the queue's last offset {max_offset}",
+                )
+            return self._serve(topic, queue_id, messages, max_offset, max_count)
         max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
 
@@ -606,7 +632,16 @@ class RedisBroker(MessageSource):
         first, counter = await self._retrying(f"reading the min offset of {mq}", read)
         if first:
             entry_id: Any = first[0][0]
-            return _entry_offset(entry_id if isinstance(entry_id, bytes) else entry_id.encode())
+            raw_id = entry_id if isinstance(entry_id, bytes) else entry_id.encode()
+            try:
+                offset = _entry_offset(raw_id)
+            except _ForeignEntry as exc:
+                raise _foreign_error(stream, exc) from None
+            if offset >= int(counter or 0):
+                raise _foreign_error(
+                    stream, _ForeignEntry(raw_id), f"past the queue's last offset {counter}"
+                )
+            return offset
         return int(counter or 0)
 
     async def send_back(

@@ -82,7 +82,21 @@ def _message_fields(message: Message, properties: Mapping[str, str]) -> list[byt
     )
 
 
+class _ForeignEntry(Exception):
+    """An entry the broker did not write (its id is not ``<n>-0``, or a field every
+    message has is missing): raised by :func:`_decode_entries` and
+    :func:`_entry_offset`, turned into a ``SourceError`` naming the stream by the broker.
+    """
+
+    def __init__(self, entry_id: bytes, raw: Sequence[bytes] = ()) -> None:
+        shown = [bytes(f[:40]) for f in raw[:8]]
+        super().__init__(f"entry {entry_id.decode(errors='replace')} (fields {shown})")
+        self.entry_id = entry_id
+
+
 def _entry_offset(entry_id: bytes) -> int:
+    if not entry_id.endswith(b"-0"):
+        raise _ForeignEntry(entry_id)
     return int(entry_id[:-2]) - 1
 
 
@@ -95,6 +109,11 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
     number of entries (always, unless some were deleted) the offsets are counted instead
     of parsed from every id. Entries with only the three fields every message has
     (``i``, ``b``, ``t``, written in that order) skip the field lookup.
+
+    Raises :class:`_ForeignEntry` for an entry the broker did not write: an id that
+    is not ``<n>-0`` or fields without ``i``, ``b`` and ``t``. (One with our fields
+    and an id past the queue's counter is caught by the broker, which compares the
+    ids with the counter whenever they are not consecutive.)
     """
     if not entries:
         return []
@@ -106,6 +125,8 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
     empty = EMPTY_PROPERTIES
     offset = first
     for entry_id, raw in entries:
+        if not entry_id.endswith(b"-0"):
+            raise _ForeignEntry(entry_id, raw)
         message = new(Message)
         _set_topic(message, topic)
         _set_queue_id(message, queue_id)
@@ -119,15 +140,17 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
             _set_born_timestamp(message, int(raw[5]) / 1000)
             _set_reconsume_times(message, 0)
         else:
-            _set_fields(message, raw)
+            _set_fields(message, entry_id, raw)
         append(message)
         offset += 1
     return out
 
 
-def _set_fields(message: Message, raw: Sequence[bytes]) -> None:
+def _set_fields(message: Message, entry_id: bytes, raw: Sequence[bytes]) -> None:
     """The general case of :func:`_decode_entries`: optional fields present."""
     fields = dict(zip(raw[::2], raw[1::2], strict=True))
+    if b"i" not in fields or b"b" not in fields or b"t" not in fields:
+        raise _ForeignEntry(entry_id, raw)
     keys: tuple[str, ...] = ()
     tags: str | None = None
     properties: Mapping[str, str] = EMPTY_PROPERTIES
@@ -138,10 +161,10 @@ def _set_fields(message: Message, raw: Sequence[bytes]) -> None:
     if (p := fields.get(b"p")) is not None:
         properties = MappingProxyType(json.loads(p)) or EMPTY_PROPERTIES
     r = fields.get(b"r")
-    _set_body(message, fields.get(b"b", b""))
+    _set_body(message, fields[b"b"])
     _set_keys(message, keys)
     _set_tags(message, tags)
     _set_properties(message, properties)
-    _set_msg_id(message, fields.get(b"i", b"").decode())
-    _set_born_timestamp(message, int(fields.get(b"t", b"0")) / 1000)
+    _set_msg_id(message, fields[b"i"].decode())
+    _set_born_timestamp(message, int(fields[b"t"]) / 1000)
     _set_reconsume_times(message, int(r) if r is not None else 0)

@@ -11,10 +11,12 @@ Key layout (``ns`` is the namespace, ``sc`` by default)::
     ns:epoch:<group>:<topic>:<qid> string last epoch handed out for that queue
 
 Queue offsets are stream entry ids: the message at offset ``n`` has the explicit id
-``<n + 1>-0`` (Redis refuses ``0-0``). :data:`SEND_LUA` takes ``INCRBY`` on the
-queue's ``seq`` counter and ``XADD``s with the ids it got, atomically, so concurrent
+``<n + 1>-0`` (Redis refuses ``0-0``). :data:`SEND_LUA` reads the queue's ``seq``
+counter, ``XADD``s with the next ids and sets the counter, atomically, so concurrent
 producers get consecutive offsets without gaps and a pull by offset is an ``XRANGE``
-from ``<offset + 1>-0``; ``seq`` is the queue's max offset.
+from ``<offset + 1>-0``; ``seq`` is the queue's max offset. Only the broker writes
+these streams: an entry written by anything else (a foreign entry) is refused by
+:data:`SEND_LUA` and by pulls, naming it.
 
 Every time a script works with (retry due times, member expiry, lock epochs) is the
 Redis server's clock (``TIME``), never a client's.
@@ -33,9 +35,16 @@ __all__ = (
 )
 
 SEND_LUA = """
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+local first = tonumber(redis.call('GET', KEYS[1]) or '0')
+if top then
+  local ms, sq = string.match(top[1], '^(%d+)%-(%d+)$')
+  if sq ~= '0' or tonumber(ms) > first then
+    return redis.error_reply('FOREIGN stream ' .. KEYS[2] .. ' holds entry ' .. top[1]
+      .. ' that the broker did not write (its last offset is ' .. first .. ')')
+  end
+end
 local n = tonumber(ARGV[1])
-local last = redis.call('INCRBY', KEYS[1], n)
-local first = last - n
 local i = 2
 for m = 1, n do
   local nf = tonumber(ARGV[i])
@@ -44,6 +53,7 @@ for m = 1, n do
   redis.call('XADD', KEYS[2], (first + m) .. '-0', unpack(args))
   i = i + nf + 1
 end
+redis.call('SET', KEYS[1], first + n)
 return first
 """
 """Append ``n`` messages to one queue with consecutive offsets.
@@ -51,6 +61,12 @@ return first
 KEYS: the queue's ``seq`` counter, its stream. ARGV: ``n``, then per message its
 field count and its fields and values (see :func:`._redis_codec._encode_fields`).
 Returns the offset of the first message appended.
+
+The stream's last entry is checked first: an entry the broker did not write (an id
+that is not ``<n>-0``, or past the counter: a plain ``XADD key *`` by another
+application) makes the script fail with a ``FOREIGN`` error naming it, before
+anything is written. The counter is set after the appends, so an ``XADD`` that fails
+(a script error stops there; Redis does not roll back) never leaves it raised.
 """
 
 UNPACK_LUA = """
@@ -71,8 +87,9 @@ local function release_due(zset, seq, stream, limit)
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local due = redis.call('ZRANGEBYSCORE', zset, '-inf', now, 'LIMIT', 0, limit)
   for _, member in ipairs(due) do
-    local off = redis.call('INCR', seq)
+    local off = tonumber(redis.call('GET', seq) or '0') + 1
     redis.call('XADD', stream, off .. '-0', unpack(unpack_fields(member)))
+    redis.call('SET', seq, off)
     redis.call('ZREM', zset, member)
   end
   local nxt = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')

@@ -7,6 +7,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import anyio
+import anyio.abc
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -69,3 +72,36 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+class HangingProxy:
+    """A TCP proxy on a free port of 127.0.0.1 in front of a Redis server that, once
+    :meth:`hang` was called, stops forwarding: a server that no longer answers."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.port = 0
+        self.hung = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def hang(self) -> None:
+        self.hung = True
+
+    async def _pump(self, source: anyio.abc.ByteStream, sink: anyio.abc.ByteStream) -> None:
+        async for chunk in source:
+            if self.hung:
+                await anyio.sleep_forever()
+            await sink.send(chunk)
+
+    async def handle(self, client: anyio.abc.SocketStream) -> None:
+        async with client:
+            if self.hung:
+                await anyio.sleep_forever()
+            upstream = await anyio.connect_tcp(*self.upstream)
+            async with upstream, anyio.create_task_group() as tg:
+                tg.start_soon(self._pump, client, upstream)
+                await self._pump(upstream, client)
+                tg.cancel_scope.cancel()

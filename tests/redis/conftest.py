@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
+import anyio
+import anyio.abc
 import pytest
 
 from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.conftest import require_service
-from tests.redis._server import RedisServer
+from tests.redis._server import HangingProxy, RedisServer
 
 REDIS_URL = os.environ.get("STAGEDCONSUMER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -57,6 +59,19 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+async def hanging_proxy(redis_url: str) -> AsyncIterator[HangingProxy]:
+    """A proxy to the test Redis that stops answering when told (``hang()``)."""
+    parsed = urlparse(redis_url)
+    proxy = HangingProxy(parsed.hostname or "127.0.0.1", parsed.port or 6379)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    proxy.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, proxy.handle)
+        yield proxy
+        tg.cancel_scope.cancel()
 
 
 @pytest.fixture

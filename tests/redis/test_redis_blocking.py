@@ -22,6 +22,7 @@ from stagedconsumer import (
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
 from stagedconsumer.blocking import BlockingConsumer, BlockingProducer
+from tests.redis._server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -86,16 +87,18 @@ def test_redis_broker_on_a_trio_portal_is_a_clear_error(redis_url: str, namespac
         producer.send("orders", b"x")
 
 
-def test_an_unreachable_redis_ends_a_blocking_send_at_its_deadline() -> None:
-    # a closed port on this machine: nothing listens there
+def test_an_unreachable_redis_ends_a_blocking_send_at_its_deadline(
+    redis_server: RedisServer,
+) -> None:
     with start_blocking_portal() as portal:
-        broker = RedisBroker("redis://127.0.0.1:1/0", namespace="p", socket_timeout=1)
+        broker = RedisBroker(redis_server.url, namespace="p", socket_timeout=1)
         with (
             portal.wrap_async_context_manager(broker),
             BlockingProducer(
                 broker, options=ProducerOptions(send_msg_timeout=0.5), portal=portal
             ) as producer,
         ):
+            redis_server.stop()  # nothing listens on its port now
             started = time.monotonic()
             with pytest.raises(SendTimeoutError):
                 producer.send("t", b"x")

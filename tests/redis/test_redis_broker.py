@@ -468,3 +468,68 @@ def test_constructor_checks_argument_types(kwargs: dict[str, Any], fragment: str
     with pytest.raises(ConfigurationError) as info:
         RedisBroker(**kwargs)
     assert fragment in str(info.value)
+
+
+async def _send_three(broker: RedisBroker) -> str:
+    await broker.create_topic("t", 1)
+    for i in range(3):
+        await broker.send("t", b"m%d" % i, queue_id=0)
+    return f"{broker.namespace}:q:t:0"
+
+
+async def test_a_foreign_entry_is_named_by_pulls_and_refused_by_send(broker: RedisBroker) -> None:
+    stream = await _send_three(broker)
+    foreign = (await broker.redis.execute_command("XADD", stream, "*", "body", "x")).decode()
+    mq = MessageQueue("t", 0)
+    broker.read_ahead = 0  # what comes before the foreign entry is still served
+    assert [m.queue_offset for m in (await broker.pull(mq, 0, 2)).messages] == [0, 1]
+    with pytest.raises(SourceError, match=f"stream {stream} holds a foreign entry {foreign}"):
+        await broker.pull(mq, 2, 10)
+    with pytest.raises(SourceError, match=f"FOREIGN stream {stream} holds entry {foreign}") as sent:
+        await broker.send("t", b"mine", queue_id=0)
+    assert not sent.value.retriable
+    # Nothing written, the counter not raised by the failed send.
+    assert await broker.redis.get(f"{broker.namespace}:seq:t:0") == b"3"
+    assert await broker.redis.xlen(stream) == 4
+
+
+async def test_a_foreign_entry_with_our_fields_past_the_counter_is_detected(
+    broker: RedisBroker,
+) -> None:
+    stream = await _send_three(broker)
+    foreign = await broker.redis.execute_command(
+        "XADD", stream, "*", "i", "someone", "b", "else", "t", "0"
+    )
+    mq = MessageQueue("t", 0)
+    for offset in (0, 3):  # read with ours, and alone
+        with pytest.raises(SourceError, match="past the queue's last offset 3") as pulled:
+            await broker.pull(mq, offset, 10)
+        assert foreign.decode() in str(pulled.value)
+
+
+async def test_a_foreign_entry_id_with_a_sequence_part_is_detected(broker: RedisBroker) -> None:
+    stream = await _send_three(broker)
+    await broker.redis.execute_command("XADD", stream, "3-1", "i", "x", "b", "y", "t", "0")
+    with pytest.raises(SourceError, match="holds a foreign entry 3-1"):
+        await broker.pull(MessageQueue("t", 0), 0, 10)
+    with pytest.raises(SourceError, match="holds entry 3-1"):
+        await broker.send("t", b"mine", queue_id=0)
+    assert await broker.redis.get(f"{broker.namespace}:seq:t:0") == b"3"
+
+
+async def test_a_stream_of_foreign_entries_only_never_hands_out_offsets(
+    broker: RedisBroker,
+) -> None:
+    await broker.create_topic("t", 1)
+    stream = f"{broker.namespace}:q:t:0"
+    for i in range(3):
+        await broker.redis.execute_command("XADD", stream, "*", "v", str(i))
+    mq = MessageQueue("t", 0)
+    with pytest.raises(SourceError, match="foreign entry"):
+        await broker.pull(mq, 0, 10)
+    with pytest.raises(SourceError, match="foreign entry"):
+        await broker.min_offset(mq)
+    for _ in range(2):
+        with pytest.raises(SourceError, match="FOREIGN"):
+            await broker.send("t", b"mine", queue_id=0)
+    assert await broker.redis.get(f"{broker.namespace}:seq:t:0") is None
