@@ -21,10 +21,11 @@ import itertools
 import math
 import os
 import time
+import urllib.parse
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -46,9 +47,9 @@ from ._redis_codec import (
     _message_fields,
     _pack,
 )
-from ._redis_connection import RedisConnection
+from ._redis_connection import RedisConnection, RedisScript
 from ._redis_coordinator import RedisCoordinator
-from ._redis_scripts import DELAY_LUA, RELEASE_LUA, SEND_LUA
+from ._redis_scripts import DELAY_LUA, MIN_OFFSET_LUA, RELEASE_LUA, SEND_LUA
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -60,9 +61,6 @@ from ._source import (
     origin_properties,
     retry_topic,
 )
-
-if TYPE_CHECKING:
-    import redis.asyncio as aioredis
 
 __all__ = ("RedisBroker", "RedisBrokerStatistics")
 
@@ -87,10 +85,6 @@ _MAX_BUFFERED = 1024
 """Read-ahead buffers kept at most (one per queue and offset a pull will continue
 from); past this the oldest is dropped (a stale one is left by a consumer that moved
 elsewhere: reset, stopped, or lost the queue)."""
-
-
-def _raw_reply(response: Any, **options: Any) -> Any:
-    return response
 
 
 def _check_seconds(name: str, value: object) -> None:
@@ -142,7 +136,9 @@ class RedisBroker(MessageSource):
     ``PING`` and raises :class:`~stagedconsumer.SourceError` within
     ``connect_timeout`` seconds (5 by default) when Redis is not there.
 
-    Runs on asyncio only (redis-py's asyncio client), not on trio.
+    Runs on asyncio (with redis-py's asyncio client, replies parsed by hiredis) and on
+    trio (with coredis, anyio-based); the event loop it is entered on picks the
+    client. On trio it must be entered before use.
 
     :meth:`group_coordinator` provides membership and queue locks for consumer
     groups spread over several processes, with ``group_options``.
@@ -195,19 +191,16 @@ class RedisBroker(MessageSource):
         self.url = url
         self.namespace = namespace
         self.send_timeout = send_timeout
-        connection = RedisConnection.from_url(
+        connection = RedisConnection(
             url, socket_timeout=socket_timeout, connect_timeout=connect_timeout
         )
         # Redis may have restarted without its data: offsets could be reused.
         connection.on_connection_error.append(self._buffered.clear)
         self._connection = connection
-        client = self._redis = connection.client
-        self._send_script = client.register_script(SEND_LUA)
-        self._release_script = client.register_script(RELEASE_LUA)
-        # Raw XRANGE replies ([id, [field, value, ...]]): _decode_entries reads them positionally.
-        client.set_response_callback("XRANGE", _raw_reply)
-        client.set_response_callback("XREAD", _raw_reply)
-        self._delay_script = client.register_script(DELAY_LUA)
+        self._send_script = RedisScript(connection, SEND_LUA)
+        self._release_script = RedisScript(connection, RELEASE_LUA)
+        self._delay_script = RedisScript(connection, DELAY_LUA)
+        self._min_offset_script = RedisScript(connection, MIN_OFFSET_LUA)
         self._topic_cache: dict[str, int] = {}
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
@@ -242,7 +235,7 @@ class RedisBroker(MessageSource):
         retried with backoff (see the class documentation).
         """
         try:
-            await self._connection.ping(self.connect_timeout)
+            await self._connection.open(self.connect_timeout)
         except BaseException:
             await self.aclose()
             raise
@@ -262,9 +255,17 @@ class RedisBroker(MessageSource):
         await self._connection.aclose()
 
     @property
-    def redis(self) -> aioredis.Redis:
-        """The redis-py asyncio client (for tools and tests)."""
-        return self._redis
+    def redis(self) -> Any:
+        """The Redis client in use, for tools: redis-py's ``redis.asyncio.Redis`` on
+        asyncio, ``coredis.Redis`` on trio (``None`` before the broker was entered
+        or first used). Its replies are raw (no response callbacks)."""
+        return self._connection.client if self._connection.library else None
+
+    @property
+    def client_library(self) -> str | None:
+        """The client in use: ``"redis-py"`` (asyncio) or ``"coredis"`` (trio);
+        ``None`` before the broker was entered or first used."""
+        return self._connection.library
 
     @property
     def connection_errors(self) -> int:
@@ -274,11 +275,10 @@ class RedisBroker(MessageSource):
 
     def store_host(self) -> str:
         """The Redis server's ``host:port`` (its socket path for a ``unix://`` URL)."""
-        kwargs = self._redis.connection_pool.connection_kwargs
-        path = kwargs.get("path")
-        if path:
-            return str(path)
-        return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        parsed = urllib.parse.urlparse(self.url)
+        if parsed.scheme == "unix":
+            return parsed.path
+        return f"{parsed.hostname or 'localhost'}:{parsed.port or 6379}"
 
     def group_coordinator(self) -> RedisCoordinator:
         return self._coordinator
@@ -299,9 +299,11 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(f"queue_count must be a positive int, got {queue_count!r}")
         key = self._topics_key
 
+        execute = self._connection.execute
+
         async def create() -> Any:
-            await self._redis.hsetnx(key, topic, queue_count)
-            return await self._redis.hget(key, topic)
+            await execute("HSETNX", key, topic, queue_count)
+            return await execute("HGET", key, topic)
 
         stored = int(await self._retrying(f"creating topic {topic!r}", create))
         if stored != queue_count:
@@ -319,7 +321,8 @@ class RedisBroker(MessageSource):
         if cached is not None:
             return cached
         value = await self._retrying(
-            f"reading topic {topic!r}", lambda: self._redis.hget(self._topics_key, topic)
+            f"reading topic {topic!r}",
+            lambda: self._connection.execute("HGET", self._topics_key, topic),
         )
         if value is None:
             raise UnknownTopicError(
@@ -511,7 +514,7 @@ class RedisBroker(MessageSource):
         what = f"pulling {mq} at {offset}"
         start = b"%d-0" % (offset + 1)
         count = max(max_count, self.read_ahead)
-        redis = self._redis
+        connection = self._connection
         while True:
             wait_ms = -1
             if release_keys is not None:
@@ -519,11 +522,8 @@ class RedisBroker(MessageSource):
                     self._release_script, keys=release_keys, args=[_RELEASE_BATCH]
                 )
                 wait_ms = int(await self._connection.call(what, release))
-            entries = await self._connection.call(
-                what,
-                lambda: redis.execute_command(  # type: ignore[no-untyped-call]
-                    "XRANGE", stream, start, "+", "COUNT", count
-                ),
+            entries = await connection.call(
+                what, lambda: connection.execute("XRANGE", stream, start, "+", "COUNT", count)
             )
             if entries or not timeout:
                 break
@@ -549,7 +549,9 @@ class RedisBroker(MessageSource):
                 return self._serve(topic, queue_id, messages, end, max_count)
             # Entries were deleted (XDEL, MAXLEN), or one is foreign: the counter
             # tells, every entry the broker wrote is below it.
-            max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
+            max_offset = int(
+                await connection.call(what, lambda: connection.execute("GET", seq)) or 0
+            )
             if end > max_offset:
                 entry = next(m for m in messages if m.queue_offset >= max_offset)
                 raise _foreign_error(
@@ -558,7 +560,7 @@ class RedisBroker(MessageSource):
                     f"past the queue's last offset {max_offset}",
                 )
             return self._serve(topic, queue_id, messages, max_offset, max_count)
-        max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
+        max_offset = int(await connection.call(what, lambda: connection.execute("GET", seq)) or 0)
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
 
     def _serve(
@@ -590,8 +592,16 @@ class RedisBroker(MessageSource):
     ) -> list[Any]:
         """``XREAD BLOCK``: the entries from ``offset`` on once there are any (raw)."""
         block_ms = max(1, int(block * 1000))
-        reply = await self._redis.execute_command(  # type: ignore[no-untyped-call]
-            "XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", stream, b"%d-0" % offset
+        reply = await self._connection.execute(
+            "XREAD",
+            "COUNT",
+            count,
+            "BLOCK",
+            block_ms,
+            "STREAMS",
+            stream,
+            b"%d-0" % offset,
+            keys=(5,),
         )
         if not reply:
             return []
@@ -605,7 +615,7 @@ class RedisBroker(MessageSource):
             await self.pull(mq, 2**62, 1)
         value = await self._retrying(
             f"reading the max offset of {mq}",
-            lambda: self._redis.get(self._seq_key(mq.topic, mq.queue_id)),
+            lambda: self._connection.execute("GET", self._seq_key(mq.topic, mq.queue_id)),
         )
         return int(value or 0)
 
@@ -613,7 +623,7 @@ class RedisBroker(MessageSource):
         """The offset of the first entry still stored, or, when there is none, the
         offset the next message will get.
 
-        The first entry and the counter are read in one ``MULTI``: read one after the
+        The first entry and the counter are read in one Lua script: read one after the
         other, a queue seen empty could be reported at a counter that messages sent
         in between already moved on, and a consumer starting there (a queue without
         committed progress) would skip them.
@@ -623,13 +633,10 @@ class RedisBroker(MessageSource):
         stream = self._stream_key(mq.topic, mq.queue_id)
         seq = self._seq_key(mq.topic, mq.queue_id)
 
-        async def read() -> list[Any]:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.xrange(stream, "-", "+", count=1)
-                pipe.get(seq)
-                return list(await pipe.execute())
-
-        first, counter = await self._retrying(f"reading the min offset of {mq}", read)
+        first, counter = await self._retrying(
+            f"reading the min offset of {mq}",
+            lambda: self._min_offset_script(keys=[stream, seq]),
+        )
         if first:
             entry_id: Any = first[0][0]
             raw_id = entry_id if isinstance(entry_id, bytes) else entry_id.encode()
@@ -689,7 +696,8 @@ class RedisBroker(MessageSource):
         """Retries of ``group`` not yet due."""
         return int(
             await self._retrying(
-                "counting delayed retries", lambda: self._redis.zcard(self._delay_key(group))
+                "counting delayed retries",
+                lambda: self._connection.execute("ZCARD", self._delay_key(group)),
             )
         )
 
@@ -703,8 +711,16 @@ class RedisBroker(MessageSource):
     async def delete_namespace(self) -> int:
         """Delete every key of this broker's namespace (tests, tools). Returns how many."""
         deleted = 0
-        async for key in self._redis.scan_iter(match=f"{self.namespace}:*", count=1000):
-            deleted += int(await self._redis.delete(key))
+        execute = self._connection.execute
+        cursor: Any = b"0"
+        while True:
+            cursor, keys = await execute(
+                "SCAN", cursor, "MATCH", f"{self.namespace}:*", "COUNT", 1000, keys=()
+            )
+            for key in keys:
+                deleted += int(await execute("DEL", key))
+            if int(cursor) == 0:
+                break
         self._topic_cache.clear()
         self._buffered.clear()
         return deleted

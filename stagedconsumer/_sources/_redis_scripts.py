@@ -26,6 +26,7 @@ from __future__ import annotations
 
 __all__ = (
     "DELAY_LUA",
+    "MIN_OFFSET_LUA",
     "HEARTBEAT_LUA",
     "LOCK_LUA",
     "RELEASE_LUA",
@@ -67,6 +68,15 @@ that is not ``<n>-0``, or past the counter: a plain ``XADD key *`` by another
 application) makes the script fail with a ``FOREIGN`` error naming it, before
 anything is written. The counter is set after the appends, so an ``XADD`` that fails
 (a script error stops there; Redis does not roll back) never leaves it raised.
+"""
+
+MIN_OFFSET_LUA = """
+return {redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1), redis.call('GET', KEYS[2]) or '0'}
+"""
+"""A queue's first entry and its counter, read atomically.
+
+KEYS: the queue's stream, its ``seq`` counter. Returns ``{entries, counter}``: the
+first entry (an empty list when there is none) and the counter (``'0'`` when unset).
 """
 
 UNPACK_LUA = """
