@@ -40,16 +40,27 @@ from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
 from ._group import GroupOptions
 from ._redis_codec import (
+    EntryDecoder,
+    _attached_id,
+    _attached_offset,
+    _decode_attached,
     _decode_entries,
     _encode_fields,
     _entry_offset,
     _ForeignEntry,
     _message_fields,
     _pack,
+    default_entry_decoder,
 )
 from ._redis_connection import RedisConnection, RedisScript
 from ._redis_coordinator import RedisCoordinator
-from ._redis_scripts import DELAY_LUA, MIN_OFFSET_LUA, RELEASE_LUA, SEND_LUA
+from ._redis_scripts import (
+    DELAY_LUA,
+    MIN_OFFSET_LUA,
+    OFFSET_FOR_TIME_LUA,
+    RELEASE_LUA,
+    SEND_LUA,
+)
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -97,6 +108,14 @@ def _check_seconds(name: str, value: object) -> None:
         raise ConfigurationError(
             f"{name} must be a positive, finite number of seconds, got {value!r}"
         )
+
+
+@attrs.frozen
+class _Attached:
+    """A topic attached to streams written by other applications."""
+
+    stream_keys: tuple[str, ...]
+    decode: EntryDecoder
 
 
 def _foreign_error(stream: str, exc: _ForeignEntry, why: str = "") -> SourceError:
@@ -201,7 +220,9 @@ class RedisBroker(MessageSource):
         self._release_script = RedisScript(connection, RELEASE_LUA)
         self._delay_script = RedisScript(connection, DELAY_LUA)
         self._min_offset_script = RedisScript(connection, MIN_OFFSET_LUA)
+        self._offset_for_time_script = RedisScript(connection, OFFSET_FOR_TIME_LUA)
         self._topic_cache: dict[str, int] = {}
+        self._attached: dict[str, _Attached] = {}
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
         self._id_seq = itertools.count()
@@ -317,6 +338,9 @@ class RedisBroker(MessageSource):
         """The number of queues of ``topic`` (1 for retry and DLQ topics)."""
         if _is_system(topic):
             return 1
+        attached = self._attached.get(topic)
+        if attached is not None:
+            return len(attached.stream_keys)
         cached = self._topic_cache.get(topic)
         if cached is not None:
             return cached
@@ -392,6 +416,7 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(f"cannot send to system topic {topic!r}")
         properties = with_traceparent(outgoing.properties)
         key_tuple, tags, body = outgoing.keys, outgoing.tags, outgoing.body
+        self._check_not_attached(topic)
         qid = await self._pick_queue(topic, key_tuple, queue_id)
         msg_id = self._next_id()
         born = time.time()
@@ -412,6 +437,7 @@ class RedisBroker(MessageSource):
     async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
         """One Lua call appends every message (consecutive offsets); no retry here."""
         topic, queue_id = mq.topic, mq.queue_id
+        self._check_not_attached(topic)
         count = await self.queue_count(topic)
         if not 0 <= queue_id < count:
             raise ConfigurationError(
@@ -458,6 +484,7 @@ class RedisBroker(MessageSource):
     ) -> int:
         """Append many key-less messages (round-robin over queues, or all to
         ``queue_id``), ``chunk`` per Lua call per queue. Returns how many."""
+        self._check_not_attached(topic)
         count = await self.queue_count(topic)
         pending: dict[int, list[list[bytes]]] = {}
         total = 0
@@ -505,6 +532,10 @@ class RedisBroker(MessageSource):
             buffered = self._buffered.pop((topic, queue_id, offset), None)
             if buffered is not None:
                 return self._serve(topic, queue_id, *buffered, max_count)
+        if self._attached:
+            attached = self._attached.get(topic)
+            if attached is not None:
+                return await self._pull_attached(mq, attached, offset, max_count, timeout)
         stream = self._stream_key(topic, queue_id)
         seq = self._seq_key(topic, queue_id)
         release_keys: list[str] | None = None
@@ -610,6 +641,11 @@ class RedisBroker(MessageSource):
         return list(reply[0][1])
 
     async def max_offset(self, mq: MessageQueue) -> int:
+        """The offset the next message of ``mq`` will get (for an attached stream: one
+        past its last entry ever written, ``XINFO STREAM``'s ``last-generated-id``)."""
+        attached = self._attached.get(mq.topic)
+        if attached is not None:
+            return await self._attached_end(mq, attached.stream_keys[mq.queue_id])
         if mq.topic.startswith(RETRY_PREFIX):
             # Release due retries first, as the embedded broker does.
             await self.pull(mq, 2**62, 1)
@@ -628,6 +664,16 @@ class RedisBroker(MessageSource):
         in between already moved on, and a consumer starting there (a queue without
         committed progress) would skip them.
         """
+        attached = self._attached.get(mq.topic)
+        if attached is not None:
+            key = attached.stream_keys[mq.queue_id]
+            first = await self._retrying(
+                f"reading the min offset of {mq}",
+                lambda: self._connection.execute("XRANGE", key, "-", "+", "COUNT", 1),
+            )
+            if first:
+                return self._attached_offset_of(key, first[0][0])
+            return await self._attached_end(mq, key)
         if mq.topic.startswith(RETRY_PREFIX):
             await self.pull(mq, 2**62, 1)  # release due retries first, as max_offset does
         stream = self._stream_key(mq.topic, mq.queue_id)
@@ -650,6 +696,37 @@ class RedisBroker(MessageSource):
                 )
             return offset
         return int(counter or 0)
+
+    async def offset_for_timestamp(self, mq: MessageQueue, timestamp: float) -> int:
+        """The offset of the first message of ``mq`` born at or after ``timestamp``
+        (seconds since the epoch), or the max offset when there is none.
+
+        An attached stream's entry ids are times: one ``XRANGE`` from
+        ``<timestamp in ms>-0``. The broker's own queues store the born time (the
+        producer's clock) in every entry: a binary search over offsets, in one Lua
+        script (``OFFSET_FOR_TIME_LUA``), as the embedded broker searches its born
+        times.
+        """
+        ms = max(math.ceil(timestamp * 1000), 0)
+        attached = self._attached.get(mq.topic)
+        if attached is not None:
+            key = attached.stream_keys[mq.queue_id]
+            first = await self._retrying(
+                f"finding the offset of {mq} at {timestamp}",
+                functools.partial(
+                    self._connection.execute, "XRANGE", key, b"%d-0" % ms, "+", "COUNT", 1
+                ),
+            )
+            if first:
+                return self._attached_offset_of(key, first[0][0])
+            return await self.max_offset(mq)
+        keys = [self._stream_key(mq.topic, mq.queue_id), self._seq_key(mq.topic, mq.queue_id)]
+        return int(
+            await self._retrying(
+                f"finding the offset of {mq} at {timestamp}",
+                lambda: self._offset_for_time_script(keys=keys, args=[ms]),
+            )
+        )
 
     async def send_back(
         self,
@@ -678,6 +755,187 @@ class RedisBroker(MessageSource):
     async def send_to_dlq(self, group: str, message: Message) -> None:
         fields = _message_fields(message, origin_properties(message))
         await self._append(dlq_topic(group), 0, [fields])
+
+    # -- streams written by other applications ---------------------------------------------
+
+    async def attach_stream(
+        self,
+        topic: str,
+        stream_keys: Sequence[str] | str,
+        *,
+        body_field: str = "body",
+        decode: EntryDecoder | None = None,
+    ) -> list[MessageQueue]:
+        """Consume existing streams, written by other applications with plain ``XADD``,
+        as the queues of ``topic``: one stream per queue, in the order given.
+
+        Nothing is written to Redis (no topic entry, no Lua producer); the streams may
+        not exist yet. Every process of a consumer group attaches the same streams in
+        the same order before its consumer starts; consumer groups, queue locks,
+        fencing and the offset store work as for the broker's own topics.
+
+        - **Offsets** come from the entry ids: ``<ms>-<seq>`` is offset
+          ``ms * 2**19 + seq``, ordered as the ids and never shared by two entries (an
+          id whose sequence part reaches 2**19 makes pulls raise
+          :class:`~stagedconsumer.SourceError` naming it). Offsets are sparse: a pull
+          resumes after the last finished entry, staged consumption counts stage
+          offsets in messages, and the concurrent mode's span limit counts messages.
+        - **Messages**: ``decode(entry_id, fields)`` returns the content as an
+          :class:`~stagedconsumer.OutgoingMessage`; by default
+          (``default_entry_decoder(body_field)``) ``body_field`` is the body and every
+          other field a property. The message id is the entry id, the born time the
+          id's milliseconds.
+        - **Lag**: :meth:`max_offset` is one past the stream's last entry ever written
+          (``XINFO STREAM``), so max offset minus committed offset is an id distance;
+          :meth:`entries_after` counts the entries.
+
+        ``send`` to an attached topic raises :class:`~stagedconsumer.ConfigurationError`
+        (the other applications write these streams). Failed messages go through the
+        group's retry queue as usual. Returns the topic's queues.
+        """
+        if not topic or not isinstance(topic, str):
+            raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
+        if _is_system(topic):
+            raise ConfigurationError(f"topic {topic!r} uses a reserved prefix")
+        keys = (stream_keys,) if isinstance(stream_keys, str) else tuple(stream_keys)
+        if not keys or not all(isinstance(key, str) and key for key in keys):
+            raise ConfigurationError(
+                f"stream_keys must be one or more stream key strings, got {stream_keys!r}"
+            )
+        if len(set(keys)) != len(keys):
+            raise ConfigurationError(f"stream_keys repeat a key: {keys!r}")
+        if not isinstance(body_field, str) or not body_field:
+            raise ConfigurationError(f"body_field must be a non-empty string, got {body_field!r}")
+        if decode is not None and not callable(decode):
+            raise ConfigurationError(f"decode must be callable, got {decode!r}")
+        if topic in self._topic_cache:
+            raise ConfigurationError(f"topic {topic!r} is one of the broker's own topics")
+        previous = self._attached.get(topic)
+        if previous is not None and previous.stream_keys != keys:
+            raise ConfigurationError(
+                f"topic {topic!r} is attached to {list(previous.stream_keys)} already"
+            )
+        execute = self._connection.execute
+        for key in keys:
+            kind = await self._retrying(
+                f"checking stream {key}", functools.partial(execute, "TYPE", key)
+            )
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            if kind not in ("stream", "none"):
+                raise ConfigurationError(f"key {key!r} is a {kind}, not a stream")
+        self._attached[topic] = _Attached(keys, decode or default_entry_decoder(body_field))
+        return [MessageQueue(topic, i) for i in range(len(keys))]
+
+    def _check_not_attached(self, topic: str) -> None:
+        if topic in self._attached:
+            raise ConfigurationError(
+                f"topic {topic!r} is attached to streams other applications write"
+                " (attach_stream): write to them with XADD, not through the broker"
+            )
+
+    @staticmethod
+    def _attached_offset_error(stream: str, exc: _ForeignEntry) -> SourceError:
+        return SourceError(
+            f"stream {stream}: entry {exc.entry_id.decode()} has a sequence part of"
+            " 2**19 or more, which attached streams cannot map to an offset",
+            retriable=False,
+        )
+
+    def _attached_offset_of(self, stream: str, entry_id: bytes) -> int:
+        try:
+            return _attached_offset(entry_id)
+        except _ForeignEntry as exc:
+            raise self._attached_offset_error(stream, exc) from None
+
+    async def _attached_end(self, mq: MessageQueue, key: str) -> int:
+        """One past the offset of the last entry ever written to ``key`` (0: none)."""
+        execute = self._connection.execute
+
+        async def last_id() -> Any:
+            if not await execute("EXISTS", key):
+                return b"0-0"
+            info = await execute("XINFO", "STREAM", key)
+            if isinstance(info, dict):  # RESP3
+                return info.get(b"last-generated-id", b"0-0")
+            fields = dict(zip(info[::2], info[1::2], strict=False))
+            return fields.get(b"last-generated-id", b"0-0")
+
+        entry_id = await self._retrying(f"reading the max offset of {mq}", last_id)
+        raw = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
+        if raw == b"0-0":
+            return 0
+        return self._attached_offset_of(key, raw) + 1
+
+    async def entries_after(self, mq: MessageQueue, offset: int, limit: int = 100_000) -> int:
+        """How many entries of ``mq`` are at ``offset`` or later, counted up to
+        ``limit``: the lag of a consumer whose committed offset is ``offset``, in
+        messages (on the broker's own topics ``max_offset - offset``, no counting)."""
+        attached = self._attached.get(mq.topic)
+        if attached is None:
+            return max(await self.max_offset(mq) - offset, 0)
+        key = attached.stream_keys[mq.queue_id]
+        execute = self._connection.execute
+        start = _attached_id(max(offset, 0))
+        count = 0
+        while count < limit:
+            batch = min(1000, limit - count)
+            entries = await self._retrying(
+                f"counting entries of {mq}",
+                functools.partial(execute, "XRANGE", key, start, "+", "COUNT", batch),
+            )
+            count += len(entries)
+            if len(entries) < batch:
+                break
+            start = _attached_id(self._attached_offset_of(key, entries[-1][0]) + 1)
+        return count
+
+    async def _pull_attached(
+        self, mq: MessageQueue, attached: _Attached, offset: int, max_count: int, timeout: float
+    ) -> PullResult:
+        """:meth:`pull` on an attached stream: ``XRANGE`` from the entry id of
+        ``offset``, ``XREAD BLOCK`` to long poll."""
+        topic, queue_id = mq.topic, mq.queue_id
+        key = attached.stream_keys[queue_id]
+        what = f"pulling {mq} ({key}) at {offset}"
+        count = max(max_count, self.read_ahead)
+        connection = self._connection
+        execute = connection.execute
+        start = _attached_id(offset)
+        entries = await connection.call(
+            what, functools.partial(execute, "XRANGE", key, start, "+", "COUNT", count)
+        )
+        if not entries and timeout > 0:
+            deadline = time.monotonic() + timeout
+            after = _attached_id(offset - 1) if offset > 0 else b"0-0"
+            while not entries:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                block_ms = max(1, int(min(remaining, _MAX_BLOCK) * 1000))
+                reply = await connection.call(
+                    what,
+                    functools.partial(
+                        execute, "XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", key, after,
+                        keys=(5,),
+                    ),
+                )  # fmt: skip
+                if reply:
+                    if isinstance(reply, dict):  # RESP3: a map of stream -> entries
+                        entries = list(next(iter(reply.values())))
+                    else:
+                        entries = list(reply[0][1])
+        if not entries:
+            return PullResult(messages=[], next_offset=offset, max_offset=offset)
+        try:
+            messages = _decode_attached(topic, queue_id, entries, attached.decode)
+        except _ForeignEntry as exc:
+            raise self._attached_offset_error(key, exc) from None
+        except Exception as exc:
+            raise SourceError(
+                f"{what}: the decoder failed on an entry: {exc!r}", retriable=False
+            ) from exc
+        end = messages[-1].queue_offset + 1
+        return self._serve(topic, queue_id, messages, end, max_count)
 
     # -- inspection ---------------------------------------------------------------------------
 

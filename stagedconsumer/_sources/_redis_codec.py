@@ -13,13 +13,14 @@ Pure functions, nothing here talks to Redis; their names stay private (as
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from .._message import (
     EMPTY_PROPERTIES,
     Message,
+    OutgoingMessage,
     _new_message,
     _set_body,
     _set_born_timestamp,
@@ -168,3 +169,91 @@ def _set_fields(message: Message, entry_id: bytes, raw: Sequence[bytes]) -> None
     _set_msg_id(message, fields[b"i"].decode())
     _set_born_timestamp(message, int(fields[b"t"]) / 1000)
     _set_reconsume_times(message, int(r) if r is not None else 0)
+
+
+# -- streams written by other applications (RedisBroker.attach_stream) ----------------------
+
+_SEQ_BITS = 19
+"""Bits of an attached entry's offset that hold its id's sequence part."""
+_SEQ_LIMIT = 1 << _SEQ_BITS
+_SEQ_MASK = _SEQ_LIMIT - 1
+
+EntryDecoder = Callable[[str, Mapping[bytes, bytes]], OutgoingMessage]
+"""Turns an entry of an attached stream (its id, its fields) into a message's
+content: body, keys, tags, properties. The broker adds the topic, queue, offset,
+message id (the entry id) and born time (the id's milliseconds)."""
+
+
+def _attached_offset(entry_id: bytes) -> int:
+    """The queue offset of an attached stream's entry: ``ms << 19 | seq``.
+
+    Order-preserving and without loss for every id whose sequence part is below 2**19
+    (524,288 entries in one millisecond; ``XADD *`` numbers them from 0 each
+    millisecond); an id past that raises :class:`_ForeignEntry` rather than share an
+    offset. Offsets stay below 2**63 until the year 2527.
+    """
+    ms, _, seq = entry_id.partition(b"-")
+    sequence = int(seq or b"0")
+    if sequence >= _SEQ_LIMIT:
+        raise _ForeignEntry(entry_id)
+    return int(ms) << _SEQ_BITS | sequence
+
+
+def _attached_id(offset: int) -> bytes:
+    """The smallest entry id whose offset is at least ``offset``."""
+    return b"%d-%d" % (offset >> _SEQ_BITS, offset & _SEQ_MASK)
+
+
+def default_entry_decoder(
+    body_field: str = "body", *, keys_field: str | None = None, tags_field: str | None = None
+) -> EntryDecoder:
+    """The decoder :meth:`RedisBroker.attach_stream <stagedconsumer.RedisBroker.attach_stream>`
+    uses by default: ``body_field``'s value is the body (empty when the entry has none),
+    ``keys_field``'s value (when given) the message key, ``tags_field``'s the tag, and
+    every other field a property (names and values read as UTF-8, undecodable bytes
+    replaced)."""
+    body_name = body_field.encode()
+    keys_name = keys_field.encode() if keys_field else None
+    tags_name = tags_field.encode() if tags_field else None
+
+    def decode(entry_id: str, fields: Mapping[bytes, bytes]) -> OutgoingMessage:
+        properties = {
+            name.decode(errors="replace"): value.decode(errors="replace")
+            for name, value in fields.items()
+            if name not in (body_name, keys_name, tags_name)
+        }
+        key = fields.get(keys_name) if keys_name else None
+        tag = fields.get(tags_name) if tags_name else None
+        return OutgoingMessage(
+            body=bytes(fields.get(body_name, b"")),
+            keys=(key.decode(errors="replace"),) if key is not None else (),
+            tags=tag.decode(errors="replace") if tag is not None else None,
+            properties=properties,
+        )
+
+    return decode
+
+
+def _decode_attached(
+    topic: str, queue_id: int, entries: Sequence[Any], decode: EntryDecoder
+) -> list[Message]:
+    """Raw ``XRANGE`` entries of an attached stream as :class:`Message` objects."""
+    out: list[Message] = []
+    for entry_id, raw in entries:
+        offset = _attached_offset(entry_id)
+        text_id = entry_id.decode()
+        content = decode(text_id, dict(zip(raw[::2], raw[1::2], strict=True)))
+        out.append(
+            Message(
+                topic=topic,
+                queue_id=queue_id,
+                queue_offset=offset,
+                body=content.body,
+                keys=content.keys,
+                tags=content.tags,
+                properties=content.properties,
+                msg_id=text_id,
+                born_timestamp=(offset >> _SEQ_BITS) / 1000,
+            )
+        )
+    return out

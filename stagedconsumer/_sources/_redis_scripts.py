@@ -27,6 +27,7 @@ from __future__ import annotations
 __all__ = (
     "DELAY_LUA",
     "MIN_OFFSET_LUA",
+    "OFFSET_FOR_TIME_LUA",
     "HEARTBEAT_LUA",
     "LOCK_LUA",
     "RELEASE_LUA",
@@ -77,6 +78,39 @@ return {redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1), redis.call('GET', K
 
 KEYS: the queue's stream, its ``seq`` counter. Returns ``{entries, counter}``: the
 first entry (an empty list when there is none) and the counter (``'0'`` when unset).
+"""
+
+OFFSET_FOR_TIME_LUA = """
+local ts = tonumber(ARGV[1])
+local hi = tonumber(redis.call('GET', KEYS[2]) or '0')
+local lo = 0
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if first then lo = tonumber(string.match(first[1], '^(%d+)')) - 1 else return hi end
+local function born(entry)
+  local f = entry[2]
+  for i = 1, #f, 2 do
+    if f[i] == 't' then return tonumber(f[i + 1]) end
+  end
+  return 0
+end
+while lo < hi do
+  local mid = math.floor((lo + hi) / 2)
+  local e = redis.call('XRANGE', KEYS[1], (mid + 1) .. '-0', '+', 'COUNT', 1)[1]
+  if not e then
+    hi = mid
+  else
+    local off = tonumber(string.match(e[1], '^(%d+)')) - 1
+    if born(e) >= ts then hi = mid else lo = off + 1 end
+  end
+end
+return lo
+"""
+"""The offset of the first message of a queue born at or after a time.
+
+KEYS: the queue's stream, its ``seq`` counter. ARGV: the time in ms since the epoch.
+A binary search over offsets on the born time (``t`` field) of the first entry at or
+after each probe; born times come from the producers' clocks, so the answer is exact
+when they grow along the queue. Returns the counter when every message is older.
 """
 
 UNPACK_LUA = """
