@@ -5,8 +5,14 @@ sparse offsets, flow control in messages, lag, decoders, start by time."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import subprocess
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from urllib.parse import urlparse
 
 import anyio
 import pytest
@@ -273,3 +279,48 @@ async def test_offset_for_timestamp_on_attached_and_own_streams(
     assert await broker.offset_for_timestamp(own, middle) == 5
     assert await broker.offset_for_timestamp(own, 0) == 0
     assert await broker.offset_for_timestamp(own, time.time() + 60) == 12
+
+
+def _readme_blocks() -> tuple[str, str]:
+    """The shell and Python blocks of the README's 'Streams written by other
+    applications' section."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Streams written by other applications", 1)[1]
+    shell = re.search(r"```sh\n(.*?)```", section, re.S)
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert shell is not None
+    assert code is not None
+    return shell.group(1), code.group(1)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_readme_example_written_with_redis_cli_and_consumed_staged(
+    backend: str, namespace: str, redis_url: str, inspect: redis.Redis, tmp_path: Path
+) -> None:
+    shell, code = _readme_blocks()
+    key = f"{namespace}:orders"  # the README's shop:orders, unique per test
+    port = str(urlparse(redis_url).port or 6379)
+    try:
+        for line in shell.strip().splitlines():
+            args = shlex.split(line.replace("shop:orders", key))
+            assert args[0] == "redis-cli"
+            subprocess.run(["redis-cli", "-p", port, *args[1:]], check=True, capture_output=True)
+        script = tmp_path / "example.py"
+        script.write_text(
+            code.replace("shop:orders", key)
+            .replace("redis://127.0.0.1:6379/0", redis_url)
+            .replace("anyio.run(main)", f"anyio.run(main, backend={backend!r})")
+        )
+        result = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        inspect.delete(key)
+    assert result.returncode == 0, result.stderr
+    lines = sorted(result.stdout.splitlines())  # entry ids sort as they were written
+    assert [line.split(" ", 2)[1:] for line in lines] == [
+        ["0", "order 1 {'shop': 's1'}"],
+        ["0", "order 2 {'shop': 's1'}"],
+        ["-1", "order 3 {'shop': 's2'}"],
+    ]
+    assert all(re.fullmatch(r"\d+-\d+", line.split()[0]) for line in lines)
