@@ -364,7 +364,7 @@ async def run_floor(
             def xrange(key: str, start: bytes) -> Any:
                 return client.execute_command("XRANGE", key, start, "+", "COUNT", batch)
 
-        keys = [f"{ns}:q:{TOPIC}:{q}" for q in range(QUEUES)]
+        keys = [f"{ns}:q:{{{TOPIC}:{q}}}" for q in range(QUEUES)]
         offsets = [0] * QUEUES
         start = time.perf_counter()
         got = 0

@@ -233,13 +233,14 @@ class RedisBroker(MessageSource):
     # -- keys ----------------------------------------------------------------------------
 
     def _stream_key(self, topic: str, queue_id: int) -> str:
-        return f"{self.namespace}:q:{topic}:{queue_id}"
+        return f"{self.namespace}:q:{{{topic}:{queue_id}}}"
 
     def _seq_key(self, topic: str, queue_id: int) -> str:
-        return f"{self.namespace}:seq:{topic}:{queue_id}"
+        return f"{self.namespace}:seq:{{{topic}:{queue_id}}}"
 
     def _delay_key(self, group: str) -> str:
-        return f"{self.namespace}:delay:{group}"
+        # the retry queue's hash tag: RELEASE_LUA moves from here into that queue
+        return f"{self.namespace}:delay:{{{RETRY_PREFIX}{group}:0}}"
 
     @property
     def _topics_key(self) -> str:

@@ -111,13 +111,13 @@ class RedisCoordinator(GroupCoordinator):
         return self._options
 
     def _lock_key(self, group: str, mq: MessageQueue) -> str:
-        return f"{self._namespace}:lock:{group}:{mq.topic}:{mq.queue_id}"
+        return f"{self._namespace}:lock:{{{group}}}:{mq.topic}:{mq.queue_id}"
 
     def _epoch_key(self, group: str, mq: MessageQueue) -> str:
-        return f"{self._namespace}:epoch:{group}:{mq.topic}:{mq.queue_id}"
+        return f"{self._namespace}:epoch:{{{group}}}:{mq.topic}:{mq.queue_id}"
 
     def _members_key(self, group: str) -> str:
-        return f"{self._namespace}:members:{group}"
+        return f"{self._namespace}:members:{{{group}}}"
 
     async def heartbeat(self, group: str, client_id: str) -> list[str]:
         ttl_ms = round(self._options.effective_member_ttl * 1000)

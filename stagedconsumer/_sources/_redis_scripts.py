@@ -2,13 +2,17 @@
 
 Key layout (``ns`` is the namespace, ``sc`` by default)::
 
-    ns:topics                      hash   topic -> queue count
-    ns:q:<topic>:<queue_id>        stream the queue's log
-    ns:seq:<topic>:<queue_id>      string the number of messages ever sent to the queue
-    ns:delay:<group>               zset   retries not yet due (score: due time, ms)
-    ns:members:<group>             zset   live members (score: expiry, ms)
-    ns:lock:<group>:<topic>:<qid>  hash   owner, epoch; expires (PEXPIRE) unless renewed
-    ns:epoch:<group>:<topic>:<qid> string last epoch handed out for that queue
+    ns:topics                          hash   topic -> queue count
+    ns:q:{<topic>:<queue_id>}          stream the queue's log
+    ns:seq:{<topic>:<queue_id>}        string the number of messages ever sent to the queue
+    ns:delay:{%RETRY%<group>:0}        zset   retries not yet due (score: due time, ms)
+    ns:members:{<group>}               zset   live members (score: expiry, ms)
+    ns:lock:{<group>}:<topic>:<qid>    hash   owner, epoch; expires (PEXPIRE) unless renewed
+    ns:epoch:{<group>}:<topic>:<qid>   string last epoch handed out for that queue
+
+The braces are Redis Cluster hash tags: every script touches one slot. A queue's
+stream and counter share its tag (a group's retry queue and its ``delay`` set too),
+a group's members, locks and epochs the group's.
 
 Queue offsets are stream entry ids: the message at offset ``n`` has the explicit id
 ``<n + 1>-0`` (Redis refuses ``0-0``). :data:`SEND_LUA` reads the queue's ``seq``

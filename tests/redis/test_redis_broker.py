@@ -43,7 +43,7 @@ async def test_offsets_are_consecutive_per_queue_and_entry_ids_derive_from_them(
     sent = [await broker.send("t", b"m%d" % i, queue_id=i % 2) for i in range(10)]
     assert [m.queue_offset for m in sent if m.queue_id == 0] == [0, 1, 2, 3, 4]
     assert [m.queue_offset for m in sent if m.queue_id == 1] == [0, 1, 2, 3, 4]
-    entries = inspect.xrange(f"{broker.namespace}:q:t:0", "-", "+")
+    entries = inspect.xrange(f"{broker.namespace}:q:{{t:0}}", "-", "+")
     assert [entry[0] for entry in entries] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
     assert await broker.max_offset(MessageQueue("t", 0)) == 5
     assert await broker.min_offset(MessageQueue("t", 0)) == 0
@@ -140,7 +140,7 @@ async def test_offsets_come_from_entry_ids_when_entries_were_deleted(
 ) -> None:
     await broker.create_topic("t", 1)
     await broker.send_many("t", [b"%d" % i for i in range(10)], queue_id=0)
-    inspect.xdel(f"{broker.namespace}:q:t:0", b"4-0", b"5-0")
+    inspect.xdel(f"{broker.namespace}:q:{{t:0}}", b"4-0", b"5-0")
     pulled = await broker.pull(MessageQueue("t", 0), 0, 32)
     assert [m.queue_offset for m in pulled.messages] == [0, 1, 2, 5, 6, 7, 8, 9]
     assert [m.body for m in pulled.messages] == [b"0", b"1", b"2", b"5", b"6", b"7", b"8", b"9"]
@@ -226,7 +226,7 @@ async def test_a_connection_error_drops_what_was_read_ahead(
         await broker.pull(mq, 7, 2)
     monkeypatch.setattr(connection, "execute", execute)
     ns = broker.namespace
-    inspect.delete(f"{ns}:q:t:0", f"{ns}:seq:t:0")  # the data loss
+    inspect.delete(f"{ns}:q:{{t:0}}", f"{ns}:seq:{{t:0}}")  # the data loss
     await broker.send_many("t", [b"new%d" % i for i in range(10)], queue_id=0)
     pulled = await broker.pull(mq, 2, 2)
     assert [m.body for m in pulled.messages] == [b"new2", b"new3"]
@@ -317,7 +317,7 @@ async def test_default_delay_level_follows_reconsume_times(
     await anyio.sleep(1.2)
     retry_mq = MessageQueue("%RETRY%g", 0)
     assert (await broker.pull(retry_mq, 0, 10)).messages == []
-    score = inspect.zrange(f"{broker.namespace}:delay:g", 0, 0, withscores=True)
+    score = inspect.zrange(f"{broker.namespace}:delay:{{%RETRY%g:0}}", 0, 0, withscores=True)
     server_now = inspect.time()[0]
     assert 8 <= score[0][1] / 1000 - server_now <= 10.5
 
@@ -492,7 +492,7 @@ async def _send_three(broker: RedisBroker) -> str:
     await broker.create_topic("t", 1)
     for i in range(3):
         await broker.send("t", b"m%d" % i, queue_id=0)
-    return f"{broker.namespace}:q:t:0"
+    return f"{broker.namespace}:q:{{t:0}}"
 
 
 async def test_a_foreign_entry_is_named_by_pulls_and_refused_by_send(
@@ -509,7 +509,7 @@ async def test_a_foreign_entry_is_named_by_pulls_and_refused_by_send(
         await broker.send("t", b"mine", queue_id=0)
     assert not sent.value.retriable
     # Nothing written, the counter not raised by the failed send.
-    assert inspect.get(f"{broker.namespace}:seq:t:0") == b"3"
+    assert inspect.get(f"{broker.namespace}:seq:{{t:0}}") == b"3"
     assert inspect.xlen(stream) == 4
 
 
@@ -535,7 +535,7 @@ async def test_a_foreign_entry_id_with_a_sequence_part_is_detected(
         await broker.pull(MessageQueue("t", 0), 0, 10)
     with pytest.raises(SourceError, match="holds entry 3-1"):
         await broker.send("t", b"mine", queue_id=0)
-    assert inspect.get(f"{broker.namespace}:seq:t:0") == b"3"
+    assert inspect.get(f"{broker.namespace}:seq:{{t:0}}") == b"3"
 
 
 async def test_a_stream_of_foreign_entries_only_never_hands_out_offsets(
@@ -543,7 +543,7 @@ async def test_a_stream_of_foreign_entries_only_never_hands_out_offsets(
     inspect: redis.Redis,
 ) -> None:
     await broker.create_topic("t", 1)
-    stream = f"{broker.namespace}:q:t:0"
+    stream = f"{broker.namespace}:q:{{t:0}}"
     for i in range(3):
         inspect.xadd(stream, {"v": str(i)})
     mq = MessageQueue("t", 0)
@@ -554,4 +554,43 @@ async def test_a_stream_of_foreign_entries_only_never_hands_out_offsets(
     for _ in range(2):
         with pytest.raises(SourceError, match="FOREIGN"):
             await broker.send("t", b"mine", queue_id=0)
-    assert inspect.get(f"{broker.namespace}:seq:t:0") is None
+    assert inspect.get(f"{broker.namespace}:seq:{{t:0}}") is None
+
+
+async def test_every_script_touches_one_cluster_slot(
+    broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis Cluster refuses a script whose keys live in several slots: the hash tags
+    put a queue's stream and counter, a group's retry queue and delay set, and a
+    group's members, locks and epochs together."""
+    from redis.crc import key_slot
+
+    connection = broker._connection
+    execute = connection.execute
+    calls: list[tuple[str, list[str]]] = []
+
+    async def recording(*args: Any, **options: Any) -> Any:
+        if args[0] in ("EVALSHA", "EVAL"):
+            n = int(args[2])
+            calls.append((str(args[1])[:8], [str(k) for k in args[3 : 3 + n]]))
+        return await execute(*args, **options)
+
+    monkeypatch.setattr(connection, "execute", recording)
+    await broker.create_topic("t", 3)
+    for q in range(3):
+        await broker.send("t", b"x", queue_id=q)
+    message = (await broker.pull(MessageQueue("t", 1), 0, 1)).messages[0]
+    await broker.send_back("g", message, delay_level=1)
+    await broker.pull(MessageQueue("%RETRY%g", 0), 0, 10)
+    await broker.min_offset(MessageQueue("t", 2))
+    await broker.offset_for_timestamp(MessageQueue("t", 2), 0)
+    coordinator = broker.group_coordinator()
+    queues = [MessageQueue("t", q) for q in range(3)]
+    await coordinator.heartbeat("g", "member-1")
+    await coordinator.lock("g", "member-1", queues)
+    await coordinator.unlock("g", "member-1", queues)
+    await coordinator.leave("g", "member-1")
+    assert len(calls) >= 10
+    for sha, keys in calls:
+        assert len({key_slot(k.encode()) for k in keys}) == 1, (sha, keys)
+    assert any(len(keys) == 6 for _, keys in calls)  # the three queues' locks in one call
