@@ -11,10 +11,13 @@ the same data layout (8 streams, one per queue), each in its own key namespace:
   batch;
 - baseline 2: FastStream's Redis stream subscribers (one ``StreamSub`` per stream,
   consumer group, default acknowledgement), a peer Python users pick today;
-- two floors, no consumer and no handler: a loop of ``XRANGE`` over the 8 streams
+- floors, no consumer and no handler: a loop of ``XRANGE`` over the 8 streams
   with redis-py + hiredis, once with the entries decoded into ``Message`` objects as
   ``RedisBroker`` does and once without decoding. Nothing that reads these streams
-  through redis-py in one process can be cheaper per message;
+  through redis-py in one process can be cheaper per message. The same with coredis
+  (raw replies, RESP3, no decoding of strings: its fastest settings), on trio and on
+  asyncio: the cost of the client ``RedisBroker`` uses on trio;
+- the concurrent and staged modes on trio, where ``RedisBroker`` uses coredis;
 - the consumer's own cost, without Redis: the concurrent mode on the embedded
   ``MemoryBroker`` holding the same backlog (drain only). Roughly, the concurrent
   mode over Redis costs this plus the first floor.
@@ -66,6 +69,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import redis
 import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
@@ -105,7 +110,7 @@ class Recorder:
         self.count = 0
         self.latency = latency
         self.latencies: list[float] = []
-        self.done = asyncio.Event()
+        self.done = anyio.Event()
         self.last = 0.0
 
     def hit(self, sent_at: float | None) -> None:
@@ -163,6 +168,8 @@ class NoopStaged(_Listener, MessageListenerStagedConcurrently):
 
 LISTENERS: dict[str, Callable[[Recorder], Any]] = {
     "stagedconsumer concurrent": NoopConcurrently,
+    "stagedconsumer concurrent, trio (coredis)": NoopConcurrently,
+    "stagedconsumer staged [100]*k, trio (coredis)": NoopStaged,
     "stagedconsumer concurrent, read_ahead=0": NoopConcurrently,
     "runtime only: concurrent on MemoryBroker": NoopConcurrently,
     "stagedconsumer staged [100]*k": NoopStaged,
@@ -330,20 +337,40 @@ async def run_memory(broker: MemoryBroker, recorder: Recorder, options: Consumer
     return recorder.last - start
 
 
-async def run_floor(url: str, ns: str, recorder: Recorder, batch: int, *, decode: bool) -> float:
+async def run_floor(
+    url: str, ns: str, recorder: Recorder, batch: int, *, decode: bool, coredis_client: bool
+) -> float:
     """``XRANGE COUNT batch`` over the 8 streams in turn, decoding as RedisBroker does
-    (or not): the cost of reading alone, no consumer, no handler."""
-    async with RedisBroker(url, namespace=ns, read_ahead=0) as broker:
-        redis = broker.redis
-        keys = [broker._stream_key(TOPIC, q) for q in range(QUEUES)]
+    (or not): the cost of reading alone, no consumer, no handler. With redis-py (raw
+    replies, hiredis) or coredis (raw replies: ``NoopCallback``, RESP3, bytes, its
+    mypyc-compiled parser), each at its fastest."""
+    async with contextlib.AsyncExitStack() as stack:
+        if coredis_client:
+            import coredis
+            from coredis.response._callbacks import NoopCallback
+
+            client = await stack.enter_async_context(
+                coredis.Redis.from_url(url, decode_responses=False, verify_version=False)
+            )
+            create, noop = client.create_request, NoopCallback()  # type: ignore[var-annotated]
+
+            def xrange(key: str, start: bytes) -> Any:
+                return create(b"XRANGE", key, start, b"+", b"COUNT", batch, callback=noop)
+        else:
+            client = aioredis.Redis.from_url(url)
+            client.response_callbacks.clear()
+            stack.push_async_callback(client.aclose)
+
+            def xrange(key: str, start: bytes) -> Any:
+                return client.execute_command("XRANGE", key, start, "+", "COUNT", batch)
+
+        keys = [f"{ns}:q:{{{TOPIC}:{q}}}" for q in range(QUEUES)]
         offsets = [0] * QUEUES
         start = time.perf_counter()
         got = 0
         while got < recorder.expected:
             for q, key in enumerate(keys):
-                entries = await redis.execute_command(  # type: ignore[no-untyped-call]
-                    "XRANGE", key, b"%d-0" % (offsets[q] + 1), "+", "COUNT", batch
-                )
+                entries = await xrange(key, b"%d-0" % (offsets[q] + 1))
                 if decode:
                     _decode_entries(TOPIC, q, entries)
                 offsets[q] += len(entries)
@@ -376,7 +403,7 @@ def _kind(name: str) -> str:
     return "raw"
 
 
-async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -> dict[str, Any]:
+async def measure_phase(name: str, args: argparse.Namespace, latency: bool) -> dict[str, Any]:
     """One drain or latency phase of one system, in a fresh namespace."""
     url = args.url
     options = ConsumerOptions(pull_batch_size=args.pull_batch, pull_long_polling_timeout=1.0)
@@ -404,7 +431,14 @@ async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -
         elif kind == "memory":
             elapsed = await run_memory(memory, recorder, options)
         elif kind == "floor":
-            elapsed = await run_floor(url, ns, recorder, args.read_batch, decode="decode" in name)
+            elapsed = await run_floor(
+                url,
+                ns,
+                recorder,
+                args.read_batch,
+                decode="decode" in name,
+                coredis_client="coredis" in name,
+            )
         elif name.startswith("redis-py"):
             elapsed = await run_xreadgroup(url, ns, recorder, args.read_batch)
         else:
@@ -432,25 +466,37 @@ async def measure_phase(name: str, args: argparse.Namespace, *, latency: bool) -
 
 
 async def _delete_namespace(url: str, ns: str) -> None:
-    client = aioredis.Redis.from_url(url)
-    try:
-        async for key in client.scan_iter(match=f"{ns}:*", count=1000):
-            await client.delete(key)
-    finally:
-        await client.aclose()
+    def delete() -> None:
+        with redis.Redis.from_url(url) as client:
+            for key in client.scan_iter(match=f"{ns}:*", count=1000):
+                client.delete(key)
+
+    await anyio.to_thread.run_sync(delete)  # on either event loop
 
 
 SYSTEMS = [
     "stagedconsumer concurrent",
+    "stagedconsumer concurrent, trio (coredis)",
     "stagedconsumer concurrent, read_ahead=0",
     "stagedconsumer staged [100]*k",
+    "stagedconsumer staged [100]*k, trio (coredis)",
     "stagedconsumer orderly",
     "redis-py XREADGROUP + XACK loop",
     "FastStream StreamSub",
     "floor: XRANGE + decode, no consumer",
     "floor: XRANGE only",
+    "floor: XRANGE + decode, coredis on trio",
+    "floor: XRANGE only, coredis on trio",
+    "floor: XRANGE only, coredis on asyncio",
     "runtime only: concurrent on MemoryBroker",
 ]
+
+
+def backend_of(name: str) -> str:
+    """The event loop a system runs on: trio where its name says so."""
+    return "trio" if "trio" in name else "asyncio"
+
+
 LATENCY_SYSTEMS = [name for name in SYSTEMS if not name.startswith(("floor", "runtime"))]
 
 
@@ -493,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
     for repeat in range(args.repeat):  # interleaved, so a busy spell hits every system
         for name in args.systems:
-            run = asyncio.run(measure_phase(name, args, latency=False))
+            run = anyio.run(measure_phase, name, args, False, backend=backend_of(name))
             runs[name].append(run)
             print(f"drain {repeat + 1}/{args.repeat} {name}: {run}", file=sys.stderr)
     rows = []
@@ -509,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "drains": drains,
         }
         if name in LATENCY_SYSTEMS and args.latency_messages:
-            row |= asyncio.run(measure_phase(name, args, latency=True))
+            row |= anyio.run(measure_phase, name, args, True, backend=backend_of(name))
             print(f"latency {name}: {row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms", file=sys.stderr)
         rows.append(row)
     base = {r["system"]: r for r in rows}

@@ -101,7 +101,8 @@ class FlowControl:
 
     Pulling stops while the queue holds ``>= count`` unfinished messages, or their
     bodies take ``>= size_bytes``, or (when ``max_span`` is set, concurrent mode) the
-    offsets of unfinished messages span ``>= max_span``.
+    unfinished messages span ``>= max_span`` (counted in messages, see
+    :attr:`ProcessQueue.span`).
     """
 
     count: int = 1000
@@ -1061,12 +1062,13 @@ class ProcessQueue:
 
     @property
     def span(self) -> int:
-        order = self._order
-        if order:
-            return self.highest_offset - order[0]
-        if self._held:
-            return self.highest_offset - self._held[0].queue_offset
-        return 0
+        """How far the unfinished messages reach, counted in messages: from the
+        oldest unfinished one to the newest cached, one less than their number (the
+        offset distance when offsets are consecutive). Counted, not subtracted, so
+        that sparse offsets (a Redis stream attached with its entry ids) span what
+        the queue holds, not the distance between ids."""
+        n = len(self._order) or len(self._held)
+        return n - 1 if n else 0
 
     def is_cache_full(self) -> bool:
         """Whether pulling should pause (flow control by count, bytes and span)."""

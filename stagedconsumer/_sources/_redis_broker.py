@@ -21,28 +21,46 @@ import itertools
 import math
 import os
 import time
+import urllib.parse
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
 from .._core import retry_delay_seconds
-from .._exceptions import ConfigurationError, InvalidMessageError, UnknownTopicError
+from .._exceptions import (
+    ConfigurationError,
+    InvalidMessageError,
+    SourceError,
+    UnknownTopicError,
+)
 from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
 from ._group import GroupOptions
 from ._redis_codec import (
+    EntryDecoder,
+    _attached_id,
+    _attached_offset,
+    _decode_attached,
     _decode_entries,
     _encode_fields,
     _entry_offset,
+    _ForeignEntry,
     _message_fields,
     _pack,
+    default_entry_decoder,
 )
-from ._redis_connection import RedisConnection
+from ._redis_connection import RedisConnection, RedisScript
 from ._redis_coordinator import RedisCoordinator
-from ._redis_scripts import DELAY_LUA, RELEASE_LUA, SEND_LUA
+from ._redis_scripts import (
+    DELAY_LUA,
+    MIN_OFFSET_LUA,
+    OFFSET_FOR_TIME_LUA,
+    RELEASE_LUA,
+    SEND_LUA,
+)
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -54,9 +72,6 @@ from ._source import (
     origin_properties,
     retry_topic,
 )
-
-if TYPE_CHECKING:
-    import redis.asyncio as aioredis
 
 __all__ = ("RedisBroker", "RedisBrokerStatistics")
 
@@ -83,10 +98,6 @@ from); past this the oldest is dropped (a stale one is left by a consumer that m
 elsewhere: reset, stopped, or lost the queue)."""
 
 
-def _raw_reply(response: Any, **options: Any) -> Any:
-    return response
-
-
 def _check_seconds(name: str, value: object) -> None:
     if (
         isinstance(value, bool)
@@ -97,6 +108,23 @@ def _check_seconds(name: str, value: object) -> None:
         raise ConfigurationError(
             f"{name} must be a positive, finite number of seconds, got {value!r}"
         )
+
+
+@attrs.frozen
+class _Attached:
+    """A topic attached to streams written by other applications."""
+
+    stream_keys: tuple[str, ...]
+    decode: EntryDecoder
+
+
+def _foreign_error(stream: str, exc: _ForeignEntry, why: str = "") -> SourceError:
+    return SourceError(
+        f"stream {stream} holds a foreign {exc}{', ' + why if why else ''}: only"
+        " RedisBroker writes the streams of its topics (another application's XADD?);"
+        " consume streams written by others with attach_stream()",
+        retriable=False,
+    )
 
 
 def _is_system(topic: str) -> bool:
@@ -123,7 +151,13 @@ class RedisBroker(MessageSource):
     that was. Redis without persistence loses everything on a restart: use
     ``appendonly yes`` for data that must survive it.
 
-    Runs on asyncio only (redis-py's asyncio client), not on trio.
+    Entering it (``async with RedisBroker(...)``) checks the connection with a
+    ``PING`` and raises :class:`~stagedconsumer.SourceError` within
+    ``connect_timeout`` seconds (5 by default) when Redis is not there.
+
+    Runs on asyncio (with redis-py's asyncio client, replies parsed by hiredis) and on
+    trio (with coredis, anyio-based); the event loop it is entered on picks the
+    client. On trio it must be entered before use.
 
     :meth:`group_coordinator` provides membership and queue locks for consumer
     groups spread over several processes, with ``group_options``.
@@ -148,6 +182,7 @@ class RedisBroker(MessageSource):
         send_timeout: float = 30.0,
         socket_timeout: float = 10.0,
         read_ahead: int = 128,
+        connect_timeout: float = 5.0,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(
@@ -163,6 +198,9 @@ class RedisBroker(MessageSource):
             )
         _check_seconds("send_timeout", send_timeout)
         _check_seconds("socket_timeout", socket_timeout)
+        _check_seconds("connect_timeout", connect_timeout)
+        self.connect_timeout = connect_timeout
+        """Entering the broker waits this long at most for Redis to answer ``PING``."""
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
         self.read_ahead = read_ahead
@@ -172,18 +210,19 @@ class RedisBroker(MessageSource):
         self.url = url
         self.namespace = namespace
         self.send_timeout = send_timeout
-        connection = RedisConnection.from_url(url, socket_timeout=socket_timeout)
+        connection = RedisConnection(
+            url, socket_timeout=socket_timeout, connect_timeout=connect_timeout
+        )
         # Redis may have restarted without its data: offsets could be reused.
         connection.on_connection_error.append(self._buffered.clear)
         self._connection = connection
-        client = self._redis = connection.client
-        self._send_script = client.register_script(SEND_LUA)
-        self._release_script = client.register_script(RELEASE_LUA)
-        # Raw XRANGE replies ([id, [field, value, ...]]): _decode_entries reads them positionally.
-        client.set_response_callback("XRANGE", _raw_reply)
-        client.set_response_callback("XREAD", _raw_reply)
-        self._delay_script = client.register_script(DELAY_LUA)
+        self._send_script = RedisScript(connection, SEND_LUA)
+        self._release_script = RedisScript(connection, RELEASE_LUA)
+        self._delay_script = RedisScript(connection, DELAY_LUA)
+        self._min_offset_script = RedisScript(connection, MIN_OFFSET_LUA)
+        self._offset_for_time_script = RedisScript(connection, OFFSET_FOR_TIME_LUA)
         self._topic_cache: dict[str, int] = {}
+        self._attached: dict[str, _Attached] = {}
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
         self._id_seq = itertools.count()
@@ -194,13 +233,14 @@ class RedisBroker(MessageSource):
     # -- keys ----------------------------------------------------------------------------
 
     def _stream_key(self, topic: str, queue_id: int) -> str:
-        return f"{self.namespace}:q:{topic}:{queue_id}"
+        return f"{self.namespace}:q:{{{topic}:{queue_id}}}"
 
     def _seq_key(self, topic: str, queue_id: int) -> str:
-        return f"{self.namespace}:seq:{topic}:{queue_id}"
+        return f"{self.namespace}:seq:{{{topic}:{queue_id}}}"
 
     def _delay_key(self, group: str) -> str:
-        return f"{self.namespace}:delay:{group}"
+        # the retry queue's hash tag: RELEASE_LUA moves from here into that queue
+        return f"{self.namespace}:delay:{{{RETRY_PREFIX}{group}:0}}"
 
     @property
     def _topics_key(self) -> str:
@@ -209,6 +249,18 @@ class RedisBroker(MessageSource):
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> RedisBroker:
+        """Check that Redis answers (``PING``) within ``connect_timeout`` seconds.
+
+        Raises :class:`~stagedconsumer.SourceError` naming the URL when it does not
+        (nothing listening on the port, a host that does not answer, a wrong
+        password); the broker is closed then. Connection losses after this are
+        retried with backoff (see the class documentation).
+        """
+        try:
+            await self._connection.open(self.connect_timeout)
+        except BaseException:
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(
@@ -225,9 +277,17 @@ class RedisBroker(MessageSource):
         await self._connection.aclose()
 
     @property
-    def redis(self) -> aioredis.Redis:
-        """The redis-py asyncio client (for tools and tests)."""
-        return self._redis
+    def redis(self) -> Any:
+        """The Redis client in use, for tools: redis-py's ``redis.asyncio.Redis`` on
+        asyncio, ``coredis.Redis`` on trio (``None`` before the broker was entered
+        or first used). Its replies are raw (no response callbacks)."""
+        return self._connection.client if self._connection.library else None
+
+    @property
+    def client_library(self) -> str | None:
+        """The client in use: ``"redis-py"`` (asyncio) or ``"coredis"`` (trio);
+        ``None`` before the broker was entered or first used."""
+        return self._connection.library
 
     @property
     def connection_errors(self) -> int:
@@ -237,11 +297,10 @@ class RedisBroker(MessageSource):
 
     def store_host(self) -> str:
         """The Redis server's ``host:port`` (its socket path for a ``unix://`` URL)."""
-        kwargs = self._redis.connection_pool.connection_kwargs
-        path = kwargs.get("path")
-        if path:
-            return str(path)
-        return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        parsed = urllib.parse.urlparse(self.url)
+        if parsed.scheme == "unix":
+            return parsed.path
+        return f"{parsed.hostname or 'localhost'}:{parsed.port or 6379}"
 
     def group_coordinator(self) -> RedisCoordinator:
         return self._coordinator
@@ -262,9 +321,11 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(f"queue_count must be a positive int, got {queue_count!r}")
         key = self._topics_key
 
+        execute = self._connection.execute
+
         async def create() -> Any:
-            await self._redis.hsetnx(key, topic, queue_count)
-            return await self._redis.hget(key, topic)
+            await execute("HSETNX", key, topic, queue_count)
+            return await execute("HGET", key, topic)
 
         stored = int(await self._retrying(f"creating topic {topic!r}", create))
         if stored != queue_count:
@@ -278,11 +339,15 @@ class RedisBroker(MessageSource):
         """The number of queues of ``topic`` (1 for retry and DLQ topics)."""
         if _is_system(topic):
             return 1
+        attached = self._attached.get(topic)
+        if attached is not None:
+            return len(attached.stream_keys)
         cached = self._topic_cache.get(topic)
         if cached is not None:
             return cached
         value = await self._retrying(
-            f"reading topic {topic!r}", lambda: self._redis.hget(self._topics_key, topic)
+            f"reading topic {topic!r}",
+            lambda: self._connection.execute("HGET", self._topics_key, topic),
         )
         if value is None:
             raise UnknownTopicError(
@@ -352,6 +417,7 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(f"cannot send to system topic {topic!r}")
         properties = with_traceparent(outgoing.properties)
         key_tuple, tags, body = outgoing.keys, outgoing.tags, outgoing.body
+        self._check_not_attached(topic)
         qid = await self._pick_queue(topic, key_tuple, queue_id)
         msg_id = self._next_id()
         born = time.time()
@@ -372,6 +438,7 @@ class RedisBroker(MessageSource):
     async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
         """One Lua call appends every message (consecutive offsets); no retry here."""
         topic, queue_id = mq.topic, mq.queue_id
+        self._check_not_attached(topic)
         count = await self.queue_count(topic)
         if not 0 <= queue_id < count:
             raise ConfigurationError(
@@ -418,6 +485,7 @@ class RedisBroker(MessageSource):
     ) -> int:
         """Append many key-less messages (round-robin over queues, or all to
         ``queue_id``), ``chunk`` per Lua call per queue. Returns how many."""
+        self._check_not_attached(topic)
         count = await self.queue_count(topic)
         pending: dict[int, list[list[bytes]]] = {}
         total = 0
@@ -465,6 +533,10 @@ class RedisBroker(MessageSource):
             buffered = self._buffered.pop((topic, queue_id, offset), None)
             if buffered is not None:
                 return self._serve(topic, queue_id, *buffered, max_count)
+        if self._attached:
+            attached = self._attached.get(topic)
+            if attached is not None:
+                return await self._pull_attached(mq, attached, offset, max_count, timeout)
         stream = self._stream_key(topic, queue_id)
         seq = self._seq_key(topic, queue_id)
         release_keys: list[str] | None = None
@@ -474,7 +546,7 @@ class RedisBroker(MessageSource):
         what = f"pulling {mq} at {offset}"
         start = b"%d-0" % (offset + 1)
         count = max(max_count, self.read_ahead)
-        redis = self._redis
+        connection = self._connection
         while True:
             wait_ms = -1
             if release_keys is not None:
@@ -482,11 +554,8 @@ class RedisBroker(MessageSource):
                     self._release_script, keys=release_keys, args=[_RELEASE_BATCH]
                 )
                 wait_ms = int(await self._connection.call(what, release))
-            entries = await self._connection.call(
-                what,
-                lambda: redis.execute_command(  # type: ignore[no-untyped-call]
-                    "XRANGE", stream, start, "+", "COUNT", count
-                ),
+            entries = await connection.call(
+                what, lambda: connection.execute("XRANGE", stream, start, "+", "COUNT", count)
             )
             if entries or not timeout:
                 break
@@ -501,16 +570,29 @@ class RedisBroker(MessageSource):
             if entries:
                 break
         if entries:
-            messages = _decode_entries(topic, queue_id, entries)
+            try:
+                messages = _decode_entries(topic, queue_id, entries)
+            except _ForeignEntry as exc:
+                raise _foreign_error(stream, exc) from None
             end = messages[-1].queue_offset + 1
-            if len(messages) >= count or messages[0].queue_offset == offset:
-                # A full read: ``end`` is a lower bound of the max offset. A short
-                # one from ``offset`` on: offsets are consecutive, so nothing exists
-                # past the last one returned.
+            if messages[0].queue_offset == offset and end - offset == len(messages):
+                # Consecutive from ``offset`` on: ``end`` is the max offset when the
+                # read came back short, a lower bound when it was full.
                 return self._serve(topic, queue_id, messages, end, max_count)
-            max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
-            return self._serve(topic, queue_id, messages, max(max_offset, end), max_count)
-        max_offset = int(await self._connection.call(what, lambda: redis.get(seq)) or 0)
+            # Entries were deleted (XDEL, MAXLEN), or one is foreign: the counter
+            # tells, every entry the broker wrote is below it.
+            max_offset = int(
+                await connection.call(what, lambda: connection.execute("GET", seq)) or 0
+            )
+            if end > max_offset:
+                entry = next(m for m in messages if m.queue_offset >= max_offset)
+                raise _foreign_error(
+                    stream,
+                    _ForeignEntry(b"%d-0" % (entry.queue_offset + 1)),
+                    f"past the queue's last offset {max_offset}",
+                )
+            return self._serve(topic, queue_id, messages, max_offset, max_count)
+        max_offset = int(await connection.call(what, lambda: connection.execute("GET", seq)) or 0)
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
 
     def _serve(
@@ -542,8 +624,16 @@ class RedisBroker(MessageSource):
     ) -> list[Any]:
         """``XREAD BLOCK``: the entries from ``offset`` on once there are any (raw)."""
         block_ms = max(1, int(block * 1000))
-        reply = await self._redis.execute_command(  # type: ignore[no-untyped-call]
-            "XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", stream, b"%d-0" % offset
+        reply = await self._connection.execute(
+            "XREAD",
+            "COUNT",
+            count,
+            "BLOCK",
+            block_ms,
+            "STREAMS",
+            stream,
+            b"%d-0" % offset,
+            keys=(5,),
         )
         if not reply:
             return []
@@ -552,12 +642,17 @@ class RedisBroker(MessageSource):
         return list(reply[0][1])
 
     async def max_offset(self, mq: MessageQueue) -> int:
+        """The offset the next message of ``mq`` will get (for an attached stream: one
+        past its last entry ever written, ``XINFO STREAM``'s ``last-generated-id``)."""
+        attached = self._attached.get(mq.topic)
+        if attached is not None:
+            return await self._attached_end(mq, attached.stream_keys[mq.queue_id])
         if mq.topic.startswith(RETRY_PREFIX):
             # Release due retries first, as the embedded broker does.
             await self.pull(mq, 2**62, 1)
         value = await self._retrying(
             f"reading the max offset of {mq}",
-            lambda: self._redis.get(self._seq_key(mq.topic, mq.queue_id)),
+            lambda: self._connection.execute("GET", self._seq_key(mq.topic, mq.queue_id)),
         )
         return int(value or 0)
 
@@ -565,27 +660,74 @@ class RedisBroker(MessageSource):
         """The offset of the first entry still stored, or, when there is none, the
         offset the next message will get.
 
-        The first entry and the counter are read in one ``MULTI``: read one after the
+        The first entry and the counter are read in one Lua script: read one after the
         other, a queue seen empty could be reported at a counter that messages sent
         in between already moved on, and a consumer starting there (a queue without
         committed progress) would skip them.
         """
+        attached = self._attached.get(mq.topic)
+        if attached is not None:
+            key = attached.stream_keys[mq.queue_id]
+            first = await self._retrying(
+                f"reading the min offset of {mq}",
+                lambda: self._connection.execute("XRANGE", key, "-", "+", "COUNT", 1),
+            )
+            if first:
+                return self._attached_offset_of(key, first[0][0])
+            return await self._attached_end(mq, key)
         if mq.topic.startswith(RETRY_PREFIX):
             await self.pull(mq, 2**62, 1)  # release due retries first, as max_offset does
         stream = self._stream_key(mq.topic, mq.queue_id)
         seq = self._seq_key(mq.topic, mq.queue_id)
 
-        async def read() -> list[Any]:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.xrange(stream, "-", "+", count=1)
-                pipe.get(seq)
-                return list(await pipe.execute())
-
-        first, counter = await self._retrying(f"reading the min offset of {mq}", read)
+        first, counter = await self._retrying(
+            f"reading the min offset of {mq}",
+            lambda: self._min_offset_script(keys=[stream, seq]),
+        )
         if first:
             entry_id: Any = first[0][0]
-            return _entry_offset(entry_id if isinstance(entry_id, bytes) else entry_id.encode())
+            raw_id = entry_id if isinstance(entry_id, bytes) else entry_id.encode()
+            try:
+                offset = _entry_offset(raw_id)
+            except _ForeignEntry as exc:
+                raise _foreign_error(stream, exc) from None
+            if offset >= int(counter or 0):
+                raise _foreign_error(
+                    stream, _ForeignEntry(raw_id), f"past the queue's last offset {counter}"
+                )
+            return offset
         return int(counter or 0)
+
+    async def offset_for_timestamp(self, mq: MessageQueue, timestamp: float) -> int:
+        """The offset of the first message of ``mq`` born at or after ``timestamp``
+        (seconds since the epoch), or the max offset when there is none.
+
+        An attached stream's entry ids are times: one ``XRANGE`` from
+        ``<timestamp in ms>-0``. The broker's own queues store the born time (the
+        producer's clock) in every entry: a binary search over offsets, in one Lua
+        script (``OFFSET_FOR_TIME_LUA``), as the embedded broker searches its born
+        times.
+        """
+        ms = max(math.ceil(timestamp * 1000), 0)
+        attached = self._attached.get(mq.topic)
+        if attached is not None:
+            key = attached.stream_keys[mq.queue_id]
+            first = await self._retrying(
+                f"finding the offset of {mq} at {timestamp}",
+                functools.partial(
+                    self._connection.execute, "XRANGE", key, b"%d-0" % ms, "+", "COUNT", 1
+                ),
+            )
+            if first:
+                return self._attached_offset_of(key, first[0][0])
+            return await self.max_offset(mq)
+        keys = [self._stream_key(mq.topic, mq.queue_id), self._seq_key(mq.topic, mq.queue_id)]
+        return int(
+            await self._retrying(
+                f"finding the offset of {mq} at {timestamp}",
+                lambda: self._offset_for_time_script(keys=keys, args=[ms]),
+            )
+        )
 
     async def send_back(
         self,
@@ -615,6 +757,187 @@ class RedisBroker(MessageSource):
         fields = _message_fields(message, origin_properties(message))
         await self._append(dlq_topic(group), 0, [fields])
 
+    # -- streams written by other applications ---------------------------------------------
+
+    async def attach_stream(
+        self,
+        topic: str,
+        stream_keys: Sequence[str] | str,
+        *,
+        body_field: str = "body",
+        decode: EntryDecoder | None = None,
+    ) -> list[MessageQueue]:
+        """Consume existing streams, written by other applications with plain ``XADD``,
+        as the queues of ``topic``: one stream per queue, in the order given.
+
+        Nothing is written to Redis (no topic entry, no Lua producer); the streams may
+        not exist yet. Every process of a consumer group attaches the same streams in
+        the same order before its consumer starts; consumer groups, queue locks,
+        fencing and the offset store work as for the broker's own topics.
+
+        - **Offsets** come from the entry ids: ``<ms>-<seq>`` is offset
+          ``ms * 2**19 + seq``, ordered as the ids and never shared by two entries (an
+          id whose sequence part reaches 2**19 makes pulls raise
+          :class:`~stagedconsumer.SourceError` naming it). Offsets are sparse: a pull
+          resumes after the last finished entry, staged consumption counts stage
+          offsets in messages, and the concurrent mode's span limit counts messages.
+        - **Messages**: ``decode(entry_id, fields)`` returns the content as an
+          :class:`~stagedconsumer.OutgoingMessage`; by default
+          (``default_entry_decoder(body_field)``) ``body_field`` is the body and every
+          other field a property. The message id is the entry id, the born time the
+          id's milliseconds.
+        - **Lag**: :meth:`max_offset` is one past the stream's last entry ever written
+          (``XINFO STREAM``), so max offset minus committed offset is an id distance;
+          :meth:`entries_after` counts the entries.
+
+        ``send`` to an attached topic raises :class:`~stagedconsumer.ConfigurationError`
+        (the other applications write these streams). Failed messages go through the
+        group's retry queue as usual. Returns the topic's queues.
+        """
+        if not topic or not isinstance(topic, str):
+            raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
+        if _is_system(topic):
+            raise ConfigurationError(f"topic {topic!r} uses a reserved prefix")
+        keys = (stream_keys,) if isinstance(stream_keys, str) else tuple(stream_keys)
+        if not keys or not all(isinstance(key, str) and key for key in keys):
+            raise ConfigurationError(
+                f"stream_keys must be one or more stream key strings, got {stream_keys!r}"
+            )
+        if len(set(keys)) != len(keys):
+            raise ConfigurationError(f"stream_keys repeat a key: {keys!r}")
+        if not isinstance(body_field, str) or not body_field:
+            raise ConfigurationError(f"body_field must be a non-empty string, got {body_field!r}")
+        if decode is not None and not callable(decode):
+            raise ConfigurationError(f"decode must be callable, got {decode!r}")
+        if topic in self._topic_cache:
+            raise ConfigurationError(f"topic {topic!r} is one of the broker's own topics")
+        previous = self._attached.get(topic)
+        if previous is not None and previous.stream_keys != keys:
+            raise ConfigurationError(
+                f"topic {topic!r} is attached to {list(previous.stream_keys)} already"
+            )
+        execute = self._connection.execute
+        for key in keys:
+            kind = await self._retrying(
+                f"checking stream {key}", functools.partial(execute, "TYPE", key)
+            )
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            if kind not in ("stream", "none"):
+                raise ConfigurationError(f"key {key!r} is a {kind}, not a stream")
+        self._attached[topic] = _Attached(keys, decode or default_entry_decoder(body_field))
+        return [MessageQueue(topic, i) for i in range(len(keys))]
+
+    def _check_not_attached(self, topic: str) -> None:
+        if topic in self._attached:
+            raise ConfigurationError(
+                f"topic {topic!r} is attached to streams other applications write"
+                " (attach_stream): write to them with XADD, not through the broker"
+            )
+
+    @staticmethod
+    def _attached_offset_error(stream: str, exc: _ForeignEntry) -> SourceError:
+        return SourceError(
+            f"stream {stream}: entry {exc.entry_id.decode()} has a sequence part of"
+            " 2**19 or more, which attached streams cannot map to an offset",
+            retriable=False,
+        )
+
+    def _attached_offset_of(self, stream: str, entry_id: bytes) -> int:
+        try:
+            return _attached_offset(entry_id)
+        except _ForeignEntry as exc:
+            raise self._attached_offset_error(stream, exc) from None
+
+    async def _attached_end(self, mq: MessageQueue, key: str) -> int:
+        """One past the offset of the last entry ever written to ``key`` (0: none)."""
+        execute = self._connection.execute
+
+        async def last_id() -> Any:
+            if not await execute("EXISTS", key):
+                return b"0-0"
+            info = await execute("XINFO", "STREAM", key)
+            if isinstance(info, dict):  # RESP3
+                return info.get(b"last-generated-id", b"0-0")
+            fields = dict(zip(info[::2], info[1::2], strict=False))
+            return fields.get(b"last-generated-id", b"0-0")
+
+        entry_id = await self._retrying(f"reading the max offset of {mq}", last_id)
+        raw = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
+        if raw == b"0-0":
+            return 0
+        return self._attached_offset_of(key, raw) + 1
+
+    async def entries_after(self, mq: MessageQueue, offset: int, limit: int = 100_000) -> int:
+        """How many entries of ``mq`` are at ``offset`` or later, counted up to
+        ``limit``: the lag of a consumer whose committed offset is ``offset``, in
+        messages (on the broker's own topics ``max_offset - offset``, no counting)."""
+        attached = self._attached.get(mq.topic)
+        if attached is None:
+            return max(await self.max_offset(mq) - offset, 0)
+        key = attached.stream_keys[mq.queue_id]
+        execute = self._connection.execute
+        start = _attached_id(max(offset, 0))
+        count = 0
+        while count < limit:
+            batch = min(1000, limit - count)
+            entries = await self._retrying(
+                f"counting entries of {mq}",
+                functools.partial(execute, "XRANGE", key, start, "+", "COUNT", batch),
+            )
+            count += len(entries)
+            if len(entries) < batch:
+                break
+            start = _attached_id(self._attached_offset_of(key, entries[-1][0]) + 1)
+        return count
+
+    async def _pull_attached(
+        self, mq: MessageQueue, attached: _Attached, offset: int, max_count: int, timeout: float
+    ) -> PullResult:
+        """:meth:`pull` on an attached stream: ``XRANGE`` from the entry id of
+        ``offset``, ``XREAD BLOCK`` to long poll."""
+        topic, queue_id = mq.topic, mq.queue_id
+        key = attached.stream_keys[queue_id]
+        what = f"pulling {mq} ({key}) at {offset}"
+        count = max(max_count, self.read_ahead)
+        connection = self._connection
+        execute = connection.execute
+        start = _attached_id(offset)
+        entries = await connection.call(
+            what, functools.partial(execute, "XRANGE", key, start, "+", "COUNT", count)
+        )
+        if not entries and timeout > 0:
+            deadline = time.monotonic() + timeout
+            after = _attached_id(offset - 1) if offset > 0 else b"0-0"
+            while not entries:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                block_ms = max(1, int(min(remaining, _MAX_BLOCK) * 1000))
+                reply = await connection.call(
+                    what,
+                    functools.partial(
+                        execute, "XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", key, after,
+                        keys=(5,),
+                    ),
+                )  # fmt: skip
+                if reply:
+                    if isinstance(reply, dict):  # RESP3: a map of stream -> entries
+                        entries = list(next(iter(reply.values())))
+                    else:
+                        entries = list(reply[0][1])
+        if not entries:
+            return PullResult(messages=[], next_offset=offset, max_offset=offset)
+        try:
+            messages = _decode_attached(topic, queue_id, entries, attached.decode)
+        except _ForeignEntry as exc:
+            raise self._attached_offset_error(key, exc) from None
+        except Exception as exc:
+            raise SourceError(
+                f"{what}: the decoder failed on an entry: {exc!r}", retriable=False
+            ) from exc
+        end = messages[-1].queue_offset + 1
+        return self._serve(topic, queue_id, messages, end, max_count)
+
     # -- inspection ---------------------------------------------------------------------------
 
     async def messages(self, topic: str, queue_id: int = 0) -> list[Message]:
@@ -632,7 +955,8 @@ class RedisBroker(MessageSource):
         """Retries of ``group`` not yet due."""
         return int(
             await self._retrying(
-                "counting delayed retries", lambda: self._redis.zcard(self._delay_key(group))
+                "counting delayed retries",
+                lambda: self._connection.execute("ZCARD", self._delay_key(group)),
             )
         )
 
@@ -646,8 +970,16 @@ class RedisBroker(MessageSource):
     async def delete_namespace(self) -> int:
         """Delete every key of this broker's namespace (tests, tools). Returns how many."""
         deleted = 0
-        async for key in self._redis.scan_iter(match=f"{self.namespace}:*", count=1000):
-            deleted += int(await self._redis.delete(key))
+        execute = self._connection.execute
+        cursor: Any = b"0"
+        while True:
+            cursor, keys = await execute(
+                "SCAN", cursor, "MATCH", f"{self.namespace}:*", "COUNT", 1000, keys=()
+            )
+            for key in keys:
+                deleted += int(await execute("DEL", key))
+            if int(cursor) == 0:
+                break
         self._topic_cache.clear()
         self._buffered.clear()
         return deleted

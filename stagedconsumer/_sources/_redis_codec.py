@@ -13,13 +13,14 @@ Pure functions, nothing here talks to Redis; their names stay private (as
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from .._message import (
     EMPTY_PROPERTIES,
     Message,
+    OutgoingMessage,
     _new_message,
     _set_body,
     _set_born_timestamp,
@@ -82,7 +83,21 @@ def _message_fields(message: Message, properties: Mapping[str, str]) -> list[byt
     )
 
 
+class _ForeignEntry(Exception):
+    """An entry the broker did not write (its id is not ``<n>-0``, or a field every
+    message has is missing): raised by :func:`_decode_entries` and
+    :func:`_entry_offset`, turned into a ``SourceError`` naming the stream by the broker.
+    """
+
+    def __init__(self, entry_id: bytes, raw: Sequence[bytes] = ()) -> None:
+        shown = [bytes(f[:40]) for f in raw[:8]]
+        super().__init__(f"entry {entry_id.decode(errors='replace')} (fields {shown})")
+        self.entry_id = entry_id
+
+
 def _entry_offset(entry_id: bytes) -> int:
+    if not entry_id.endswith(b"-0"):
+        raise _ForeignEntry(entry_id)
     return int(entry_id[:-2]) - 1
 
 
@@ -95,6 +110,11 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
     number of entries (always, unless some were deleted) the offsets are counted instead
     of parsed from every id. Entries with only the three fields every message has
     (``i``, ``b``, ``t``, written in that order) skip the field lookup.
+
+    Raises :class:`_ForeignEntry` for an entry the broker did not write: an id that
+    is not ``<n>-0`` or fields without ``i``, ``b`` and ``t``. (One with our fields
+    and an id past the queue's counter is caught by the broker, which compares the
+    ids with the counter whenever they are not consecutive.)
     """
     if not entries:
         return []
@@ -106,6 +126,8 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
     empty = EMPTY_PROPERTIES
     offset = first
     for entry_id, raw in entries:
+        if not entry_id.endswith(b"-0"):
+            raise _ForeignEntry(entry_id, raw)
         message = new(Message)
         _set_topic(message, topic)
         _set_queue_id(message, queue_id)
@@ -119,15 +141,17 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
             _set_born_timestamp(message, int(raw[5]) / 1000)
             _set_reconsume_times(message, 0)
         else:
-            _set_fields(message, raw)
+            _set_fields(message, entry_id, raw)
         append(message)
         offset += 1
     return out
 
 
-def _set_fields(message: Message, raw: Sequence[bytes]) -> None:
+def _set_fields(message: Message, entry_id: bytes, raw: Sequence[bytes]) -> None:
     """The general case of :func:`_decode_entries`: optional fields present."""
     fields = dict(zip(raw[::2], raw[1::2], strict=True))
+    if b"i" not in fields or b"b" not in fields or b"t" not in fields:
+        raise _ForeignEntry(entry_id, raw)
     keys: tuple[str, ...] = ()
     tags: str | None = None
     properties: Mapping[str, str] = EMPTY_PROPERTIES
@@ -138,10 +162,98 @@ def _set_fields(message: Message, raw: Sequence[bytes]) -> None:
     if (p := fields.get(b"p")) is not None:
         properties = MappingProxyType(json.loads(p)) or EMPTY_PROPERTIES
     r = fields.get(b"r")
-    _set_body(message, fields.get(b"b", b""))
+    _set_body(message, fields[b"b"])
     _set_keys(message, keys)
     _set_tags(message, tags)
     _set_properties(message, properties)
-    _set_msg_id(message, fields.get(b"i", b"").decode())
-    _set_born_timestamp(message, int(fields.get(b"t", b"0")) / 1000)
+    _set_msg_id(message, fields[b"i"].decode())
+    _set_born_timestamp(message, int(fields[b"t"]) / 1000)
     _set_reconsume_times(message, int(r) if r is not None else 0)
+
+
+# -- streams written by other applications (RedisBroker.attach_stream) ----------------------
+
+_SEQ_BITS = 19
+"""Bits of an attached entry's offset that hold its id's sequence part."""
+_SEQ_LIMIT = 1 << _SEQ_BITS
+_SEQ_MASK = _SEQ_LIMIT - 1
+
+EntryDecoder = Callable[[str, Mapping[bytes, bytes]], OutgoingMessage]
+"""Turns an entry of an attached stream (its id, its fields) into a message's
+content: body, keys, tags, properties. The broker adds the topic, queue, offset,
+message id (the entry id) and born time (the id's milliseconds)."""
+
+
+def _attached_offset(entry_id: bytes) -> int:
+    """The queue offset of an attached stream's entry: ``ms << 19 | seq``.
+
+    Order-preserving and without loss for every id whose sequence part is below 2**19
+    (524,288 entries in one millisecond; ``XADD *`` numbers them from 0 each
+    millisecond); an id past that raises :class:`_ForeignEntry` rather than share an
+    offset. Offsets stay below 2**63 until the year 2527.
+    """
+    ms, _, seq = entry_id.partition(b"-")
+    sequence = int(seq or b"0")
+    if sequence >= _SEQ_LIMIT:
+        raise _ForeignEntry(entry_id)
+    return int(ms) << _SEQ_BITS | sequence
+
+
+def _attached_id(offset: int) -> bytes:
+    """The smallest entry id whose offset is at least ``offset``."""
+    return b"%d-%d" % (offset >> _SEQ_BITS, offset & _SEQ_MASK)
+
+
+def default_entry_decoder(
+    body_field: str = "body", *, keys_field: str | None = None, tags_field: str | None = None
+) -> EntryDecoder:
+    """The decoder :meth:`RedisBroker.attach_stream <stagedconsumer.RedisBroker.attach_stream>`
+    uses by default: ``body_field``'s value is the body (empty when the entry has none),
+    ``keys_field``'s value (when given) the message key, ``tags_field``'s the tag, and
+    every other field a property (names and values read as UTF-8, undecodable bytes
+    replaced)."""
+    body_name = body_field.encode()
+    keys_name = keys_field.encode() if keys_field else None
+    tags_name = tags_field.encode() if tags_field else None
+
+    def decode(entry_id: str, fields: Mapping[bytes, bytes]) -> OutgoingMessage:
+        properties = {
+            name.decode(errors="replace"): value.decode(errors="replace")
+            for name, value in fields.items()
+            if name not in (body_name, keys_name, tags_name)
+        }
+        key = fields.get(keys_name) if keys_name else None
+        tag = fields.get(tags_name) if tags_name else None
+        return OutgoingMessage(
+            body=bytes(fields.get(body_name, b"")),
+            keys=(key.decode(errors="replace"),) if key is not None else (),
+            tags=tag.decode(errors="replace") if tag is not None else None,
+            properties=properties,
+        )
+
+    return decode
+
+
+def _decode_attached(
+    topic: str, queue_id: int, entries: Sequence[Any], decode: EntryDecoder
+) -> list[Message]:
+    """Raw ``XRANGE`` entries of an attached stream as :class:`Message` objects."""
+    out: list[Message] = []
+    for entry_id, raw in entries:
+        offset = _attached_offset(entry_id)
+        text_id = entry_id.decode()
+        content = decode(text_id, dict(zip(raw[::2], raw[1::2], strict=True)))
+        out.append(
+            Message(
+                topic=topic,
+                queue_id=queue_id,
+                queue_offset=offset,
+                body=content.body,
+                keys=content.keys,
+                tags=content.tags,
+                properties=content.properties,
+                msg_id=text_id,
+                born_timestamp=(offset >> _SEQ_BITS) / 1000,
+            )
+        )
+    return out

@@ -1,16 +1,29 @@
-"""RedisConnection: the redis-py client a RedisBroker and its RedisCoordinator share.
+"""RedisConnection: the Redis client a RedisBroker and its RedisCoordinator share.
 
 Every Redis call of the broker and the coordinator goes through :meth:`~RedisConnection.call`
 (one attempt) or :meth:`~RedisConnection.call_retrying` (retried on connection loss),
-so both report failures the same way and count them in one place.
+so both report failures the same way and count them in one place. The commands
+themselves go through :meth:`RedisConnection.execute` (raw replies: bytes, ints,
+lists) and :class:`RedisScript` (``EVALSHA``, ``EVAL`` when the server lost it).
+
+Two clients behind one interface, picked by the event loop the broker is entered on:
+
+- **asyncio: redis-py** (``redis.asyncio``, replies parsed by hiredis);
+- **trio: coredis** (built on anyio; its RESP parser compiled with mypyc).
+
+redis-py's asyncio client does not run on trio. coredis runs on both, but its call
+path costs more CPU: ``python -m benchmarks.redis_e2e`` measures both in the same
+run (the ``XRANGE`` floor and the consumer), which is why asyncio keeps redis-py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import attrs
@@ -27,7 +40,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisBroker needs redis-py: pip install 'stagedconsumer[redis]'") from exc
 
-__all__ = ("RedisConnection", "RedisConnectionStatistics")
+__all__ = ("RedisConnection", "RedisConnectionStatistics", "RedisScript")
 
 logger = logging.getLogger("stagedconsumer.redis")
 
@@ -45,8 +58,34 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     redis_exc.TryAgainError,
     redis_exc.ReadOnlyError,
     OSError,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    anyio.EndOfStream,
 )
 """Failures of the connection, not of the request: trying again later can succeed."""
+_REDIS_ERRORS: tuple[type[BaseException], ...] = (redis_exc.RedisError,)
+_NO_SCRIPT: tuple[type[BaseException], ...] = (redis_exc.NoScriptError,)
+
+try:  # coredis: the client on trio (an optional part of the redis extra)
+    import coredis
+    import coredis.exceptions as coredis_exc
+    from coredis.response._callbacks import NoopCallback
+    from coredis.retry import NoRetryPolicy
+except ImportError:  # pragma: no cover - exercised only without coredis
+    coredis = None  # type: ignore[assignment]
+else:
+    _CONNECTION_ERRORS += (
+        coredis_exc.ConnectionError,
+        coredis_exc.BusyLoadingError,
+        coredis_exc.TryAgainError,
+        coredis_exc.ReadOnlyError,
+        coredis_exc.ClusterDownError,
+    )
+    _REDIS_ERRORS += (coredis_exc.RedisError,)
+    _NO_SCRIPT += (coredis_exc.NoScriptError,)
+
+Execute = Callable[..., Awaitable[Any]]
+"""``execute(command, *args, keys=(0,))``: one Redis command, its raw reply."""
 
 
 @attrs.frozen(kw_only=True)
@@ -58,13 +97,35 @@ class RedisConnectionStatistics:
     closed: bool
 
 
+class RedisScript:
+    """A Lua script run with ``EVALSHA``, or ``EVAL`` when the server does not have it
+    (first use, or after a restart or ``SCRIPT FLUSH``)."""
+
+    def __init__(self, connection: RedisConnection, lua: str) -> None:
+        self._connection = connection
+        self.lua = lua
+        self.sha = hashlib.sha1(lua.encode()).hexdigest()
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+        """The script's raw reply (Lua errors raise the client's ``ResponseError``)."""
+        execute = self._connection.execute
+        positions = tuple(range(2, 2 + len(keys)))
+        try:
+            return await execute("EVALSHA", self.sha, len(keys), *keys, *args, keys=positions)
+        except _NO_SCRIPT:
+            return await execute("EVAL", self.lua, len(keys), *keys, *args, keys=positions)
+
+
 class RedisConnection:
-    """One redis-py asyncio client, its failure accounting and its call wrappers.
+    r"""One Redis client (redis-py on asyncio, coredis on trio), its failure accounting
+    and its call wrappers.
 
     Made by a :class:`~stagedconsumer.RedisBroker` and shared with its
     :class:`~._redis_coordinator.RedisCoordinator`, so producer, source and group
     coordination use one connection pool and one ``connection_errors`` count.
 
+    - :meth:`execute` sends one command and returns the raw reply (bytes, ints,
+      lists; no client-side conversion); :class:`RedisScript` runs a Lua script.
     - :meth:`call` makes one attempt: connection trouble becomes
       ``SourceError(retriable=True)``, any other Redis error
       ``SourceError(retriable=False)``, and a closed connection
@@ -75,40 +136,45 @@ class RedisConnection:
     - Each connection error runs the callbacks of :attr:`on_connection_error` (the
       broker drops what it read ahead: Redis may have restarted without its data).
 
-    Runs on asyncio only (redis-py's asyncio client): the first call checks it.
+    :meth:`open` (entering the broker) picks the client for the running event loop
+    and ``PING``\ s the server. On asyncio a connection used without :meth:`open`
+    picks redis-py at its first call; on trio it must be opened (coredis keeps its
+    connection pool in a task group that lives from :meth:`open` to :meth:`aclose`).
     """
 
-    def __init__(self, client: aioredis.Redis, *, url: str) -> None:
-        self.client = client
-        """The redis-py asyncio client."""
+    def __init__(self, url: str, *, socket_timeout: float, connect_timeout: float) -> None:
         self.url = url
         """Where it connects (for error messages)."""
         self.connection_errors = 0
         """Calls that failed on the connection (each retried or reported)."""
         self.on_connection_error: list[Callable[[], None]] = []
         """Called, in order, after every call that failed on the connection."""
+        self.library: str | None = None
+        """The client in use: ``"redis-py"`` or ``"coredis"`` (``None`` before the
+        first call)."""
+        self._socket_timeout = socket_timeout
+        self._connect_timeout = connect_timeout
         self._closed = False
-        self._on_asyncio = False
-
-    @classmethod
-    def from_url(cls, url: str, *, socket_timeout: float) -> RedisConnection:
-        """A client for ``url`` that never retries on its own (:meth:`call_retrying`
-        does, with the project's backoff) and returns raw bytes.
-
-        A malformed URL raises :class:`~stagedconsumer.ConfigurationError`.
-        """
-        try:
-            client = aioredis.Redis.from_url(
+        self._stack: contextlib.AsyncExitStack | None = None
+        try:  # redis-py makes no connection here: this only checks the URL
+            self._redispy = aioredis.Redis.from_url(
                 url,
                 decode_responses=False,
                 socket_timeout=socket_timeout,
-                socket_connect_timeout=min(socket_timeout, 5.0),
+                socket_connect_timeout=min(socket_timeout, connect_timeout),
                 retry=Retry(NoBackoff(), 0),
                 health_check_interval=0,
             )
         except ValueError as exc:
             raise ConfigurationError(f"malformed Redis URL {url!r}: {exc}") from exc
-        return cls(client, url=url)
+        # Raw replies for every command: the broker reads them positionally.
+        self._redispy.response_callbacks.clear()
+        self.client: Any = self._redispy
+        """The client in use (redis-py's ``redis.asyncio.Redis`` or
+        ``coredis.Redis``), for tools and tests."""
+        self.execute: Execute = self._execute_first
+        """``await execute(command, *args, keys=(0,))``: one command, its raw reply;
+        ``keys`` are the positions of ``args`` that are keys."""
 
     @property
     def closed(self) -> bool:
@@ -119,13 +185,104 @@ class RedisConnection:
             connection_errors=self.connection_errors, closed=self._closed
         )
 
+    # -- the two clients -------------------------------------------------------------------
+
+    async def open(self, connect_timeout: float) -> None:
+        """Pick the client for the running event loop and ``PING`` the server within
+        ``connect_timeout`` seconds (see :meth:`ping`)."""
+        self.check_open()
+        if self.library is None:
+            library = sniffio.current_async_library()
+            if library == "asyncio":
+                self._use_redispy()
+            elif library == "trio":
+                await self._use_coredis()
+            else:  # pragma: no cover - anyio runs on these two
+                raise ConfigurationError(f"RedisBroker runs on asyncio and trio, not {library}")
+        await self.ping(connect_timeout)
+
+    def _use_redispy(self) -> None:
+        client = self._redispy
+
+        async def execute(*args: Any, keys: Sequence[int] = (0,)) -> Any:
+            return await client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+        self.execute = execute
+        self.library = "redis-py"
+
+    async def _use_coredis(self) -> None:
+        if coredis is None:
+            raise ConfigurationError(
+                "RedisBroker on trio needs coredis: pip install 'stagedconsumer[redis]'"
+            )
+        try:
+            client = coredis.Redis.from_url(
+                self.url,
+                decode_responses=False,
+                stream_timeout=self._socket_timeout,
+                connect_timeout=min(self._socket_timeout, self._connect_timeout),
+                retry_policy=NoRetryPolicy(),
+                verify_version=False,
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"malformed Redis URL {self.url!r}: {exc}") from exc
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(client)
+        self._stack = stack
+        create = client.create_request
+        noop: NoopCallback[Any] = NoopCallback()
+
+        async def execute(name: str, *args: Any, keys: Sequence[int] = (0,)) -> Any:
+            return await create(name.encode(), *args, callback=noop)
+
+        self.client = client
+        self.execute = execute
+        self.library = "coredis"
+
+    async def _execute_first(self, *args: Any, keys: Sequence[int] = (0,)) -> Any:
+        """The first call without :meth:`open`: redis-py on asyncio; trio needs :meth:`open`."""
+        library = sniffio.current_async_library()
+        if library != "asyncio":
+            raise ConfigurationError(
+                f"on {library}, enter the RedisBroker before using it"
+                " (async with RedisBroker(...) as broker)"
+            )
+        self._use_redispy()
+        return await self.execute(*args, keys=keys)
+
     async def aclose(self) -> None:
         """Close the client's connection pool (idempotent); later calls raise
         :class:`~stagedconsumer.SourceClosedError`."""
         if self._closed:
             return
         self._closed = True
-        await self.client.aclose()
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            await stack.aclose()
+        elif self.library == "redis-py":
+            await self._redispy.aclose()
+
+    async def ping(self, connect_timeout: float) -> None:
+        """``PING`` the server once, within ``connect_timeout`` seconds: entering a
+        broker fails fast when Redis is not there.
+
+        Raises ``SourceError(retriable=True)`` naming the URL when no reply came in
+        time or the connection was refused, ``SourceError(retriable=False)`` when
+        Redis answered with an error (a wrong password, for example).
+        """
+        try:
+            with anyio.fail_after(connect_timeout):
+                await self.call("PING", lambda: self.execute("PING", keys=()))
+        except TimeoutError as exc:
+            raise SourceError(
+                f"Redis at {self.url} did not answer PING within {connect_timeout:g} s"
+                " (connect_timeout)"
+            ) from exc
+        except SourceError as exc:
+            raise SourceError(
+                f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
+                retriable=exc.retriable,
+            ) from exc
 
     def check_open(self) -> None:
         if self._closed:
@@ -137,13 +294,6 @@ class RedisConnection:
         ``what`` describes the call for the error message.
         """
         self.check_open()
-        if not self._on_asyncio:
-            library = sniffio.current_async_library()
-            if library != "asyncio":
-                raise ConfigurationError(
-                    f"RedisBroker runs on asyncio only (redis-py's asyncio client), not {library}"
-                )
-            self._on_asyncio = True
         try:
             return await fn()
         except _CONNECTION_ERRORS as exc:
@@ -151,7 +301,7 @@ class RedisConnection:
             for callback in self.on_connection_error:
                 callback()
             raise SourceError(f"{what}: Redis at {self.url} unreachable: {exc}") from exc
-        except redis_exc.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
 
     async def call_retrying(self, what: str, fn: Callable[[], Awaitable[_T]], timeout: float) -> _T:

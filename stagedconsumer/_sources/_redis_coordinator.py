@@ -15,7 +15,7 @@ import attrs
 from .._core import TakeoverBackoff
 from .._message import MessageQueue
 from ._group import GroupCoordinator, GroupOptions
-from ._redis_connection import RedisConnection
+from ._redis_connection import RedisConnection, RedisScript
 from ._redis_scripts import HEARTBEAT_LUA, LOCK_LUA, UNLOCK_LUA
 
 __all__ = ("RedisCoordinator", "RedisCoordinatorStatistics")
@@ -81,10 +81,9 @@ class RedisCoordinator(GroupCoordinator):
         self._options = options
         self._namespace = namespace
         self._members: dict[tuple[str, str], _MemberState] = {}
-        client = connection.client
-        self._heartbeat_script = client.register_script(HEARTBEAT_LUA)
-        self._lock_script = client.register_script(LOCK_LUA)
-        self._unlock_script = client.register_script(UNLOCK_LUA)
+        self._heartbeat_script = RedisScript(connection, HEARTBEAT_LUA)
+        self._lock_script = RedisScript(connection, LOCK_LUA)
+        self._unlock_script = RedisScript(connection, UNLOCK_LUA)
 
     def _member(self, group: str, client_id: str) -> _MemberState:
         state = self._members.get((group, client_id))
@@ -112,13 +111,13 @@ class RedisCoordinator(GroupCoordinator):
         return self._options
 
     def _lock_key(self, group: str, mq: MessageQueue) -> str:
-        return f"{self._namespace}:lock:{group}:{mq.topic}:{mq.queue_id}"
+        return f"{self._namespace}:lock:{{{group}}}:{mq.topic}:{mq.queue_id}"
 
     def _epoch_key(self, group: str, mq: MessageQueue) -> str:
-        return f"{self._namespace}:epoch:{group}:{mq.topic}:{mq.queue_id}"
+        return f"{self._namespace}:epoch:{{{group}}}:{mq.topic}:{mq.queue_id}"
 
     def _members_key(self, group: str) -> str:
-        return f"{self._namespace}:members:{group}"
+        return f"{self._namespace}:members:{{{group}}}"
 
     async def heartbeat(self, group: str, client_id: str) -> list[str]:
         ttl_ms = round(self._options.effective_member_ttl * 1000)
@@ -142,7 +141,8 @@ class RedisCoordinator(GroupCoordinator):
         self._members.pop((group, client_id), None)
         key = self._members_key(group)
         await self._connection.call(
-            f"{client_id} leaving {group}", lambda: self._connection.client.zrem(key, client_id)
+            f"{client_id} leaving {group}",
+            lambda: self._connection.execute("ZREM", key, client_id),
         )
 
     async def lock(
@@ -216,6 +216,6 @@ class RedisCoordinator(GroupCoordinator):
         """Who holds the lock of ``mq`` now (for tools and tests)."""
         key = self._lock_key(group, mq)
         owner = await self._connection.call(
-            f"reading the lock of {mq}", lambda: self._connection.client.hget(key, "owner")
+            f"reading the lock of {mq}", lambda: self._connection.execute("HGET", key, "owner")
         )
         return owner.decode() if isinstance(owner, bytes) else owner

@@ -2,19 +2,25 @@
 
 Key layout (``ns`` is the namespace, ``sc`` by default)::
 
-    ns:topics                      hash   topic -> queue count
-    ns:q:<topic>:<queue_id>        stream the queue's log
-    ns:seq:<topic>:<queue_id>      string the number of messages ever sent to the queue
-    ns:delay:<group>               zset   retries not yet due (score: due time, ms)
-    ns:members:<group>             zset   live members (score: expiry, ms)
-    ns:lock:<group>:<topic>:<qid>  hash   owner, epoch; expires (PEXPIRE) unless renewed
-    ns:epoch:<group>:<topic>:<qid> string last epoch handed out for that queue
+    ns:topics                          hash   topic -> queue count
+    ns:q:{<topic>:<queue_id>}          stream the queue's log
+    ns:seq:{<topic>:<queue_id>}        string the number of messages ever sent to the queue
+    ns:delay:{%RETRY%<group>:0}        zset   retries not yet due (score: due time, ms)
+    ns:members:{<group>}               zset   live members (score: expiry, ms)
+    ns:lock:{<group>}:<topic>:<qid>    hash   owner, epoch; expires (PEXPIRE) unless renewed
+    ns:epoch:{<group>}:<topic>:<qid>   string last epoch handed out for that queue
+
+The braces are Redis Cluster hash tags: every script touches one slot. A queue's
+stream and counter share its tag (a group's retry queue and its ``delay`` set too),
+a group's members, locks and epochs the group's.
 
 Queue offsets are stream entry ids: the message at offset ``n`` has the explicit id
-``<n + 1>-0`` (Redis refuses ``0-0``). :data:`SEND_LUA` takes ``INCRBY`` on the
-queue's ``seq`` counter and ``XADD``s with the ids it got, atomically, so concurrent
+``<n + 1>-0`` (Redis refuses ``0-0``). :data:`SEND_LUA` reads the queue's ``seq``
+counter, ``XADD``s with the next ids and sets the counter, atomically, so concurrent
 producers get consecutive offsets without gaps and a pull by offset is an ``XRANGE``
-from ``<offset + 1>-0``; ``seq`` is the queue's max offset.
+from ``<offset + 1>-0``; ``seq`` is the queue's max offset. Only the broker writes
+these streams: an entry written by anything else (a foreign entry) is refused by
+:data:`SEND_LUA` and by pulls, naming it.
 
 Every time a script works with (retry due times, member expiry, lock epochs) is the
 Redis server's clock (``TIME``), never a client's.
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 __all__ = (
     "DELAY_LUA",
+    "MIN_OFFSET_LUA",
+    "OFFSET_FOR_TIME_LUA",
     "HEARTBEAT_LUA",
     "LOCK_LUA",
     "RELEASE_LUA",
@@ -33,9 +41,16 @@ __all__ = (
 )
 
 SEND_LUA = """
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+local first = tonumber(redis.call('GET', KEYS[1]) or '0')
+if top then
+  local ms, sq = string.match(top[1], '^(%d+)%-(%d+)$')
+  if sq ~= '0' or tonumber(ms) > first then
+    return redis.error_reply('FOREIGN stream ' .. KEYS[2] .. ' holds entry ' .. top[1]
+      .. ' that the broker did not write (its last offset is ' .. first .. ')')
+  end
+end
 local n = tonumber(ARGV[1])
-local last = redis.call('INCRBY', KEYS[1], n)
-local first = last - n
 local i = 2
 for m = 1, n do
   local nf = tonumber(ARGV[i])
@@ -44,6 +59,7 @@ for m = 1, n do
   redis.call('XADD', KEYS[2], (first + m) .. '-0', unpack(args))
   i = i + nf + 1
 end
+redis.call('SET', KEYS[1], first + n)
 return first
 """
 """Append ``n`` messages to one queue with consecutive offsets.
@@ -51,6 +67,54 @@ return first
 KEYS: the queue's ``seq`` counter, its stream. ARGV: ``n``, then per message its
 field count and its fields and values (see :func:`._redis_codec._encode_fields`).
 Returns the offset of the first message appended.
+
+The stream's last entry is checked first: an entry the broker did not write (an id
+that is not ``<n>-0``, or past the counter: a plain ``XADD key *`` by another
+application) makes the script fail with a ``FOREIGN`` error naming it, before
+anything is written. The counter is set after the appends, so an ``XADD`` that fails
+(a script error stops there; Redis does not roll back) never leaves it raised.
+"""
+
+MIN_OFFSET_LUA = """
+return {redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1), redis.call('GET', KEYS[2]) or '0'}
+"""
+"""A queue's first entry and its counter, read atomically.
+
+KEYS: the queue's stream, its ``seq`` counter. Returns ``{entries, counter}``: the
+first entry (an empty list when there is none) and the counter (``'0'`` when unset).
+"""
+
+OFFSET_FOR_TIME_LUA = """
+local ts = tonumber(ARGV[1])
+local hi = tonumber(redis.call('GET', KEYS[2]) or '0')
+local lo = 0
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if first then lo = tonumber(string.match(first[1], '^(%d+)')) - 1 else return hi end
+local function born(entry)
+  local f = entry[2]
+  for i = 1, #f, 2 do
+    if f[i] == 't' then return tonumber(f[i + 1]) end
+  end
+  return 0
+end
+while lo < hi do
+  local mid = math.floor((lo + hi) / 2)
+  local e = redis.call('XRANGE', KEYS[1], (mid + 1) .. '-0', '+', 'COUNT', 1)[1]
+  if not e then
+    hi = mid
+  else
+    local off = tonumber(string.match(e[1], '^(%d+)')) - 1
+    if born(e) >= ts then hi = mid else lo = off + 1 end
+  end
+end
+return lo
+"""
+"""The offset of the first message of a queue born at or after a time.
+
+KEYS: the queue's stream, its ``seq`` counter. ARGV: the time in ms since the epoch.
+A binary search over offsets on the born time (``t`` field) of the first entry at or
+after each probe; born times come from the producers' clocks, so the answer is exact
+when they grow along the queue. Returns the counter when every message is older.
 """
 
 UNPACK_LUA = """
@@ -71,8 +135,9 @@ local function release_due(zset, seq, stream, limit)
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local due = redis.call('ZRANGEBYSCORE', zset, '-inf', now, 'LIMIT', 0, limit)
   for _, member in ipairs(due) do
-    local off = redis.call('INCR', seq)
+    local off = tonumber(redis.call('GET', seq) or '0') + 1
     redis.call('XADD', stream, off .. '-0', unpack(unpack_fields(member)))
+    redis.call('SET', seq, off)
     redis.call('ZREM', zset, member)
   end
   local nxt = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')

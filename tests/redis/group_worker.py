@@ -18,7 +18,6 @@ Prints ``READY <client_id>`` once started; leaves gracefully on SIGTERM.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -29,6 +28,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import anyio
 
 from offsetstore import SqlOffsetStore
 from stagedconsumer import (
@@ -106,8 +107,14 @@ class LoggingStagedListener(MessageListenerStagedConcurrently):
 
 async def run(config: dict[str, Any]) -> None:
     group_options = GroupOptions(**config["group_options"])
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    stop = anyio.Event()
+
+    async def on_sigterm() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                stop.set()
+                return
+
     log = EventLog(config["log"])
     if config.get("log_takeovers"):
         logging.getLogger("stagedconsumer").addHandler(TakeoverLog(config["log"]))
@@ -130,16 +137,20 @@ async def run(config: dict[str, Any]) -> None:
         )
         consumer.subscribe(config["topic"])
         try:
-            async with consumer:
-                print(f"READY {consumer.client_id}", flush=True)
-                await stop.wait()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(on_sigterm)
+                async with consumer:
+                    print(f"READY {consumer.client_id}", flush=True)
+                    await stop.wait()
+                tg.cancel_scope.cancel()
         finally:
             await store.aclose()
 
 
 def main(argv: Sequence[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(run(json.loads(argv[1])))
+    config = json.loads(argv[1])
+    anyio.run(run, config, backend=config.get("backend", "asyncio"))
 
 
 if __name__ == "__main__":

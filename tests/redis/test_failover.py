@@ -146,7 +146,12 @@ async def _wait_all_committed(
 
 
 async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
-    broker: RedisBroker, namespace: str, redis_url: str, store_url: tuple[str, str], tmp_path: Path
+    broker: RedisBroker,
+    namespace: str,
+    redis_url: str,
+    store_url: tuple[str, str],
+    tmp_path: Path,
+    anyio_backend: str,
 ) -> None:
     url, prefix = store_url
     await broker.create_topic("t", QUEUES)
@@ -155,6 +160,7 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
         tmp_path,
         {
             "redis_url": redis_url,
+            "backend": anyio_backend,
             "namespace": namespace,
             "store_url": url,
             "table_prefix": prefix,

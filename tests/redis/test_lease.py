@@ -60,7 +60,11 @@ async def _produce(broker: RedisBroker, stop: anyio.Event) -> None:
 
 
 async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
-    redis_url: str, namespace: str, store_url: tuple[str, str], tmp_path: Path
+    redis_url: str,
+    namespace: str,
+    store_url: tuple[str, str],
+    tmp_path: Path,
+    anyio_backend: str,
 ) -> None:
     url, prefix = store_url
     group = "lease"
@@ -70,6 +74,7 @@ async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
             tmp_path,
             {
                 "redis_url": redis_url,
+                "backend": anyio_backend,
                 "namespace": namespace,
                 "store_url": url,
                 "table_prefix": prefix,

@@ -1,5 +1,5 @@
 """The blocking API on RedisBroker: plain sync tests, the broker opened, used and
-closed on the portal's event loop (asyncio: redis-py's asyncio client)."""
+closed on the portal's event loop (asyncio: redis-py; trio: coredis)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from stagedconsumer import (
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
 from stagedconsumer.blocking import BlockingConsumer, BlockingProducer
+from tests.redis._server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -38,9 +39,12 @@ class Collect(MessageListenerOrderly):
             self.seen.extend(msgs)
 
 
-def test_a_blocking_producer_and_consumer_over_redis(redis_url: str, namespace: str) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_blocking_producer_and_consumer_over_redis(
+    redis_url: str, namespace: str, backend: str
+) -> None:
     listener = Collect()
-    with start_blocking_portal("asyncio") as portal:
+    with start_blocking_portal(backend) as portal:
         broker = RedisBroker(redis_url, namespace=namespace)
         with portal.wrap_async_context_manager(broker):  # closed on its event loop
             try:
@@ -77,25 +81,30 @@ def test_a_blocking_producer_and_consumer_over_redis(redis_url: str, namespace: 
     assert [m.body for m in stored[batch[0].queue_offset :]] == [b"b0", b"b1"]
 
 
-def test_redis_broker_on_a_trio_portal_is_a_clear_error(redis_url: str, namespace: str) -> None:
+def test_a_redis_broker_used_on_a_trio_portal_before_entering_is_a_clear_error(
+    redis_url: str, namespace: str
+) -> None:
     broker = RedisBroker(redis_url, namespace=namespace)
     with (
         BlockingProducer(broker, backend="trio") as producer,
-        pytest.raises(ConfigurationError, match="asyncio only"),
+        pytest.raises(ConfigurationError, match="on trio, enter the RedisBroker"),
     ):
         producer.send("orders", b"x")
 
 
-def test_an_unreachable_redis_ends_a_blocking_send_at_its_deadline() -> None:
-    # a closed port on this machine: nothing listens there
-    with start_blocking_portal() as portal:
-        broker = RedisBroker("redis://127.0.0.1:1/0", namespace="p", socket_timeout=1)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_unreachable_redis_ends_a_blocking_send_at_its_deadline(
+    redis_server: RedisServer, backend: str
+) -> None:
+    with start_blocking_portal(backend) as portal:
+        broker = RedisBroker(redis_server.url, namespace="p", socket_timeout=1)
         with (
             portal.wrap_async_context_manager(broker),
             BlockingProducer(
                 broker, options=ProducerOptions(send_msg_timeout=0.5), portal=portal
             ) as producer,
         ):
+            redis_server.stop()  # nothing listens on its port now
             started = time.monotonic()
             with pytest.raises(SendTimeoutError):
                 producer.send("t", b"x")

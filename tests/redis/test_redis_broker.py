@@ -30,18 +30,20 @@ from stagedconsumer._sources._source import (
     PROPERTY_RETRY_TOPIC,
     SendBackResult,
 )
+from tests.redis._server import RedisServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
 
 async def test_offsets_are_consecutive_per_queue_and_entry_ids_derive_from_them(
     broker: RedisBroker,
+    inspect: redis.Redis,
 ) -> None:
     await broker.create_topic("t", 2)
     sent = [await broker.send("t", b"m%d" % i, queue_id=i % 2) for i in range(10)]
     assert [m.queue_offset for m in sent if m.queue_id == 0] == [0, 1, 2, 3, 4]
     assert [m.queue_offset for m in sent if m.queue_id == 1] == [0, 1, 2, 3, 4]
-    entries = await broker.redis.xrange(f"{broker.namespace}:q:t:0", "-", "+")
+    entries = inspect.xrange(f"{broker.namespace}:q:{{t:0}}", "-", "+")
     assert [entry[0] for entry in entries] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
     assert await broker.max_offset(MessageQueue("t", 0)) == 5
     assert await broker.min_offset(MessageQueue("t", 0)) == 0
@@ -88,14 +90,15 @@ async def test_pull_by_offset_in_batches_round_trips_every_field(broker: RedisBr
 def _count_xranges(broker: RedisBroker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the COUNT of every XRANGE the broker sends."""
     counts: list[int] = []
-    execute = broker.redis.execute_command
+    connection = broker._connection
+    execute = connection.execute
 
     async def counting(*args: Any, **options: Any) -> Any:
         if args[0] == "XRANGE":
             counts.append(int(args[-1]))
-        return await execute(*args, **options)  # type: ignore[no-untyped-call]
+        return await execute(*args, **options)
 
-    monkeypatch.setattr(broker.redis, "execute_command", counting)
+    monkeypatch.setattr(connection, "execute", counting)
     return counts
 
 
@@ -133,10 +136,11 @@ async def test_read_ahead_serves_the_next_pulls_of_a_queue_without_a_round_trip(
 
 async def test_offsets_come_from_entry_ids_when_entries_were_deleted(
     broker: RedisBroker,
+    inspect: redis.Redis,
 ) -> None:
     await broker.create_topic("t", 1)
     await broker.send_many("t", [b"%d" % i for i in range(10)], queue_id=0)
-    await broker.redis.xdel(f"{broker.namespace}:q:t:0", b"4-0", b"5-0")
+    inspect.xdel(f"{broker.namespace}:q:{{t:0}}", b"4-0", b"5-0")
     pulled = await broker.pull(MessageQueue("t", 0), 0, 32)
     assert [m.queue_offset for m in pulled.messages] == [0, 1, 2, 5, 6, 7, 8, 9]
     assert [m.body for m in pulled.messages] == [b"0", b"1", b"2", b"5", b"6", b"7", b"8", b"9"]
@@ -202,24 +206,27 @@ async def test_a_consumer_starting_on_an_empty_queue_while_a_producer_sends_lose
 
 
 async def test_a_connection_error_drops_what_was_read_ahead(
-    broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
+    broker: RedisBroker,
+    monkeypatch: pytest.MonkeyPatch,
+    inspect: redis.Redis,
 ) -> None:
     # After an outage Redis may have restarted without its data and reuse offsets.
     await broker.create_topic("t", 1)
     await broker.send_many("t", [b"old%d" % i for i in range(10)], queue_id=0)
     mq = MessageQueue("t", 0)
     assert len((await broker.pull(mq, 0, 2)).messages) == 2
-    execute = broker.redis.execute_command
+    connection = broker._connection
+    execute = connection.execute
 
     async def failing(*args: Any, **options: Any) -> Any:
         raise redis.exceptions.ConnectionError("gone")
 
-    monkeypatch.setattr(broker.redis, "execute_command", failing)
+    monkeypatch.setattr(connection, "execute", failing)
     with pytest.raises(SourceError):
         await broker.pull(mq, 7, 2)
-    monkeypatch.setattr(broker.redis, "execute_command", execute)
+    monkeypatch.setattr(connection, "execute", execute)
     ns = broker.namespace
-    await broker.redis.delete(f"{ns}:q:t:0", f"{ns}:seq:t:0")  # the data loss
+    inspect.delete(f"{ns}:q:{{t:0}}", f"{ns}:seq:{{t:0}}")  # the data loss
     await broker.send_many("t", [b"new%d" % i for i in range(10)], queue_id=0)
     pulled = await broker.pull(mq, 2, 2)
     assert [m.body for m in pulled.messages] == [b"new2", b"new3"]
@@ -301,15 +308,17 @@ async def test_retry_waits_its_delay_level_then_appears_in_the_retry_queue(
     assert await broker.max_offset(retry_mq) == 1
 
 
-async def test_default_delay_level_follows_reconsume_times(broker: RedisBroker) -> None:
+async def test_default_delay_level_follows_reconsume_times(
+    broker: RedisBroker, inspect: redis.Redis
+) -> None:
     await broker.create_topic("t", 1)
     message = await broker.send("t", b"x")
     await broker.send_back("g", message)  # level 3 + 0 = 10 s
     await anyio.sleep(1.2)
     retry_mq = MessageQueue("%RETRY%g", 0)
     assert (await broker.pull(retry_mq, 0, 10)).messages == []
-    score = await broker.redis.zrange(f"{broker.namespace}:delay:g", 0, 0, withscores=True)
-    server_now = (await broker.redis.time())[0]
+    score = inspect.zrange(f"{broker.namespace}:delay:{{%RETRY%g:0}}", 0, 0, withscores=True)
+    server_now = inspect.time()[0]
     assert 8 <= score[0][1] / 1000 - server_now <= 10.5
 
 
@@ -352,9 +361,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_unreachable_redis_is_reported_as_retriable_and_sends_retry() -> None:
-    url = f"redis://127.0.0.1:{_free_port()}/0"
-    async with RedisBroker(url, namespace="nowhere", send_timeout=0.5) as broker:
+async def test_entering_fails_fast_with_a_source_error_when_nothing_listens() -> None:
+    port = _free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    started = time.monotonic()
+    with pytest.raises(SourceError, match=f"cannot connect to Redis at {url}") as raised:
+        async with RedisBroker(url, namespace="nowhere"):
+            pytest.fail("entered a broker with nothing listening")
+    assert time.monotonic() - started < 2  # refused at once, not retried for seconds
+    assert raised.value.retriable
+
+
+async def test_entering_gives_up_after_connect_timeout_when_redis_does_not_answer() -> None:
+    # A listening socket that never answers: the TCP connection succeeds, PING does not.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        started = time.monotonic()
+        # redis-py connects, then PING times out; coredis's handshake times out first
+        with pytest.raises(SourceError, match=f"Redis at {url}"):
+            async with RedisBroker(url, namespace="nowhere", connect_timeout=0.3):
+                pytest.fail("entered a broker whose Redis never answered")
+        assert 0.25 < time.monotonic() - started < 2
+
+
+async def test_entering_pings_a_reachable_redis(redis_url: str) -> None:
+    async with RedisBroker(redis_url, namespace="ping-check", connect_timeout=1) as broker:
+        assert broker.connection_errors == 0
+        assert broker.connect_timeout == 1
+
+
+async def test_a_connection_lost_after_entering_is_retriable_and_sends_retry(
+    redis_server: RedisServer,
+) -> None:
+    async with RedisBroker(redis_server.url, namespace="gone", send_timeout=0.5) as broker:
+        redis_server.stop()
         with pytest.raises(SourceError) as pulled:
             await broker.pull(MessageQueue("t", 0), 0, 10)
         assert pulled.value.retriable
@@ -374,15 +416,24 @@ async def test_statistics(broker: RedisBroker) -> None:
     assert stats.connection_errors == 0
 
 
-def test_trio_gets_a_clear_error(redis_url: str) -> None:
+def test_on_trio_a_broker_used_before_entering_gets_a_clear_error(redis_url: str) -> None:
     import trio
 
     async def use() -> None:
         broker = RedisBroker(redis_url, namespace="trio-check")
-        with pytest.raises(ConfigurationError, match="asyncio only"):
+        with pytest.raises(ConfigurationError, match="on trio, enter the RedisBroker"):
             await broker.pull(MessageQueue("t", 0), 0, 1)
+        async with broker:
+            assert broker.client_library == "coredis"
+            assert (await broker.pull(MessageQueue("t", 0), 0, 1)).messages == []
 
     trio.run(use)
+
+
+async def test_the_client_follows_the_event_loop(broker: RedisBroker, anyio_backend: str) -> None:
+    expected = {"asyncio": "redis-py", "trio": "coredis"}[anyio_backend]
+    assert broker.client_library == expected
+    assert type(broker.redis).__module__.split(".")[0] == expected.replace("-py", "")
 
 
 @pytest.mark.parametrize(
@@ -426,6 +477,8 @@ async def test_send_checks_the_message_as_the_producer_does(
         ({"socket_timeout": "x"}, "socket_timeout must be a positive, finite"),
         ({"socket_timeout": None}, "socket_timeout must be a positive, finite"),
         ({"socket_timeout": float("nan")}, "socket_timeout must be a positive, finite"),
+        ({"connect_timeout": 0}, "connect_timeout must be a positive, finite"),
+        ({"connect_timeout": float("inf")}, "connect_timeout must be a positive, finite"),
         ({"read_ahead": 1.5}, "read_ahead must be an int"),
     ],
 )
@@ -433,3 +486,111 @@ def test_constructor_checks_argument_types(kwargs: dict[str, Any], fragment: str
     with pytest.raises(ConfigurationError) as info:
         RedisBroker(**kwargs)
     assert fragment in str(info.value)
+
+
+async def _send_three(broker: RedisBroker) -> str:
+    await broker.create_topic("t", 1)
+    for i in range(3):
+        await broker.send("t", b"m%d" % i, queue_id=0)
+    return f"{broker.namespace}:q:{{t:0}}"
+
+
+async def test_a_foreign_entry_is_named_by_pulls_and_refused_by_send(
+    broker: RedisBroker, inspect: redis.Redis
+) -> None:
+    stream = await _send_three(broker)
+    foreign = inspect.xadd(stream, {"body": "x"}).decode()
+    mq = MessageQueue("t", 0)
+    broker.read_ahead = 0  # what comes before the foreign entry is still served
+    assert [m.queue_offset for m in (await broker.pull(mq, 0, 2)).messages] == [0, 1]
+    with pytest.raises(SourceError, match=f"stream {stream} holds a foreign entry {foreign}"):
+        await broker.pull(mq, 2, 10)
+    with pytest.raises(SourceError, match=f"FOREIGN stream {stream} holds entry {foreign}") as sent:
+        await broker.send("t", b"mine", queue_id=0)
+    assert not sent.value.retriable
+    # Nothing written, the counter not raised by the failed send.
+    assert inspect.get(f"{broker.namespace}:seq:{{t:0}}") == b"3"
+    assert inspect.xlen(stream) == 4
+
+
+async def test_a_foreign_entry_with_our_fields_past_the_counter_is_detected(
+    broker: RedisBroker,
+    inspect: redis.Redis,
+) -> None:
+    stream = await _send_three(broker)
+    foreign = inspect.xadd(stream, {"i": "someone", "b": "else", "t": "0"})
+    mq = MessageQueue("t", 0)
+    for offset in (0, 3):  # read with ours, and alone
+        with pytest.raises(SourceError, match="past the queue's last offset 3") as pulled:
+            await broker.pull(mq, offset, 10)
+        assert foreign.decode() in str(pulled.value)
+
+
+async def test_a_foreign_entry_id_with_a_sequence_part_is_detected(
+    broker: RedisBroker, inspect: redis.Redis
+) -> None:
+    stream = await _send_three(broker)
+    inspect.xadd(stream, {"i": "x", "b": "y", "t": "0"}, id="3-1")
+    with pytest.raises(SourceError, match="holds a foreign entry 3-1"):
+        await broker.pull(MessageQueue("t", 0), 0, 10)
+    with pytest.raises(SourceError, match="holds entry 3-1"):
+        await broker.send("t", b"mine", queue_id=0)
+    assert inspect.get(f"{broker.namespace}:seq:{{t:0}}") == b"3"
+
+
+async def test_a_stream_of_foreign_entries_only_never_hands_out_offsets(
+    broker: RedisBroker,
+    inspect: redis.Redis,
+) -> None:
+    await broker.create_topic("t", 1)
+    stream = f"{broker.namespace}:q:{{t:0}}"
+    for i in range(3):
+        inspect.xadd(stream, {"v": str(i)})
+    mq = MessageQueue("t", 0)
+    with pytest.raises(SourceError, match="foreign entry"):
+        await broker.pull(mq, 0, 10)
+    with pytest.raises(SourceError, match="foreign entry"):
+        await broker.min_offset(mq)
+    for _ in range(2):
+        with pytest.raises(SourceError, match="FOREIGN"):
+            await broker.send("t", b"mine", queue_id=0)
+    assert inspect.get(f"{broker.namespace}:seq:{{t:0}}") is None
+
+
+async def test_every_script_touches_one_cluster_slot(
+    broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis Cluster refuses a script whose keys live in several slots: the hash tags
+    put a queue's stream and counter, a group's retry queue and delay set, and a
+    group's members, locks and epochs together."""
+    from redis.crc import key_slot
+
+    connection = broker._connection
+    execute = connection.execute
+    calls: list[tuple[str, list[str]]] = []
+
+    async def recording(*args: Any, **options: Any) -> Any:
+        if args[0] in ("EVALSHA", "EVAL"):
+            n = int(args[2])
+            calls.append((str(args[1])[:8], [str(k) for k in args[3 : 3 + n]]))
+        return await execute(*args, **options)
+
+    monkeypatch.setattr(connection, "execute", recording)
+    await broker.create_topic("t", 3)
+    for q in range(3):
+        await broker.send("t", b"x", queue_id=q)
+    message = (await broker.pull(MessageQueue("t", 1), 0, 1)).messages[0]
+    await broker.send_back("g", message, delay_level=1)
+    await broker.pull(MessageQueue("%RETRY%g", 0), 0, 10)
+    await broker.min_offset(MessageQueue("t", 2))
+    await broker.offset_for_timestamp(MessageQueue("t", 2), 0)
+    coordinator = broker.group_coordinator()
+    queues = [MessageQueue("t", q) for q in range(3)]
+    await coordinator.heartbeat("g", "member-1")
+    await coordinator.lock("g", "member-1", queues)
+    await coordinator.unlock("g", "member-1", queues)
+    await coordinator.leave("g", "member-1")
+    assert len(calls) >= 10
+    for sha, keys in calls:
+        assert len({key_slot(k.encode()) for k in keys}) == 1, (sha, keys)
+    assert any(len(keys) == 6 for _, keys in calls)  # the three queues' locks in one call

@@ -3,7 +3,7 @@ retried within the deadline, and a server that never answers ends at the deadlin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import anyio
 import anyio.abc
@@ -22,8 +22,7 @@ from stagedconsumer import (
     SendTimeoutError,
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
-
-from .test_restart import RedisServer, redis_server  # noqa: F401 - the fixture
+from tests.redis._server import HangingProxy, RedisServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -75,7 +74,7 @@ async def test_orders_sent_by_hash_are_consumed_in_order(broker: RedisBroker) ->
 
 @pytest.mark.slow
 async def test_sends_during_a_redis_restart_are_retried_within_the_deadline(
-    redis_server: RedisServer,  # noqa: F811 - the fixture
+    redis_server: RedisServer,
 ) -> None:
     async with RedisBroker(redis_server.url, namespace="p", socket_timeout=2) as broker:
         await broker.create_topic("t", 2)
@@ -97,25 +96,11 @@ async def test_sends_during_a_redis_restart_are_retried_within_the_deadline(
         assert b"during" in [m.body for m in stored]
 
 
-@pytest.fixture
-async def silent_server() -> AsyncIterator[int]:
-    """A port that accepts connections and never answers (a hung server)."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-
-    async def hold(stream: anyio.abc.SocketStream) -> None:
-        async with stream:  # closed when the fixture ends
-            await anyio.sleep_forever()
-
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, hold)
-        yield port
-        tg.cancel_scope.cancel()
-
-
-async def test_a_server_that_never_answers_ends_at_the_deadline(silent_server: int) -> None:
-    url = f"redis://127.0.0.1:{silent_server}/0"
-    async with RedisBroker(url, namespace="p", socket_timeout=30) as broker:
+async def test_a_server_that_stops_answering_ends_at_the_deadline(
+    hanging_proxy: HangingProxy,
+) -> None:
+    async with RedisBroker(hanging_proxy.url, namespace="p", socket_timeout=30) as broker:
+        hanging_proxy.hang()
         options = ProducerOptions(send_msg_timeout=0.5)
         async with Producer(broker, options=options) as producer:
             started = anyio.current_time()

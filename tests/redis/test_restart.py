@@ -9,12 +9,8 @@ afterwards every message whose send returned has been consumed.
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import anyio
 import pytest
@@ -30,78 +26,9 @@ from stagedconsumer import (
     PushConsumer,
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
-from tests.conftest import require_service
+from tests.redis._server import RedisServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.port = _free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--dir", str(self.dir),
-                "--appendonly", "yes",
-                "--appendfsync", "always",
-                "--save", "",
-                "--logfile", str(self.dir / "redis.log"),
-            ],
-        )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not start:\n" + (self.dir / "redis.log").read_text())
-
-    def stop(self) -> None:
-        """Shut down cleanly (the AOF is complete: appendfsync always)."""
-        if self.proc is None:
-            return
-        subprocess.run(
-            ["redis-cli", "-p", str(self.port), "shutdown"], check=False, capture_output=True
-        )
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_service("redis-server binary", shutil.which("redis-server") is not None, "not on PATH")
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.proc is not None:
-            server.proc.kill()
-            server.proc.wait()
 
 
 class Collect(MessageListenerConcurrently):

@@ -1,0 +1,107 @@
+"""A redis-server of a test's own, on a free port of 127.0.0.1, in a temporary directory."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import anyio
+import anyio.abc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--dir", str(self.dir),
+                "--appendonly", "yes",
+                "--appendfsync", "always",
+                "--save", "",
+                "--logfile", str(self.dir / "redis.log"),
+            ],
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError("redis-server did not start:\n" + (self.dir / "redis.log").read_text())
+
+    def stop(self) -> None:
+        """Shut down cleanly (the AOF is complete: appendfsync always)."""
+        if self.proc is None:
+            return
+        subprocess.run(
+            ["redis-cli", "-p", str(self.port), "shutdown"], check=False, capture_output=True
+        )
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """Kill the process (no clean shutdown) if it runs."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class HangingProxy:
+    """A TCP proxy on a free port of 127.0.0.1 in front of a Redis server that, once
+    :meth:`hang` was called, stops forwarding: a server that no longer answers."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.port = 0
+        self.hung = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def hang(self) -> None:
+        self.hung = True
+
+    async def _pump(self, source: anyio.abc.ByteStream, sink: anyio.abc.ByteStream) -> None:
+        async for chunk in source:
+            if self.hung:
+                await anyio.sleep_forever()
+            await sink.send(chunk)
+
+    async def handle(self, client: anyio.abc.SocketStream) -> None:
+        async with client:
+            if self.hung:
+                await anyio.sleep_forever()
+            upstream = await anyio.connect_tcp(*self.upstream)
+            async with upstream, anyio.create_task_group() as tg:
+                tg.start_soon(self._pump, client, upstream)
+                await self._pump(upstream, client)
+                tg.cancel_scope.cancel()
