@@ -20,8 +20,9 @@ A loop that is late because the machine is overloaded is not blocked: the whole
 process waits for the CPU. The watching thread then wakes late as well, while a call
 blocking the loop thread leaves it on time (sleeping or waiting for I/O releases the
 GIL, and Python code yields it every 5 ms). So a block during which the watching
-thread itself woke a quarter of the threshold late is counted (``starved``) and not
-reported.
+thread itself woke a quarter of the threshold late, and the loop thread used less
+than half the threshold of CPU time (a computation that blocks uses it), is counted
+(``starved``) and not reported.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class LoopWatchdog:
         )
         thread.start()
         task_status.started()
+        cpu = time.thread_time()
         try:
             while True:
                 due = clock() + interval
@@ -132,9 +134,13 @@ class LoopWatchdog:
                 self._beat = now
                 self._seq += 1
                 late = now - due
+                used, cpu = -cpu, time.thread_time()
+                used += cpu  # the loop thread's CPU time since the last beat
                 if late < self.threshold:
                     continue
-                if starved:  # the machine, not a call, held the loop up
+                if starved and used < self.threshold / 2:
+                    # the machine, not a call, held the loop up: this thread woke late
+                    # too, and the loop thread hardly ran
                     self.blocks += 1
                     self.starved += 1
                 else:
