@@ -194,8 +194,9 @@ def test_a_sync_handler_still_runs_in_a_worker_thread() -> None:
     assert len(threads) == 3
     assert all(t is not threading.main_thread() for t in threads)
     assert [c.outcome for c in run.log.calls] == [Outcome.SUCCESS] * 3
-    # times come from the event loop's (virtual) clock, costs included
-    assert [c.end - c.start for c in run.log.calls] == [2.0, 2.0, 2.0]
+    # times come from the event loop's (virtual) clock, costs included; at least the
+    # cost: while a worker thread computes, the mock clock may jump ahead
+    assert all(c.end - c.start >= 2.0 for c in run.log.calls)
 
 
 def test_describe_names_the_call() -> None:
