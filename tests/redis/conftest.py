@@ -109,15 +109,3 @@ async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
             yield broker
         finally:
             await broker.delete_namespace()
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # coredis (the client on trio) leaves the memory streams of a connection whose
-    # connect failed to the garbage collector (anyio warns when it collects them);
-    # the tests that refuse or drop connections on purpose would fail on that warning.
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.path).parents:
-            item.add_marker(
-                pytest.mark.filterwarnings("ignore:Unclosed <MemoryObject:ResourceWarning")
-            )
