@@ -367,7 +367,9 @@ class ScheduledBroker(MemoryBroker):
     """A MemoryBroker with messages still to be sent at their arrival times."""
 
     def __init__(self) -> None:
-        super().__init__()
+        # One consumer per group, without queue locks: these properties are those of
+        # a consumer owning its queues (groups are tested in test_gray.py).
+        super().__init__(coordinate_groups=False)
         self.pending: list[tuple[int, int, int, tuple[str, ...], str | None]] = []
         """(arrival, queue, offset, keys, tag) of the messages :func:`consume` still sends."""
         self.sent: dict[QueueOffset, Message] = {}
