@@ -348,3 +348,53 @@ def _fields(options: ConsumerOptions) -> dict[str, object]:
         "gray_tag": options.gray_tag,
         "gray_queue_ratio": options.gray_queue_ratio,
     }
+
+
+# -- the demo ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_gray_demo_checks_pass_and_can_fail() -> None:
+    from stagedconsumer._cli._demo_gray import Call, _stage_order_kept, run_gray_demo
+
+    def call(event: str, offset: int) -> Call:
+        return Call(
+            event=event, consumer="n", queue_id=0, offset=offset, gray=False, attempt=0, phase=1
+        )
+
+    # stages (2, 3): offset 2 may start only once offsets 0 and 1 ended
+    early = [call("start", 0), call("start", 1), call("end", 0), call("start", 2)]
+    assert not _stage_order_kept(early)
+    assert _stage_order_kept([*early[:3], call("end", 1), call("start", 2)])
+
+    result = await run_gray_demo(orders=6, events=3)
+    assert result.ok, result.checks
+    assert len(result.checks) == 8
+    assert result.handled["both running"] == {
+        "gray <- gray traffic": 9,
+        "normal <- normal traffic": 9,
+    }
+    assert result.handled["gray stopped"] == {
+        "normal <- gray traffic": 9,
+        "normal <- normal traffic": 9,
+    }
+
+
+def test_gray_demo_command_prints_its_checks() -> None:
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "stagedconsumer", "demo", "gray", "--orders", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "100"},
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[ok] nothing lost: all 32 messages handled" in result.stdout
+    assert "FAILED" not in result.stdout
+    assert result.stderr == ""
