@@ -398,3 +398,56 @@ def test_gray_demo_command_prints_its_checks() -> None:
     assert "[ok] nothing lost: all 32 messages handled" in result.stdout
     assert "FAILED" not in result.stdout
     assert result.stderr == ""
+
+
+# -- the case matrix of the RIP-72 discussion --------------------------------------------
+
+
+class Lanes(MessageListenerConcurrently):
+    def __init__(self, name: str, log: list[tuple[str, Message]]) -> None:
+        self.name = name
+        self.log = log
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        self.log.extend((self.name, m) for m in msgs)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("producers", ["all-gray", "mixed", "all-normal"])
+@pytest.mark.parametrize("consumers", ["all-gray", "mixed", "all-normal"])
+async def test_case_matrix_who_consumes_what_nothing_stranded_nothing_lost(
+    producers: str, consumers: str
+) -> None:
+    broker = MemoryBroker()
+    queues = broker.create_topic("t", 8)
+    store = MemoryOffsetStore()
+    log: list[tuple[str, Message]] = []
+    tags = {"all-gray": [True, True], "mixed": [True, False], "all-normal": [False, False]}
+    members = []
+    for i, gray in enumerate(tags[consumers]):
+        name = f"{'gray' if gray else 'normal'}{i}"
+        options = GRAY if gray else NORMAL
+        member = PushConsumer("g", broker, Lanes(name, log), offset_store=store, options=options)
+        member.subscribe("t")
+        members.append(member)
+    selector = SelectMessageQueueByGray(0.25)
+    async with members[0], members[1]:
+        await _until(lambda: sum(len(m.assigned_queues) for m in members) == 8 + 2)
+        for i in range(40):
+            gray = {"all-gray": True, "all-normal": False, "mixed": i % 2 == 0}[producers]
+            outgoing = OutgoingMessage.of(str(i).encode(), keys=[f"k{i}"])
+            mq = selector.select(queues, outgoing, gray)
+            broker.send("t", outgoing.body, keys=[f"k{i}"], queue_id=mq.queue_id)
+        await _until(lambda: len(log) >= 40)
+        await anyio.sleep(0.05)  # a duplicate would show up by now
+    bodies = sorted(int(m.body) for _, m in log)
+    assert bodies == list(range(40)), "lost or handled twice"
+    gray_queues = set(split_gray(queues, 0.25).gray)
+    for name, m in log:
+        on_gray_queue = MessageQueue("t", m.queue_id) in gray_queues
+        if consumers == "mixed":  # isolation while both kinds are alive
+            assert name.startswith("gray") == on_gray_queue, (name, m.queue_id)
+        else:  # one kind only: it consumes every queue, nothing stranded
+            assert name.startswith("gray" if consumers == "all-gray" else "normal")
