@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import anyio
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -296,18 +297,17 @@ async def test_gray_traffic_and_its_retries_reach_only_the_gray_member() -> None
     broker = MemoryBroker()
     queues = broker.create_topic("t", 8)
     log: list[tuple[str, Message]] = []
-    options = {"max_reconsume_times": 2}
     gray = PushConsumer(
         "g",
         broker,
         ConcurrentLog("gray", log, fail_keys=True),
-        options=ConsumerOptions(**{**_fields(GRAY), **options}),
+        options=attrs.evolve(GRAY, max_reconsume_times=2),
     )
     normal = PushConsumer(
         "g",
         broker,
         ConcurrentLog("normal", log, fail_keys=True),
-        options=ConsumerOptions(**{**_fields(NORMAL), **options}),
+        options=attrs.evolve(NORMAL, max_reconsume_times=2),
     )
     gray.subscribe("t")
     normal.subscribe("t")
@@ -340,14 +340,6 @@ async def test_gray_traffic_and_its_retries_reach_only_the_gray_member() -> None
     gray_retry, normal_retry = broker.messages("%RETRY%g", 1), broker.messages("%RETRY%g", 0)
     assert sorted(int(m.body) for m in gray_retry) == sorted([0, 10, 20, 30] * 2)
     assert sorted(int(m.body) for m in normal_retry) == sorted([5, 15, 25, 35] * 2)
-
-
-def _fields(options: ConsumerOptions) -> dict[str, object]:
-    return {
-        "enable_gray_switch": options.enable_gray_switch,
-        "gray_tag": options.gray_tag,
-        "gray_queue_ratio": options.gray_queue_ratio,
-    }
 
 
 # -- the demo ---------------------------------------------------------------------------
