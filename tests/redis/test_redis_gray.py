@@ -114,3 +114,43 @@ async def test_gray_and_normal_members_split_the_queues_and_hand_over(
             assert name == ("gray" if int(m.body) % 2 == 0 else "normal")
         else:
             assert name == "normal"
+
+
+async def test_group_show_prints_members_with_their_gray_flag(
+    gray_broker: RedisBroker, redis_url: str, namespace: str
+) -> None:
+    import sys
+
+    await gray_broker.create_topic("t", 4)
+    store = MemoryOffsetStore()
+    log: list[tuple[str, Message]] = []
+    gray = PushConsumer(
+        "g",
+        gray_broker,
+        Lanes("gray", log),
+        offset_store=store,
+        options=ConsumerOptions(enable_gray_switch=True, gray_tag=True, gray_queue_ratio=0.5),
+    )
+    normal = PushConsumer(
+        "g",
+        gray_broker,
+        Lanes("normal", log),
+        offset_store=store,
+        options=ConsumerOptions(enable_gray_switch=True, gray_queue_ratio=0.5),
+    )
+    gray.subscribe("t")
+    normal.subscribe("t")
+    async with gray, normal:
+        await _until(lambda: len([mq for mq in gray.assigned_queues if mq.topic == "t"]) == 2)
+        args = ["group", "show", "--group", "g", "--topic", "t"]
+        args += ["--redis", redis_url, "--redis-namespace", namespace]
+        result = await anyio.run_process(
+            [sys.executable, "-m", "stagedconsumer", *args], check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert "2 live member(s)" in out
+    assert f"{gray.client_id}  gray (ratio 0.5)" in out
+    assert f"{normal.client_id}  normal" in out
+    assert f"t#3: {gray.client_id}" in out  # the last half of the queues is gray
+    assert f"t#0: {normal.client_id}" in out
