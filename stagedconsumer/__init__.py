@@ -75,6 +75,8 @@ from ._options import ConsumerOptions as ConsumerOptions
 from ._options import ProducerOptions as ProducerOptions
 from ._runtime._consumer import PushConsumer as PushConsumer
 from ._runtime._producer import Producer as Producer
+from ._sources._gray import AllocateMessageQueueByGray as AllocateMessageQueueByGray
+from ._sources._gray import GrayStatistics as GrayStatistics
 from ._sources._group import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
 from ._sources._group import (
     AllocateMessageQueueByConsistentHash as AllocateMessageQueueByConsistentHash,
@@ -85,6 +87,7 @@ from ._sources._group import GroupOptions as GroupOptions
 from ._sources._memory import MemoryBroker as MemoryBroker
 from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
 from ._sources._selectors import MessageQueueSelector as MessageQueueSelector
+from ._sources._selectors import SelectMessageQueueByGray as SelectMessageQueueByGray
 from ._sources._selectors import SelectMessageQueueByHash as SelectMessageQueueByHash
 from ._sources._selectors import SelectMessageQueueByRandom as SelectMessageQueueByRandom
 from ._sources._source import MessageSource as MessageSource
@@ -112,6 +115,7 @@ __all__ = (
     "TAIL_STAGE",
     "AllocateMessageQueueAveragely",
     "AllocateMessageQueueByConsistentHash",
+    "AllocateMessageQueueByGray",
     "AllocateMessageQueueStrategy",
     "AsyncTraceDispatcher",
     "ConfigurationError",
@@ -130,6 +134,7 @@ __all__ = (
     "ConsumerStatistics",
     "ConsumerView",
     "FileTraceSink",
+    "GrayStatistics",
     "GroupCoordinator",
     "GroupOptions",
     "HandlerError",
@@ -160,6 +165,7 @@ __all__ = (
     "PullResult",
     "PushConsumer",
     "RedisBroker",
+    "SelectMessageQueueByGray",
     "SelectMessageQueueByHash",
     "SelectMessageQueueByRandom",
     "SendBackResult",

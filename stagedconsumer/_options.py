@@ -75,6 +75,17 @@ def _timestamp(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         raise InvalidOptionError(f"{attribute.name} must be seconds since the epoch, got {value!r}")
 
 
+def _bool(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{attribute.name} must be a bool, got {value!r}")
+
+
+def _ratio(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _positive_number(_instance, attribute, value)
+    if not value <= 1:
+        raise InvalidOptionError(f"{attribute.name} must be in (0, 1], got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class ConsumerOptions:
     """Tunables of a :class:`~stagedconsumer.PushConsumer` (RocketMQ names and defaults).
@@ -127,9 +138,7 @@ class ConsumerOptions:
     """Where a queue with no committed progress starts (retry queues: always first)."""
     consume_timestamp: float | None = attrs.field(default=None, validator=_timestamp)
     """With ``CONSUME_FROM_TIMESTAMP``: seconds since the epoch (``time.time()``)."""
-    consume_timeout: float | None = attrs.field(
-        default=900.0, validator=_optional_finite_positive
-    )
+    consume_timeout: float | None = attrs.field(default=900.0, validator=_optional_finite_positive)
     """Seconds a handler call may run (RocketMQ's ``consumeTimeout``, 15 minutes);
     a call still running then is timed out, between this and 1.1 times it: an
     ``async def`` handler is cancelled, a plain ``def`` handler's call is abandoned
@@ -143,7 +152,20 @@ class ConsumerOptions:
     queue), once per handler; ``None`` turns the check off. It costs nothing per
     message: a task beats ten times per threshold and a thread checks the beat."""
 
+    enable_gray_switch: bool = attrs.field(default=False, validator=_bool)
+    """Gray release (RocketMQ's RIP-72): allocate the group's queues with
+    :class:`~stagedconsumer.AllocateMessageQueueByGray` and keep gray retries apart.
+    Turn it on on every member of the group."""
+    gray_tag: bool = attrs.field(default=False, validator=_bool)
+    """With ``enable_gray_switch``: this member is gray (it consumes the gray queues).
+    Fixed for the member's lifetime: changing it needs a restart."""
+    gray_queue_ratio: float = attrs.field(default=0.1, validator=_ratio)
+    """Share of each topic's queues that are gray, in (0, 1]: the last
+    ``ceil(n * ratio)`` of the sorted queues (8 queues, 0.1: the last one)."""
+
     def __attrs_post_init__(self) -> None:
+        if self.gray_tag and not self.enable_gray_switch:
+            raise InvalidOptionError("gray_tag=True needs enable_gray_switch=True")
         from_timestamp = self.consume_from_where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP
         if from_timestamp and self.consume_timestamp is None:
             raise InvalidOptionError("CONSUME_FROM_TIMESTAMP needs consume_timestamp")

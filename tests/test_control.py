@@ -241,10 +241,10 @@ async def test_queue_listeners_hear_assignment_before_work_and_revocation_after_
         await consumer.wait_caught_up(timeout=5)
         await consumer.release_queue(Q1)
         stats = consumer.statistics()
-    retry = MessageQueue("%RETRY%g", 0)
-    assert tell.events[0] == ("assigned", [retry, Q0, Q1], 0)  # before any handler call
+    retry = [MessageQueue("%RETRY%g", 0), MessageQueue("%RETRY%g", 1)]  # normal, gray
+    assert tell.events[0] == ("assigned", [*retry, Q0, Q1], 0)  # before any handler call
     assert tell.events[1] == ("revoked", [Q1], 3)  # its progress was committed first
-    assert tell.events[2] == ("revoked", [retry, Q0], 3)
+    assert tell.events[2] == ("revoked", [*retry, Q0], 3)
     assert stats.listener_errors == 1
 
 

@@ -123,6 +123,7 @@ ALLOWED = {
     "stagedconsumer._runtime": {
         "stagedconsumer._sources._source",
         "stagedconsumer._sources._group",
+        "stagedconsumer._sources._gray",
         "stagedconsumer._sources._selectors",
         "stagedconsumer._observability._hooks",
         "stagedconsumer._observability._send_hooks",

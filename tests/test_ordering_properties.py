@@ -364,6 +364,8 @@ class ScheduledBroker(MemoryBroker):
     """A MemoryBroker with messages still to be sent at their arrival times."""
 
     def __init__(self) -> None:
+        # One consumer per group, without queue locks: these properties are those of
+        # a consumer owning its queues (groups are tested in test_gray.py).
         super().__init__()
         self.pending: list[tuple[int, int, int, tuple[str, ...], str | None]] = []
         """(arrival, queue, offset, keys, tag) of the messages :func:`consume` still sends."""

@@ -601,3 +601,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run on trio in virtual time: exact and instant (needs the trio extra)",
     )
     parser.set_defaults(handler=_handle)
+    from ._demo_gray import register_gray
+
+    register_gray(parser)

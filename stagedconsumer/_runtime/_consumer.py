@@ -28,6 +28,7 @@ from .._message import MessageQueue
 from .._observability._hooks import ConsumeMessageHook
 from .._observability._view import ConsumerStatistics
 from .._options import ConsumerOptions
+from .._sources._gray import AllocateMessageQueueByGray, gray_member_id
 from .._sources._group import GroupCoordinator, new_client_id
 from .._sources._source import MessageSource, retry_topic
 from ._commit import ProgressCommitter, retry_store
@@ -104,7 +105,10 @@ class PushConsumer:
         self._service = ConsumeService.for_listener(listener, group, source, self._state, options)
         self._state.mode = self._service.mode.value
         self.client_id = new_client_id()
-        """This consumer's identity among the members of its group."""
+        """This consumer's identity among the members of its group (a gray member's
+        ends with ``@gray[<gray_queue_ratio>]``)."""
+        if options.enable_gray_switch and options.gray_tag:
+            self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
         self._coordinator: GroupCoordinator | None = source.group_coordinator()
         self._subscriptions: dict[str, TagFilter] = {}
         self._hook_list: list[ConsumeMessageHook] = []
@@ -433,7 +437,11 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         consumer._hooks = HookRunner(consumer._hook_list)
         consumer._dispatcher.record_times = True
     if consumer._coordinator is not None:
+        strategy = consumer._coordinator.options.allocate_strategy
+        if options.enable_gray_switch and not isinstance(strategy, AllocateMessageQueueByGray):
+            strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
         consumer._membership = GroupMembership(
+            strategy=strategy,
             coordinator=consumer._coordinator,
             state=state,
             client_id=consumer.client_id,
@@ -442,6 +450,8 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
             dispatcher=consumer._dispatcher,
             subscribed=subscribed,
         )
+        if options.enable_gray_switch:
+            consumer._service.gray_queue = consumer._membership.is_gray
     membership = consumer._membership
     consumer._committer = consumer._queues.committer = ProgressCommitter(
         state=state,

@@ -33,7 +33,8 @@ from .._core import Dispatcher, Lost, QueueOwnership
 from .._exceptions import SourceError
 from .._filter import TagFilter
 from .._message import MessageQueue
-from .._sources._group import GroupCoordinator
+from .._sources._gray import AllocateMessageQueueByGray
+from .._sources._group import AllocateMessageQueueStrategy, GroupCoordinator
 from ._queues import QueueTable
 from ._state import ConsumerState
 
@@ -60,6 +61,7 @@ class GroupMembership:
         queues: QueueTable,
         dispatcher: Dispatcher,
         subscribed: Mapping[MessageQueue, TagFilter],
+        strategy: AllocateMessageQueueStrategy | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.options = coordinator.options
@@ -70,6 +72,10 @@ class GroupMembership:
         self.queues = queues
         self.dispatcher = dispatcher
         self.subscribed = dict(subscribed)
+        self.strategy = strategy if strategy is not None else self.options.allocate_strategy
+        """How this member allocates (the coordinator's strategy unless gray release
+        is on)."""
+        self._gray: frozenset[MessageQueue] = frozenset()
         self.ownership = QueueOwnership()
         self._scope: anyio.CancelScope | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
@@ -107,7 +113,7 @@ class GroupMembership:
                     timer = ownership.get_timer()
                     if timer is not None:
                         delay = min(delay, max(0.01, timer - anyio.current_time()))
-                    await anyio.sleep(delay)
+                    await self.coordinator.wait_changed(self.group, self.client_id, delay)
 
     def stop(self) -> None:
         """Stop rebalancing (releases under way are cancelled with it)."""
@@ -124,9 +130,10 @@ class GroupMembership:
             members = await coordinator.heartbeat(self.group, self.client_id)
         if self.client_id not in members:
             members = sorted([*members, self.client_id])
-        mine = options.allocate_strategy.allocate(
-            self.group, self.client_id, sorted(self.subscribed), members
-        )
+        queues = sorted(self.subscribed)
+        if isinstance(self.strategy, AllocateMessageQueueByGray):
+            self._gray = frozenset(self.strategy.gray_queues(queues, members))
+        mine = self.strategy.allocate(self.group, self.client_id, queues, members)
         plan = ownership.plan(mine)
         for mq in plan.release:
             self._start_release(mq)
@@ -139,46 +146,58 @@ class GroupMembership:
             deadline = ownership.deadline(queue.mq)
             if deadline is not None:
                 self.dispatcher.set_lease(queue.pq, deadline)
-        for mq, epoch in outcome.take:
-            await self._take(mq, epoch)
+        await self._take(outcome.take)
         return outcome.pending
 
-    async def _take(self, mq: MessageQueue, epoch: int) -> None:
+    async def _take(self, take: Sequence[tuple[MessageQueue, int]]) -> None:
+        """Claim and load the queues granted this round, tell the queue listeners
+        once about all of them, then start them."""
         ownership = self.ownership
-        try:
-            await self.store.claim(self.group, mq, epoch)
-            queue = await self.queues.load(mq, self.subscribed[mq])
-        except _ERRORS as exc:
-            logger.warning(
-                "group %s: could not take over %s (%s); unlocking it", self.group, mq, exc
-            )
-            if ownership.take_failed(mq, epoch):
-                await self._unlock([mq])
-            return
-        await self.queues.assigned([mq])  # before taken(): no await between it and start
-        if self.state.stopping:  # shut down mid-takeover: hand the lock back now
-            await self.queues.revoked([mq])
-            self.store.remove_offset(self.group, mq)
-            if ownership.take_failed(mq, epoch):
-                with anyio.CancelScope(shield=True):
+        loaded = []
+        for mq, epoch in take:
+            try:
+                await self.store.claim(self.group, mq, epoch)
+                queue = await self.queues.load(mq, self.subscribed[mq])
+            except _ERRORS as exc:
+                logger.warning(
+                    "group %s: could not take over %s (%s); unlocking it", self.group, mq, exc
+                )
+                if ownership.take_failed(mq, epoch):
                     await self._unlock([mq])
+                continue
+            loaded.append((mq, epoch, queue))
+        if not loaded:
             return
-        if not ownership.taken(mq, epoch):  # lost meanwhile: its release is under way
-            await self.queues.revoked([mq])
-            self.store.remove_offset(self.group, mq)
-            return
-        deadline = ownership.deadline(mq)
-        assert deadline is not None
-        queue.pq.set_lease(deadline)
-        self.queues.start(queue)
-        logger.info(
-            "group %s: %s took %s at offset %d (epoch %d)",
-            self.group,
-            self.client_id,
-            mq,
-            queue.pq.committed_offset,
-            epoch,
-        )
+        # before taken(): no await between it and start
+        await self.queues.assigned([mq for mq, _, _ in loaded])
+        for mq, epoch, queue in loaded:
+            if self.state.stopping:  # shut down mid-takeover: hand the lock back now
+                await self.queues.revoked([mq])
+                self.store.remove_offset(self.group, mq)
+                if ownership.take_failed(mq, epoch):
+                    with anyio.CancelScope(shield=True):
+                        await self._unlock([mq])
+                continue
+            if not ownership.taken(mq, epoch):  # lost meanwhile: its release is under way
+                await self.queues.revoked([mq])
+                self.store.remove_offset(self.group, mq)
+                continue
+            deadline = ownership.deadline(mq)
+            assert deadline is not None
+            queue.pq.set_lease(deadline)
+            self.queues.start(queue)
+            logger.info(
+                "group %s: %s took %s at offset %d (epoch %d)",
+                self.group,
+                self.client_id,
+                mq,
+                queue.pq.committed_offset,
+                epoch,
+            )
+
+    def is_gray(self, mq: MessageQueue) -> bool:
+        """Whether ``mq`` is a gray queue as of the last rebalance (gray release)."""
+        return mq in self._gray
 
     def on_fenced(self, refused: Mapping[MessageQueue, int]) -> None:
         """Commits with these fences were refused (the committer's callback)."""

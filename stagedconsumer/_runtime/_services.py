@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import anyio
+import attrs
 
 from offsetstore import StageKey
 
@@ -49,6 +50,7 @@ from .._listeners import (
 )
 from .._message import Message, MessageQueue
 from .._options import ConsumerOptions
+from .._sources._gray import PROPERTY_GRAY
 from .._sources._source import MessageSource, SendBackResult
 from ._state import ConsumerState
 
@@ -81,6 +83,21 @@ class ConsumeService(abc.ABC):
     """How messages are assigned to stages (staged mode only)."""
     key_of: Callable[[Message], str | None] | None = None
     """The ordering key of a message (key-ordered mode only)."""
+    gray_queue: Callable[[MessageQueue], bool] | None = None
+    """Gray release: whether a queue is gray. A message handed back (retry, DLQ)
+    from a gray queue gets the ``GRAY`` property, which keeps its retries on gray
+    retry queues."""
+
+    def _handed_back(self, message: Message, mq: MessageQueue) -> Message:
+        """``message`` as handed back to the source: marked gray when it is."""
+        gray_queue = self.gray_queue
+        if (
+            gray_queue is None
+            or message.properties.get(PROPERTY_GRAY) == "true"
+            or not gray_queue(mq)
+        ):
+            return message
+        return attrs.evolve(message, properties={**message.properties, PROPERTY_GRAY: "true"})
 
     def __init__(
         self, group: str, source: MessageSource, state: ConsumerState, options: ConsumerOptions
@@ -229,7 +246,7 @@ class ConcurrentlyConsumeService(ConsumeService):
             try:
                 where = await self.source.send_back(
                     self.group,
-                    message,
+                    self._handed_back(message, mq),
                     delay_level=context.delay_level_when_next_consume,
                     max_reconsume_times=limit if limit is not None else 2**31 - 1,
                 )
@@ -301,7 +318,9 @@ class OrderlyConsumeService(ConsumeService):
                 suspended.append(message)
                 continue
             try:
-                await self.source.send_to_dlq(self.group, message)
+                await self.source.send_to_dlq(
+                    self.group, self._handed_back(message, batch.process_queue.message_queue)
+                )
             except SourceError as exc:
                 logger.warning(
                     "group %s: could not move %s to the DLQ (%s); retrying it",

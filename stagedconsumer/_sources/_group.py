@@ -13,9 +13,11 @@ queues and the sorted live members: every member computes the same assignment fr
 the same view, and a queue it wants but another member still locks is retried until
 that member releases it or its lock expires.
 
-Sources without group coordination (the embedded ``MemoryBroker``) return ``None``
-from :meth:`~stagedconsumer.MessageSource.group_coordinator`: one consumer owns
-every queue, as before.
+The embedded ``MemoryBroker`` coordinates the consumers of a group inside its
+process (``MemoryCoordinator``), through the same interface. Sources without group
+coordination return ``None`` from
+:meth:`~stagedconsumer.MessageSource.group_coordinator`: one consumer owns every
+queue.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import socket
 import uuid
 from collections.abc import Mapping, Sequence
 
+import anyio
 import attrs
 
 from .._exceptions import ConfigurationError
@@ -237,3 +240,11 @@ class GroupCoordinator(abc.ABC):
     @abc.abstractmethod
     async def unlock(self, group: str, client_id: str, queues: Sequence[MessageQueue]) -> None:
         """Release the locks ``client_id`` holds on ``queues`` (others stay as they are)."""
+
+    async def wait_changed(self, group: str, client_id: str, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds, returning early when the coordinator knows
+        that ``group`` changed since ``client_id``'s last :meth:`heartbeat` (a member
+        joined or left, a lock was released), so the member rebalances at once. The
+        default just sleeps ``timeout``."""
+        del group, client_id
+        await anyio.sleep(timeout)

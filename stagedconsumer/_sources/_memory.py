@@ -34,6 +34,9 @@ from .._message import (
     _set_topic,
 )
 from .._observability._traceparent import with_traceparent
+from ._gray import PROPERTY_GRAY
+from ._group import GroupCoordinator, GroupOptions
+from ._memory_coordinator import MemoryCoordinator
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -122,9 +125,32 @@ class MemoryBroker(MessageSource):
     not detected. ``clock`` is the time source of retry
     delays; by default the running event loop's clock (``anyio.current_time``), so
     virtual-time tests see virtual delays.
+
+    With ``coordinate_groups=True``, consumers of one group on one broker share its
+    queues: the broker coordinates them
+    (:class:`~stagedconsumer._sources._memory_coordinator.MemoryCoordinator`, the same
+    protocol as over Redis, with ``group_options``: RocketMQ's lock expiry, renewal
+    and allocation by default), so each queue is consumed by one member of the group
+    at a time; when a member joins or leaves, the others rebalance at once (needed
+    for gray release on the embedded broker). Off by default for now: each consumer
+    owns every queue of its subscriptions, without locks (one consumer per group),
+    because on trio the queues a member keeps after a hand-over can stall.
+
+    A group's retry topic ``%RETRY%<group>`` has two queues: retries of normal
+    traffic go to queue 0, retries of gray traffic (messages handed back with the
+    ``GRAY`` property, see gray release) to queue 1, the retry topic's gray queue.
     """
 
-    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
+    retry_queue_count = 2
+    """Queues of a retry topic: one for normal and one for gray retries."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] | None = None,
+        group_options: GroupOptions | None = None,
+        coordinate_groups: bool = False,
+    ) -> None:
         self._topics: dict[str, list[_Queue]] = {}
         self._queue_lists: dict[str, tuple[MessageQueue, ...]] = {}
         """What :meth:`get_queues` returns, per topic."""
@@ -134,6 +160,13 @@ class MemoryBroker(MessageSource):
         self._clock = clock
         self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
         self._id_seq = itertools.count()
+        self._coordinator = (
+            MemoryCoordinator(
+                group_options if group_options is not None else GroupOptions(), clock=self._now
+            )
+            if coordinate_groups
+            else None
+        )
 
     # -- producer side ---------------------------------------------------------
 
@@ -159,7 +192,10 @@ class MemoryBroker(MessageSource):
     def _queues_of(self, topic: str) -> list[_Queue]:
         queues = self._topics.get(topic)
         if queues is None:
-            if topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+            if topic.startswith(RETRY_PREFIX):
+                queues = self._topics[topic] = [_Queue() for _ in range(self.retry_queue_count)]
+                return queues
+            if topic.startswith(DLQ_PREFIX):
                 queues = self._topics[topic] = [_Queue()]
                 return queues
             raise UnknownTopicError(
@@ -293,8 +329,12 @@ class MemoryBroker(MessageSource):
         return message
 
     def _append(self, topic: str, message: Message) -> Message:
-        queue = self._queues_of(topic)[0]
-        stored = attrs.evolve(message, topic=topic, queue_id=0, queue_offset=len(queue.log))
+        """Append to the topic's queue 0, or (retry topics) its last queue when the
+        message is gray."""
+        queues = self._queues_of(topic)
+        queue_id = len(queues) - 1 if message.properties.get(PROPERTY_GRAY) == "true" else 0
+        queue = queues[queue_id]
+        stored = attrs.evolve(message, topic=topic, queue_id=queue_id, queue_offset=len(queue.log))
         queue.log.append(stored)
         queue.wake()
         return stored
@@ -389,13 +429,19 @@ class MemoryBroker(MessageSource):
         )
         due = self._now() + retry_delay_seconds(message.reconsume_times, delay_level)
         topic = retry_topic(group)
-        self._queues_of(topic)
+        queues = self._queues_of(topic)
         heapq.heappush(self._delayed, (due, next(self._delay_seq), topic, retried))
-        self._queues_of(topic)[0].wake()
+        for queue in queues:
+            queue.wake()
         return SendBackResult.RETRY
 
     async def send_to_dlq(self, group: str, message: Message) -> None:
         self._append(dlq_topic(group), attrs.evolve(message, properties=origin_properties(message)))
+
+    def group_coordinator(self) -> GroupCoordinator | None:
+        """The in-process coordinator of this broker's consumer groups (``None``
+        unless ``coordinate_groups=True``: every consumer then consumes every queue)."""
+        return self._coordinator
 
     # -- inspection ----------------------------------------------------------------
 

@@ -9,15 +9,18 @@ orderly and staged consumers keep their order.
 from __future__ import annotations
 
 import abc
+import itertools
 import random
 import zlib
 from collections.abc import Sequence
 
 from .._exceptions import ConfigurationError
 from .._message import MessageQueue, OutgoingMessage
+from ._gray import check_gray_ratio, split_gray
 
 __all__ = (
     "MessageQueueSelector",
+    "SelectMessageQueueByGray",
     "SelectMessageQueueByHash",
     "SelectMessageQueueByRandom",
     "stable_hash",
@@ -72,3 +75,57 @@ class SelectMessageQueueByRandom(MessageQueueSelector):
         self, queues: Sequence[MessageQueue], message: OutgoingMessage, arg: object
     ) -> MessageQueue:
         return queues[self._rng.randrange(len(queues))]
+
+
+class SelectMessageQueueByGray(MessageQueueSelector):
+    """Gray release (RIP-72's ``SelectMessageQueueByGray``): gray traffic to the gray
+    queues, normal traffic to the normal ones, with the consumer's split rule (the
+    last ``ceil(n * ratio)`` queues of the topic are gray; use the ratio of the gray
+    consumers).
+
+    A message is gray when ``arg`` is ``True``, or when ``gray_property`` is set and
+    the message's property of that name equals ``gray_value`` (a traffic-lane tag,
+    e.g. ``gray_property="lane", gray_value="canary"``). Within its side, a message
+    with keys goes to the queue at the stable hash of its first key, so messages of
+    one key stay in one queue and in order (RIP-72 picks a random queue, which
+    breaks per-key order for orderly and staged consumers); messages without keys
+    go round-robin. With ``ratio=1`` every queue is gray and normal traffic goes to
+    them too; a topic of one queue has no normal queue either.
+    """
+
+    def __init__(
+        self,
+        ratio: float = 0.1,
+        *,
+        gray_property: str | None = None,
+        gray_value: str = "true",
+    ) -> None:
+        self.ratio = check_gray_ratio(ratio, "ratio")
+        if gray_property is not None and (not isinstance(gray_property, str) or not gray_property):
+            raise ConfigurationError(
+                f"gray_property must be a non-empty string or None, got {gray_property!r}"
+            )
+        if not isinstance(gray_value, str):
+            raise ConfigurationError(f"gray_value must be a string, got {gray_value!r}")
+        self.gray_property = gray_property
+        self.gray_value = gray_value
+        self._next = {False: itertools.count(), True: itertools.count()}
+
+    def is_gray(self, message: OutgoingMessage, arg: object) -> bool:
+        """Whether ``message`` (sent with ``arg``) is gray traffic."""
+        if arg is True:
+            return True
+        prop = self.gray_property
+        return prop is not None and message.properties.get(prop) == self.gray_value
+
+    def select(
+        self, queues: Sequence[MessageQueue], message: OutgoingMessage, arg: object
+    ) -> MessageQueue:
+        split = split_gray(queues, self.ratio)
+        gray = self.is_gray(message, arg)
+        side = split.gray if gray else split.normal
+        if not side:  # one queue, or ratio 1: the other side is all there is
+            side = split.normal or split.gray
+        if message.keys:
+            return side[stable_hash(message.keys[0]) % len(side)]
+        return side[next(self._next[gray]) % len(side)]

@@ -183,7 +183,7 @@ async def test_a_member_whose_lock_was_taken_releases_the_queue_without_committi
 async def test_embedded_broker_keeps_one_owner_for_everything() -> None:
     broker = MemoryBroker()
     broker.create_topic("t", 3)
-    assert broker.group_coordinator() is None
+    assert broker.group_coordinator() is None  # in-process groups are opt-in
     events: list[Event] = []
     consumer = PushConsumer("grp", broker, Recorder(0, events), options=OPTIONS)
     consumer.subscribe("t")
