@@ -5,7 +5,7 @@ after the progress was loaded and before its first handler call there."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import anyio
 import pytest
@@ -13,7 +13,6 @@ import pytest
 from offsetstore import MemoryOffsetStore
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
-    GroupOptions,
     Message,
     MessageListenerConcurrently,
     MessageQueue,
@@ -22,23 +21,9 @@ from stagedconsumer import (
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
 
-from .test_groups import OPTIONS
+from .test_groups import OPTIONS, group_broker  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
-
-FAST_GROUP = GroupOptions(
-    lock_ttl=3.0, lock_renew_interval=0.3, rebalance_interval=0.3, member_ttl=1.0
-)
-
-
-@pytest.fixture
-async def group_broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
-    async with RedisBroker(redis_url, namespace=namespace, group_options=FAST_GROUP) as broker:
-        try:
-            yield broker
-        finally:
-            await broker.delete_namespace()
-
 
 class Work(MessageListenerConcurrently):
     def __init__(self, name: str, calls: list[tuple[str, MessageQueue, int]]) -> None:
@@ -87,7 +72,7 @@ class Watch(MessageQueueListener):
 
 
 async def test_a_moving_queue_is_revoked_committed_and_still_locked_then_assigned(
-    group_broker: RedisBroker,
+    group_broker: RedisBroker,  # noqa: F811 - the fixture imported above
 ) -> None:
     broker = group_broker
     await broker.create_topic("t", 4)
