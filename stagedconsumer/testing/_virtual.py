@@ -9,6 +9,7 @@ time and every timing is exact. The broker is a :class:`MemoryBroker`, the store
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -241,8 +242,9 @@ def run_virtual(
     reports nothing in virtual time and costs a thread per consumer. Plain ``def``
     handlers run in worker threads as usual, but while a thread computes, every task
     waits and the mock clock jumps to the next deadline: virtual time is exact for
-    ``async def`` handlers only (with plain ``def`` ones, a short ``consume_timeout``
-    may fire).
+    ``async def`` handlers only. With plain ``def`` ones ``consume_timeout`` is
+    turned off (the clock would reach it while the thread runs), and ``timeout``,
+    virtual seconds too, should be far off (``timeout=1e9``).
 
     Returns a :class:`VirtualRun` with the log, the messages as sent and the makespan.
     """
@@ -259,6 +261,12 @@ def run_virtual(
     inner = listener
     if isinstance(listener, RecordingListener):
         log, inner = listener.log, listener.inner
+    consume = getattr(inner, "consume_message", None)
+    if options.consume_timeout is not None and not inspect.iscoroutinefunction(consume):
+        # While a plain def handler's thread runs, every task waits and the mock clock
+        # jumps from one deadline to the next: the consume-timeout scanner's ticks
+        # would time the call out after a moment of wall time. Off for such handlers.
+        options = attrs.evolve(options, consume_timeout=None)
     broker = _Broker(log)
     topics: dict[str, int] = {}
     for spec in messages:

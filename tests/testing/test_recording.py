@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -190,7 +191,7 @@ def test_a_sync_handler_still_runs_in_a_worker_thread() -> None:
 
     listener = RecordingListener(Sync())
     assert not inspect.iscoroutinefunction(listener.consume_message)
-    run = run_virtual(listener, specs(3), costs=[2.0])
+    run = run_virtual(listener, specs(3), costs=[2.0], timeout=1e9)  # see below
     assert len(threads) == 3
     assert all(t is not threading.main_thread() for t in threads)
     assert [c.outcome for c in run.log.calls] == [Outcome.SUCCESS] * 3
@@ -204,3 +205,22 @@ def test_describe_names_the_call() -> None:
     line = run.log.calls[0].describe()
     assert line.startswith("call #0 (run 0) t:0 [0] stage 0 key default/a attempt 1")
     assert line.endswith(": success")
+
+
+def test_a_slow_sync_handler_is_not_timed_out_by_the_jumping_clock() -> None:
+    """While a plain def handler's thread runs, the mock clock jumps from deadline to
+    deadline; run_virtual turns consume_timeout off for such handlers, so a call that
+    takes wall time is not timed out (and run again) in no time at all. (The run's
+    timeout, virtual seconds as well, is passed far off for the same reason.)"""
+    calls: list[int] = []
+
+    class Slow(MessageListenerOrderly):
+        def consume_message(self, msgs: Sequence[Message], context: ConsumeOrderlyContext) -> None:
+            calls.append(msgs[0].queue_offset)
+            time.sleep(0.05)
+
+    # The run's own timeout is virtual time too: far off, as the clock races ahead.
+    run = run_virtual(RecordingListener(Slow()), specs(3), timeout=1e9)
+    assert run.completed
+    assert calls == [0, 1, 2]
+    assert [c.outcome for c in run.log.calls] == [Outcome.SUCCESS] * 3
