@@ -77,6 +77,11 @@ class GroupMembership:
         is on)."""
         self._gray: frozenset[MessageQueue] = frozenset()
         self.ownership = QueueOwnership()
+        self._coordinating = anyio.Lock()
+        """Held around each round's plan and lock request and around every unlock: a
+        round must not renew (and so re-acquire) a lock that a release or a failed
+        takeover is handing back, and a queue is forgotten only once its unlock is
+        done."""
         self._scope: anyio.CancelScope | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
 
@@ -134,13 +139,14 @@ class GroupMembership:
         if isinstance(self.strategy, AllocateMessageQueueByGray):
             self._gray = frozenset(self.strategy.gray_queues(queues, members))
         mine = self.strategy.allocate(self.group, self.client_id, queues, members)
-        plan = ownership.plan(mine)
-        for mq in plan.release:
-            self._start_release(mq)
-        sent = anyio.current_time()
-        with anyio.fail_after(options.lock_renew_interval):
-            granted = await coordinator.lock(self.group, self.client_id, list(plan.lock))
-        outcome = ownership.locked(granted, sent, options.local_lock_ttl)
+        async with self._coordinating:
+            plan = ownership.plan(mine)
+            for mq in plan.release:
+                self._start_release(mq)
+            sent = anyio.current_time()
+            with anyio.fail_after(options.lock_renew_interval):
+                granted = await coordinator.lock(self.group, self.client_id, list(plan.lock))
+            outcome = ownership.locked(granted, sent, options.local_lock_ttl)
         self._on_lost(outcome.lost)
         for queue in self.queues:  # renewed leases: batches may be handed out longer
             deadline = ownership.deadline(queue.mq)
@@ -162,8 +168,9 @@ class GroupMembership:
                 logger.warning(
                     "group %s: could not take over %s (%s); unlocking it", self.group, mq, exc
                 )
-                if ownership.take_failed(mq, epoch):
-                    await self._unlock([mq])
+                async with self._coordinating:
+                    if ownership.take_failed(mq, epoch):
+                        await self._unlock([mq])
                 continue
             loaded.append((mq, epoch, queue))
         if not loaded:
@@ -174,9 +181,10 @@ class GroupMembership:
             if self.state.stopping:  # shut down mid-takeover: hand the lock back now
                 await self.queues.revoked([mq])
                 self.store.remove_offset(self.group, mq)
-                if ownership.take_failed(mq, epoch):
-                    with anyio.CancelScope(shield=True):
-                        await self._unlock([mq])
+                with anyio.CancelScope(shield=True):
+                    async with self._coordinating:
+                        if ownership.take_failed(mq, epoch):
+                            await self._unlock([mq])
                 continue
             if not ownership.taken(mq, epoch):  # lost meanwhile: its release is under way
                 await self.queues.revoked([mq])
@@ -234,6 +242,7 @@ class GroupMembership:
         member still owns it."""
         ownership = self.ownership
         epoch = ownership.epoch(mq)
+        forgotten = False
         try:
             try:
                 kept = await self.queues.release(
@@ -249,7 +258,14 @@ class GroupMembership:
                 kept = False
             await self.queues.revoked([mq])  # drained and committed; still locked
             if kept:
-                await self._unlock([mq])
+                # Forgotten together with the unlock: a round in between would renew
+                # the lock (still DRAINING here), that is take it anew once unlocked,
+                # and keep it from the member the queue was released to until it
+                # expires.
+                async with self._coordinating:
+                    await self._unlock([mq])
+                    ownership.released(mq)
+                    forgotten = True
             logger.info(
                 "group %s: %s released %s%s",
                 self.group,
@@ -258,7 +274,8 @@ class GroupMembership:
                 "" if kept else " (not committed: lock lost)",
             )
         finally:
-            ownership.released(mq)
+            if not forgotten:
+                ownership.released(mq)
 
     async def _unlock(self, queues: Sequence[MessageQueue]) -> None:
         try:
