@@ -1,14 +1,14 @@
-"""Consumer groups on the embedded broker (MemoryBroker(coordinate_groups=True)):
+"""Consumer groups on the embedded broker (MemoryBroker coordinates them by default):
 hand-overs between members of one process."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import pytest
 
-from offsetstore import MemoryOffsetStore
+from offsetstore import MemoryOffsetStore, QueueProgress, StoreCommitError
 from stagedconsumer import (
     ConsumeStagedConcurrentlyContext,
     MemoryBroker,
@@ -47,7 +47,7 @@ async def test_a_released_queue_is_not_locked_again_while_its_unlock_is_under_wa
     being handed back (that would take it anew and keep it from the new member
     until the lock expires, 60 s by default). The unlock answers slowly here, as
     over a network, so a round always runs in between."""
-    broker = MemoryBroker(coordinate_groups=True)
+    broker = MemoryBroker()
     broker.create_topic("t", 8)
     coordinator = broker.group_coordinator()
     assert coordinator is not None
@@ -74,3 +74,43 @@ async def test_a_released_queue_is_not_locked_again_while_its_unlock_is_under_wa
                 sent.add((m.queue_id, m.queue_offset))
             await _until(lambda: sent <= set(handled), 5)
     assert sorted(handled) == sorted(sent)  # each once: nothing lost, nothing twice
+
+
+class FailingStore(MemoryOffsetStore):
+    """Refuses every write while ``failing`` is set."""
+
+    failing = False
+
+    async def _write_stored(
+        self, group: str, progress: Mapping[MessageQueue, QueueProgress]
+    ) -> None:
+        if self.failing:
+            raise StoreCommitError("the store is down", retriable=True)
+        await super()._write_stored(group, progress)
+
+
+async def test_a_member_whose_last_commit_failed_still_hands_its_queues_back() -> None:
+    """Keeping the locks after a failed final commit would only hold the queues from
+    the next member until they expire (60 s): it resumes from the last committed
+    progress either way."""
+    broker = MemoryBroker()
+    broker.create_topic("t", 2)
+    store = FailingStore()
+    handled: list[tuple[int, int]] = []
+    first = PushConsumer("g", broker, Stages(handled), offset_store=store)
+    first.subscribe("t")
+    async with first:
+        for i in range(6):
+            broker.send("t", f"m{i}".encode(), queue_id=i % 2)
+        await _until(lambda: len(handled) == 6, 5)
+        store.failing = True  # the final commit fails
+    store.failing = False
+    for i in range(6, 10):
+        broker.send("t", f"m{i}".encode(), queue_id=i % 2)
+    second = PushConsumer("g", broker, Stages(handled), offset_store=store)
+    second.subscribe("t")
+    async with second:
+        await _until(lambda: len(second.assigned_queues) == 2, 5)
+        # at least once: what the failed commit did not store comes again
+        await _until(lambda: {(q, o) for q, o in handled} >= {(0, 4), (1, 4)}, 5)
+    assert {(q, o) for q, o in handled} == {(q, o) for q in (0, 1) for o in range(5)}

@@ -346,13 +346,21 @@ class PushConsumer:
             with anyio.fail_after(self.options.shutdown_timeout):
                 await self._committer.commit(list(self._queues))
         except Exception as error:
-            logger.exception("group %s: could not persist progress on shutdown", self.group)
+            logger.exception(
+                "group %s: could not persist progress on shutdown; the next owner of its"
+                " queues resumes from the last committed progress",
+                self.group,
+            )
             if isinstance(error, OffsetStoreError) and not error.retriable:
                 state.fail(error)
         else:
             await self._queues.revoked(self._queues.sorted())
-            if self._membership is not None:
-                await self._membership.leave()
+        if self._membership is not None:
+            # Hand the locks back also when the commit failed: keeping them would only
+            # hold the queues from the next owner until they expire (lock_ttl); it
+            # resumes from the last committed progress either way, and this member's
+            # later commits would be refused by the fence.
+            await self._membership.leave()
         if self._hooks is not None:
             await self._hooks.aclose()
 
