@@ -227,7 +227,7 @@ async def _until(predicate: object, timeout: float = 10.0) -> None:
 
 @pytest.mark.anyio
 async def test_two_consumers_of_a_group_share_the_queues_and_hand_over_on_leave() -> None:
-    broker = MemoryBroker(coordinate_groups=True)
+    broker = MemoryBroker()
     broker.create_topic("t", 8)
     store = MemoryOffsetStore()
     stages = [2, 3, 4]
@@ -294,7 +294,7 @@ NORMAL = ConsumerOptions(enable_gray_switch=True, gray_queue_ratio=0.25)
 
 @pytest.mark.anyio
 async def test_gray_traffic_and_its_retries_reach_only_the_gray_member() -> None:
-    broker = MemoryBroker(coordinate_groups=True)
+    broker = MemoryBroker()
     queues = broker.create_topic("t", 8)
     log: list[tuple[str, Message]] = []
     gray = PushConsumer(
@@ -412,7 +412,7 @@ class Lanes(MessageListenerConcurrently):
 async def test_case_matrix_who_consumes_what_nothing_stranded_nothing_lost(
     producers: str, consumers: str
 ) -> None:
-    broker = MemoryBroker(coordinate_groups=True)
+    broker = MemoryBroker()
     queues = broker.create_topic("t", 8)
     store = MemoryOffsetStore()
     log: list[tuple[str, Message]] = []

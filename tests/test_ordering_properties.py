@@ -364,8 +364,9 @@ class ScheduledBroker(MemoryBroker):
     """A MemoryBroker with messages still to be sent at their arrival times."""
 
     def __init__(self) -> None:
-        # One consumer per group, without queue locks: these properties are those of
-        # a consumer owning its queues (groups are tested in test_gray.py).
+        # The default embedded broker: the group's one consumer takes every queue's
+        # lock (groups of several members are tested in test_gray.py and
+        # test_memory_groups.py).
         super().__init__()
         self.pending: list[tuple[int, int, int, tuple[str, ...], str | None]] = []
         """(arrival, queue, offset, keys, tag) of the messages :func:`consume` still sends."""

@@ -117,7 +117,7 @@ def _stage_order_kept(log: Sequence[Call]) -> bool:
 async def run_gray_demo(*, orders: int = 12, events: int = 4) -> GrayDemoResult:
     """Run the demo; ``orders`` orders of ``events`` messages each per phase, half
     of them gray."""
-    broker = MemoryBroker(coordinate_groups=True)
+    broker = MemoryBroker()
     broker.create_topic(TOPIC, 8)
     log: list[Call] = []
     phase = [1]

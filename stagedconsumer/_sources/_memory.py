@@ -126,15 +126,15 @@ class MemoryBroker(MessageSource):
     delays; by default the running event loop's clock (``anyio.current_time``), so
     virtual-time tests see virtual delays.
 
-    With ``coordinate_groups=True``, consumers of one group on one broker share its
-    queues: the broker coordinates them
-    (:class:`~stagedconsumer._sources._memory_coordinator.MemoryCoordinator`, the same
-    protocol as over Redis, with ``group_options``: RocketMQ's lock expiry, renewal
-    and allocation by default), so each queue is consumed by one member of the group
-    at a time; when a member joins or leaves, the others rebalance at once (needed
-    for gray release on the embedded broker). Off by default for now: each consumer
-    owns every queue of its subscriptions, without locks (one consumer per group),
-    because on trio the queues a member keeps after a hand-over can stall.
+    Consumers of one group on one broker share its queues: the broker coordinates
+    them (:class:`~stagedconsumer._sources._memory_coordinator.MemoryCoordinator`,
+    the same protocol as over Redis, with ``group_options``: RocketMQ's lock expiry,
+    renewal and allocation by default), so each queue is consumed by one member of
+    the group at a time, and when a member joins or leaves the others rebalance at
+    once (gray release on the embedded broker uses this). With
+    ``coordinate_groups=False`` there is no coordinator: each consumer owns every
+    queue of its subscriptions, without locks, so two consumers of one group each
+    consume every message.
 
     A group's retry topic ``%RETRY%<group>`` has two queues: retries of normal
     traffic go to queue 0, retries of gray traffic (messages handed back with the
@@ -149,7 +149,7 @@ class MemoryBroker(MessageSource):
         *,
         clock: Callable[[], float] | None = None,
         group_options: GroupOptions | None = None,
-        coordinate_groups: bool = False,
+        coordinate_groups: bool = True,
     ) -> None:
         self._topics: dict[str, list[_Queue]] = {}
         self._queue_lists: dict[str, tuple[MessageQueue, ...]] = {}
@@ -440,7 +440,7 @@ class MemoryBroker(MessageSource):
 
     def group_coordinator(self) -> GroupCoordinator | None:
         """The in-process coordinator of this broker's consumer groups (``None``
-        unless ``coordinate_groups=True``: every consumer then consumes every queue)."""
+        with ``coordinate_groups=False``: every consumer then consumes every queue)."""
         return self._coordinator
 
     # -- inspection ----------------------------------------------------------------

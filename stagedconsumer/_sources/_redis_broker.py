@@ -38,6 +38,7 @@ from .._exceptions import (
 )
 from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
+from ._gray import PROPERTY_GRAY
 from ._group import GroupOptions
 from ._redis_codec import (
     EntryDecoder,
@@ -129,6 +130,11 @@ def _foreign_error(stream: str, exc: _ForeignEntry, why: str = "") -> SourceErro
 
 def _is_system(topic: str) -> bool:
     return topic.startswith((RETRY_PREFIX, DLQ_PREFIX))
+
+
+RETRY_QUEUE_COUNT = 2
+"""Queues of a group's retry topic: 0 for retries of normal traffic, 1 (the retry
+topic's gray queue) for retries of gray traffic."""
 
 
 class RedisBroker(MessageSource):
@@ -238,9 +244,9 @@ class RedisBroker(MessageSource):
     def _seq_key(self, topic: str, queue_id: int) -> str:
         return f"{self.namespace}:seq:{{{topic}:{queue_id}}}"
 
-    def _delay_key(self, group: str) -> str:
+    def _delay_key(self, group: str, queue_id: int = 0) -> str:
         # the retry queue's hash tag: RELEASE_LUA moves from here into that queue
-        return f"{self.namespace}:delay:{{{RETRY_PREFIX}{group}:0}}"
+        return f"{self.namespace}:delay:{{{RETRY_PREFIX}{group}:{queue_id}}}"
 
     @property
     def _topics_key(self) -> str:
@@ -336,7 +342,10 @@ class RedisBroker(MessageSource):
         return [MessageQueue(topic, i) for i in range(queue_count)]
 
     async def queue_count(self, topic: str) -> int:
-        """The number of queues of ``topic`` (1 for retry and DLQ topics)."""
+        """The number of queues of ``topic`` (2 for a retry topic, normal and gray;
+        1 for a DLQ topic)."""
+        if topic.startswith(RETRY_PREFIX):
+            return RETRY_QUEUE_COUNT
         if _is_system(topic):
             return 1
         attached = self._attached.get(topic)
@@ -541,7 +550,7 @@ class RedisBroker(MessageSource):
         seq = self._seq_key(topic, queue_id)
         release_keys: list[str] | None = None
         if topic.startswith(RETRY_PREFIX):
-            release_keys = [self._delay_key(topic[len(RETRY_PREFIX) :]), seq, stream]
+            release_keys = [self._delay_key(topic[len(RETRY_PREFIX) :], queue_id), seq, stream]
         deadline = time.monotonic() + timeout if timeout > 0 else 0.0
         what = f"pulling {mq} at {offset}"
         start = b"%d-0" % (offset + 1)
@@ -746,7 +755,8 @@ class RedisBroker(MessageSource):
         )
         packed = _pack(_message_fields(retried, properties))
         delay_ms = round(retry_delay_seconds(message.reconsume_times, delay_level) * 1000)
-        key = self._delay_key(group)
+        # gray traffic is retried through the retry topic's gray queue (gray release)
+        key = self._delay_key(group, 1 if properties.get(PROPERTY_GRAY) == "true" else 0)
         await self._retrying(
             f"sending {message.msg_id} back to {retry_topic(group)}",
             lambda: self._delay_script(keys=[key], args=[delay_ms, packed]),
@@ -952,13 +962,17 @@ class RedisBroker(MessageSource):
             offset = pulled.next_offset
 
     async def delayed_count(self, group: str) -> int:
-        """Retries of ``group`` not yet due."""
-        return int(
-            await self._retrying(
-                "counting delayed retries",
-                lambda: self._connection.execute("ZCARD", self._delay_key(group)),
+        """Retries of ``group`` not yet due (normal and gray)."""
+        total = 0
+        for queue_id in range(RETRY_QUEUE_COUNT):
+            key = self._delay_key(group, queue_id)
+            total += int(
+                await self._retrying(
+                    "counting delayed retries",
+                    functools.partial(self._connection.execute, "ZCARD", key),
+                )
             )
-        )
+        return total
 
     def statistics(self) -> RedisBrokerStatistics:
         return RedisBrokerStatistics(

@@ -13,7 +13,9 @@ and, with ``"log_takeovers": true`` in the config, one line per queue it takes:
 
     T <queue_id> <offset> <epoch> <time> <pid>
 
-Prints ``READY <client_id>`` once started; leaves gracefully on SIGTERM.
+Prints ``READY <client_id>`` once started; leaves gracefully on SIGTERM. Optional
+``"consumer_options"`` in the config are passed on to ``ConsumerOptions`` (for
+example the gray release settings).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ async def run(config: dict[str, Any]) -> None:
                 pull_long_polling_timeout=1.0,
                 pull_time_delay_when_exception=0.2,
                 shutdown_timeout=10.0,
+                **config.get("consumer_options", {}),
             ),
         )
         consumer.subscribe(config["topic"])

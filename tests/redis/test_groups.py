@@ -180,15 +180,18 @@ async def test_a_member_whose_lock_was_taken_releases_the_queue_without_committi
     assert stored[mq].consume_offset == 50  # the late commit was fenced off
 
 
-async def test_embedded_broker_keeps_one_owner_for_everything() -> None:
-    broker = MemoryBroker()
+async def test_embedded_broker_coordinates_groups_unless_told_not_to() -> None:
+    assert MemoryBroker().group_coordinator() is not None  # in-process groups by default
+    broker = MemoryBroker(coordinate_groups=False)
     broker.create_topic("t", 3)
-    assert broker.group_coordinator() is None  # in-process groups are opt-in
+    assert broker.group_coordinator() is None
     events: list[Event] = []
-    consumer = PushConsumer("grp", broker, Recorder(0, events), options=OPTIONS)
-    consumer.subscribe("t")
-    async with consumer:
-        assert len(consumer.assigned_queues) == 3
+    first = PushConsumer("grp", broker, Recorder(0, events), options=OPTIONS)
+    second = PushConsumer("grp", broker, Recorder(1, events), options=OPTIONS)
+    first.subscribe("t")
+    second.subscribe("t")
+    async with first, second:  # without a coordinator, each owns every queue
+        assert len(first.assigned_queues) == len(second.assigned_queues) == 3
 
 
 class FailOnce(MessageListenerConcurrently):

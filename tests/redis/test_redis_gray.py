@@ -154,3 +154,81 @@ async def test_group_show_prints_members_with_their_gray_flag(
     assert f"{normal.client_id}  normal" in out
     assert f"t#3: {gray.client_id}" in out  # the last half of the queues is gray
     assert f"t#0: {normal.client_id}" in out
+
+
+class FailingLanes(MessageListenerConcurrently):
+    """Fails every attempt of the messages whose key starts with ``fail``."""
+
+    def __init__(self, name: str, log: list[tuple[str, Message]]) -> None:
+        self.name = name
+        self.log = log
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        self.log.extend((self.name, m) for m in msgs)
+        if any(m.keys and m.keys[0].startswith("fail") for m in msgs):
+            context.delay_level_when_next_consume = 1  # retried after 1 s
+            raise RuntimeError("fails every time")
+
+
+async def test_gray_retries_go_through_the_gray_retry_queue_to_the_gray_member_only(
+    gray_broker: RedisBroker,
+) -> None:
+    broker = gray_broker
+    queues = await broker.create_topic("t", 8)
+    assert await broker.get_queues("%RETRY%g") == [
+        MessageQueue("%RETRY%g", 0),
+        MessageQueue("%RETRY%g", 1),
+    ]
+    store = MemoryOffsetStore()
+    log: list[tuple[str, Message]] = []
+    fast = {"persist_consumer_offset_interval": 0.3, "pull_long_polling_timeout": 0.5}
+    options = {"enable_gray_switch": True, "gray_queue_ratio": 0.25, "max_reconsume_times": 2}
+    gray = PushConsumer(
+        "g",
+        broker,
+        FailingLanes("gray", log),
+        offset_store=store,
+        options=ConsumerOptions(gray_tag=True, **options, **fast),  # type: ignore[arg-type]
+    )
+    normal = PushConsumer(
+        "g",
+        broker,
+        FailingLanes("normal", log),
+        offset_store=store,
+        options=ConsumerOptions(**options, **fast),  # type: ignore[arg-type]
+    )
+    gray.subscribe("t")
+    normal.subscribe("t")
+    selector = SelectMessageQueueByGray(0.25)
+    async with gray, normal:
+        # 8 queues of t and the 2 retry queues, each held by one member
+        gray_side = {MessageQueue("t", 6), MessageQueue("t", 7), MessageQueue("%RETRY%g", 1)}
+        await _until(
+            lambda: set(gray.assigned_queues) == gray_side and len(normal.assigned_queues) == 7
+        )
+        assert MessageQueue("%RETRY%g", 0) in normal.assigned_queues
+        for i in range(20):
+            key = f"{'fail' if i % 5 == 0 else 'ok'}-{i}"  # 0, 10 gray; 5, 15 normal
+            mq = selector.select(queues, OutgoingMessage.of(b"x", keys=[key]), i % 2 == 0)
+            await broker.send("t", str(i).encode(), keys=[key], queue_id=mq.queue_id)
+
+        async def dead_lettered() -> int:
+            return len(await broker.messages("%DLQ%g"))
+
+        with anyio.fail_after(30):
+            while await dead_lettered() < 4:  # each failing message: 3 attempts, then DLQ
+                await anyio.sleep(0.1)
+    for name, m in log:
+        assert name == ("gray" if int(m.body) % 2 == 0 else "normal"), (name, m.body)
+    retried = sorted((int(m.body), name) for name, m in log if m.reconsume_times > 0)
+    assert retried == [(0, "gray")] * 2 + [(5, "normal")] * 2 + [(10, "gray")] * 2 + [
+        (15, "normal")
+    ] * 2
+    gray_retry = await broker.messages("%RETRY%g", 1)
+    normal_retry = await broker.messages("%RETRY%g", 0)
+    assert sorted(int(m.body) for m in gray_retry) == [0, 0, 10, 10]
+    assert sorted(int(m.body) for m in normal_retry) == [5, 5, 15, 15]
+    dlq = {int(m.body): m.properties.get("GRAY") for m in await broker.messages("%DLQ%g")}
+    assert dlq == {0: "true", 5: None, 10: "true", 15: None}
