@@ -443,3 +443,51 @@ async def test_case_matrix_who_consumes_what_nothing_stranded_nothing_lost(
             assert name.startswith("gray") == on_gray_queue, (name, m.queue_id)
         else:  # one kind only: it consumes every queue, nothing stranded
             assert name.startswith("gray" if consumers == "all-gray" else "normal")
+
+
+@pytest.mark.anyio
+async def test_a_gray_member_with_a_larger_ratio_widens_the_gray_side_while_it_lives() -> None:
+    """Gray members that disagree on the ratio: the largest wins (its gray queues
+    include those of every smaller one), the queues move when that member joins and
+    again when it leaves, and nothing is lost or handled twice across the moves."""
+    broker = MemoryBroker()
+    broker.create_topic("t", 8)
+    store = MemoryOffsetStore()
+    log: list[tuple[str, Message]] = []
+    wide = ConsumerOptions(enable_gray_switch=True, gray_tag=True, gray_queue_ratio=0.5)
+    normal = PushConsumer("g", broker, Lanes("normal", log), offset_store=store, options=NORMAL)
+    narrow = PushConsumer("g", broker, Lanes("narrow", log), offset_store=store, options=GRAY)
+    widening = PushConsumer("g", broker, Lanes("wide", log), offset_store=store, options=wide)
+    for member in (normal, narrow, widening):
+        member.subscribe("t")
+
+    def topic_queues(member: PushConsumer) -> set[int]:
+        return {mq.queue_id for mq in member.assigned_queues if mq.topic == "t"}
+
+    sent = 0
+
+    def send_to_every_queue() -> None:
+        nonlocal sent
+        for q in range(8):
+            broker.send("t", str(sent).encode(), queue_id=q)
+            sent += 1
+
+    async with normal, narrow:
+        await _until(lambda: topic_queues(narrow) == {6, 7} and len(topic_queues(normal)) == 6)
+        send_to_every_queue()
+        await _until(lambda: len(log) == sent)
+        async with widening:  # ratio 0.5: queues 4 to 7 are gray now
+            await _until(
+                lambda: topic_queues(narrow) | topic_queues(widening) == {4, 5, 6, 7}
+                and topic_queues(normal) == {0, 1, 2, 3}
+            )
+            send_to_every_queue()
+            await _until(lambda: len(log) == sent)
+        await _until(lambda: topic_queues(narrow) == {6, 7} and len(topic_queues(normal)) == 6)
+        send_to_every_queue()
+        await _until(lambda: len(log) == sent)
+    assert sorted(int(m.body) for _, m in log) == list(range(sent)), "lost or handled twice"
+    for name, m in log:
+        rnd = int(m.body) // 8
+        gray_side = {6, 7} if rnd != 1 else {4, 5, 6, 7}
+        assert (name != "normal") == (m.queue_id in gray_side), (rnd, name, m.queue_id)

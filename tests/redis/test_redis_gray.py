@@ -232,3 +232,56 @@ async def test_gray_retries_go_through_the_gray_retry_queue_to_the_gray_member_o
     assert sorted(int(m.body) for m in normal_retry) == [5, 5, 15, 15]
     dlq = {int(m.body): m.properties.get("GRAY") for m in await broker.messages("%DLQ%g")}
     assert dlq == {0: "true", 5: None, 10: "true", 15: None}
+
+
+@pytest.mark.parametrize("producers", ["all-gray", "mixed", "all-normal"])
+@pytest.mark.parametrize("consumers", ["all-gray", "mixed", "all-normal"])
+async def test_case_matrix_over_redis(
+    gray_broker: RedisBroker, producers: str, consumers: str
+) -> None:
+    """RIP-72's case matrix: producers all gray, mixed or all normal, crossed with
+    consumers all gray, mixed or all normal. While both kinds live, each consumes its
+    side only; with one kind only, it consumes every queue (nothing stranded); every
+    message once."""
+    broker = gray_broker
+    queues = await broker.create_topic("t", 8)
+    store = MemoryOffsetStore()
+    log: list[tuple[str, Message]] = []
+    kinds = {"all-gray": [True, True], "mixed": [True, False], "all-normal": [False, False]}
+    members = []
+    for i, is_gray in enumerate(kinds[consumers]):
+        options = ConsumerOptions(
+            enable_gray_switch=True,
+            gray_tag=is_gray,
+            gray_queue_ratio=0.25,
+            persist_consumer_offset_interval=0.3,
+            pull_long_polling_timeout=0.5,
+        )
+        name = f"{'gray' if is_gray else 'normal'}{i}"
+        member = PushConsumer("g", broker, Lanes(name, log), offset_store=store, options=options)
+        member.subscribe("t")
+        members.append(member)
+    selector = SelectMessageQueueByGray(0.25)
+    gray_queues = {MessageQueue("t", 6), MessageQueue("t", 7)}
+
+    def settled() -> bool:
+        owned = [{mq for mq in m.assigned_queues if mq.topic == "t"} for m in members]
+        if sum(map(len, owned)) != 8:
+            return False
+        return consumers != "mixed" or owned[0] == gray_queues
+
+    async with members[0], members[1]:
+        await _until(settled)
+        for i in range(40):
+            is_gray = {"all-gray": True, "all-normal": False, "mixed": i % 2 == 0}[producers]
+            mq = selector.select(queues, OutgoingMessage.of(b"x", keys=[f"k{i}"]), is_gray)
+            await broker.send("t", str(i).encode(), keys=[f"k{i}"], queue_id=mq.queue_id)
+        await _until(lambda: len(log) >= 40)
+        await anyio.sleep(0.2)  # a duplicate would show up by now
+    assert sorted(int(m.body) for _, m in log) == list(range(40)), "lost or handled twice"
+    for name, m in log:
+        on_gray_queue = MessageQueue("t", m.queue_id) in gray_queues
+        if consumers == "mixed":
+            assert name.startswith("gray") == on_gray_queue, (name, m.queue_id)
+        else:
+            assert name.startswith("gray" if consumers == "all-gray" else "normal")
