@@ -13,8 +13,6 @@ only where at-least-once allows them (none on a graceful stop).
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +21,12 @@ import pytest
 
 from offsetstore import SqlOffsetStore
 from stagedconsumer._sources._redis_broker import RedisBroker
-from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
 from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, Workers, _owners, _produce
 from .test_failover import _wait_all_committed as wait_all_committed
-from .test_failover import broker as broker  # the fixture
+from .test_failover import broker as broker  # the fixtures
+from .test_failover import store_url as store_url
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
@@ -36,14 +34,6 @@ PER_QUEUE = 300
 GRAY_QUEUES = {6, 7}
 GRAY = {"enable_gray_switch": True, "gray_tag": True, "gray_queue_ratio": 0.25}
 NORMAL = {"enable_gray_switch": True, "gray_queue_ratio": 0.25}
-
-
-@pytest.fixture
-def store_url() -> Iterator[tuple[str, str]]:
-    url = require_url("PostgreSQL", POSTGRES_URL)
-    prefix = f"g{uuid.uuid4().hex[:10]}_"
-    yield url, prefix
-    drop_tables(url, prefix)
 
 
 @pytest.mark.parametrize("how", ["sigkill", "sigterm"])

@@ -22,6 +22,7 @@ from stagedconsumer import (
     SelectMessageQueueByGray,
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
+from tests.test_gray import ConcurrentLog
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -156,22 +157,6 @@ async def test_group_show_prints_members_with_their_gray_flag(
     assert f"t#0: {normal.client_id}" in out
 
 
-class FailingLanes(MessageListenerConcurrently):
-    """Fails every attempt of the messages whose key starts with ``fail``."""
-
-    def __init__(self, name: str, log: list[tuple[str, Message]]) -> None:
-        self.name = name
-        self.log = log
-
-    async def consume_message(
-        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
-    ) -> None:
-        self.log.extend((self.name, m) for m in msgs)
-        if any(m.keys and m.keys[0].startswith("fail") for m in msgs):
-            context.delay_level_when_next_consume = 1  # retried after 1 s
-            raise RuntimeError("fails every time")
-
-
 async def test_gray_retries_go_through_the_gray_retry_queue_to_the_gray_member_only(
     gray_broker: RedisBroker,
 ) -> None:
@@ -188,14 +173,14 @@ async def test_gray_retries_go_through_the_gray_retry_queue_to_the_gray_member_o
     gray = PushConsumer(
         "g",
         broker,
-        FailingLanes("gray", log),
+        ConcurrentLog("gray", log, fail_keys=True),
         offset_store=store,
         options=ConsumerOptions(gray_tag=True, **options, **fast),  # type: ignore[arg-type]
     )
     normal = PushConsumer(
         "g",
         broker,
-        FailingLanes("normal", log),
+        ConcurrentLog("normal", log, fail_keys=True),
         offset_store=store,
         options=ConsumerOptions(**options, **fast),  # type: ignore[arg-type]
     )
@@ -223,9 +208,10 @@ async def test_gray_retries_go_through_the_gray_retry_queue_to_the_gray_member_o
     for name, m in log:
         assert name == ("gray" if int(m.body) % 2 == 0 else "normal"), (name, m.body)
     retried = sorted((int(m.body), name) for name, m in log if m.reconsume_times > 0)
-    assert retried == [(0, "gray")] * 2 + [(5, "normal")] * 2 + [(10, "gray")] * 2 + [
-        (15, "normal")
-    ] * 2
+    assert (
+        retried
+        == [(0, "gray")] * 2 + [(5, "normal")] * 2 + [(10, "gray")] * 2 + [(15, "normal")] * 2
+    )
     gray_retry = await broker.messages("%RETRY%g", 1)
     normal_retry = await broker.messages("%RETRY%g", 0)
     assert sorted(int(m.body) for m in gray_retry) == [0, 0, 10, 10]
