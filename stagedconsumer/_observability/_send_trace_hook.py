@@ -25,8 +25,9 @@ from ._trace_codec import (
     PROPERTY_TRACE_SWITCH,
     RMQ_SYS_TRACE_TOPIC,
 )
-from ._trace_dispatcher import AsyncTraceDispatcher, Encoder, TraceDispatcherStatistics
-from ._trace_sinks import SourceTraceSink, TraceSink
+from ._trace_dispatcher import Encoder
+from ._trace_hook_base import DispatchingTraceHook, clean_field
+from ._trace_sinks import TraceSink
 
 if TYPE_CHECKING:
     from ._send_hooks import ProducerView
@@ -42,14 +43,10 @@ _E = FIELD_SPLITOR
 _SEND_OK = SendStatus.SEND_OK
 
 
-def _c(text: str) -> str:
-    """``text`` without separators (fast when there are none, the normal case)."""
-    if _S in text or _E in text:
-        return text.replace(_S, "").replace(_E, "")
-    return text
+_c = clean_field
 
 
-class SendMessageTraceHook(SendMessageHook):
+class SendMessageTraceHook(DispatchingTraceHook, SendMessageHook):
     """Message trace of a producer: a ``Pub`` record for every message it stored.
 
     RocketMQ's ``SendMessageTraceHookImpl``; enable it with::
@@ -115,15 +112,15 @@ class SendMessageTraceHook(SendMessageHook):
         store_host: str | None = None,
         client_host: str | None = None,
     ) -> None:
-        self.dispatcher = AsyncTraceDispatcher(
-            sink if sink is not None else SourceTraceSink(),
+        super().__init__(
+            sink,
             trace_topic=trace_topic,
             queue_size=queue_size,
             batch_num=batch_num,
             flush_interval=flush_interval,
+            region_id=region_id,
+            shutdown_timeout=shutdown_timeout,
         )
-        self.region_id = region_id
-        self.shutdown_timeout = shutdown_timeout
         self.store_host = store_host
         """``storeHost`` of the records; ``None``: the producer's source's
         :meth:`~stagedconsumer.MessageSource.store_host`, read when the producer
@@ -137,14 +134,6 @@ class SendMessageTraceHook(SendMessageHook):
     @property
     def hook_name(self) -> str:
         return "SendMessageTraceHook"
-
-    def statistics(self) -> TraceDispatcherStatistics:
-        return self.dispatcher.statistics()
-
-    @property
-    def records_dropped(self) -> int:
-        """Trace contexts (send calls) dropped on a full dispatcher queue."""
-        return self.dispatcher.statistics().dropped
 
     def send_message_before(self, context: SendMessageContext) -> None:
         """Nothing: everything a ``Pub`` record holds is known after the send."""
@@ -225,6 +214,3 @@ class SendMessageTraceHook(SendMessageHook):
         await self.dispatcher.sink.prepare(producer)
         await self.dispatcher.run(task_status=task_status)
 
-    async def aclose(self) -> None:
-        await self.dispatcher.aclose(self.shutdown_timeout)
-        await self.dispatcher.sink.aclose()

@@ -31,8 +31,9 @@ from ._trace_codec import (
     PROPERTY_TRACE_SWITCH,
     RMQ_SYS_TRACE_TOPIC,
 )
-from ._trace_dispatcher import AsyncTraceDispatcher, Encoder, TraceDispatcherStatistics
-from ._trace_sinks import SourceTraceSink, TraceSink
+from ._trace_dispatcher import Encoder
+from ._trace_hook_base import DispatchingTraceHook, clean_field
+from ._trace_sinks import TraceSink
 
 if TYPE_CHECKING:
     from ._view import ConsumerView
@@ -50,14 +51,10 @@ _E = FIELD_SPLITOR
 _HEX2 = tuple(f"{i:02X}" for i in range(256))
 
 
-def _c(text: str) -> str:
-    """``text`` without separators (fast when there are none, the normal case)."""
-    if _S in text or _E in text:
-        return text.replace(_S, "").replace(_E, "")
-    return text
+_c = clean_field
 
 
-class ConsumeMessageTraceHook(ConsumeMessageHook):
+class ConsumeMessageTraceHook(DispatchingTraceHook, ConsumeMessageHook):
     """Message trace: ``SubBefore``/``SubAfter`` records of every handler call.
 
     RocketMQ's ``ConsumeMessageTraceHookImpl``; enable it with::
@@ -91,15 +88,15 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         region_id: str = DEFAULT_REGION,
         shutdown_timeout: float = 5.0,
     ) -> None:
-        self.dispatcher = AsyncTraceDispatcher(
-            sink if sink is not None else SourceTraceSink(),
+        super().__init__(
+            sink,
             trace_topic=trace_topic,
             queue_size=queue_size,
             batch_num=batch_num,
             flush_interval=flush_interval,
+            region_id=region_id,
+            shutdown_timeout=shutdown_timeout,
         )
-        self.region_id = region_id
-        self.shutdown_timeout = shutdown_timeout
         self._props_key = f"{_PROPS_KEY}.{id(self):x}"  # several trace hooks may share a call
         self._request_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
         # Request ids are the prefix and a 16-digit hex sequence number; the first 14
@@ -117,14 +114,6 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
     @property
     def hook_name(self) -> str:
         return "ConsumeMessageTraceHook"
-
-    def statistics(self) -> TraceDispatcherStatistics:
-        return self.dispatcher.statistics()
-
-    @property
-    def records_dropped(self) -> int:
-        """Trace contexts dropped on a full dispatcher queue."""
-        return self.dispatcher.statistics().dropped
 
     # The hot path (the two hook methods) only queues the hook context: the records
     # are encoded when their batch is written (AsyncTraceDispatcher.append_deferred),
@@ -330,6 +319,3 @@ class ConsumeMessageTraceHook(ConsumeMessageHook):
         await self.dispatcher.sink.prepare(consumer)
         await self.dispatcher.run(task_status=task_status)
 
-    async def aclose(self) -> None:
-        await self.dispatcher.aclose(self.shutdown_timeout)
-        await self.dispatcher.sink.aclose()
