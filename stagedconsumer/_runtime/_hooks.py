@@ -64,6 +64,13 @@ class _Isolation:
             exc_info=exc,
         )
 
+    async def _close(self, hooks: Sequence[ConsumeMessageHook | SendMessageHook]) -> None:
+        for hook in hooks:
+            try:
+                await hook.aclose()
+            except Exception as exc:
+                self.failed(hook, "aclose", exc)
+
 
 class HookRunner(_Isolation):
     """Calls the consume hooks of one consumer, isolating their failures."""
@@ -104,11 +111,7 @@ class HookRunner(_Isolation):
                 self.failed(hook, "messages_pulled", exc)
 
     async def aclose(self) -> None:
-        for hook in self.hooks:
-            try:
-                await hook.aclose()
-            except Exception as exc:
-                self.failed(hook, "aclose", exc)
+        await self._close(self.hooks)
 
 
 class SendHookRunner(_Isolation):
@@ -139,11 +142,7 @@ class SendHookRunner(_Isolation):
                 self.failed(hook, "send_message_after", exc)
 
     async def aclose(self) -> None:
-        for hook in self.hooks:
-            try:
-                await hook.aclose()
-            except Exception as exc:
-                self.failed(hook, "aclose", exc)
+        await self._close(self.hooks)
 
 
 def loop_clock() -> Callable[[], float]:
