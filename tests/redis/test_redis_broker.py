@@ -258,7 +258,8 @@ async def test_topic_metadata(broker: RedisBroker, redis_url: str) -> None:
     # Another broker (another process) sees the topic through Redis.
     async with RedisBroker(redis_url, namespace=broker.namespace) as other:
         assert len(await other.get_queues("t")) == 3
-        assert len(await other.get_queues("%RETRY%g")) == 1
+        assert len(await other.get_queues("%RETRY%g")) == 2  # normal and gray retries
+        assert len(await other.get_queues("%DLQ%g")) == 1
 
 
 async def test_long_poll_wakes_on_send_and_times_out_when_idle(broker: RedisBroker) -> None:

@@ -115,7 +115,7 @@ async def test_a_member_cut_off_from_redis_stops_consuming_when_its_locks_lapse(
         consumer.subscribe("t")
         async with consumer:
             await consumer.wait_caught_up(timeout=10)
-            assert len(consumer.assigned_queues) == 3  # 2 queues + the retry queue
+            assert len(consumer.assigned_queues) == 4  # 2 queues + the 2 retry queues
             await anyio.to_thread.run_sync(redis_server.stop)
             cut_at = time.monotonic()
             with anyio.fail_after(5):
@@ -128,7 +128,7 @@ async def test_a_member_cut_off_from_redis_stops_consuming_when_its_locks_lapse(
             assert sum(p.consume_offset or 0 for p in stored.values()) == 100
             await anyio.to_thread.run_sync(redis_server.start)
             with anyio.fail_after(10):
-                while len(consumer.assigned_queues) < 3:
+                while len(consumer.assigned_queues) < 4:
                     await anyio.sleep(0.05)
             await broker.send_many("t", [b"y"] * 10)
             await consumer.wait_caught_up(timeout=10)
