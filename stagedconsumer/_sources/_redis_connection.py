@@ -252,6 +252,7 @@ class RedisConnection:
                 warnings.filterwarnings(
                     "ignore", "Use coredis.connection.TCPLocation", DeprecationWarning
                 )
+                options: dict[str, Any] = {"reinitialize_steps": 1} if self.cluster else {}
                 client = factory.from_url(
                     self.url,
                     decode_responses=False,
@@ -259,6 +260,7 @@ class RedisConnection:
                     connect_timeout=min(self._socket_timeout, self._connect_timeout),
                     retry_policy=NoRetryPolicy(),
                     verify_version=False,
+                    **options,
                 )
         except ValueError as exc:
             raise ConfigurationError(f"malformed Redis URL {self.url!r}: {exc}") from exc
@@ -269,15 +271,24 @@ class RedisConnection:
         noop: NoopCallback[Any] = NoopCallback()
 
         if self.cluster:
-            # coredis routes a command by the arguments wrapped in Key
+            report = client.on_retry_error
 
             async def execute(name: str, *args: Any, keys: Sequence[int] = (0,)) -> Any:
+                # coredis routes a command by the arguments wrapped in Key
                 if keys:
                     listed = list(args)
                     for position in keys:
                         listed[position] = CoredisKey(listed[position])
                     args = tuple(listed)
-                return await create(name.encode(), *args, callback=noop)
+                try:
+                    return await create(name.encode(), *args, callback=noop)
+                except _CONNECTION_ERRORS as exc:
+                    # A failed connection to a node is not reported to coredis's
+                    # layout monitor (its retry policy's hook does that, and we retry
+                    # ourselves): report it, so that the layout is read again and a
+                    # replica that took over is found.
+                    await report(exc)
+                    raise
 
         else:
 

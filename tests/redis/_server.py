@@ -172,6 +172,7 @@ class RedisClusterServers:
                     "--cluster-config-file", str(node.dir / "nodes.conf"),
                     "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS),
                     "--cluster-replica-validity-factor", "0",
+                    "--repl-diskless-sync-delay", "0",
                     "--appendonly", "no",
                     "--save", "",
                     "--logfile", str(node.dir / "redis.log"),
@@ -189,7 +190,9 @@ class RedisClusterServers:
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if created.returncode != 0:
-            raise AssertionError(f"redis-cli --cluster create failed:\n{created.stdout}{created.stderr}")
+            raise AssertionError(
+                f"redis-cli --cluster create failed:\n{created.stdout}{created.stderr}"
+            )
         self.wait_ok()
 
     def _wait_pong(self, node: RedisServer) -> None:
@@ -213,11 +216,22 @@ class RedisClusterServers:
             states = [self.cli(node.port, "cluster", "info") for node in live]
             if all("cluster_state:ok" in state for state in states):
                 masters = [self.masters_seen_by(node.port) for node in live]
-                if all(m == masters[0] for m in masters):
+                if all(m == masters[0] for m in masters) and self._replicas_synced(live):
                     return
             if time.monotonic() > deadline:
                 raise AssertionError(f"cluster not ok after {timeout} s: {states}")
             time.sleep(0.1)
+
+    def _replicas_synced(self, live: list[RedisServer]) -> bool:
+        """Every live replica finished its sync with its master (a replica that takes
+        over before that would come up empty)."""
+        for node in live:
+            info = self.cli(node.port, "info", "replication")
+            if "role:slave" in info and "master_link_status:up" not in info:
+                return False
+            if "role:slave" in info and "master_sync_in_progress:1" in info:
+                return False
+        return True
 
     def masters_seen_by(self, port: int) -> list[int]:
         """The ports of the masters (that are not failed) in ``port``'s view."""

@@ -24,7 +24,7 @@ import anyio
 import pytest
 
 from offsetstore import MemoryOffsetStore, SqlOffsetStore
-from stagedconsumer import ConsumerOptions, GroupOptions, MessageQueue, PushConsumer
+from stagedconsumer import ConsumerOptions, MessageQueue, PushConsumer
 from stagedconsumer._sources._redis_broker import RedisBroker
 from stagedconsumer._sources._redis_scripts import (
     DELAY_LUA,
