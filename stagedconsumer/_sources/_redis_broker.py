@@ -168,6 +168,18 @@ class RedisBroker(MessageSource):
     :meth:`group_coordinator` provides membership and queue locks for consumer
     groups spread over several processes, with ``group_options``.
 
+    **Redis Cluster**: ``RedisBroker("redis://host:port", cluster=True)`` with the URL
+    of any node; the client reads the cluster's layout from it and sends each
+    command to the master of its key's slot (redis-py's
+    ``redis.asyncio.cluster.RedisCluster`` on asyncio, ``coredis.RedisCluster`` on
+    trio). Every key carries a hash tag, so each Lua script touches one slot: a
+    queue's stream and counter share the queue's slot, a group's members, locks
+    and retry set the group's. Queues spread over the masters; a group's
+    coordination lives on one. When a master fails, its replica takes over and the
+    calls in between fail as connection losses (retried as above). Replication is
+    asynchronous in Redis Cluster: a write a master acknowledged just before it
+    crashed can be missing on the replica that replaces it.
+
     ``read_ahead`` (default 128): every ``XRANGE`` of a pull reads at least this many
     entries, and the next pulls of that queue take the surplus without a round trip
     (the consumer pulls ``pull_batch_size``, 32, at a time). Round trips dominate the
@@ -189,6 +201,7 @@ class RedisBroker(MessageSource):
         socket_timeout: float = 10.0,
         read_ahead: int = 128,
         connect_timeout: float = 5.0,
+        cluster: bool = False,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(
@@ -216,8 +229,12 @@ class RedisBroker(MessageSource):
         self.url = url
         self.namespace = namespace
         self.send_timeout = send_timeout
+        if not isinstance(cluster, bool):
+            raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
+        self.cluster = cluster
+        """Whether ``url`` is a node of a Redis Cluster (see the class documentation)."""
         connection = RedisConnection(
-            url, socket_timeout=socket_timeout, connect_timeout=connect_timeout
+            url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, cluster=cluster
         )
         # Redis may have restarted without its data: offsets could be reused.
         connection.on_connection_error.append(self._buffered.clear)
@@ -985,15 +1002,8 @@ class RedisBroker(MessageSource):
         """Delete every key of this broker's namespace (tests, tools). Returns how many."""
         deleted = 0
         execute = self._connection.execute
-        cursor: Any = b"0"
-        while True:
-            cursor, keys = await execute(
-                "SCAN", cursor, "MATCH", f"{self.namespace}:*", "COUNT", 1000, keys=()
-            )
-            for key in keys:
-                deleted += int(await execute("DEL", key))
-            if int(cursor) == 0:
-                break
+        for key in await self._connection.scan_keys(f"{self.namespace}:*"):
+            deleted += int(await execute("DEL", key))
         self._topic_cache.clear()
         self._buffered.clear()
         return deleted

@@ -14,14 +14,23 @@ Two clients behind one interface, picked by the event loop the broker is entered
 redis-py's asyncio client does not run on trio. coredis runs on both, but its call
 path costs more CPU: ``python -m benchmarks.redis_e2e`` measures both in the same
 run (the ``XRANGE`` floor and the consumer), which is why asyncio keeps redis-py.
+
+With ``cluster=True`` the same two libraries' cluster clients are used
+(``redis.asyncio.cluster.RedisCluster``, ``coredis.RedisCluster``): they route each
+command to the master of its key's slot and follow ``MOVED``/``ASK`` redirections
+and fail-overs. Every command and script of the broker touches one slot (see
+``_redis_scripts``); the only command that needs every master is ``SCAN``
+(:meth:`RedisConnection.scan_keys`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +44,7 @@ from .._exceptions import ConfigurationError, SourceClosedError, SourceError
 try:
     import redis.asyncio as aioredis
     import redis.exceptions as redis_exc
+    from redis.asyncio.cluster import RedisCluster as RedisPyCluster
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -61,8 +71,14 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     anyio.BrokenResourceError,
     anyio.ClosedResourceError,
     anyio.EndOfStream,
+    # a cluster without a reachable node, a slot without a master (mid fail-over)
+    redis_exc.RedisClusterException,
+    redis_exc.ClusterError,
 )
 """Failures of the connection, not of the request: trying again later can succeed."""
+_REQUEST_ERRORS: tuple[type[BaseException], ...] = (redis_exc.ClusterCrossSlotError,)
+"""Errors of the request, checked before :data:`_CONNECTION_ERRORS` (some are
+subclasses of cluster errors there): trying again cannot help."""
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (redis_exc.RedisError,)
 _NO_SCRIPT: tuple[type[BaseException], ...] = (redis_exc.NoScriptError,)
 
@@ -71,6 +87,7 @@ try:  # coredis: the client on trio (an optional part of the redis extra)
     import coredis.exceptions as coredis_exc
     from coredis.response._callbacks import NoopCallback
     from coredis.retry import NoRetryPolicy
+    from coredis.typing import Key as CoredisKey
 except ImportError:  # pragma: no cover - exercised only without coredis
     coredis = None  # type: ignore[assignment]
 else:
@@ -80,7 +97,9 @@ else:
         coredis_exc.TryAgainError,
         coredis_exc.ReadOnlyError,
         coredis_exc.ClusterDownError,
+        coredis_exc.RedisClusterError,  # no layout yet, a slot without a master
     )
+    _REQUEST_ERRORS += (coredis_exc.ClusterCrossSlotError,)
     _REDIS_ERRORS += (coredis_exc.RedisError,)
     _NO_SCRIPT += (coredis_exc.NoScriptError,)
 
@@ -142,9 +161,13 @@ class RedisConnection:
     connection pool in a task group that lives from :meth:`open` to :meth:`aclose`).
     """
 
-    def __init__(self, url: str, *, socket_timeout: float, connect_timeout: float) -> None:
+    def __init__(
+        self, url: str, *, socket_timeout: float, connect_timeout: float, cluster: bool = False
+    ) -> None:
         self.url = url
-        """Where it connects (for error messages)."""
+        """Where it connects (for error messages); with ``cluster``, any node."""
+        self.cluster = cluster
+        """A Redis Cluster (the clients' cluster variants), not a single server."""
         self.connection_errors = 0
         """Calls that failed on the connection (each retried or reported)."""
         self.on_connection_error: list[Callable[[], None]] = []
@@ -156,8 +179,9 @@ class RedisConnection:
         self._connect_timeout = connect_timeout
         self._closed = False
         self._stack: contextlib.AsyncExitStack | None = None
+        factory: Any = RedisPyCluster if cluster else aioredis.Redis
         try:  # redis-py makes no connection here: this only checks the URL
-            self._redispy = aioredis.Redis.from_url(
+            self._redispy = factory.from_url(
                 url,
                 decode_responses=False,
                 socket_timeout=socket_timeout,
@@ -165,10 +189,14 @@ class RedisConnection:
                 retry=Retry(NoBackoff(), 0),
                 health_check_interval=0,
             )
-        except ValueError as exc:
+        except (ValueError, redis_exc.RedisClusterException) as exc:
             raise ConfigurationError(f"malformed Redis URL {url!r}: {exc}") from exc
-        # Raw replies for every command: the broker reads them positionally.
-        self._redispy.response_callbacks.clear()
+        # Raw replies for every command: the broker reads them positionally. The
+        # cluster client parses its own COMMAND and CLUSTER replies with these.
+        callbacks = self._redispy.response_callbacks
+        for name in list(callbacks):
+            if not (cluster and name.startswith(("COMMAND", "CLUSTER"))):
+                del callbacks[name]
         self.client: Any = self._redispy
         """The client in use (redis-py's ``redis.asyncio.Redis`` or
         ``coredis.Redis``), for tools and tests."""
@@ -196,7 +224,8 @@ class RedisConnection:
             if library == "asyncio":
                 self._use_redispy()
             elif library == "trio":
-                await self._use_coredis()
+                # coredis's cluster client reads the cluster's layout on entering
+                await self._connecting(self._use_coredis())
             else:  # pragma: no cover - anyio runs on these two
                 raise ConfigurationError(f"RedisBroker runs on asyncio and trio, not {library}")
         await self.ping(connect_timeout)
@@ -205,7 +234,7 @@ class RedisConnection:
         client = self._redispy
 
         async def execute(*args: Any, keys: Sequence[int] = (0,)) -> Any:
-            return await client.execute_command(*args)  # type: ignore[no-untyped-call]
+            return await client.execute_command(*args)
 
         self.execute = execute
         self.library = "redis-py"
@@ -215,25 +244,56 @@ class RedisConnection:
             raise ConfigurationError(
                 "RedisBroker on trio needs coredis: pip install 'stagedconsumer[redis]'"
             )
+        factory: Any = coredis.RedisCluster if self.cluster else coredis.Redis
         try:
-            client = coredis.Redis.from_url(
-                self.url,
-                decode_responses=False,
-                stream_timeout=self._socket_timeout,
-                connect_timeout=min(self._socket_timeout, self._connect_timeout),
-                retry_policy=NoRetryPolicy(),
-                verify_version=False,
-            )
+            with warnings.catch_warnings():
+                # coredis's own RedisCluster.from_url passes its startup node as a
+                # dict, which its pool then warns about (coredis 6.x)
+                warnings.filterwarnings(
+                    "ignore", "Use coredis.connection.TCPLocation", DeprecationWarning
+                )
+                options: dict[str, Any] = {"reinitialize_steps": 1} if self.cluster else {}
+                client = factory.from_url(
+                    self.url,
+                    decode_responses=False,
+                    stream_timeout=self._socket_timeout,
+                    connect_timeout=min(self._socket_timeout, self._connect_timeout),
+                    retry_policy=NoRetryPolicy(),
+                    verify_version=False,
+                    **options,
+                )
         except ValueError as exc:
             raise ConfigurationError(f"malformed Redis URL {self.url!r}: {exc}") from exc
         stack = contextlib.AsyncExitStack()
-        await stack.enter_async_context(client)
         self._stack = stack
+        await stack.enter_async_context(client)
         create = client.create_request
         noop: NoopCallback[Any] = NoopCallback()
 
-        async def execute(name: str, *args: Any, keys: Sequence[int] = (0,)) -> Any:
-            return await create(name.encode(), *args, callback=noop)
+        if self.cluster:
+            report = client.on_retry_error
+
+            async def execute(name: str, *args: Any, keys: Sequence[int] = (0,)) -> Any:
+                # coredis routes a command by the arguments wrapped in Key
+                if keys:
+                    listed = list(args)
+                    for position in keys:
+                        listed[position] = CoredisKey(listed[position])
+                    args = tuple(listed)
+                try:
+                    return await create(name.encode(), *args, callback=noop)
+                except _CONNECTION_ERRORS as exc:
+                    # A failed connection to a node is not reported to coredis's
+                    # layout monitor (its retry policy's hook does that, and we retry
+                    # ourselves): report it, so that the layout is read again and a
+                    # replica that took over is found.
+                    await report(exc)
+                    raise
+
+        else:
+
+            async def execute(name: str, *args: Any, keys: Sequence[int] = (0,)) -> Any:
+                return await create(name.encode(), *args, callback=noop)
 
         self.client = client
         self.execute = execute
@@ -261,6 +321,56 @@ class RedisConnection:
             await stack.aclose()
         elif self.library == "redis-py":
             await self._redispy.aclose()
+
+    async def scan_keys(self, match: str) -> list[bytes]:
+        """Every key matching the pattern ``match`` (``SCAN``), on a cluster from every
+        master. One attempt: connection trouble raises the client's error."""
+        self.check_open()
+        if self.library is None:
+            await self.execute("PING", keys=())  # picks the client
+        found: list[bytes] = []
+        async with contextlib.AsyncExitStack() as stack:
+            nodes: list[Execute]
+            if not self.cluster:
+                nodes = [functools.partial(self.execute, keys=())]
+            elif self.library == "redis-py":
+                nodes = [node.execute_command for node in self._redispy.get_primaries()]
+            else:
+                noop: NoopCallback[Any] = NoopCallback()
+                nodes = []
+                for primary in self.client.primaries:
+                    node = await stack.enter_async_context(primary)
+
+                    async def execute(name: str, *args: Any, node: Any = node) -> Any:
+                        return await node.create_request(name.encode(), *args, callback=noop)
+
+                    nodes.append(execute)
+            for execute_on_node in nodes:
+                cursor: Any = b"0"
+                while True:
+                    cursor, keys = await execute_on_node(
+                        "SCAN", cursor, "MATCH", match, "COUNT", 1000
+                    )
+                    found.extend(keys)
+                    if int(cursor) == 0:
+                        break
+        return list(dict.fromkeys(found))
+
+    async def _connecting(self, step: Awaitable[None]) -> None:
+        """``step`` (entering the client: a cluster client reads the cluster's layout
+        there), its failures reported as :meth:`ping` reports them.
+
+        Not under a ``connect_timeout`` cancel scope: the client starts its
+        connection pool's task group there, which must outlive the step; its own
+        ``connect_timeout`` bounds each connection attempt.
+        """
+        try:
+            await self.call("connecting", lambda: step)
+        except SourceError as exc:
+            raise SourceError(
+                f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
+                retriable=exc.retriable,
+            ) from exc
 
     async def ping(self, connect_timeout: float) -> None:
         """``PING`` the server once, within ``connect_timeout`` seconds: entering a
@@ -296,6 +406,8 @@ class RedisConnection:
         self.check_open()
         try:
             return await fn()
+        except _REQUEST_ERRORS as exc:
+            raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:
             self.connection_errors += 1
             for callback in self.on_connection_error:

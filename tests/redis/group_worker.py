@@ -121,7 +121,10 @@ async def run(config: dict[str, Any]) -> None:
     if config.get("log_takeovers"):
         logging.getLogger("stagedconsumer").addHandler(TakeoverLog(config["log"]))
     async with RedisBroker(
-        config["redis_url"], namespace=config["namespace"], group_options=group_options
+        config["redis_url"],
+        namespace=config["namespace"],
+        group_options=group_options,
+        cluster=config.get("cluster", False),
     ) as broker:
         store = SqlOffsetStore(config["store_url"], table_prefix=config["table_prefix"])
         consumer = PushConsumer(
