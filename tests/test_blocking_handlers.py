@@ -150,7 +150,7 @@ async def main():
     async with consumer:
         print("consuming", flush=True)
         await consumer.wait_caught_up(timeout=300)
-    print("starved", consumer._watchdog.starved, flush=True)
+    print("starved", consumer._watchdog.starved, consumer._watchdog.blocks, flush=True)
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 anyio.run(main)
@@ -184,7 +184,12 @@ def test_a_starved_process_is_not_reported_as_a_blocked_loop(tmp_path: Path) -> 
     assert "event loop was blocked" not in out
     starved = [line for line in out.splitlines() if line.startswith("starved ")]
     assert starved, out
-    assert int(starved[0].split()[1]) >= 1  # seen, counted, not reported
+    # Seen and counted, not reported. Usually counted as starved (the watching thread
+    # woke late too, and the loop thread hardly ran); on a machine busy enough that
+    # the loop thread got CPU between the stops it is counted as a block in which
+    # nothing was seen blocking the loop: not reported either.
+    _, starved_count, blocks = starved[0].split()
+    assert int(blocks) >= 1 and int(starved_count) <= int(blocks)
 
 
 async def test_the_check_can_be_turned_off(caplog: pytest.LogCaptureFixture) -> None:
