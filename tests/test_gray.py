@@ -38,6 +38,7 @@ from stagedconsumer import (
     SelectMessageQueueByGray,
 )
 from stagedconsumer._sources._gray import gray_member_id, gray_ratio_of, split_gray
+from stagedconsumer.testing import CallLog, RecordingListener, StagePlan, assert_staged
 
 # -- the split, allocation and selection (pure) ---------------------------------------
 
@@ -196,28 +197,6 @@ class StagedLog(MessageListenerStagedConcurrently):
             self.log.append(("end", self.name, m.queue_id, m.queue_offset, context.stage_index))
 
 
-def _stage_start(offset: int, stages: Sequence[int]) -> int:
-    """The first offset of ``offset``'s stage (offsets after the last stage: its end)."""
-    start = 0
-    for size in stages:
-        if offset < start + size:
-            return start
-        start += size
-    return start
-
-
-def check_staged_log(log: Log, stages: Sequence[int]) -> None:
-    """Every message starts only after every message of the earlier stages of its
-    queue ended (on whichever consumer)."""
-    ended: dict[int, set[int]] = defaultdict(set)
-    for event, _, queue, offset, _ in log:
-        if event == "end":
-            ended[queue].add(offset)
-            continue
-        before = set(range(_stage_start(offset, stages)))
-        assert before <= ended[queue], f"queue {queue} offset {offset} started too early"
-
-
 async def _until(predicate: object, timeout: float = 10.0) -> None:
     assert callable(predicate)
     with anyio.fail_after(timeout):
@@ -232,12 +211,15 @@ async def test_two_consumers_of_a_group_share_the_queues_and_hand_over_on_leave(
     store = MemoryOffsetStore()
     stages = [2, 3, 4]
     log: Log = []
+    calls = CallLog()  # both members' handler calls, for the kit's staged check
     sent: set[tuple[int, int]] = set()
+    sent_messages: list[Message] = []
 
     def send(n: int, start: int) -> None:
         for i in range(start, start + n):
             m = broker.send("t", f"m{i}".encode(), keys=[f"k{i % 16}"])
             sent.add((m.queue_id, m.queue_offset))
+            sent_messages.append(m)
 
     def handled_by() -> dict[tuple[int, int], list[str]]:
         who: dict[tuple[int, int], list[str]] = defaultdict(list)
@@ -246,8 +228,12 @@ async def test_two_consumers_of_a_group_share_the_queues_and_hand_over_on_leave(
                 who[queue, offset].append(name)
         return who
 
-    a = PushConsumer("g", broker, StagedLog("a", log, stages), offset_store=store)
-    b = PushConsumer("g", broker, StagedLog("b", log, stages), offset_store=store)
+    a = PushConsumer(
+        "g", broker, RecordingListener(StagedLog("a", log, stages), calls), offset_store=store
+    )
+    b = PushConsumer(
+        "g", broker, RecordingListener(StagedLog("b", log, stages), calls), offset_store=store
+    )
     a.subscribe("t")
     b.subscribe("t")
     send(80, 0)
@@ -269,7 +255,9 @@ async def test_two_consumers_of_a_group_share_the_queues_and_hand_over_on_leave(
     who = handled_by()
     assert all(len(names) == 1 for names in who.values()), "handled twice on a graceful hand-over"
     assert {who[q, o][0] for q, o in sent if o >= 20 and MessageQueue("t", q) in b_queues} >= {"a"}
-    check_staged_log(log, stages)
+    # Every message in its stage, and no stage of a queue started before the earlier
+    # ones finished, on whichever member.
+    assert_staged(calls, StagePlan.from_definitions({"default": stages}, sent_messages))
 
 
 class ConcurrentLog(MessageListenerConcurrently):

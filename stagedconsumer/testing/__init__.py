@@ -9,7 +9,8 @@ trio). The pieces:
   without changing what the listener does;
 - checkers returning :class:`Violation` values (:func:`check_staged`,
   :func:`check_orderly`, :func:`check_key_order`, :func:`check_at_least_once`) and
-  ``assert_*`` variants raising :class:`OrderingViolation`;
+  ``assert_*`` variants raising :class:`OrderingViolation`, and :func:`stage_of`,
+  the naive stage model they use;
 - :func:`run_virtual`, which runs the real consumer in virtual time on the embedded
   broker, with scheduled failures and crashes, and returns a :class:`VirtualRun`;
 - :data:`HYPOTHESIS_PROFILE`, a hypothesis settings profile for such properties;
@@ -29,6 +30,7 @@ from ._checks import check_at_least_once as check_at_least_once
 from ._checks import check_key_order as check_key_order
 from ._checks import check_orderly as check_orderly
 from ._checks import check_staged as check_staged
+from ._checks import stage_of as stage_of
 from ._log import CallLog as CallLog
 from ._log import DeadLetter as DeadLetter
 from ._log import HandlerCall as HandlerCall
@@ -77,4 +79,5 @@ __all__ = (
     "origin_id",
     "run_virtual",
     "stage_definitions",
+    "stage_of",
 )

@@ -35,6 +35,7 @@ __all__ = (
     "check_key_order",
     "check_orderly",
     "check_staged",
+    "stage_of",
 )
 
 TAIL = -1
@@ -163,7 +164,7 @@ class StagePlan:
                 wanted = max(0, reset(message.topic, offset))
                 if wanted != offset:
                     offset, changed = wanted, True
-            stage = _stage_of(sizes, offset)
+            stage = stage_of(sizes, offset)
             previous = last.get(key)
             if previous is None or changed or previous[0] != stage:
                 previous = last[key] = (stage, next(epochs))
@@ -175,9 +176,20 @@ class StagePlan:
         return self.assignments[origin_id(message)].stage
 
 
-def _stage_of(sizes: Sequence[int], offset: int) -> int:
-    for index, boundary in enumerate(itertools.accumulate(sizes)):
-        if offset < boundary:
+def stage_of(sizes: Sequence[int], offset: int) -> int:
+    """The stage index of the message at stage offset ``offset`` of a stage key whose
+    stage definition is ``sizes`` (design section 2): ``i`` while ``offset`` is below
+    ``sizes[0] + ... + sizes[i]``, ``-1`` (the tail) from their sum on.
+
+    The slow, obvious model the checkers use (it walks the stages one by one), and a
+    reference for your own stage arithmetic: ``stage_of([2, 3], 4) == 1``,
+    ``stage_of([2, 3], 5) == -1``. The first offset of a stage is where
+    ``stage_of(sizes, offset - 1) != stage_of(sizes, offset)`` (or ``offset == 0``).
+    """
+    bound = 0
+    for index, size in enumerate(sizes):
+        bound += size
+        if offset < bound:
             return index
     return TAIL
 

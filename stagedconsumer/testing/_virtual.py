@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import anyio.to_thread
 import attrs
 
 from offsetstore import MemoryOffsetStore, QueueProgress
@@ -117,6 +118,88 @@ class _CrashableStore(MemoryOffsetStore):
         self.crashed = False
 
 
+class _ClockGate:
+    """Keeps the mock clock from jumping while a plain ``def`` handler computes.
+
+    With no handler thread in flight the clock stands still and jumps to the next
+    deadline whenever every task waits (``rate=0, autojump_threshold=0``). While one
+    or more threads compute, every task may be waiting on them, and a jumping clock
+    would race from deadline to deadline (to the consume timeout, the run's timeout)
+    in a moment of wall time; so the clock then runs at wall speed and does not jump
+    (``rate=1, autojump_threshold=inf``): a thread's call takes as long in virtual
+    time as it blocks, and ``consume_timeout`` measures it. Called in the event loop.
+    """
+
+    def __init__(self, clock: Any) -> None:
+        self.clock = clock
+        self.computing = 0
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    def enter(self) -> None:
+        self.computing += 1
+        if self.computing == 1:
+            self.clock.autojump_threshold = math.inf
+            self.clock.rate = 1.0
+
+    def leave(self) -> None:
+        self.computing -= 1
+        if self.computing == 0:
+            self.clock.rate = 0.0
+            self.clock.autojump_threshold = 0.0
+
+    @property
+    def limiter(self) -> anyio.CapacityLimiter:
+        """No bound of its own: the consumer's worker tasks bound the calls in flight."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(math.inf)
+        return self._limiter
+
+    async def run_in_thread(self, func: Callable[..., Any], *args: Any) -> Any:
+        """``func(*args)`` in a worker thread, with the clock held; cancelling the
+        caller abandons the call (its thread finishes it unobserved), as the
+        consumer's own thread runner does."""
+        self.enter()
+        try:
+            return await anyio.to_thread.run_sync(
+                func, *args, abandon_on_cancel=True, limiter=self.limiter
+            )
+        finally:
+            self.leave()
+
+    async def sleep(self, seconds: float) -> None:
+        """A virtual sleep taken from a handler thread (a scheduled cost): the thread
+        waits on the loop meanwhile, so it does not hold the clock."""
+        self.leave()
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            self.enter()
+
+
+class _Threaded(MessageListener):
+    """Runs a plain ``def`` handler in a worker thread through :class:`_ClockGate`:
+    to the consumer an ``async def`` handler (it awaits the thread), so a consume
+    timeout cancels the await and abandons the thread's call, as it does for the
+    consumer's own threads."""
+
+    def __init__(self, inner: MessageListener, gate: _ClockGate) -> None:
+        self.inner = inner
+        self.gate = gate
+        ordering = getattr(inner, "ordering", None)
+        if ordering is not None:
+            self.ordering = ordering
+
+    async def _consume_sync(self, msgs: Sequence[Message], context: Any) -> Any:
+        # wrapper_type installs this for a sync ``inner``: an async function on purpose.
+        return await self.gate.run_in_thread(
+            self.inner.consume_message,  # type: ignore[attr-defined]
+            msgs,
+            context,
+        )
+
+    _consume_async = _consume_sync  # never installed: only sync handlers are wrapped
+
+
 class _Faulty(MessageListener):
     """Adds a cost (virtual sleep) to each call and fails the scheduled attempts."""
 
@@ -126,11 +209,13 @@ class _Faulty(MessageListener):
         index: dict[str, int],
         failures: FailureSchedule,
         cost: Callable[[Message], float] | None,
+        gate: _ClockGate,
     ) -> None:
         self.inner = inner
         self.index = index
         self.failures = failures
         self.cost = cost
+        self.gate = gate
         self.failure_status: object = (
             ConsumeConcurrentlyStatus.RECONSUME_LATER
             if isinstance(inner, MessageListenerConcurrently)
@@ -171,7 +256,7 @@ class _Faulty(MessageListener):
     def _consume_sync(self, msgs: Sequence[Message], context: Any) -> Any:
         cost, kind = self._planned(msgs)
         if cost > 0:
-            anyio.from_thread.run(anyio.sleep, cost)
+            anyio.from_thread.run(self.gate.sleep, cost)
         if kind is not None:
             return self._fail(kind, msgs)
         return self.inner.consume_message(msgs, context)  # type: ignore[attr-defined]
@@ -240,11 +325,12 @@ def run_virtual(
 
     The event-loop watchdog (``event_loop_block_threshold``) is turned off: it
     reports nothing in virtual time and costs a thread per consumer. Plain ``def``
-    handlers run in worker threads as usual, but while a thread computes, every task
-    waits and the mock clock jumps to the next deadline: virtual time is exact for
-    ``async def`` handlers only. With plain ``def`` ones ``consume_timeout`` is
-    turned off (the clock would reach it while the thread runs), and ``timeout``,
-    virtual seconds too, should be far off (``timeout=1e9``).
+    handlers run in worker threads as usual; while one computes, the clock stops
+    jumping and runs at wall speed (a call takes as long in virtual time as it
+    blocks), so ``consume_timeout`` times out a call that blocks longer, and a short
+    one is not timed out in no time. Scheduled ``costs`` stay virtual. Virtual time is
+    exact for ``async def`` handlers; with ``def`` ones it also holds the wall time
+    their threads compute.
 
     Returns a :class:`VirtualRun` with the log, the messages as sent and the makespan.
     """
@@ -261,12 +347,6 @@ def run_virtual(
     inner = listener
     if isinstance(listener, RecordingListener):
         log, inner = listener.log, listener.inner
-    consume = getattr(inner, "consume_message", None)
-    if options.consume_timeout is not None and not inspect.iscoroutinefunction(consume):
-        # While a plain def handler's thread runs, every task waits and the mock clock
-        # jumps from one deadline to the next: the consume-timeout scanner's ticks
-        # would time the call out after a moment of wall time. Off for such handlers.
-        options = attrs.evolve(options, consume_timeout=None)
     broker = _Broker(log)
     topics: dict[str, int] = {}
     for spec in messages:
@@ -291,10 +371,14 @@ def run_virtual(
         for spec in messages
     )
     index = {m.msg_id: i for i, m in enumerate(sent)}
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    gate = _ClockGate(clock)
     cost = _cost_function(costs, index)
     if failures is not None or cost is not None:
         faulty_type = wrapper_type(_Faulty, inner)
-        inner = faulty_type(inner, index, failures or FailureSchedule(), cost)
+        inner = faulty_type(inner, index, failures or FailureSchedule(), cost, gate)
+    if not inspect.iscoroutinefunction(getattr(inner, "consume_message", None)):
+        inner = wrapper_type(_Threaded, inner)(inner, gate)
     recorder = RecordingListener(inner, log)
     store = _CrashableStore()
     points = sorted(crash_at)
@@ -373,7 +457,7 @@ def run_virtual(
     logger.addFilter(quiet)
     began = time.perf_counter()
     try:
-        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        trio.run(main, clock=clock)
     finally:
         wall = time.perf_counter() - began
         logger.removeFilter(quiet)

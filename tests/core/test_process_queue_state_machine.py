@@ -45,6 +45,7 @@ from stagedconsumer._core import (
     StageKey,
     StagePlan,
 )
+from stagedconsumer.testing import stage_of
 
 from ..strategies import stage_sizes
 
@@ -52,24 +53,9 @@ TOPIC = "t"
 STRATEGY_OF_TAG = {"s1": "s1", "s2": "s2", "none": None, "unknown": "no-such-strategy"}
 
 
-def naive_index(sizes: tuple[int, ...], offset: int) -> int:
-    position = 0
-    for index, size in enumerate(sizes):
-        position += size
-        if offset < position:
-            return index
-    return TAIL_STAGE
-
-
-def naive_is_boundary(sizes: tuple[int, ...], offset: int) -> bool:
-    position = 0
-    if offset == 0:
-        return True
-    for size in sizes:
-        position += size
-        if offset == position:
-            return True
-    return False
+def is_stage_start(sizes: tuple[int, ...], offset: int) -> bool:
+    """The first offset of a stage (or of the tail), by the kit's naive stage model."""
+    return offset == 0 or stage_of(sizes, offset - 1) != stage_of(sizes, offset)
 
 
 @attrs.define
@@ -257,12 +243,12 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         offset = q.counters.get(lane, 0)
         reset = False
         if self.config.reset_kind is not None and (
-            offset >= sum(sizes) or naive_is_boundary(sizes, offset)
+            offset >= sum(sizes) or is_stage_start(sizes, offset)
         ):
             wanted = max(0, self.config.reset(TOPIC, offset))
             if wanted != offset:
                 offset, reset = wanted, True
-        stage = naive_index(sizes, offset)
+        stage = stage_of(sizes, offset)
         last = q.last_epoch.get(lane)
         if last is None or reset or last[0] != stage:
             self.epoch_seq += 1

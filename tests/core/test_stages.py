@@ -1,6 +1,9 @@
-"""Stage arithmetic against a naive model: boundaries, stage index, leftover, validation."""
+"""Stage arithmetic against the kit's naive model (``stagedconsumer.testing.stage_of``):
+boundaries, stage index, leftover, validation."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 from hypothesis import given
@@ -8,19 +11,18 @@ from hypothesis import strategies as st
 
 from stagedconsumer import InvalidStageDefinitionError
 from stagedconsumer._core import TAIL_STAGE, StageDefinition
+from stagedconsumer.testing import stage_of
 
 from ..strategies import invalid_stage_sizes, stage_sizes
 
 
-def naive_stage(sizes: list[int], offset: int) -> tuple[int, int]:
-    """(stage index, leftover) by walking the stages one message at a time."""
-    position = 0
-    for index, size in enumerate(sizes):
-        for consumed in range(size):
-            if position == offset:
-                return index, size - consumed
-            position += 1
-    return TAIL_STAGE, -1
+def naive_leftover(sizes: list[int], offset: int) -> int:
+    """How many messages of ``offset``'s stage are left from it on, counted by walking
+    the offsets with the kit's naive stage model (``-1`` in the tail)."""
+    index = stage_of(sizes, offset)
+    if index == TAIL_STAGE:
+        return -1
+    return next(o for o in itertools.count(offset) if stage_of(sizes, o) != index) - offset
 
 
 @given(stage_sizes(max_size=30))
@@ -38,9 +40,10 @@ def test_boundaries_are_cumulative_sums(sizes: list[int]) -> None:
 @given(stage_sizes(max_size=30), st.integers(0, 200))
 def test_stage_index_and_leftover_match_naive_model(sizes: list[int], offset: int) -> None:
     definition = StageDefinition.of(sizes)
-    index, leftover = naive_stage(sizes, offset)
+    index = stage_of(sizes, offset)
     assert definition.stage_index(offset) == index
-    assert definition.leftover(offset) == leftover
+    assert definition.leftover(offset) == naive_leftover(sizes, offset)
+    leftover = definition.leftover(offset)
     if index != TAIL_STAGE:
         # the leftover messages are exactly the rest of this stage
         assert definition.stage_index(offset + leftover - 1) == index
@@ -54,7 +57,7 @@ def test_is_boundary_means_first_offset_of_a_stage(sizes: list[int], offset: int
     starts = {0, *definition.boundaries}
     assert definition.is_boundary(offset) == (offset in starts)
     if offset > 0:
-        changed = naive_stage(sizes, offset - 1)[0] != naive_stage(sizes, offset)[0]
+        changed = stage_of(sizes, offset - 1) != stage_of(sizes, offset)
         if changed:
             assert definition.is_boundary(offset)
 

@@ -1,4 +1,5 @@
-"""Reading and checking the event logs of consumer processes (see group_worker)."""
+"""Reading the event logs of consumer processes (see group_worker) and checking them
+with the kit (``stagedconsumer.testing``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from pathlib import Path
 
 import attrs
 
-from .group_worker import stage_of
+from stagedconsumer import ConsumeStagedConcurrentlyContext, Message, MessageQueue
+from stagedconsumer.testing import CallLog, HandlerCall, Outcome, StagePlan, assert_staged
+
+from .group_worker import STAGES
+
+TOPIC = "t"
+DEFAULT_STRATEGY = "default"
 
 
 @attrs.frozen
@@ -35,30 +42,45 @@ def read_events(paths: Iterable[Path]) -> list[Event]:
     return sorted(events, key=lambda e: e.time)
 
 
-def check_stages_and_barrier(events: list[Event]) -> None:
-    """Each message ran in the stage its offset implies, and no message of a later
-    stage of a queue started before every message of each earlier stage finished
-    (once, anywhere)."""
-    first_end: dict[tuple[int, int], float] = {}
-    for e in events:
-        assert e.stage == stage_of(e.offset), e
-        if e.kind == "E":
-            first_end.setdefault((e.queue, e.offset), e.time)
-    stage_done: dict[tuple[int, int], float] = {}
-    for (queue, offset), at in first_end.items():
-        key = (queue, stage_of(offset))
-        stage_done[key] = max(stage_done.get(key, 0.0), at)
-    for e in events:
-        if e.kind != "S":
-            continue
-        stage = e.stage if e.stage >= 0 else 99
-        for earlier in range(min(stage, 3)):
-            done = stage_done.get((e.queue, earlier))
-            assert done is not None, f"stage {earlier} of queue {e.queue} never finished"
-            assert e.time >= done, (
-                f"barrier broken on queue {e.queue}: offset {e.offset} (stage {e.stage}) started"
-                f" at {e.time:.6f} before stage {earlier} finished at {done:.6f}"
+def _message(queue: int, offset: int) -> Message:
+    """A stand-in for the message at ``queue``/``offset`` (the logs keep no bodies):
+    its id is its position, the same for every delivery of it."""
+    return Message(
+        topic=TOPIC, queue_id=queue, queue_offset=offset, body=b"", msg_id=f"{queue}:{offset}"
+    )
+
+
+def call_log(events: Iterable[Event]) -> CallLog:
+    """The events as a kit :class:`CallLog`: one call per message and process, in the
+    order the events happened (at equal times an end before a start: the old check
+    allowed a start at the very instant the stage before ended). A start without an end
+    is a call cut by a kill (still running)."""
+    log = CallLog()
+    runs: dict[int, int] = {}
+    running: dict[tuple[int, int, int], HandlerCall] = {}
+    for e in sorted(events, key=lambda e: (e.time, e.kind != "E")):
+        where = (e.pid, e.queue, e.offset)
+        if e.kind == "S":
+            log.run = runs.setdefault(e.pid, len(runs))
+            context = ConsumeStagedConcurrentlyContext(
+                message_queue=MessageQueue(TOPIC, e.queue),
+                stage_index=e.stage,
+                strategy_id=DEFAULT_STRATEGY,
+                group_id=None,
             )
+            running[where] = log.start_call([_message(e.queue, e.offset)], context, e.time)
+        elif e.kind == "E":
+            log.end_call(running.pop(where), e.time, Outcome.SUCCESS, acked=1)
+    return log
+
+
+def check_stages_and_barrier(events: list[Event], *, queues: int, per_queue: int) -> None:
+    """The kit's staged check (``stagedconsumer.testing.assert_staged``) on the events
+    of ``queues`` queues of ``per_queue`` messages each: every message ran in the stage
+    its offset implies, and no message of a later stage of a queue started before every
+    message of each earlier stage finished (once, in any process)."""
+    sent = [_message(q, o) for q in range(queues) for o in range(per_queue)]
+    assert_staged(call_log(events), StagePlan.from_definitions({DEFAULT_STRATEGY: STAGES}, sent))
 
 
 def starts_by_message(events: list[Event]) -> dict[tuple[int, int], list[Event]]:

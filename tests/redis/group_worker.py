@@ -47,16 +47,6 @@ from stagedconsumer._sources._redis_broker import RedisBroker
 STAGES = (40, 80, 120)
 
 
-def stage_of(offset: int) -> int:
-    """The stage index a message at ``offset`` must get (no resets in these tests)."""
-    bound = 0
-    for index, size in enumerate(STAGES):
-        bound += size
-        if offset < bound:
-            return index
-    return -1
-
-
 class EventLog:
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

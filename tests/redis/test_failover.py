@@ -220,7 +220,7 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
     victim_pid = workers.procs["a"].pid
     finished = {(e.queue, e.offset) for e in events if e.kind == "E"}
     assert finished == {(q, o) for q in range(QUEUES) for o in range(PER_QUEUE)}, "lost messages"
-    check_stages_and_barrier(events)
+    check_stages_and_barrier(events, queues=QUEUES, per_queue=PER_QUEUE)
     for (queue, offset), starts in starts_by_message(events).items():
         if len(starts) == 1:
             continue

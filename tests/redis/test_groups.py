@@ -143,7 +143,7 @@ async def test_members_joining_and_leaving_while_consuming_lose_and_repeat_nothi
     starts = [(e.queue, e.offset) for e in events if e.kind == "S"]
     # Graceful hand-overs drain and commit before unlocking: nothing runs twice.
     assert len(starts) == len(set(starts)) == total
-    check_stages_and_barrier(events)
+    check_stages_and_barrier(events, queues=6, per_queue=per_queue)
     assert {e.pid for e in events} == {0, 1, 2}
 
 

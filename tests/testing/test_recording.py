@@ -28,6 +28,7 @@ from stagedconsumer.testing import (
     MessageSpec,
     Outcome,
     RecordingListener,
+    assert_at_least_once,
     run_virtual,
 )
 
@@ -191,13 +192,13 @@ def test_a_sync_handler_still_runs_in_a_worker_thread() -> None:
 
     listener = RecordingListener(Sync())
     assert not inspect.iscoroutinefunction(listener.consume_message)
-    run = run_virtual(listener, specs(3), costs=[2.0], timeout=1e9)  # see below
+    run = run_virtual(listener, specs(3), costs=[2.0])
     assert len(threads) == 3
     assert all(t is not threading.main_thread() for t in threads)
     assert [c.outcome for c in run.log.calls] == [Outcome.SUCCESS] * 3
-    # times come from the event loop's (virtual) clock, costs included; at least the
-    # cost: while a worker thread computes, the mock clock may jump ahead
-    assert all(c.end - c.start >= 2.0 for c in run.log.calls)
+    # times come from the event loop's (virtual) clock: the cost, stayed virtual, plus
+    # the wall time the thread computed (the clock does not jump meanwhile)
+    assert all(2.0 <= c.end - c.start <= 2.0 + run.wall_seconds for c in run.log.calls)
 
 
 def test_describe_names_the_call() -> None:
@@ -207,11 +208,11 @@ def test_describe_names_the_call() -> None:
     assert line.endswith(": success")
 
 
-def test_a_slow_sync_handler_is_not_timed_out_by_the_jumping_clock() -> None:
-    """While a plain def handler's thread runs, the mock clock jumps from deadline to
-    deadline; run_virtual turns consume_timeout off for such handlers, so a call that
-    takes wall time is not timed out (and run again) in no time at all. (The run's
-    timeout, virtual seconds as well, is passed far off for the same reason.)"""
+def test_a_slow_sync_handler_keeps_its_consume_timeout_and_is_not_timed_out() -> None:
+    """While a plain def handler's thread computes, the mock clock neither jumps (it
+    used to race from deadline to deadline, to the consume timeout, in a moment of
+    wall time) nor stands still: it runs at wall speed, so a 50 ms call takes 50 ms of
+    virtual time, well inside a consume timeout of 5 s."""
     calls: list[int] = []
 
     class Slow(MessageListenerOrderly):
@@ -219,8 +220,42 @@ def test_a_slow_sync_handler_is_not_timed_out_by_the_jumping_clock() -> None:
             calls.append(msgs[0].queue_offset)
             time.sleep(0.05)
 
-    # The run's own timeout is virtual time too: far off, as the clock races ahead.
-    run = run_virtual(RecordingListener(Slow()), specs(3), timeout=1e9)
+    run = run_virtual(
+        RecordingListener(Slow()), specs(3), options=ConsumerOptions(consume_timeout=5.0)
+    )
     assert run.completed
     assert calls == [0, 1, 2]
     assert [c.outcome for c in run.log.calls] == [Outcome.SUCCESS] * 3
+    assert all(0.05 <= c.end - c.start <= run.wall_seconds for c in run.log.calls)
+
+
+def test_a_sync_handler_blocking_past_the_consume_timeout_is_timed_out_and_retried() -> None:
+    """A def handler that blocks longer than consume_timeout is timed out in virtual
+    time as in production: its call is abandoned (counted as failed, its thread left
+    to finish unobserved) and the message is retried, once, and finished once."""
+    release = threading.Event()
+    attempts: list[tuple[int, int]] = []
+
+    class Stuck(MessageListenerOrderly):
+        def consume_message(self, msgs: Sequence[Message], context: ConsumeOrderlyContext) -> None:
+            attempts.append((msgs[0].queue_offset, msgs[0].reconsume_times))
+            if msgs[0].queue_offset == 1 and msgs[0].reconsume_times == 0:
+                release.wait(60)  # far past the timeout; released when the run is over
+
+    try:
+        run = run_virtual(
+            RecordingListener(Stuck()), specs(3), options=ConsumerOptions(consume_timeout=0.3)
+        )
+    finally:
+        release.set()
+    assert run.completed
+    assert attempts == [(0, 0), (1, 0), (1, 1), (2, 0)]
+    assert [(c.offsets, c.attempt, c.outcome) for c in run.log.calls] == [
+        ((0,), 1, Outcome.SUCCESS),
+        ((1,), 1, Outcome.CANCELLED),
+        ((1,), 2, Outcome.SUCCESS),
+        ((2,), 1, Outcome.SUCCESS),
+    ]
+    stuck = run.log.calls[1]
+    assert stuck.end - stuck.start >= 0.3  # timed out no earlier than the timeout
+    assert_at_least_once(run.log, run.sent, exactly_once=True)
