@@ -223,6 +223,10 @@ class _Sim:
         self.rec_stage, self.rec_start = log.call_stage.append, log.call_start.append
         self.rec_end, self.rec_ok = log.call_end.append, log.call_ok.append
         self.rec_size = log.call_size.append
+        # at batch size 1 every call has one message (a suspended batch is retried
+        # whole): record only what the failure schedule does not imply
+        self.single = log.single = self.batch_size == 1
+        self.record_attempts = any(self.fails)
         dispatcher = self.dispatcher
         self.take, self.has_ready, self.finish = (
             dispatcher.take, dispatcher.has_ready, dispatcher.finish
@@ -234,8 +238,6 @@ class _Sim:
         self.paused: dict[ProcessQueue, _Pull] = {}
         threads = options.consume_thread_max
         self.streak = [0] * threads
-        self.batch: list[Batch | None] = [None] * threads
-        self.start_time = [0.0] * threads
         self.timer_waiting = False
         """The timer task waits on its event (a TIMER effect wakes it)."""
         self.timer_deadline: _Timer | None = None
@@ -510,49 +512,56 @@ class _Sim:
         idle = self.idle
         if idle and self.has_ready():
             self.runq.append((self.work, idle.popleft()))
-        costs = self.costs
-        self.batch[w] = batch
         now = self.now
-        self.start_time[w] = now
         messages = batch.messages
         if len(messages) == 1:
-            cost = costs[int(messages[0].body)]
+            index = int(messages[0].body)
+            cost = self.costs[index]
         else:
+            index = -1
+            costs = self.costs
             cost = sum([costs[int(m.body)] for m in messages])
+        call = (w, batch, index, now)
         if cost == 0:  # anyio.sleep(0) is a checkpoint
-            self.runq.append((self.handled, w))
+            self.runq.append((self.handled, call))
         else:
-            heapq.heappush(self.heap, (now + cost, next(self.seq), self.handled, w))
+            heapq.heappush(self.heap, (now + cost, next(self.seq), self.handled, call))
 
-    def handled(self, w: int) -> None:
+    def handled(self, call: tuple[int, Batch, int, float]) -> None:
         """The handler call of worker ``w`` returned (``_Recorder.handle`` and the
-        rest of the worker loop's iteration)."""
-        batch = self.batch[w]
-        assert batch is not None
-        messages = batch.messages
+        rest of the worker loop's iteration); ``index``: the message's when the batch
+        has one, else -1; ``start``: when the call started."""
+        w, batch, index, start = call
         log = self.log
-        if len(messages) == 1:  # CallLog.record for one message, inlined
-            message = messages[0]
-            index = int(message.body)
-            attempt = message.reconsume_times
-            failed = attempt < self.fails[index]
-            self.rec_index(index)
-            self.rec_attempt(attempt)
-            self.rec_stage(batch.stage_index if self.stage_reported else None)
-            self.rec_start(self.start_time[w])
-            self.rec_end(self.now)
-            self.rec_ok(not failed)
-            self.rec_size(1)
-            if not failed or (self.limit is not None and attempt >= self.limit):
-                log.remaining -= 1  # succeeded, or dead-lettered
-        else:
+        if index < 0:
+            messages = batch.messages
             failed = log.record(
                 [int(m.body) for m in messages],
                 [m.reconsume_times for m in messages],
                 batch.stage_index if self.stage_reported else None,
-                self.start_time[w],
+                start,
                 self.now,
             )
+        else:  # CallLog.record for one message, inlined
+            attempt = batch.messages[0].reconsume_times
+            failed = attempt < self.fails[index]
+            self.rec_index(index)
+            if self.single:  # the outcome and size follow from the failure schedule
+                if self.record_attempts:
+                    self.rec_attempt(attempt)
+                if self.stage_reported:
+                    self.rec_stage(batch.stage_index)
+                self.rec_start(start)
+                self.rec_end(self.now)
+            else:
+                self.rec_attempt(attempt)
+                self.rec_stage(batch.stage_index if self.stage_reported else None)
+                self.rec_start(start)
+                self.rec_end(self.now)
+                self.rec_ok(not failed)
+                self.rec_size(1)
+            if not failed or (self.limit is not None and attempt >= self.limit):
+                log.remaining -= 1  # succeeded, or dead-lettered
         if log.remaining <= 0:
             self.done = True
         if not failed:
