@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -65,7 +65,7 @@ from stagedconsumer._runtime._services import ConsumeService
 from stagedconsumer._runtime._state import ConsumerState
 from stagedconsumer._sources._source import retry_topic
 
-from .runner import TOPIC, CallLog, ReplayConfig, _listener, _opt_str
+from .runner import TOPIC, CallLog, ReplayConfig, _listener, _opt_str, collector_paused
 
 __all__ = ("Prepared", "simulate")
 
@@ -121,6 +121,10 @@ class Prepared:
     runtime replay sends them); stored messages are immutable, so modes share them."""
 
     def __init__(self, messages: pd.DataFrame) -> None:
+        with collector_paused():
+            self._build(messages)
+
+    def _build(self, messages: pd.DataFrame) -> None:
         qids = sorted(set(messages["qid"].tolist()))
         local = {qid: i for i, qid in enumerate(qids)}
         queue_of = messages["qid"].map(local).tolist()
@@ -129,36 +133,40 @@ class Prepared:
         publish = messages["publish_us"].tolist()
         n = len(queue_of)
         self.queues = max(1, len(qids))
-        self.order = sorted(range(n), key=publish.__getitem__)
-        self.publish_at = [publish[i] for i in self.order]
+        order = self.order = sorted(range(n), key=publish.__getitem__)
+        self.publish_at = [publish[i] for i in order]
         self.backlog = all(p == 0 for p in publish)
+        # Message(topic=..., ...) through its slots' setters (as the broker's trace
+        # writer builds them; the values are already in stored form), one field at a
+        # time over all messages in publishing order, with map's loop in C
+        queues = [queue_of[i] for i in order]
+        counts = [0] * self.queues
+        offsets = []
+        for queue in queues:  # the offset in its queue's log: publishing order
+            offsets.append(counts[queue])
+            counts[queue] += 1
+        built = [_new_message(Message) for _ in range(n)]
+        set_all: list[tuple[Callable[[Message, Any], None], Iterable[Any]]] = [
+            (_set_topic, itertools.repeat(TOPIC)),
+            (_set_queue_id, queues),
+            (_set_queue_offset, offsets),
+            (_set_body, [b"%d" % i for i in order]),
+            (_set_keys, [() if keys[i] is None else (keys[i],) for i in order]),
+            (_set_tags, [tags[i] for i in order]),
+            (_set_properties, itertools.repeat(EMPTY_PROPERTIES)),
+            (_set_msg_id, itertools.repeat("")),
+            (_set_born_timestamp, itertools.repeat(0.0)),
+            (_set_reconsume_times, itertools.repeat(0)),
+        ]
+        for setter, values in set_all:
+            deque(map(setter, built, values), maxlen=0)
         self.backlog_logs: list[list[Message]] = [[] for _ in range(self.queues)]
-        stored: list[Message | None] = [None] * n
-        new, empty = _new_message, EMPTY_PROPERTIES
-        set_topic, set_queue_id, set_queue_offset = _set_topic, _set_queue_id, _set_queue_offset
-        set_body, set_keys, set_tags = _set_body, _set_keys, _set_tags
-        set_properties = _set_properties
-        set_msg_id, set_born, set_reconsume = _set_msg_id, _set_born_timestamp, _set_reconsume_times
         logs = self.backlog_logs
-        for i in self.order:
-            queue = queue_of[i]
-            log = logs[queue]
-            key = keys[i]
-            # Message(topic=..., ...) through its slots' setters (as the broker's
-            # trace writer builds them): the values are already in stored form
-            message = new(Message)
-            set_topic(message, TOPIC)
-            set_queue_id(message, queue)
-            set_queue_offset(message, len(log))
-            set_body(message, b"%d" % i)
-            set_keys(message, () if key is None else (key,))
-            set_tags(message, tags[i])
-            set_properties(message, empty)
-            set_msg_id(message, "")
-            set_born(message, 0.0)
-            set_reconsume(message, 0)
-            log.append(message)
-            stored[i] = message
+        for message, queue in zip(built, queues, strict=True):
+            logs[queue].append(message)
+        stored: list[Message | None] = [None] * n
+        for position, i in enumerate(order):
+            stored[i] = built[position]
         self.stored: list[Message] = stored  # type: ignore[assignment]
 
 

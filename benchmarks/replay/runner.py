@@ -404,22 +404,32 @@ def replay_consumer(
     messages = messages.sort_values(["qid", "offset"], kind="stable").reset_index(drop=True)
     if engine == "core" and wall_clock:
         raise ValueError("the core engine runs in virtual time only (no wall clock)")
-    # The replay holds every message of the consumer instance (200,000 in `large`):
-    # the cyclic collector's full passes over them cost ~15 % of the replay and find
-    # little (measured: same peak memory), so it waits until the replay is done.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         if engine == "core":
             from .engine import simulate
 
             log = simulate(messages, mode, config, prepared)
         else:
             log = _run_runtime(messages, mode, config, wall_clock)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return event_frame(messages, mode, log)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (and back on after, if it was).
+
+    A replay builds and holds every message of the consumer instance (200,000 in
+    `large`): the collector's passes over them cost ~15 % of the replay and about
+    half of building the core engine's stored messages, and find little (measured:
+    same peak memory), so they wait until the work is done.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _run_runtime(messages: pd.DataFrame, mode: str, config: ReplayConfig,
