@@ -46,6 +46,7 @@ from stagedconsumer._core import (
     Settlement,
     clamp_suspend_millis,
     retry_delay_seconds,
+    split_exhausted,
 )
 from stagedconsumer._message import (
     EMPTY_PROPERTIES,
@@ -63,7 +64,7 @@ from stagedconsumer._message import (
 )
 from stagedconsumer._runtime._services import ConsumeService
 from stagedconsumer._runtime._state import ConsumerState
-from stagedconsumer._sources._source import retry_topic
+from stagedconsumer._sources._source import is_spent, retry_topic
 
 from .runner import TOPIC, CallLog, ReplayConfig, _listener, _opt_str, collector_paused
 
@@ -587,7 +588,10 @@ class _Sim:
         self.work(w)
 
     def settle(self, batch: Batch) -> None:
-        """The consume service's ``settle_failure`` and the worker's ``_settle``."""
+        """The consume service's ``settle_failure`` and the worker's ``_settle``, with
+        the embedded broker's ``send_back`` (whose I/O always succeeds here): the same
+        rules through the same functions (``is_spent``, ``retry_delay_seconds``,
+        ``split_exhausted``, ``clamp_suspend_millis``), on the engine's clock."""
         messages = batch.messages
         limit = self.limit
         now = self.now
@@ -596,7 +600,7 @@ class _Sim:
             dead: list[Message] = []
             spent = limit if limit is not None else 2**31 - 1
             for message in messages:
-                if message.reconsume_times >= spent:
+                if is_spent(message, delay_level=0, max_reconsume_times=spent):
                     dead.append(message)
                     continue
                 due = now + retry_delay_seconds(message.reconsume_times, 0)
@@ -608,13 +612,7 @@ class _Sim:
                 self.wake(self.retry_log)
             settlement = Settlement(retried=retried, dead=dead)
         else:
-            dead = []
-            suspended: list[Message] = []
-            for message in messages:
-                if limit is None or message.reconsume_times < limit:
-                    suspended.append(message)
-                else:
-                    dead.append(message)
+            suspended, dead = split_exhausted(messages, limit)
             settlement = Settlement(
                 dead=dead, suspended=suspended,
                 retry_at=now + self.suspend_delay if suspended else 0.0,
