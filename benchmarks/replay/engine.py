@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -46,6 +46,7 @@ from stagedconsumer._core import (
     Settlement,
     clamp_suspend_millis,
     retry_delay_seconds,
+    split_exhausted,
 )
 from stagedconsumer._message import (
     EMPTY_PROPERTIES,
@@ -63,9 +64,9 @@ from stagedconsumer._message import (
 )
 from stagedconsumer._runtime._services import ConsumeService
 from stagedconsumer._runtime._state import ConsumerState
-from stagedconsumer._sources._source import retry_topic
+from stagedconsumer._sources._source import is_spent, retry_topic
 
-from .runner import TOPIC, CallLog, ReplayConfig, _listener, _opt_str
+from .runner import TOPIC, CallLog, ReplayConfig, _listener, _opt_str, collector_paused
 
 __all__ = ("Prepared", "simulate")
 
@@ -121,6 +122,10 @@ class Prepared:
     runtime replay sends them); stored messages are immutable, so modes share them."""
 
     def __init__(self, messages: pd.DataFrame) -> None:
+        with collector_paused():
+            self._build(messages)
+
+    def _build(self, messages: pd.DataFrame) -> None:
         qids = sorted(set(messages["qid"].tolist()))
         local = {qid: i for i, qid in enumerate(qids)}
         queue_of = messages["qid"].map(local).tolist()
@@ -129,36 +134,40 @@ class Prepared:
         publish = messages["publish_us"].tolist()
         n = len(queue_of)
         self.queues = max(1, len(qids))
-        self.order = sorted(range(n), key=publish.__getitem__)
-        self.publish_at = [publish[i] for i in self.order]
+        order = self.order = sorted(range(n), key=publish.__getitem__)
+        self.publish_at = [publish[i] for i in order]
         self.backlog = all(p == 0 for p in publish)
+        # Message(topic=..., ...) through its slots' setters (as the broker's trace
+        # writer builds them; the values are already in stored form), one field at a
+        # time over all messages in publishing order, with map's loop in C
+        queues = [queue_of[i] for i in order]
+        counts = [0] * self.queues
+        offsets = []
+        for queue in queues:  # the offset in its queue's log: publishing order
+            offsets.append(counts[queue])
+            counts[queue] += 1
+        built = [_new_message(Message) for _ in range(n)]
+        set_all: list[tuple[Callable[[Message, Any], None], Iterable[Any]]] = [
+            (_set_topic, itertools.repeat(TOPIC)),
+            (_set_queue_id, queues),
+            (_set_queue_offset, offsets),
+            (_set_body, [b"%d" % i for i in order]),
+            (_set_keys, [() if keys[i] is None else (keys[i],) for i in order]),
+            (_set_tags, [tags[i] for i in order]),
+            (_set_properties, itertools.repeat(EMPTY_PROPERTIES)),
+            (_set_msg_id, itertools.repeat("")),
+            (_set_born_timestamp, itertools.repeat(0.0)),
+            (_set_reconsume_times, itertools.repeat(0)),
+        ]
+        for setter, values in set_all:
+            deque(map(setter, built, values), maxlen=0)
         self.backlog_logs: list[list[Message]] = [[] for _ in range(self.queues)]
-        stored: list[Message | None] = [None] * n
-        new, empty = _new_message, EMPTY_PROPERTIES
-        set_topic, set_queue_id, set_queue_offset = _set_topic, _set_queue_id, _set_queue_offset
-        set_body, set_keys, set_tags = _set_body, _set_keys, _set_tags
-        set_properties = _set_properties
-        set_msg_id, set_born, set_reconsume = _set_msg_id, _set_born_timestamp, _set_reconsume_times
         logs = self.backlog_logs
-        for i in self.order:
-            queue = queue_of[i]
-            log = logs[queue]
-            key = keys[i]
-            # Message(topic=..., ...) through its slots' setters (as the broker's
-            # trace writer builds them): the values are already in stored form
-            message = new(Message)
-            set_topic(message, TOPIC)
-            set_queue_id(message, queue)
-            set_queue_offset(message, len(log))
-            set_body(message, b"%d" % i)
-            set_keys(message, () if key is None else (key,))
-            set_tags(message, tags[i])
-            set_properties(message, empty)
-            set_msg_id(message, "")
-            set_born(message, 0.0)
-            set_reconsume(message, 0)
-            log.append(message)
-            stored[i] = message
+        for message, queue in zip(built, queues, strict=True):
+            logs[queue].append(message)
+        stored: list[Message | None] = [None] * n
+        for position, i in enumerate(order):
+            stored[i] = built[position]
         self.stored: list[Message] = stored  # type: ignore[assignment]
 
 
@@ -223,6 +232,10 @@ class _Sim:
         self.rec_stage, self.rec_start = log.call_stage.append, log.call_start.append
         self.rec_end, self.rec_ok = log.call_end.append, log.call_ok.append
         self.rec_size = log.call_size.append
+        # at batch size 1 every call has one message (a suspended batch is retried
+        # whole): record only what the failure schedule does not imply
+        self.single = log.single = self.batch_size == 1
+        self.record_attempts = any(self.fails)
         dispatcher = self.dispatcher
         self.take, self.has_ready, self.finish = (
             dispatcher.take, dispatcher.has_ready, dispatcher.finish
@@ -234,8 +247,6 @@ class _Sim:
         self.paused: dict[ProcessQueue, _Pull] = {}
         threads = options.consume_thread_max
         self.streak = [0] * threads
-        self.batch: list[Batch | None] = [None] * threads
-        self.start_time = [0.0] * threads
         self.timer_waiting = False
         """The timer task waits on its event (a TIMER effect wakes it)."""
         self.timer_deadline: _Timer | None = None
@@ -510,49 +521,56 @@ class _Sim:
         idle = self.idle
         if idle and self.has_ready():
             self.runq.append((self.work, idle.popleft()))
-        costs = self.costs
-        self.batch[w] = batch
         now = self.now
-        self.start_time[w] = now
         messages = batch.messages
         if len(messages) == 1:
-            cost = costs[int(messages[0].body)]
+            index = int(messages[0].body)
+            cost = self.costs[index]
         else:
+            index = -1
+            costs = self.costs
             cost = sum([costs[int(m.body)] for m in messages])
+        call = (w, batch, index, now)
         if cost == 0:  # anyio.sleep(0) is a checkpoint
-            self.runq.append((self.handled, w))
+            self.runq.append((self.handled, call))
         else:
-            heapq.heappush(self.heap, (now + cost, next(self.seq), self.handled, w))
+            heapq.heappush(self.heap, (now + cost, next(self.seq), self.handled, call))
 
-    def handled(self, w: int) -> None:
+    def handled(self, call: tuple[int, Batch, int, float]) -> None:
         """The handler call of worker ``w`` returned (``_Recorder.handle`` and the
-        rest of the worker loop's iteration)."""
-        batch = self.batch[w]
-        assert batch is not None
-        messages = batch.messages
+        rest of the worker loop's iteration); ``index``: the message's when the batch
+        has one, else -1; ``start``: when the call started."""
+        w, batch, index, start = call
         log = self.log
-        if len(messages) == 1:  # CallLog.record for one message, inlined
-            message = messages[0]
-            index = int(message.body)
-            attempt = message.reconsume_times
-            failed = attempt < self.fails[index]
-            self.rec_index(index)
-            self.rec_attempt(attempt)
-            self.rec_stage(batch.stage_index if self.stage_reported else None)
-            self.rec_start(self.start_time[w])
-            self.rec_end(self.now)
-            self.rec_ok(not failed)
-            self.rec_size(1)
-            if not failed or (self.limit is not None and attempt >= self.limit):
-                log.remaining -= 1  # succeeded, or dead-lettered
-        else:
+        if index < 0:
+            messages = batch.messages
             failed = log.record(
                 [int(m.body) for m in messages],
                 [m.reconsume_times for m in messages],
                 batch.stage_index if self.stage_reported else None,
-                self.start_time[w],
+                start,
                 self.now,
             )
+        else:  # CallLog.record for one message, inlined
+            attempt = batch.messages[0].reconsume_times
+            failed = attempt < self.fails[index]
+            self.rec_index(index)
+            if self.single:  # the outcome and size follow from the failure schedule
+                if self.record_attempts:
+                    self.rec_attempt(attempt)
+                if self.stage_reported:
+                    self.rec_stage(batch.stage_index)
+                self.rec_start(start)
+                self.rec_end(self.now)
+            else:
+                self.rec_attempt(attempt)
+                self.rec_stage(batch.stage_index if self.stage_reported else None)
+                self.rec_start(start)
+                self.rec_end(self.now)
+                self.rec_ok(not failed)
+                self.rec_size(1)
+            if not failed or (self.limit is not None and attempt >= self.limit):
+                log.remaining -= 1  # succeeded, or dead-lettered
         if log.remaining <= 0:
             self.done = True
         if not failed:
@@ -570,7 +588,10 @@ class _Sim:
         self.work(w)
 
     def settle(self, batch: Batch) -> None:
-        """The consume service's ``settle_failure`` and the worker's ``_settle``."""
+        """The consume service's ``settle_failure`` and the worker's ``_settle``, with
+        the embedded broker's ``send_back`` (whose I/O always succeeds here): the same
+        rules through the same functions (``is_spent``, ``retry_delay_seconds``,
+        ``split_exhausted``, ``clamp_suspend_millis``), on the engine's clock."""
         messages = batch.messages
         limit = self.limit
         now = self.now
@@ -579,7 +600,7 @@ class _Sim:
             dead: list[Message] = []
             spent = limit if limit is not None else 2**31 - 1
             for message in messages:
-                if message.reconsume_times >= spent:
+                if is_spent(message, delay_level=0, max_reconsume_times=spent):
                     dead.append(message)
                     continue
                 due = now + retry_delay_seconds(message.reconsume_times, 0)
@@ -591,13 +612,7 @@ class _Sim:
                 self.wake(self.retry_log)
             settlement = Settlement(retried=retried, dead=dead)
         else:
-            dead = []
-            suspended: list[Message] = []
-            for message in messages:
-                if limit is None or message.reconsume_times < limit:
-                    suspended.append(message)
-                else:
-                    dead.append(message)
+            suspended, dead = split_exhausted(messages, limit)
             settlement = Settlement(
                 dead=dead, suspended=suspended,
                 retry_at=now + self.suspend_delay if suspended else 0.0,

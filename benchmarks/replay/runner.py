@@ -134,6 +134,12 @@ class CallLog:
         self.call_end: list[float] = []
         self.call_ok: list[bool] = []
         self.call_size: list[int] = []
+        self.single = False
+        """Every call had one message, and only ``index``, ``call_start`` and
+        ``call_end`` are recorded per call, with ``attempt`` if any message has planned
+        failures and ``call_stage`` if stages are reported (else all 0 and all
+        ``None``): a call's outcome follows from the failure schedule (the core
+        engine's fast path at batch size 1)."""
 
     def record(self, indexes: list[int], attempts: list[int], stage: int | None,
                start: float, end: float) -> bool:
@@ -156,16 +162,26 @@ class CallLog:
 
     def columns(self) -> dict[str, Any]:
         """Per attempt: index, stage, attempt, batch, start, end, ok, dlq (numpy)."""
-        sizes = np.asarray(self.call_size, dtype=np.int64)
-        calls = len(sizes)
+        calls = len(self.call_start)
+        if self.single:
+            sizes = np.ones(calls, dtype=np.int64)
+            index = np.asarray(self.index, dtype=np.int64)
+            if len(self.attempt) == calls:
+                attempt = np.asarray(self.attempt, dtype=np.int32)
+            else:
+                attempt = np.zeros(calls, dtype=np.int32)
+            ok = attempt >= np.asarray(self.fails, dtype=np.int64).reshape(-1)[index]
+        else:
+            sizes = np.asarray(self.call_size, dtype=np.int64)
+            attempt = np.asarray(self.attempt, dtype=np.int32)
 
         def per_message(values: Any, dtype: Any) -> Any:
             return np.repeat(np.asarray(values, dtype=dtype).reshape(calls), sizes)
 
-        attempt = np.asarray(self.attempt, dtype=np.int32)
-        ok = per_message(self.call_ok, np.bool_)
+        if not self.single:
+            ok = per_message(self.call_ok, np.bool_)
         call_stage = self.call_stage
-        if all(s is None for s in call_stage):
+        if len(call_stage) < calls or all(s is None for s in call_stage):
             stage = pd.arrays.IntegerArray(np.zeros(len(ok), np.int32), np.ones(len(ok), np.bool_))
         else:
             values = np.fromiter((-(2**31) if s is None else s for s in call_stage),
@@ -388,22 +404,32 @@ def replay_consumer(
     messages = messages.sort_values(["qid", "offset"], kind="stable").reset_index(drop=True)
     if engine == "core" and wall_clock:
         raise ValueError("the core engine runs in virtual time only (no wall clock)")
-    # The replay holds every message of the consumer instance (200,000 in `large`):
-    # the cyclic collector's full passes over them cost ~15 % of the replay and find
-    # little (measured: same peak memory), so it waits until the replay is done.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         if engine == "core":
             from .engine import simulate
 
             log = simulate(messages, mode, config, prepared)
         else:
             log = _run_runtime(messages, mode, config, wall_clock)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return event_frame(messages, mode, log)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (and back on after, if it was).
+
+    A replay builds and holds every message of the consumer instance (200,000 in
+    `large`): the collector's passes over them cost ~15 % of the replay and about
+    half of building the core engine's stored messages, and find little (measured:
+    same peak memory), so they wait until the work is done.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _run_runtime(messages: pd.DataFrame, mode: str, config: ReplayConfig,

@@ -38,7 +38,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from .runner import ReplayConfig, replay_consumer
+from .runner import ReplayConfig, collector_paused, replay_consumer
 
 __all__ = (
     "EVENT_ARROW_SCHEMA", "EVENT_SCHEMA", "by_consumer", "clear_events", "get_session",
@@ -216,6 +216,10 @@ def replay_summaries(
     chosen = tuple(modes)
 
     def replay_group(pdf: pd.DataFrame) -> pd.DataFrame:
+        with collector_paused():  # see collector_paused: the task holds every message
+            return replay_consumer_group(pdf)
+
+    def replay_consumer_group(pdf: pd.DataFrame) -> pd.DataFrame:
         pdf = pdf.sort_values(["qid", "offset"], kind="stable").reset_index(drop=True)
         bounds = consumer_bounds(pdf, chosen, workers, max_reconsume).set_index("mode")
         rows = []

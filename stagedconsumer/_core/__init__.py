@@ -38,6 +38,7 @@ from ._retry import clamp_suspend_millis as clamp_suspend_millis
 from ._retry import retry_delay_seconds as retry_delay_seconds
 from ._settlement import Settlement as Settlement
 from ._settlement import SettleOutcome as SettleOutcome
+from ._settlement import split_exhausted as split_exhausted
 from ._stages import TAIL_STAGE as TAIL_STAGE
 from ._stages import StageDefinition as StageDefinition
 
@@ -78,4 +79,5 @@ __all__ = (
     "clamp_suspend_millis",
     "describe_effects",
     "retry_delay_seconds",
+    "split_exhausted",
 )

@@ -16,7 +16,7 @@ import attrs
 
 from .._message import Message
 
-__all__ = ("SettleOutcome", "Settlement")
+__all__ = ("SettleOutcome", "Settlement", "split_exhausted")
 
 
 class SettleOutcome(enum.Enum):
@@ -67,3 +67,21 @@ class Settlement:
             if messages:
                 out[outcome] = list(messages)
         return out
+
+
+def split_exhausted(
+    messages: Sequence[Message], max_reconsume_times: int | None
+) -> tuple[list[Message], list[Message]]:
+    """Orderly and staged modes: the messages of a failed batch that are retried here
+    (suspended) and those that used up ``max_reconsume_times`` attempts and go to the
+    dead-letter queue (none when it is ``None``: unlimited), each in batch order."""
+    if max_reconsume_times is None:
+        return list(messages), []
+    suspended: list[Message] = []
+    exhausted: list[Message] = []
+    for message in messages:
+        if message.reconsume_times < max_reconsume_times:
+            suspended.append(message)
+        else:
+            exhausted.append(message)
+    return suspended, exhausted

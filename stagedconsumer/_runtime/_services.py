@@ -31,6 +31,7 @@ from .._core import (
     StageDefinition,
     StagePlan,
     clamp_suspend_millis,
+    split_exhausted,
 )
 from .._exceptions import ConfigurationError, ListenerTypeError, SourceError
 from .._listeners import (
@@ -310,13 +311,9 @@ class OrderlyConsumeService(ConsumeService):
                 result,
             )
         self.state.consumed_failed += len(messages)
-        limit = self.max_reconsume_times
+        suspended, exhausted = split_exhausted(messages, self.max_reconsume_times)
         dead: list[Message] = []
-        suspended: list[Message] = []
-        for message in messages:
-            if limit is None or message.reconsume_times < limit:
-                suspended.append(message)
-                continue
+        for message in exhausted:
             try:
                 await self.source.send_to_dlq(
                     self.group, self._handed_back(message, batch.process_queue.message_queue)
