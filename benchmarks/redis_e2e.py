@@ -18,6 +18,12 @@ the same data layout (8 streams, one per queue), each in its own key namespace:
   (raw replies, RESP3, no decoding of strings: its fastest settings), on trio and on
   asyncio: the cost of the client ``RedisBroker`` uses on trio;
 - the concurrent and staged modes on trio, where ``RedisBroker`` uses coredis;
+- the concurrent mode on a Redis Cluster (``RedisBroker(url, cluster=True)``), on
+  asyncio (redis-py's ``RedisCluster``) and trio (coredis's): the 8 queues spread
+  over the masters. The cluster is ``--cluster-url`` (any node of a running cluster)
+  or, without it, one the benchmark starts for the run: three masters without
+  replicas (``redis-server --cluster-enabled yes`` on free ports of 127.0.0.1,
+  ``redis-cli --cluster create``), stopped at the end;
 - the consumer's own cost, without Redis: the concurrent mode on the embedded
   ``MemoryBroker`` holding the same backlog (drain only). Roughly, the concurrent
   mode over Redis costs this plus the first floor.
@@ -45,6 +51,7 @@ Two phases per system:
    ``now - send time`` at its start; p50/p99 are reported.
 
     python -m benchmarks.redis_e2e                     # 100,000 messages
+    python -m benchmarks.redis_e2e --cluster-url redis://127.0.0.1:7000  # a cluster of yours
     python -m benchmarks.redis_e2e --messages 20000 --latency-messages 5000 --json out.json
 
 ``python benchmarks/redis_e2e.py`` (as a script) runs the same.
@@ -168,6 +175,8 @@ class NoopStaged(_Listener, MessageListenerStagedConcurrently):
 
 LISTENERS: dict[str, Callable[[Recorder], Any]] = {
     "stagedconsumer concurrent": NoopConcurrently,
+    "stagedconsumer concurrent, cluster": NoopConcurrently,
+    "stagedconsumer concurrent, cluster, trio (coredis)": NoopConcurrently,
     "stagedconsumer concurrent, trio (coredis)": NoopConcurrently,
     "stagedconsumer staged [100]*k, trio (coredis)": NoopStaged,
     "stagedconsumer concurrent, read_ahead=0": NoopConcurrently,
@@ -179,8 +188,35 @@ LISTENERS: dict[str, Callable[[Recorder], Any]] = {
 # -- producing --------------------------------------------------------------------------------
 
 
-async def fill_stagedconsumer(url: str, ns: str, n: int) -> None:
-    async with RedisBroker(url, namespace=ns) as broker:
+def _cluster_options(cluster: bool) -> dict[str, Any]:
+    """``RedisBroker`` options for a cluster (none for a single server, so that the
+    driver runs against packages from before ``cluster=``)."""
+    return {"cluster": True} if cluster else {}
+
+
+def queue_keys(ns: str) -> list[str]:
+    """The stream keys of the benchmark topic's queues, as the package under test names
+    them (the layout changed over time; nothing connects here)."""
+    broker = RedisBroker("redis://127.0.0.1:6379/0", namespace=ns)
+    return [broker._stream_key(TOPIC, q) for q in range(QUEUES)]
+
+
+def trio_supported() -> bool:
+    """Whether the package under test's ``RedisBroker`` runs on trio (it did not before
+    de7178a: ``benchmarks.compare`` runs this driver against old trees too)."""
+    return hasattr(RedisBroker, "client_library")
+
+
+def cluster_supported() -> bool:
+    """Whether the package under test has ``RedisBroker(cluster=...)`` (``benchmarks.compare``
+    runs this driver against old trees too)."""
+    import inspect
+
+    return "cluster" in inspect.signature(RedisBroker).parameters
+
+
+async def fill_stagedconsumer(url: str, ns: str, n: int, cluster: bool = False) -> None:
+    async with RedisBroker(url, namespace=ns, **_cluster_options(cluster)) as broker:
         await broker.create_topic(TOPIC, QUEUES)
         body = _TS.pack(0.0)
         for q in range(QUEUES):
@@ -212,13 +248,15 @@ def _value(field: bytes, at: float) -> bytes:
     return _TS.pack(at) if field == b"b" else repr(at).encode()
 
 
-async def produce(url: str, ns: str, kind: str, n: int, rate: float) -> None:
+async def produce(
+    url: str, ns: str, kind: str, n: int, rate: float, cluster: bool = False
+) -> None:
     """Send ``n`` messages at ``rate``/s, round-robin over the queues (in a child process)."""
     chunk = 10
     interval = chunk * QUEUES / rate
     start = time.perf_counter()
     if kind == "stagedconsumer":
-        async with RedisBroker(url, namespace=ns) as broker:
+        async with RedisBroker(url, namespace=ns, **_cluster_options(cluster)) as broker:
             for i in range(n // (chunk * QUEUES)):
                 for q in range(QUEUES):
                     await broker.send_many(
@@ -241,9 +279,13 @@ async def produce(url: str, ns: str, kind: str, n: int, rate: float) -> None:
         await client.aclose()
 
 
-def spawn_producer(url: str, ns: str, kind: str, n: int, rate: float) -> subprocess.Popen[bytes]:
+def spawn_producer(
+    url: str, ns: str, kind: str, n: int, rate: float, cluster: bool = False
+) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "benchmarks.redis_e2e", "--produce", kind, "--url", url]
     args += ["--namespace", ns, "--latency-messages", str(n), "--rate", str(rate)]
+    if cluster:
+        args.append("--produce-to-cluster")
     return subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -251,11 +293,21 @@ def spawn_producer(url: str, ns: str, kind: str, n: int, rate: float) -> subproc
 
 
 async def run_stagedconsumer(
-    url: str, ns: str, mode: str, recorder: Recorder, options: ConsumerOptions, read_batch: int
+    url: str,
+    ns: str,
+    mode: str,
+    recorder: Recorder,
+    options: ConsumerOptions,
+    read_batch: int,
+    cluster: bool = False,
 ) -> float:
     group_options = GroupOptions(lock_ttl=60, lock_renew_interval=20, rebalance_interval=20)
     async with RedisBroker(
-        url, namespace=ns, group_options=group_options, read_ahead=read_batch
+        url,
+        namespace=ns,
+        group_options=group_options,
+        read_ahead=read_batch,
+        **_cluster_options(cluster),
     ) as broker:
         await broker.create_topic(TOPIC, QUEUES)
         consumer = PushConsumer("bench", broker, LISTENERS[mode](recorder), options=options)
@@ -364,7 +416,7 @@ async def run_floor(
             def xrange(key: str, start: bytes) -> Any:
                 return client.execute_command("XRANGE", key, start, "+", "COUNT", batch)
 
-        keys = [f"{ns}:q:{{{TOPIC}:{q}}}" for q in range(QUEUES)]
+        keys = queue_keys(ns)
         offsets = [0] * QUEUES
         start = time.perf_counter()
         got = 0
@@ -405,7 +457,8 @@ def _kind(name: str) -> str:
 
 async def measure_phase(name: str, args: argparse.Namespace, latency: bool) -> dict[str, Any]:
     """One drain or latency phase of one system, in a fresh namespace."""
-    url = args.url
+    cluster = "cluster" in name
+    url = args.cluster_url if cluster else args.url
     options = ConsumerOptions(pull_batch_size=args.pull_batch, pull_long_polling_timeout=1.0)
     if args.gc_freeze:
         gc.collect()
@@ -419,15 +472,17 @@ async def measure_phase(name: str, args: argparse.Namespace, latency: bool) -> d
     elif kind == "memory":
         memory = fill_memory(n)
     else:
-        await fill_stagedconsumer(url, ns, 0 if latency else n)
+        await fill_stagedconsumer(url, ns, 0 if latency else n, cluster)
     recorder = Recorder(n, latency=latency)
-    producer = spawn_producer(url, ns, kind, n, args.rate) if latency else None
+    producer = spawn_producer(url, ns, kind, n, args.rate, cluster) if latency else None
     _GC_TIME[0] = 0.0
     cpu = time.process_time()
     try:
         if kind == "stagedconsumer":
             read_ahead = 0 if name.endswith("read_ahead=0") else args.read_batch
-            elapsed = await run_stagedconsumer(url, ns, name, recorder, options, read_ahead)
+            elapsed = await run_stagedconsumer(
+                url, ns, name, recorder, options, read_ahead, cluster
+            )
         elif kind == "memory":
             elapsed = await run_memory(memory, recorder, options)
         elif kind == "floor":
@@ -447,7 +502,7 @@ async def measure_phase(name: str, args: argparse.Namespace, latency: bool) -> d
     finally:
         if producer is not None:
             producer.wait(60)
-        await _delete_namespace(url, ns)
+        await _delete_namespace(url, ns, cluster)
     if latency:
         ordered = sorted(recorder.latencies)
         return {
@@ -465,8 +520,13 @@ async def measure_phase(name: str, args: argparse.Namespace, latency: bool) -> d
     }
 
 
-async def _delete_namespace(url: str, ns: str) -> None:
+async def _delete_namespace(url: str, ns: str, cluster: bool = False) -> None:
     def delete() -> None:
+        if cluster:  # scan_iter goes over every master
+            with redis.RedisCluster.from_url(url) as cluster_client:
+                for key in cluster_client.scan_iter(match=f"{ns}:*", count=1000):
+                    cluster_client.delete(key)
+            return
         with redis.Redis.from_url(url) as client:
             for key in client.scan_iter(match=f"{ns}:*", count=1000):
                 client.delete(key)
@@ -489,7 +549,10 @@ SYSTEMS = [
     "floor: XRANGE only, coredis on trio",
     "floor: XRANGE only, coredis on asyncio",
     "runtime only: concurrent on MemoryBroker",
+    "stagedconsumer concurrent, cluster",
+    "stagedconsumer concurrent, cluster, trio (coredis)",
 ]
+CLUSTER_SYSTEMS = [name for name in SYSTEMS if "cluster" in name]
 
 
 def backend_of(name: str) -> str:
@@ -505,6 +568,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--cluster-url",
+        help="any node of a running Redis Cluster for the cluster rows; without it the"
+        " benchmark starts a cluster of three masters on free ports of 127.0.0.1",
+    )
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--latency-messages", type=int, default=20_000)
     parser.add_argument("--rate", type=float, default=5_000, help="latency phase, messages/s")
@@ -527,14 +595,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write results as JSON here")
     parser.add_argument("--produce", help=argparse.SUPPRESS)
     parser.add_argument("--namespace", help=argparse.SUPPRESS)
+    parser.add_argument("--produce-to-cluster", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.produce:
         asyncio.run(
-            produce(args.url, args.namespace, args.produce, args.latency_messages, args.rate)
+            produce(
+                args.url,
+                args.namespace,
+                args.produce,
+                args.latency_messages,
+                args.rate,
+                args.produce_to_cluster,
+            )
         )
         return 0
 
+    with contextlib.ExitStack() as stack:
+        if not trio_supported():
+            skipped = [name for name in args.systems if backend_of(name) == "trio"]
+            if skipped:
+                print(f"RedisBroker runs on asyncio only here: no {skipped}", file=sys.stderr)
+                args.systems = [name for name in args.systems if name not in skipped]
+        if any(name in CLUSTER_SYSTEMS for name in args.systems):
+            if not cluster_supported():
+                print("this package has no RedisBroker(cluster=): no cluster rows", file=sys.stderr)
+                args.systems = [name for name in args.systems if name not in CLUSTER_SYSTEMS]
+            elif args.cluster_url is None:
+                args.cluster_url = stack.enter_context(_own_cluster())
+        return _run(args, argv)
+
+
+@contextlib.contextmanager
+def _own_cluster() -> Any:
+    """A Redis Cluster for this run (three masters, no replicas): its URL."""
+    import tempfile
+
+    from benchmarks._redis_cluster import RedisClusterServers
+
+    with tempfile.TemporaryDirectory(prefix="redis-e2e-cluster-") as directory:
+        cluster = RedisClusterServers(Path(directory), masters=3, replicas=0)
+        try:
+            cluster.start()
+            print(f"started a Redis Cluster at {cluster.url}", file=sys.stderr)
+            yield cluster.url
+        finally:
+            cluster.stop()
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     gc.callbacks.append(_time_gc)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
     for repeat in range(args.repeat):  # interleaved, so a busy spell hits every system
@@ -588,6 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" process per system, pull batch {args.pull_batch}, read batch {args.read_batch},"
         f" gc.freeze() {'on' if args.gc_freeze else 'off'}; load: 1-minute load average"
         " after the drains"
+        + (f"; cluster rows: Redis Cluster at {args.cluster_url}" if args.cluster_url else "")
     )
     console.print("reproduce: python -m benchmarks.redis_e2e " + " ".join(argv or sys.argv[1:]))
     if args.json:
