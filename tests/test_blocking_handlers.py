@@ -189,7 +189,8 @@ def test_a_starved_process_is_not_reported_as_a_blocked_loop(tmp_path: Path) -> 
     # the loop thread got CPU between the stops it is counted as a block in which
     # nothing was seen blocking the loop: not reported either.
     _, starved_count, blocks = starved[0].split()
-    assert int(blocks) >= 1 and int(starved_count) <= int(blocks)
+    assert int(blocks) >= 1
+    assert int(starved_count) <= int(blocks)
 
 
 async def test_the_check_can_be_turned_off(caplog: pytest.LogCaptureFixture) -> None:

@@ -4,7 +4,7 @@ with the kit (``stagedconsumer.testing``)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import attrs
@@ -74,12 +74,21 @@ def call_log(events: Iterable[Event]) -> CallLog:
     return log
 
 
-def check_stages_and_barrier(events: list[Event], *, queues: int, per_queue: int) -> None:
+def check_stages_and_barrier(
+    events: list[Event],
+    *,
+    queues: int = 0,
+    per_queue: int = 0,
+    ends: Mapping[int, int] | None = None,
+) -> None:
     """The kit's staged check (``stagedconsumer.testing.assert_staged``) on the events
-    of ``queues`` queues of ``per_queue`` messages each: every message ran in the stage
-    its offset implies, and no message of a later stage of a queue started before every
-    message of each earlier stage finished (once, in any process)."""
-    sent = [_message(q, o) for q in range(queues) for o in range(per_queue)]
+    of ``queues`` queues of ``per_queue`` messages each (or of the queues of ``ends``,
+    queue id to end offset): every message ran in the stage its offset implies, and no
+    message of a later stage of a queue started before every message of each earlier
+    stage finished (once, in any process)."""
+    if ends is None:
+        ends = dict.fromkeys(range(queues), per_queue)
+    sent = [_message(q, o) for q, end in sorted(ends.items()) for o in range(end)]
     assert_staged(call_log(events), StagePlan.from_definitions({DEFAULT_STRATEGY: STAGES}, sent))
 
 

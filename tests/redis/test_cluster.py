@@ -177,7 +177,7 @@ async def test_send_and_consume_staged_through_the_cluster(
     assert finished == {(q, o) for q in range(4) for o in range(per_queue)}
     starts = [(e.queue, e.offset) for e in events if e.kind == "S"]
     assert len(starts) == len(set(starts))  # one process, no failures: each once
-    check_stages_and_barrier(events)
+    check_stages_and_barrier(events, queues=4, per_queue=per_queue)
 
 
 def test_a_cluster_broker_refuses_a_server_without_cluster_mode(redis_url: str) -> None:
@@ -310,5 +310,5 @@ async def test_processes_consume_through_a_master_killed_mid_run(
     finished = {(e.queue, e.offset) for e in events if e.kind == "E"}
     expected = {(q, o) for q, end in ends.items() for o in range(end)}
     assert finished == expected, f"lost: {sorted(expected - finished)[:20]}"
-    check_stages_and_barrier(events)
+    check_stages_and_barrier(events, ends=ends)
     assert len({e.pid for e in events}) >= 2  # shared by the processes

@@ -112,7 +112,7 @@ async def test_gray_member_goes_away_and_normal_members_take_its_queues(
     gray_pid = workers.procs["gray"].pid
     finished = {(e.queue, e.offset) for e in events if e.kind == "E"}
     assert finished == {(q, o) for q in range(QUEUES) for o in range(PER_QUEUE)}, "lost messages"
-    check_stages_and_barrier(events)
+    check_stages_and_barrier(events, queues=QUEUES, per_queue=PER_QUEUE)
     # Before the gray member went, only it consumed the gray queues, and never the others.
     gray_events = [e for e in events if e.pid == gray_pid]
     assert gray_events, "the gray member handled nothing"
