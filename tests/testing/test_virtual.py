@@ -240,7 +240,8 @@ def test_staged_order_holds_under_failures_and_crashes(
         listener, specs, options=options, failures=failures, costs=costs, crash_at=crash_at
     )
     assert run.completed
-    assert_staged(run.log, StagePlan.of(listener, run.sent))
+    # the barrier across runs and, after each crash, among what the restart redelivers
+    assert_staged(run.log, StagePlan.of(listener, run.sent), within_runs=True)
     assert_at_least_once(run.log, run.sent, exactly_once=not run.crashes)
     if sizes and set(sizes) == {1}:
         assert_orderly(run.log, upto=len(sizes)) if not any(m.keys for m in run.sent) else None
