@@ -64,16 +64,6 @@ def content(seed: int = SEED) -> list[list[dict[str, Any]]]:
     ]
 
 
-def expected_stage(stage_offset: int) -> int:
-    """The stage index of a message at ``stage_offset`` of its stage key."""
-    bound = 0
-    for index, size in enumerate(STAGES):
-        bound += size
-        if stage_offset < bound:
-            return index
-    return -1
-
-
 class Log:
     def __init__(self, path: str, run: int) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -7,12 +7,12 @@ restarted; the last run goes to the end. The worker's append-only, fsynced event
 then has to show:
 
 - no message lost: every message completed;
-- stages kept: every handler call of a message saw the stage computed from the
-  queue contents, in every run;
-- the stage barrier held across restarts: for each queue and stage key, every start
-  of a later stage comes after the first completion of every message of the stage
-  before, and within each run after the completion of every message of that stage
-  the run consumed again;
+- stages kept and the stage barrier held across restarts, checked by the kit
+  (``stagedconsumer.testing.assert_staged(..., within_runs=True)``): every handler
+  call of a message saw the stage computed from the queue contents, in every run;
+  for each queue and stage key, every start of a later stage comes after the first
+  completion of every message of the stage before, and within each run after the
+  completion of every message of that stage the run consumed again;
 - progress committed as a unit and never regressed: every committed (and resumed)
   consume offset only grows, every message below it had completed when it was
   committed, and its stage offsets are exactly those of the messages below it;
@@ -37,13 +37,14 @@ from typing import Any
 
 import pytest
 
-from tests.crash_resume_worker import KEYS, QUEUES, content, expected_stage
+from stagedconsumer import ConsumeStagedConcurrentlyContext, Message, MessageQueue
+from stagedconsumer.testing import CallLog, HandlerCall, Outcome, StagePlan, assert_staged
+from tests.crash_resume_worker import QUEUES, STAGES, TOPIC, content
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 KILLS = 5
-STAGE_ORDER = {0: 0, 1: 1, 2: 2, -1: 3}
 
 
 def _read_log(path: Path) -> list[dict[str, Any]]:
@@ -77,10 +78,21 @@ def _crash_and_resume(store_url: str, prefix: str, tmp_path: Path, seed: int) ->
     def start(run: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [
-                sys.executable, "-m", "tests.crash_resume_worker",
-                "--store", store_url, "--prefix", prefix, "--log", str(log),
-                "--run", str(run), "--backend", "trio" if run % 2 else "asyncio",
-                "--persist-interval", "0.05",
+                sys.executable,
+                "-m",
+                "tests.crash_resume_worker",
+                "--store",
+                store_url,
+                "--prefix",
+                prefix,
+                "--log",
+                str(log),
+                "--run",
+                str(run),
+                "--backend",
+                "trio" if run % 2 else "asyncio",
+                "--persist-interval",
+                "0.05",
             ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
@@ -114,19 +126,49 @@ def _crash_and_resume(store_url: str, prefix: str, tmp_path: Path, seed: int) ->
     _check_log(_read_log(log), seed)
 
 
+def _message(q: int, o: int, key: str, attempt: int = 0) -> Message:
+    """A stand-in for the message at ``q``/``o`` (its id is its position)."""
+    return Message(
+        topic=TOPIC,
+        queue_id=q,
+        queue_offset=o,
+        body=b"",
+        keys=(key,),
+        msg_id=f"{q}:{o}",
+        reconsume_times=attempt,
+    )
+
+
+def _call_log(records: list[dict[str, Any]]) -> CallLog:
+    """The handler events as a kit :class:`CallLog` (in log order; one run at a time)."""
+    log = CallLog()
+    running: dict[tuple[int, int, int], HandlerCall] = {}
+    for r in records:
+        if r["ev"] not in ("start", "fail", "done"):
+            continue
+        where = (r["run"], r["q"], r["o"])
+        if r["ev"] == "start":
+            log.run = r["run"]
+            context = ConsumeStagedConcurrentlyContext(
+                message_queue=MessageQueue(TOPIC, r["q"]),
+                stage_index=r["stage"],
+                strategy_id="default",
+                group_id=r["sg"],
+            )
+            message = _message(r["q"], r["o"], r["sg"], r["attempt"])
+            running[where] = log.start_call([message], context, float(r["pos"]))
+        else:
+            outcome = Outcome.SUCCESS if r["ev"] == "done" else Outcome.RAISED
+            log.end_call(running.pop(where), float(r["pos"]), outcome, acked=1)
+    return log
+
+
 def _check_log(records: list[dict[str, Any]], seed: int) -> None:
     where = f"(kill timing seed {seed})"
     messages = content()
     key_of = {
         (q, o): spec["key"] for q, specs in enumerate(messages) for o, spec in enumerate(specs)
     }
-    stage_offset: dict[tuple[int, int], int] = {}
-    for q, specs in enumerate(messages):
-        seen: dict[str, int] = defaultdict(int)
-        for o, spec in enumerate(specs):
-            stage_offset[(q, o)] = seen[spec["key"]]
-            seen[spec["key"]] += 1
-    stage_of = {m: expected_stage(so) for m, so in stage_offset.items()}
 
     def stage_offsets_at(q: int, c: int) -> dict[str, int]:
         counts: dict[str, int] = defaultdict(int)
@@ -156,10 +198,11 @@ def _check_log(records: list[dict[str, Any]], seed: int) -> None:
     }
     assert len(killed_mid_work) >= 2, f"too few kills hit a working consumer {summary} {where}"
 
-    # Stages kept, in every run and every attempt.
-    for r in handled:
-        m = (r["q"], r["o"])
-        assert (r["stage"], r["sg"]) == (stage_of[m], key_of[m]), f"{r} {where}"
+    # Stages kept, in every run and every attempt, and the stage barrier across runs
+    # and within each run (the kit's staged check; one stage key per order key).
+    sent = [_message(q, o, key) for (q, o), key in sorted(key_of.items())]
+    plan = StagePlan.from_definitions({"default": STAGES}, sent, compute_group=lambda m: m.keys[0])
+    assert_staged(_call_log(records), plan, within_runs=True)
 
     # No message lost; no message completed twice within one run.
     done = [r for r in records if r["ev"] == "done"]
@@ -208,37 +251,6 @@ def _check_log(records: list[dict[str, Any]], seed: int) -> None:
             floor = persisted_before_run[(r["run"], r["q"])]
             assert r["o"] >= floor, f"{m} re-ran below committed offset {floor} {where}"
 
-    # The stage barrier, across runs and within each run.
-    starts = [r for r in handled if r["ev"] == "start"]
-    for q in range(QUEUES):
-        for key in KEYS:
-            lane = [o for o in range(len(messages[q])) if key_of[(q, o)] == key]
-            by_stage: dict[int, list[int]] = defaultdict(list)
-            for o in lane:
-                by_stage[STAGE_ORDER[stage_of[(q, o)]]].append(o)
-            for s, offsets in by_stage.items():
-                later = [
-                    r for r in starts
-                    if r["q"] == q and r["sg"] == key and STAGE_ORDER[r["stage"]] > s
-                ]
-                if not later:
-                    continue
-                barrier = max(first_done[(q, o)] for o in offsets)
-                early = [r for r in later if r["pos"] < barrier]
-                assert not early, f"stage barrier broken across runs: {early[:3]} {where}"
-                for run in runs:
-                    again = [o for o in offsets if o >= resumed.get((run, q), 1 << 60)]
-                    done_in_run = {
-                        r["o"]: r["pos"] for r in done if r["run"] == run and r["q"] == q
-                    }
-                    for r in later:
-                        if r["run"] != run:
-                            continue
-                        waiting = [o for o in again if done_in_run.get(o, 1 << 60) > r["pos"]]
-                        assert not waiting, (
-                            f"run {run}: {r} started before stage-{s} messages {waiting}"
-                            f" finished {where}"
-                        )
     print(f"crash-resume: {len(killed_mid_work)} kills mid-work, {duplicates} duplicates")
 
 

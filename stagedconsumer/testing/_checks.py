@@ -199,13 +199,41 @@ def _key_text(key: StageKeyTuple) -> str:
     return f"queue {mq.topic}:{mq.queue_id}, strategy {strategy!r}, group {group!r}"
 
 
-def check_staged(log: CallLog, plan: StagePlan) -> list[Violation]:
+def _finish_seqs_by_run(log: CallLog) -> dict[int, dict[str, int]]:
+    """:meth:`CallLog.finish_seqs`, counting only each run's own calls and dead letters."""
+    out: dict[int, dict[str, int]] = defaultdict(dict)
+    for call in log.calls:
+        for message in call.finished_messages:
+            seen = out[call.run]
+            ident = origin_id(message)
+            seen[ident] = min(seen.get(ident, call.end_seq), call.end_seq)
+    for dead in log.dead_letters:
+        seen = out[dead.run]
+        ident = origin_id(dead.message)
+        seen[ident] = min(seen.get(ident, dead.seq), dead.seq)
+    return out
+
+
+def check_staged(log: CallLog, plan: StagePlan, *, within_runs: bool = False) -> list[Violation]:
     """Staged order: every message runs in the stage the contract gives it, a batch
     never mixes stage keys or stages, and no call of a later stage (or the tail) of a
     stage key starts before every message of the earlier stages of that key finished
-    (succeeded or went to the DLQ)."""
+    (succeeded or went to the DLQ).
+
+    ``within_runs``: also, within each run (:attr:`HandlerCall.run`, one incarnation of
+    the consumer), no call of a later stage of a key starts before every message of an
+    earlier stage of that key which the same run consumed as well finished in that
+    run. A consumer restarted after a crash delivers again what was not committed and
+    must keep the barrier among those messages too, not only count on their first
+    finish before the crash (holds when the runs do not overlap, as under
+    :func:`run_virtual` or with one process at a time)."""
     violations: list[Violation] = []
     done = log.finish_seqs()
+    run_done = _finish_seqs_by_run(log) if within_runs else {}
+    run_started: dict[int, set[str]] = defaultdict(set)
+    if within_runs:
+        for call in log.calls:
+            run_started[call.run].update(origin_id(m) for m in call.messages)
     by_key: dict[StageKeyTuple, list[tuple[int, str]]] = defaultdict(list)
     for ident, assigned in plan.assignments.items():
         if assigned.key is not None:
@@ -303,12 +331,52 @@ def check_staged(log: CallLog, plan: StagePlan) -> list[Violation]:
                 )
             )
             break  # one barrier violation per call is enough to tell the story
+        if within_runs:
+            violations.extend(_run_barrier(call, first, known, by_key, run_started, run_done, plan))
     return violations
 
 
-def assert_staged(log: CallLog, plan: StagePlan) -> None:
+def _run_barrier(
+    call: HandlerCall,
+    first: Assignment,
+    known: Sequence[Message],
+    by_key: Mapping[StageKeyTuple, Sequence[tuple[int, str]]],
+    run_started: Mapping[int, set[str]],
+    run_done: Mapping[int, Mapping[str, int]],
+    plan: StagePlan,
+) -> list[Violation]:
+    """The barrier within ``call``'s run (see :func:`check_staged`'s ``within_runs``)."""
+    assert first.key is not None
+    started = run_started.get(call.run, set())
+    finished_here = run_done.get(call.run, {})
+    for epoch, ident in by_key[first.key]:
+        if epoch >= first.epoch:
+            break
+        if ident not in started:
+            continue
+        finished = finished_here.get(ident)
+        if finished is not None and finished < call.start_seq:
+            continue
+        earlier = plan.messages[ident]
+        how = "not in that run" if finished is None else f"only at event {finished}"
+        stage_text = "the tail stage" if first.stage == TAIL else f"stage {first.stage}"
+        return [
+            Violation(
+                "run-barrier",
+                f"run {call.run}: {stage_text} of {_key_text(first.key)} started with"
+                f" {[m.queue_offset for m in known]} (call #{call.number}, event"
+                f" {call.start_seq}) before {_where(earlier)} of stage"
+                f" {plan.assignments[ident].stage}, which that run consumed again, finished"
+                f" in it: {how}",
+                (call,),
+            )
+        ]
+    return []
+
+
+def assert_staged(log: CallLog, plan: StagePlan, *, within_runs: bool = False) -> None:
     """:func:`check_staged`, raising :class:`OrderingViolation`."""
-    _raise_if("staged order", check_staged(log, plan))
+    _raise_if("staged order", check_staged(log, plan, within_runs=within_runs))
 
 
 def _calls_by_queue(log: CallLog) -> dict[MessageQueue, list[HandlerCall]]:

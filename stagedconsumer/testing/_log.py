@@ -176,6 +176,12 @@ class CallLog:
         return next(self._events)
 
     def start_call(self, msgs: Sequence[Message], context: object, now: float) -> HandlerCall:
+        """Record that a handler call on ``msgs`` started at ``now`` (queue, stage index,
+        strategy and group are read from ``context``, the attempt from the first
+        message's ``reconsume_times``), in the current :attr:`run`; end it with
+        :meth:`end_call`. :class:`RecordingListener` calls both; to check a log another
+        process wrote, replay its start and end events in the order they happened
+        (setting :attr:`run` per process or incarnation), then run the checkers."""
         queue: MessageQueue = getattr(context, "message_queue", None) or MessageQueue(
             msgs[0].topic, msgs[0].queue_id
         )
@@ -206,6 +212,8 @@ class CallLog:
         error: BaseException | None = None,
         acked: int = 0,
     ) -> None:
+        """Record that ``call`` ended at ``now`` with ``outcome``; ``acked``: how many of
+        its messages (from the first) a success finished."""
         with self._lock:
             call.end = now
             call.end_seq = self.next_seq()

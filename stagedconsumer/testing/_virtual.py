@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -118,6 +119,16 @@ class _CrashableStore(MemoryOffsetStore):
         self.crashed = False
 
 
+class _Hold:
+    """One thread call's hold on the clock (see :class:`_ClockGate`)."""
+
+    __slots__ = ("done", "held")
+
+    def __init__(self) -> None:
+        self.held = False
+        self.done = False
+
+
 class _ClockGate:
     """Keeps the mock clock from jumping while a plain ``def`` handler computes.
 
@@ -127,21 +138,30 @@ class _ClockGate:
     would race from deadline to deadline (to the consume timeout, the run's timeout)
     in a moment of wall time; so the clock then runs at wall speed and does not jump
     (``rate=1, autojump_threshold=inf``): a thread's call takes as long in virtual
-    time as it blocks, and ``consume_timeout`` measures it. Called in the event loop.
+    time as it blocks, and ``consume_timeout`` measures it. Each call holds the clock
+    once (a :class:`_Hold`), so an abandoned call that goes on cannot unbalance the
+    count. The methods run in the event loop, except :meth:`current_hold`.
     """
 
     def __init__(self, clock: Any) -> None:
         self.clock = clock
         self.computing = 0
         self._limiter: anyio.CapacityLimiter | None = None
+        self._local = threading.local()
 
-    def enter(self) -> None:
+    def _hold(self, hold: _Hold) -> None:
+        if hold.held or hold.done:
+            return
+        hold.held = True
         self.computing += 1
         if self.computing == 1:
             self.clock.autojump_threshold = math.inf
             self.clock.rate = 1.0
 
-    def leave(self) -> None:
+    def _release(self, hold: _Hold) -> None:
+        if not hold.held:
+            return
+        hold.held = False
         self.computing -= 1
         if self.computing == 0:
             self.clock.rate = 0.0
@@ -154,26 +174,44 @@ class _ClockGate:
             self._limiter = anyio.CapacityLimiter(math.inf)
         return self._limiter
 
+    def current_hold(self) -> _Hold | None:
+        """In a handler thread: the hold of the call it runs."""
+        hold: _Hold | None = getattr(self._local, "hold", None)
+        return hold
+
     async def run_in_thread(self, func: Callable[..., Any], *args: Any) -> Any:
-        """``func(*args)`` in a worker thread, with the clock held; cancelling the
-        caller abandons the call (its thread finishes it unobserved), as the
-        consumer's own thread runner does."""
-        self.enter()
+        """``func(*args)`` in a worker thread, holding the clock; cancelling the caller
+        abandons the call (its thread finishes it unobserved, no longer holding the
+        clock), as the consumer's own thread runner does."""
+        hold = _Hold()
+
+        def call() -> Any:
+            self._local.hold = hold
+            try:
+                return func(*args)
+            finally:
+                self._local.hold = None
+
+        self._hold(hold)
         try:
             return await anyio.to_thread.run_sync(
-                func, *args, abandon_on_cancel=True, limiter=self.limiter
+                call, abandon_on_cancel=True, limiter=self.limiter
             )
         finally:
-            self.leave()
+            hold.done = True
+            self._release(hold)
 
-    async def sleep(self, seconds: float) -> None:
+    async def sleep(self, seconds: float, hold: _Hold | None) -> None:
         """A virtual sleep taken from a handler thread (a scheduled cost): the thread
-        waits on the loop meanwhile, so it does not hold the clock."""
-        self.leave()
+        waits on the loop meanwhile, so its call lets go of the clock."""
+        if hold is None:
+            await anyio.sleep(seconds)
+            return
+        self._release(hold)
         try:
             await anyio.sleep(seconds)
         finally:
-            self.enter()
+            self._hold(hold)  # not once the call was abandoned (done)
 
 
 class _Threaded(MessageListener):
@@ -256,7 +294,7 @@ class _Faulty(MessageListener):
     def _consume_sync(self, msgs: Sequence[Message], context: Any) -> Any:
         cost, kind = self._planned(msgs)
         if cost > 0:
-            anyio.from_thread.run(self.gate.sleep, cost)
+            anyio.from_thread.run(self.gate.sleep, cost, self.gate.current_hold())
         if kind is not None:
             return self._fail(kind, msgs)
         return self.inner.consume_message(msgs, context)  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ from stagedconsumer import (
     MessageQueue,
     PushConsumer,
 )
+from stagedconsumer.testing import stage_of
 
 from .conftest import Backend
 
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.anyio
 GROUP = "g"
 TOPIC = "t"
 QUEUES = 4
+STAGES = (5, 10)
 DEFAULT_KEY = StageKey("default", None)
 
 
@@ -45,7 +47,7 @@ class Recorder(MessageListenerStagedConcurrently):
         self.seen: list[tuple[int, int, int]] = []
 
     def get_stage_definitions(self) -> Sequence[int]:
-        return [5, 10]
+        return STAGES
 
     async def consume_message(
         self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
@@ -74,7 +76,7 @@ def _fill(broker: MemoryBroker, per_queue: int) -> None:
 
 
 def _expected_stage(offset: int) -> int:
-    return 0 if offset < 5 else 1 if offset < 15 else -1
+    return stage_of(STAGES, offset)  # the kit's naive stage model
 
 
 async def test_consumer_resumes_from_the_sql_store_with_the_same_stages(

@@ -262,3 +262,37 @@ def test_a_stage_key_the_callbacks_do_not_give_again_is_reported() -> None:
         "call #0 ran t:0@0 as strategy 'default', group 'other', but compute_strategy and"
         " compute_group now give strategy 'default', group None"
     )
+
+
+def test_within_runs_a_restarted_run_must_keep_the_barrier_among_what_it_redelivers() -> None:
+    """Run 0 finishes stage 0 and dies before committing; run 1 gets offsets 0 and 1
+    again. Starting stage 1 in run 1 before its own redelivery of offset 1 finished
+    keeps the barrier across runs (the first finish was in run 0) but not within run 1."""
+    w = Log()
+    w.run([0], 0)
+    w.run([1], 0)
+    w.log.run = 1  # the restart
+    w.run([0], 0)
+    again = w.start([1], 0)
+    early = w.start([2], 1)  # run 1's offset 1 is still running
+    w.end(again)
+    w.end(early)
+    w.run([3], -1)
+    assert check_staged(w.log, PLAN) == []
+    (violation,) = check_staged(w.log, PLAN, within_runs=True)
+    assert violation.rule == "run-barrier"
+    assert violation.calls == (early,)
+    assert "run 1: stage 1 of queue t:0" in violation.explanation
+    assert "before t:0@1 of stage 0, which that run consumed again" in violation.explanation
+    with pytest.raises(OrderingViolation, match=r"\[run-barrier\]"):
+        assert_staged(w.log, PLAN, within_runs=True)
+
+
+def test_within_runs_a_message_the_run_did_not_consume_again_does_not_hold_it_up() -> None:
+    w = Log()
+    w.run([0], 0)
+    w.run([1], 0)
+    w.log.run = 1  # restarted from a commit past offset 1: only 2 and 3 come again
+    w.run([2], 1)
+    w.run([3], -1)
+    assert check_staged(w.log, PLAN, within_runs=True) == []

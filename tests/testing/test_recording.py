@@ -259,3 +259,29 @@ def test_a_sync_handler_blocking_past_the_consume_timeout_is_timed_out_and_retri
     stuck = run.log.calls[1]
     assert stuck.end - stuck.start >= 0.3  # timed out no earlier than the timeout
     assert_at_least_once(run.log, run.sent, exactly_once=True)
+
+
+def test_scheduled_costs_of_a_sync_handler_stay_virtual_and_can_time_out() -> None:
+    """A def handler's scheduled cost is a virtual sleep taken from its thread: a call
+    costing 3 s against consume_timeout=1 s is timed out every time, each abandoned
+    thread finishing its cost unobserved without holding the clock afterwards, so the
+    run reaches its 60 s (virtual) timeout without 60 s of wall time."""
+
+    class Quick(MessageListenerOrderly):
+        def consume_message(self, msgs: Sequence[Message], context: ConsumeOrderlyContext) -> None:
+            return None
+
+    run = run_virtual(
+        Quick(), specs(2), costs=[3.0], options=ConsumerOptions(consume_timeout=1.0), timeout=60
+    )
+    assert not run.completed
+    assert len(run.log.calls) > 10  # retried, again and again, in virtual time
+    assert {c.outcome for c in run.log.calls} == {Outcome.CANCELLED}
+    assert {c.offsets for c in run.log.calls} == {(0,)}  # orderly: offset 1 waits
+    # (all but the last, which the end of the run may cancel sooner)
+    assert all(c.end - c.start >= 1.0 for c in run.log.calls[:-1])
+    assert run.wall_seconds < 60  # a clock left held would run at wall speed
+    fine = run_virtual(Quick(), specs(2), costs=[0.5], options=ConsumerOptions(consume_timeout=1.0))
+    assert fine.completed
+    assert [c.outcome for c in fine.log.calls] == [Outcome.SUCCESS] * 2
+    assert all(0.5 <= c.end - c.start <= 0.5 + fine.wall_seconds for c in fine.log.calls)
