@@ -79,6 +79,9 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 _REQUEST_ERRORS: tuple[type[BaseException], ...] = (redis_exc.ClusterCrossSlotError,)
 """Errors of the request, checked before :data:`_CONNECTION_ERRORS` (some are
 subclasses of cluster errors there): trying again cannot help."""
+_CROSS_SLOT = "must map to the same key slot"
+"""redis-py's cluster client refuses a command whose keys are in several slots with a
+``RedisClusterException`` saying this (a request error too)."""
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (redis_exc.RedisError,)
 _NO_SCRIPT: tuple[type[BaseException], ...] = (redis_exc.NoScriptError,)
 
@@ -409,6 +412,8 @@ class RedisConnection:
         except _REQUEST_ERRORS as exc:
             raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:
+            if _CROSS_SLOT in str(exc):  # redis-py's own check, a RedisClusterException
+                raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
             self.connection_errors += 1
             for callback in self.on_connection_error:
                 callback()

@@ -180,6 +180,22 @@ async def test_send_and_consume_staged_through_the_cluster(
     check_stages_and_barrier(events)
 
 
+async def test_a_script_across_slots_is_a_request_error_not_a_connection_loss(
+    cluster_broker: RedisBroker,
+) -> None:
+    from stagedconsumer import SourceError
+    from stagedconsumer._sources._redis_connection import RedisScript
+
+    connection = cluster_broker._connection
+    script = RedisScript(connection, "return 1")
+    assert await connection.call("one slot", lambda: script(keys=["a{x}", "b{x}"])) == 1
+    errors = connection.connection_errors
+    with pytest.raises(SourceError) as caught:
+        await connection.call("two slots", lambda: script(keys=["a{x}", "a{y}"]))
+    assert not caught.value.retriable
+    assert connection.connection_errors == errors
+
+
 def test_a_cluster_broker_refuses_a_server_without_cluster_mode(redis_url: str) -> None:
     async def enter() -> None:
         async with RedisBroker(redis_url, cluster=True, connect_timeout=2):
