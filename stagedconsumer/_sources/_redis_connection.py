@@ -202,7 +202,8 @@ class RedisConnection:
                 del callbacks[name]
         self.client: Any = self._redispy
         """The client in use (redis-py's ``redis.asyncio.Redis`` or
-        ``coredis.Redis``), for tools and tests."""
+        ``coredis.Redis``; their ``RedisCluster`` with ``cluster``), for tools and
+        tests."""
         self.execute: Execute = self._execute_first
         """``await execute(command, *args, keys=(0,))``: one command, its raw reply;
         ``keys`` are the positions of ``args`` that are keys."""
@@ -228,7 +229,7 @@ class RedisConnection:
                 self._use_redispy()
             elif library == "trio":
                 # coredis's cluster client reads the cluster's layout on entering
-                await self._connecting(self._use_coredis())
+                await self._connecting(self._use_coredis)
             else:  # pragma: no cover - anyio runs on these two
                 raise ConfigurationError(f"RedisBroker runs on asyncio and trio, not {library}")
         await self.ping(connect_timeout)
@@ -359,7 +360,7 @@ class RedisConnection:
                         break
         return list(dict.fromkeys(found))
 
-    async def _connecting(self, step: Awaitable[None]) -> None:
+    async def _connecting(self, step: Callable[[], Awaitable[None]]) -> None:
         """``step`` (entering the client: a cluster client reads the cluster's layout
         there), its failures reported as :meth:`ping` reports them.
 
@@ -368,7 +369,7 @@ class RedisConnection:
         ``connect_timeout`` bounds each connection attempt.
         """
         try:
-            await self.call("connecting", lambda: step)
+            await self.call("connecting", step)
         except SourceError as exc:
             raise SourceError(
                 f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
