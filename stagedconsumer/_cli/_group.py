@@ -27,7 +27,11 @@ async def _show(args: argparse.Namespace) -> int:
         return 1
     try:
         async with RedisBroker(
-            args.redis, namespace=args.redis_namespace, send_timeout=2.0, socket_timeout=2.0
+            args.redis,
+            namespace=args.redis_namespace,
+            send_timeout=2.0,
+            socket_timeout=2.0,
+            cluster=args.redis_cluster,
         ) as broker:
             coordinator = broker.group_coordinator()
             members = await coordinator.members(args.group)
@@ -70,5 +74,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     show.add_argument("--redis", required=True, metavar="URL", help="RedisBroker URL")
     show.add_argument(
         "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
+    )
+    show.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
     )
     show.set_defaults(handler=_handle_show)

@@ -175,7 +175,11 @@ def _redis_broker(args: argparse.Namespace) -> RedisBroker:
         raise ImportError(f"{exc} (pip install 'stagedconsumer[redis]')") from exc
     # An operator command: give up on an unreachable Redis after seconds, not 30.
     return RedisBroker(
-        args.redis, namespace=args.redis_namespace, send_timeout=2.0, socket_timeout=2.0
+        args.redis,
+        namespace=args.redis_namespace,
+        send_timeout=2.0,
+        socket_timeout=2.0,
+        cluster=args.redis_cluster,
     )
 
 
@@ -365,6 +369,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     show.add_argument(
         "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
     )
+    show.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
+    )
     show.set_defaults(handler=_run(_show))
 
     reset = commands.add_parser(
@@ -399,6 +408,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     reset.add_argument(
         "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
+    )
+    reset.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
     )
     reset.add_argument(
         "-y",

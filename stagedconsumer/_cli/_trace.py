@@ -397,12 +397,14 @@ def _narrow(history: MessageHistory) -> list[str]:
     return lines
 
 
-async def _read_redis(url: str, namespace: str, topic: str) -> list[TraceMessage]:
+async def _read_redis(
+    url: str, namespace: str, topic: str, cluster: bool = False
+) -> list[TraceMessage]:
     from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
 
     # An operator command: give up on an unreachable Redis after seconds, not 30.
     async with RedisBroker(
-        url, namespace=namespace, send_timeout=2.0, socket_timeout=2.0
+        url, namespace=namespace, send_timeout=2.0, socket_timeout=2.0, cluster=cluster
     ) as broker:
         return await read_trace_topic(broker, topic)
 
@@ -423,7 +425,12 @@ def _run(args: argparse.Namespace) -> int:
         where = f"{args.trace_topic} of {args.redis} namespace {args.namespace}"
         try:
             messages = anyio.run(
-                _read_redis, args.redis, args.namespace, args.trace_topic, backend="asyncio"
+                _read_redis,
+                args.redis,
+                args.namespace,
+                args.trace_topic,
+                args.redis_cluster,
+                backend="asyncio",
             )
         except ImportError as exc:
             console.print(f"[red]{exc} (pip install 'stagedconsumer[redis]')[/red]")
@@ -496,6 +503,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--namespace", default="sc", metavar="NS", help="RedisBroker namespace (default sc)"
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
     )
     parser.add_argument(
         "--trace-topic",

@@ -302,8 +302,9 @@ class RedisBroker(MessageSource):
     @property
     def redis(self) -> Any:
         """The Redis client in use, for tools: redis-py's ``redis.asyncio.Redis`` on
-        asyncio, ``coredis.Redis`` on trio (``None`` before the broker was entered
-        or first used). Its replies are raw (no response callbacks)."""
+        asyncio, ``coredis.Redis`` on trio, their ``RedisCluster`` with ``cluster=True``
+        (``None`` before the broker was entered or first used). Its replies are raw
+        (no response callbacks)."""
         return self._connection.client if self._connection.library else None
 
     @property

@@ -79,6 +79,9 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 _REQUEST_ERRORS: tuple[type[BaseException], ...] = (redis_exc.ClusterCrossSlotError,)
 """Errors of the request, checked before :data:`_CONNECTION_ERRORS` (some are
 subclasses of cluster errors there): trying again cannot help."""
+_CROSS_SLOT = "must map to the same key slot"
+"""redis-py's cluster client refuses a command whose keys are in several slots with a
+``RedisClusterException`` saying this (a request error too)."""
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (redis_exc.RedisError,)
 _NO_SCRIPT: tuple[type[BaseException], ...] = (redis_exc.NoScriptError,)
 
@@ -199,7 +202,8 @@ class RedisConnection:
                 del callbacks[name]
         self.client: Any = self._redispy
         """The client in use (redis-py's ``redis.asyncio.Redis`` or
-        ``coredis.Redis``), for tools and tests."""
+        ``coredis.Redis``; their ``RedisCluster`` with ``cluster``), for tools and
+        tests."""
         self.execute: Execute = self._execute_first
         """``await execute(command, *args, keys=(0,))``: one command, its raw reply;
         ``keys`` are the positions of ``args`` that are keys."""
@@ -225,7 +229,7 @@ class RedisConnection:
                 self._use_redispy()
             elif library == "trio":
                 # coredis's cluster client reads the cluster's layout on entering
-                await self._connecting(self._use_coredis())
+                await self._connecting(self._use_coredis)
             else:  # pragma: no cover - anyio runs on these two
                 raise ConfigurationError(f"RedisBroker runs on asyncio and trio, not {library}")
         await self.ping(connect_timeout)
@@ -356,7 +360,7 @@ class RedisConnection:
                         break
         return list(dict.fromkeys(found))
 
-    async def _connecting(self, step: Awaitable[None]) -> None:
+    async def _connecting(self, step: Callable[[], Awaitable[None]]) -> None:
         """``step`` (entering the client: a cluster client reads the cluster's layout
         there), its failures reported as :meth:`ping` reports them.
 
@@ -365,7 +369,7 @@ class RedisConnection:
         ``connect_timeout`` bounds each connection attempt.
         """
         try:
-            await self.call("connecting", lambda: step)
+            await self.call("connecting", step)
         except SourceError as exc:
             raise SourceError(
                 f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
@@ -409,6 +413,8 @@ class RedisConnection:
         except _REQUEST_ERRORS as exc:
             raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:
+            if _CROSS_SLOT in str(exc):  # redis-py's own check, a RedisClusterException
+                raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
             self.connection_errors += 1
             for callback in self.on_connection_error:
                 callback()

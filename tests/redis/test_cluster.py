@@ -180,6 +180,22 @@ async def test_send_and_consume_staged_through_the_cluster(
     check_stages_and_barrier(events, queues=4, per_queue=per_queue)
 
 
+async def test_a_script_across_slots_is_a_request_error_not_a_connection_loss(
+    cluster_broker: RedisBroker,
+) -> None:
+    from stagedconsumer import SourceError
+    from stagedconsumer._sources._redis_connection import RedisScript
+
+    connection = cluster_broker._connection
+    script = RedisScript(connection, "return 1")
+    assert await connection.call("one slot", lambda: script(keys=["a{x}", "b{x}"])) == 1
+    errors = connection.connection_errors
+    with pytest.raises(SourceError) as caught:
+        await connection.call("two slots", lambda: script(keys=["a{x}", "a{y}"]))
+    assert not caught.value.retriable
+    assert connection.connection_errors == errors
+
+
 def test_a_cluster_broker_refuses_a_server_without_cluster_mode(redis_url: str) -> None:
     async def enter() -> None:
         async with RedisBroker(redis_url, cluster=True, connect_timeout=2):
@@ -312,3 +328,69 @@ async def test_processes_consume_through_a_master_killed_mid_run(
     assert finished == expected, f"lost: {sorted(expected - finished)[:20]}"
     check_stages_and_barrier(events, ends=ends)
     assert len({e.pid for e in events}) >= 2  # shared by the processes
+
+
+# -- the README's cluster example and the operator commands ----------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_cluster_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Redis Cluster") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_readme_cluster_example_consumes_every_message_in_its_stage(
+    redis_cluster: RedisClusterServers, tmp_path: Path, backend: str
+) -> None:
+    import re
+    import subprocess
+    import sys
+
+    code = _readme_cluster_block()
+    namespace = f"shop-{uuid.uuid4().hex[:8]}"
+    assert 'RedisBroker("redis://127.0.0.1:7000", cluster=True, namespace="shop")' in code
+    code = code.replace("redis://127.0.0.1:7000", redis_cluster.url).replace(
+        'namespace="shop"', f'namespace="{namespace}"'
+    )
+    if backend == "trio":
+        code = code.replace("anyio.run(main)", 'anyio.run(main, backend="trio")')
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        seen: dict[tuple[int, int], int] = {}
+        for line in done.stdout.splitlines():
+            match = re.fullmatch(r"orders#(\d+) (-?\d+) (\d+) b'order \d+'", line)
+            assert match, line
+            queue, stage, offset = map(int, match.groups())
+            seen[queue, offset] = stage
+        assert len(seen) == 200  # each message once
+        for (_queue, offset), stage in seen.items():
+            bounds = [10, 30, 100]
+            expected = next((i for i, b in enumerate(bounds) if offset < b), -1)
+            assert stage == expected, (offset, stage)
+        shown = subprocess.run(
+            [
+                sys.executable, "-m", "stagedconsumer", "group", "show", "--group", "rewards",
+                "--topic", "orders", "--redis", redis_cluster.url, "--redis-cluster",
+                "--redis-namespace", namespace,
+            ],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert shown.stdout.splitlines()[0] == "group rewards: 0 live member(s)"
+        assert "orders#7: -" in shown.stdout  # the queues' locks were released
+    finally:
+
+        async def delete() -> None:
+            async with RedisBroker(redis_cluster.url, namespace=namespace, cluster=True) as b:
+                await b.delete_namespace()
+
+        anyio.run(delete)
