@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(
     path.stem
     for path in (ROOT / "benchmarks").glob("*.py")
-    if path.stem not in ("__init__", "__main__")
+    if not path.stem.startswith("_")  # __init__, __main__ and helper modules
 )
 
 

@@ -316,7 +316,7 @@ async def test_processes_consume_through_a_master_killed_mid_run(
                 assert time.monotonic() < deadline, f"not everything committed: {done} {ends}"
                 await anyio.sleep(0.2)
             for name in names:
-                assert workers.stop(name) == 0
+                assert workers.stop(name) == 0, workers.stderr(name)
         finally:
             workers.kill_all()
             await store.aclose()

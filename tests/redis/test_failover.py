@@ -89,6 +89,11 @@ class Workers:
             f"worker {name} did not start:\n" + (self.tmp_path / f"stderr-{name}.log").read_text()
         )
 
+    def stderr(self, name: str) -> str:
+        """The end of worker ``name``'s standard error (its log), for failure messages."""
+        path = self.tmp_path / f"stderr-{name}.log"
+        return path.read_text()[-4000:] if path.exists() else ""
+
     def stop(self, name: str) -> int:
         proc = self.procs[name]
         if proc.poll() is None:
@@ -210,8 +215,8 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
         print(f"victim queues {victim_queues} moved after {moved_at}")
 
         await _wait_all_committed(store, group, PER_QUEUE, timeout=60)
-        assert workers.stop("b") == 0
-        assert workers.stop("c") == 0
+        assert workers.stop("b") == 0, workers.stderr("b")
+        assert workers.stop("c") == 0, workers.stderr("c")
     finally:
         workers.kill_all()
         await store.aclose()

@@ -90,7 +90,7 @@ async def test_gray_member_goes_away_and_normal_members_take_its_queues(
                 workers.procs["gray"].kill()
                 workers.procs["gray"].wait()
             else:
-                assert workers.stop("gray") == 0
+                assert workers.stop("gray") == 0, workers.stderr("gray")
             with anyio.fail_after(LOCK_TTL + 10):
                 while True:
                     owners = await _owners(broker, group)
@@ -102,8 +102,8 @@ async def test_gray_member_goes_away_and_normal_members_take_its_queues(
         if how == "sigterm":  # handed over at once, not after the lock expiry
             assert moved_after < LOCK_TTL, moved_after
         await wait_all_committed(store, group, PER_QUEUE, timeout=60)
-        assert workers.stop("n1") == 0
-        assert workers.stop("n2") == 0
+        assert workers.stop("n1") == 0, workers.stderr("n1")
+        assert workers.stop("n2") == 0, workers.stderr("n2")
     finally:
         workers.kill_all()
         await store.aclose()

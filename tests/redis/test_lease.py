@@ -122,7 +122,7 @@ async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
                 await anyio.sleep(3.0)  # it notices, rejoins and takes queues again
                 stop.set()
             for name in ("a", "b"):
-                assert workers.stop(name) == 0
+                assert workers.stop(name) == 0, workers.stderr(name)
         finally:
             workers.kill_all()
             await broker.delete_namespace()
