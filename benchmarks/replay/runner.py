@@ -44,6 +44,7 @@ from stagedconsumer import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
+    Ordering,
     PushConsumer,
 )
 
@@ -83,6 +84,9 @@ class ReplayConfig:
     max_reconsume_times: int | None
     strategies: Mapping[str, tuple[int, ...]]
     group_by_key: bool
+    key_ordered: bool = False
+    """Orderly mode keeps the order per message key (``Ordering.BY_KEY``, the key
+    the first of the message's keys) instead of per queue."""
 
     @classmethod
     def from_workload(cls, w: Workload) -> ReplayConfig:
@@ -236,6 +240,10 @@ class _Orderly(MessageListenerOrderly):
         await self.recorder.handle(msgs, None)
 
 
+class _KeyOrderly(_Orderly):
+    ordering = Ordering.BY_KEY
+
+
 class _Concurrent(MessageListenerConcurrently):
     def __init__(self, recorder: _Recorder) -> None:
         self.recorder = recorder
@@ -280,7 +288,7 @@ def _opt_str(value: object) -> str | None:
 
 def _listener(mode: str, recorder: _Recorder, config: ReplayConfig) -> MessageListener:
     if mode == "orderly":
-        return _Orderly(recorder)
+        return _KeyOrderly(recorder) if config.key_ordered else _Orderly(recorder)
     if mode == "concurrent":
         return _Concurrent(recorder)
     if mode == "staged":

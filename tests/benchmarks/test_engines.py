@@ -196,3 +196,36 @@ def test_engines_agree_when_flow_control_pauses_pulling() -> None:
     events = replay_consumer(messages, "concurrent", config, engine="core")
     late = events[(events["qid"] == 0) & (events["offset"] >= 2100)]
     assert late["start"].min() >= 10.0  # pulled only once the slow message finished
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=ROWS, config=CONFIGS, backlog=st.booleans())
+def test_engines_agree_on_key_ordered_consumption(
+    rows: list[tuple[int, int, int, int, str | None, str | None]],
+    config: ReplayConfig,
+    backlog: bool,
+) -> None:
+    # orderly mode with Ordering.BY_KEY: keys of a queue run concurrently, messages
+    # without a key unordered, a failure holds back only its key
+    if backlog:
+        rows = [(q, c, f, 0, k, s) for q, c, f, _, k, s in rows]
+    assert_same_schedule(frame(rows), "orderly", attrs.evolve(config, key_ordered=True))
+
+
+def test_key_ordered_replay_runs_keys_of_a_queue_concurrently() -> None:
+    # one queue, keys a, b, a, b of 1 s each on two workers: by queue 4 s, by key 2 s,
+    # and each key's messages still one after the other
+    messages = frame([(0, 1_000_000, 0, 0, key, None) for key in ("a", "b", "a", "b")])
+    config = ReplayConfig(threads=2, batch_size=1, pull_batch_size=4, suspend_millis=100,
+                          max_reconsume_times=None, strategies={"default": (1,)},
+                          group_by_key=False)
+    by_queue = replay_consumer(messages, "orderly", config, engine="core")
+    by_key = replay_consumer(messages, "orderly", attrs.evolve(config, key_ordered=True),
+                             engine="core")
+    assert by_queue["end"].max() == 4.0
+    assert by_key["end"].max() == 2.0
+    starts = by_key.sort_values("offset")["start"].tolist()
+    assert starts == [0.0, 0.0, 1.0, 1.0]
+    assert_same_schedule(messages, "orderly", attrs.evolve(config, key_ordered=True))
