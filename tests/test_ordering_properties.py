@@ -162,7 +162,9 @@ class Log:
             self.poke.set()
 
     def _started(self, call: HandlerCall) -> None:
-        assert all(m.reconsume_times == call.attempt - 1 for m in call.messages)
+        # (No check that every message of a call has reconsume_times attempt - 1: in
+        # concurrent mode a batch of the retry queue mixes messages on their second
+        # and third attempts; the kit's attempt is the first message's.)
         assert all(m.topic == TOPIC for m in call.messages)
         with self.lock:
             self.running += 1
