@@ -14,10 +14,10 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ("ClusterNode", "RedisClusterServers")
+__all__ = ("ClusterNode", "RedisClusterServers", "free_ports", "wait_for_pong")
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports (held open together while picked)."""
     sockets = []
     try:
@@ -29,6 +29,22 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def wait_for_pong(port: int, log: Path, timeout: float = 10) -> None:
+    """Until the redis-server on ``port`` of 127.0.0.1 answers ``PING``; an
+    ``AssertionError`` with its log (``log``) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("redis-server did not start:\n" + log.read_text())
 
 
 class ClusterNode:
@@ -70,7 +86,7 @@ class RedisClusterServers:
         self.replicas = replicas
         # Each node's cluster bus gets a free port of its own (``cluster-port``): the
         # default, port + 10000, may be taken or out of range.
-        ports = _free_ports(2 * len(self.nodes))
+        ports = free_ports(2 * len(self.nodes))
         for node, port in zip(self.nodes, ports[: len(self.nodes)], strict=True):
             node.port = port
         self.bus_ports = ports[len(self.nodes) :]
@@ -111,7 +127,7 @@ class RedisClusterServers:
                 ],
             )  # fmt: skip
         for node in self.nodes:
-            self._wait_pong(node)
+            wait_for_pong(node.port, node.dir / "redis.log")
         created = subprocess.run(
             [
                 "redis-cli", "--cluster", "create",
@@ -126,20 +142,6 @@ class RedisClusterServers:
                 f"redis-cli --cluster create failed:\n{created.stdout}{created.stderr}"
             )
         self.wait_ok()
-
-    @staticmethod
-    def _wait_pong(node: ClusterNode) -> None:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", node.port), 0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not start:\n" + (node.dir / "redis.log").read_text())
 
     def wait_ok(self, timeout: float = 30) -> None:
         """Until every live node reports ``cluster_state:ok`` and agrees on the masters."""

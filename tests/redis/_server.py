@@ -3,29 +3,21 @@ and a Redis Cluster of its own (``RedisClusterServers``, shared with the benchma
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import anyio
 import anyio.abc
 
-from benchmarks._redis_cluster import RedisClusterServers
+from benchmarks._redis_cluster import RedisClusterServers, free_ports, wait_for_pong
 
 __all__ = ("HangingProxy", "RedisClusterServers", "RedisServer")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
-        self.port = _free_port()
+        (self.port,) = free_ports(1)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -45,17 +37,7 @@ class RedisServer:
                 "--logfile", str(self.dir / "redis.log"),
             ],
         )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not start:\n" + (self.dir / "redis.log").read_text())
+        wait_for_pong(self.port, self.dir / "redis.log")
 
     def stop(self) -> None:
         """Shut down cleanly (the AOF is complete: appendfsync always)."""
