@@ -563,3 +563,61 @@ async def test_a_sampler_of_another_kind_is_asked_about_every_process_span(otel:
         await consumer.wait_caught_up(timeout=10)
     assert sampler.asked.count("process t") == 3
     provider.shutdown()
+
+
+def histogram_counts(otel: Otel) -> dict[str, int]:
+    metrics = otel.metrics()
+    names = ("messaging.process.duration", "stagedconsumer.consumer.await.duration")
+    return {
+        name: sum(point.count for point in metrics.get(name, ()))  # type: ignore[attr-defined]
+        for name in names
+    }
+
+
+async def test_a_collection_while_the_consumer_runs_sees_every_measurement(otel: Otel) -> None:
+    # Fewer handler calls than the hook buffers before recording: only the
+    # collection itself can have handed them to the SDK.
+    broker, _, _ = produce(otel, 5)
+    hook = OpenTelemetryHook(
+        tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider
+    )
+    consumer = PushConsumer("g", broker, Concurrent())
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+        assert histogram_counts(otel) == {
+            "messaging.process.duration": 5,
+            "stagedconsumer.consumer.await.duration": 5,
+        }
+        assert not hook._pending
+        # Collections from another thread, as a periodic reader or a scrape makes them,
+        # while handler calls go on: every measurement is recorded once.
+        for i in range(300):
+            broker.send("t", str(i).encode())
+        seen = [await anyio.to_thread.run_sync(histogram_counts, otel) for _ in range(5)]
+        await consumer.wait_caught_up(timeout=10)
+        assert histogram_counts(otel) == {
+            "messaging.process.duration": 305,
+            "stagedconsumer.consumer.await.duration": 305,
+        }
+    counts = [c["messaging.process.duration"] for c in seen]
+    assert counts == sorted(counts)  # cumulative: never a measurement taken back
+
+
+async def test_buffered_measurements_are_recorded_without_a_collection(otel: Otel) -> None:
+    broker, _, _ = produce(otel, 0)
+    for i in range(600):
+        broker.send("t", str(i).encode())
+    hook = OpenTelemetryHook(
+        tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider
+    )
+    consumer = PushConsumer("g", broker, Concurrent())
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+        # 600 calls, recorded in bulk every 256: what waits is fewer than 256 calls.
+        assert 0 < len(hook._pending) < 256
+    assert not hook._pending  # handed to the SDK when the consumer stopped
+    assert histogram_counts(otel)["messaging.process.duration"] == 600
