@@ -574,16 +574,21 @@ def histogram_counts(otel: Otel) -> dict[str, int]:
     }
 
 
-async def test_a_collection_while_the_consumer_runs_sees_every_measurement(otel: Otel) -> None:
-    # Fewer handler calls than the hook buffers before recording: only the
-    # collection itself can have handed them to the SDK.
-    broker, _, _ = produce(otel, 5)
+def hooked_consumer(otel: Otel, broker: MemoryBroker) -> tuple[PushConsumer, OpenTelemetryHook]:
     hook = OpenTelemetryHook(
         tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider
     )
     consumer = PushConsumer("g", broker, Concurrent())
     consumer.subscribe("t")
     consumer.register_consume_message_hook(hook)
+    return consumer, hook
+
+
+async def test_a_collection_while_the_consumer_runs_sees_every_measurement(otel: Otel) -> None:
+    # Fewer handler calls than the hook buffers before recording: only the
+    # collection itself can have handed them to the SDK.
+    broker, _, _ = produce(otel, 5)
+    consumer, hook = hooked_consumer(otel, broker)
     async with consumer:
         await consumer.wait_caught_up(timeout=10)
         assert histogram_counts(otel) == {
@@ -609,12 +614,7 @@ async def test_buffered_measurements_are_recorded_without_a_collection(otel: Ote
     broker, _, _ = produce(otel, 0)
     for i in range(600):
         broker.send("t", str(i).encode())
-    hook = OpenTelemetryHook(
-        tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider
-    )
-    consumer = PushConsumer("g", broker, Concurrent())
-    consumer.subscribe("t")
-    consumer.register_consume_message_hook(hook)
+    consumer, hook = hooked_consumer(otel, broker)
     async with consumer:
         await consumer.wait_caught_up(timeout=10)
         # 600 calls, recorded in bulk every 256: what waits is fewer than 256 calls.
