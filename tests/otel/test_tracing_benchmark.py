@@ -3,6 +3,7 @@ smoke run: it checks the program, not the numbers)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,41 @@ def test_the_producer_table_lists_every_case() -> None:
         assert float(cells[0].replace(",", "")) > 0  # sends/s
         assert float(cells[2]) > 0  # CPU µs per send
     assert "reproduce: python -m benchmarks.tracing_overhead --part producer" in out
+
+
+def test_the_consumer_table_has_every_case_and_floor_of_every_mode(tmp_path: Path) -> None:
+    # Every case and floor runs in a child forked for it: each must come back with
+    # its row, and the target's verdict is printed.
+    out_json = tmp_path / "rows.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.tracing_overhead",
+            "--part",
+            "consumer",
+            "--messages",
+            "400",
+            "--repeat",
+            "1",
+            "--json",
+            str(out_json),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    from benchmarks.tracing_overhead import CASES, FLOORS
+
+    rows = json.loads(out_json.read_text())
+    modes = {row["mode"] for row in rows}
+    assert len(modes) == 3
+    for mode in modes:
+        cases = [row["case"] for row in rows if row["mode"] == mode]
+        assert sorted(cases) == sorted([*CASES, *FLOORS]), mode
+    assert all(row["cpu"] > 0 for row in rows)
+    assert "1% sampled <= 1.3 x SDK floor" in result.stdout
