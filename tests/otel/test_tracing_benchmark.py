@@ -11,27 +11,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_producer_table_lists_every_case() -> None:
+def run_benchmark(*options: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.tracing_overhead OPTIONS`` from the repository root; it
+    must exit 0."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.tracing_overhead",
-            "--part",
-            "producer",
-            "--sends",
-            "300",
-            "--repeat",
-            "1",
-        ],
+        [sys.executable, "-m", "benchmarks.tracing_overhead", *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
         check=False,
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_the_producer_table_lists_every_case() -> None:
+    result = run_benchmark("--part", "producer", "--sends", "300", "--repeat", "1")
     out = result.stdout
     assert "Producer overhead, 300 sends" in out
     rows = {
@@ -58,28 +55,9 @@ def test_the_consumer_table_has_every_case_and_floor_of_every_mode(tmp_path: Pat
     # Every case and floor runs in a child forked for it: each must come back with
     # its row, and the target's verdict is printed.
     out_json = tmp_path / "rows.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.tracing_overhead",
-            "--part",
-            "consumer",
-            "--messages",
-            "400",
-            "--repeat",
-            "1",
-            "--json",
-            str(out_json),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
-        check=False,
+    result = run_benchmark(
+        "--part", "consumer", "--messages", "400", "--repeat", "1", "--json", str(out_json)
     )
-    assert result.returncode == 0, result.stderr
     from benchmarks.tracing_overhead import CASES, FLOORS
 
     rows = json.loads(out_json.read_text())

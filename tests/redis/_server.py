@@ -9,20 +9,18 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from benchmarks._redis_cluster import RedisClusterServers, free_ports, wait_for_pong
+from benchmarks._redis_cluster import ClusterNode, RedisClusterServers, free_ports, wait_for_pong
 
 __all__ = ("HangingProxy", "RedisClusterServers", "RedisServer")
 
 
-class RedisServer:
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        (self.port,) = free_ports(1)
-        self.proc: subprocess.Popen[bytes] | None = None
+class RedisServer(ClusterNode):
+    """A standalone ``redis-server`` with an append-only file (``url``, ``kill`` as a
+    cluster node's)."""
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        (self.port,) = free_ports(1)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -52,13 +50,6 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
-
-    def kill(self) -> None:
-        """Kill the process (no clean shutdown) if it runs."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 class HangingProxy:

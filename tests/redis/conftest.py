@@ -23,6 +23,7 @@ import redis
 
 from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.conftest import require_service
+from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 from tests.redis._server import HangingProxy, RedisServer
 
 REDIS_URL = os.environ.get("STAGEDCONSUMER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -109,3 +110,13 @@ async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
             yield broker
         finally:
             await broker.delete_namespace()
+
+
+@pytest.fixture
+def store_url() -> Iterator[tuple[str, str]]:
+    """A PostgreSQL offset store for consumer processes: its URL and a table prefix of
+    this test's own (the tables are dropped afterwards)."""
+    url = require_url("PostgreSQL", POSTGRES_URL)
+    prefix = f"r{uuid.uuid4().hex[:10]}_"
+    yield url, prefix
+    drop_tables(url, prefix)

@@ -37,7 +37,6 @@ from stagedconsumer._sources._redis_scripts import (
     UNLOCK_LUA,
 )
 from tests.conftest import require_service
-from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 from tests.redis._server import RedisClusterServers
 
 from ._events import Event, check_stages_and_barrier, read_events
@@ -217,14 +216,6 @@ GROUP_OPTIONS = {
     "rebalance_interval": 0.5,
     "member_ttl": 1.5,
 }
-
-
-@pytest.fixture
-def store_url() -> Iterator[tuple[str, str]]:
-    url = require_url("PostgreSQL", POSTGRES_URL)
-    prefix = f"k{uuid.uuid4().hex[:10]}_"
-    yield url, prefix
-    drop_tables(url, prefix)
 
 
 def _group_on(cluster: RedisClusterServers, namespace: str, node_port: int) -> str:

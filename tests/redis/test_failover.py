@@ -14,8 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ import sqlalchemy as sa
 from offsetstore import SqlOffsetStore
 from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
-from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
 
@@ -42,14 +40,6 @@ GROUP_OPTIONS = {
     "rebalance_interval": 0.5,
     "member_ttl": 1.5,
 }
-
-
-@pytest.fixture
-def store_url() -> Iterator[tuple[str, str]]:
-    url = require_url("PostgreSQL", POSTGRES_URL)
-    prefix = f"f{uuid.uuid4().hex[:10]}_"
-    yield url, prefix
-    drop_tables(url, prefix)
 
 
 class Workers:

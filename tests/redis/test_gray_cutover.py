@@ -26,7 +26,6 @@ from ._events import check_stages_and_barrier, read_events, starts_by_message
 from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, Workers, _owners, _produce
 from .test_failover import _wait_all_committed as wait_all_committed
 from .test_failover import broker as broker  # the fixtures
-from .test_failover import store_url as store_url
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 

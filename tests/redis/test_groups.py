@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -29,7 +28,6 @@ from stagedconsumer import (
     PushConsumer,
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
-from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 
 from ._events import Event, check_stages_and_barrier
 from .group_worker import STAGES
@@ -69,14 +67,6 @@ class Recorder(MessageListenerStagedConcurrently):
 
 
 @pytest.fixture
-def pg_prefix() -> Iterator[tuple[str, str]]:
-    url = require_url("PostgreSQL", POSTGRES_URL)
-    prefix = f"g{uuid.uuid4().hex[:10]}_"
-    yield url, prefix
-    drop_tables(url, prefix)
-
-
-@pytest.fixture
 async def group_broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
     async with RedisBroker(redis_url, namespace=namespace, group_options=FAST_GROUP) as broker:
         try:
@@ -94,9 +84,9 @@ async def _wait_for(condition: object, timeout: float = 15) -> None:
 @pytest.mark.postgres
 @pytest.mark.slow
 async def test_members_joining_and_leaving_while_consuming_lose_and_repeat_nothing(
-    group_broker: RedisBroker, pg_prefix: tuple[str, str], tmp_path: Path
+    group_broker: RedisBroker, store_url: tuple[str, str], tmp_path: Path
 ) -> None:
-    url, prefix = pg_prefix
+    url, prefix = store_url
     broker = group_broker
     await broker.create_topic("t", 6)
     events: list[Event] = []

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -21,7 +19,6 @@ import pytest
 
 from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
-from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 
 from ._events import read_events
 from .test_failover import Workers
@@ -36,14 +33,6 @@ GROUP_OPTIONS = {
     "rebalance_interval": 0.3,
     "member_ttl": 1.0,
 }
-
-
-@pytest.fixture
-def store_url() -> Iterator[tuple[str, str]]:
-    url = require_url("PostgreSQL", POSTGRES_URL)
-    prefix = f"l{uuid.uuid4().hex[:10]}_"
-    yield url, prefix
-    drop_tables(url, prefix)
 
 
 async def _owners(broker: RedisBroker, group: str) -> dict[int, str | None]:
