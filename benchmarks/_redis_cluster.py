@@ -14,21 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ("ClusterNode", "RedisClusterServers", "free_ports", "wait_for_pong")
+from benchmarks._ports import free_ports
 
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held open together while picked)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+__all__ = ("ClusterNode", "RedisClusterServers", "wait_for_pong")
 
 
 def wait_for_pong(port: int, log: Path, timeout: float = 10) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import attrs
 
+from benchmarks._ports import free_ports
+
 __all__ = ("Cluster", "spark_home", "standalone_cluster")
 
 
@@ -35,12 +36,6 @@ def spark_home() -> Path:
     import pyspark
 
     return Path(pyspark.__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @attrs.frozen
@@ -79,7 +74,7 @@ def standalone_cluster(*, cores: int = 1, memory: str = "1g",
     logs = Path(tempfile.mkdtemp(prefix="spark-standalone-"))
     env = dict(os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1",
                SPARK_WORKER_DIR=str(logs / "work"))
-    port, ui, worker_ui = _free_port(), _free_port(), _free_port()
+    port, ui, worker_ui = free_ports(3)
     master_url = f"spark://127.0.0.1:{port}"
     with (logs / "master.log").open("wb") as out:
         master = subprocess.Popen(

@@ -9,6 +9,7 @@ import anyio
 import pytest
 import sqlalchemy as sa
 
+from benchmarks._ports import free_port
 from offsetstore import (
     OffsetStoreError,
     QueueProgress,
@@ -27,14 +28,6 @@ from .conftest import Backend
 pytestmark = pytest.mark.anyio
 
 MQ = MessageQueue("t", 0)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- configuration errors (raised at construction, no database needed) -------------------
@@ -80,7 +73,7 @@ def test_password_is_hidden_in_repr_and_url() -> None:
     ids=["postgres", "mariadb"],
 )
 async def test_unreachable_database_at_load_is_a_clear_retriable_error(template: str) -> None:
-    url = template.format(port=_free_port())
+    url = template.format(port=free_port())
     store = SqlOffsetStore(url, connect_timeout=2)
     try:
         with pytest.raises(StoreUnavailableError, match="cannot reach the offset store") as info:

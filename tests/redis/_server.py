@@ -9,7 +9,8 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from benchmarks._redis_cluster import ClusterNode, RedisClusterServers, free_ports, wait_for_pong
+from benchmarks._ports import free_ports
+from benchmarks._redis_cluster import ClusterNode, RedisClusterServers, wait_for_pong
 
 __all__ = ("HangingProxy", "RedisClusterServers", "RedisServer")
 

@@ -12,6 +12,7 @@ import anyio
 import pytest
 import redis.exceptions
 
+from benchmarks._ports import free_port
 from stagedconsumer import (
     ConfigurationError,
     ConsumeConcurrentlyContext,
@@ -356,14 +357,8 @@ async def test_concurrent_producers_get_distinct_consecutive_offsets(
     assert await broker.max_offset(MessageQueue("t", 0)) == 650
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_entering_fails_fast_with_a_source_error_when_nothing_listens() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     started = time.monotonic()
     with pytest.raises(SourceError, match=f"cannot connect to Redis at {url}") as raised:
