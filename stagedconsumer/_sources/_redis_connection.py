@@ -29,6 +29,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
@@ -83,6 +84,13 @@ _CROSS_SLOT = "must map to the same key slot"
 """redis-py's cluster client refuses a command whose keys are in several slots with a
 ``RedisClusterException`` saying this (a request error too)."""
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (redis_exc.RedisError,)
+_CLOSED_WRITER_FILES = (
+    os.path.join("redis", "asyncio", "connection.py"),
+    os.path.join("asyncio", "streams.py"),
+    os.path.join("asyncio", "selector_events.py"),
+)
+"""Where a write on a connection that was closed meanwhile fails with a bare
+``AttributeError`` or ``TypeError`` (see :func:`_closed_writer`)."""
 _NO_SCRIPT: tuple[type[BaseException], ...] = (redis_exc.NoScriptError,)
 
 try:  # coredis: the client on trio (an optional part of the redis extra)
@@ -109,6 +117,22 @@ else:
 Execute = Callable[..., Awaitable[Any]]
 """``execute(command, *args, keys=(0,))``: one Redis command, its raw reply."""
 
+
+
+def _closed_writer(exc: AttributeError | TypeError) -> bool:
+    """Whether ``exc`` is redis-py's asyncio connection writing on a connection that
+    was closed while the write waited its turn (its writer already ``None``, or the
+    transport's write callback gone): redis-py lets that race out as a bare
+    ``AttributeError`` or ``TypeError`` instead of its ``ConnectionError`` (seen in a
+    Redis Cluster fail-over, when the client drops a node's connections while a
+    command is on its way). Recognised by where it was raised, so that the same
+    errors from anywhere else (a bug) still propagate."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.endswith(_CLOSED_WRITER_FILES)
 
 @attrs.frozen(kw_only=True)
 class RedisConnectionStatistics:
@@ -415,12 +439,21 @@ class RedisConnection:
         except _CONNECTION_ERRORS as exc:
             if _CROSS_SLOT in str(exc):  # redis-py's own check, a RedisClusterException
                 raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
-            self.connection_errors += 1
-            for callback in self.on_connection_error:
-                callback()
-            raise SourceError(f"{what}: Redis at {self.url} unreachable: {exc}") from exc
+            raise self._lost(what, str(exc)) from exc
         except _REDIS_ERRORS as exc:
             raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
+        except (AttributeError, TypeError) as exc:
+            if not _closed_writer(exc):
+                raise
+            detail = f"the connection closed during a write ({type(exc).__name__}: {exc})"
+            raise self._lost(what, detail) from exc
+
+    def _lost(self, what: str, detail: str) -> SourceError:
+        """Count a connection failure, tell the callbacks, and describe it."""
+        self.connection_errors += 1
+        for callback in self.on_connection_error:
+            callback()
+        return SourceError(f"{what}: Redis at {self.url} unreachable: {detail}")
 
     async def call_retrying(self, what: str, fn: Callable[[], Awaitable[_T]], timeout: float) -> _T:
         """:meth:`call`, retried on connection loss with exponential backoff while the

@@ -404,6 +404,38 @@ async def test_a_connection_lost_after_entering_is_retriable_and_sends_retry(
         assert broker.connection_errors >= 3
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # redis-py's asyncio connection
+async def test_a_write_on_a_connection_closed_meanwhile_is_a_connection_loss(
+    redis_url: str,
+) -> None:
+    # redis-py lets a write race with the connection's close (as its cluster client's
+    # fail-over handling causes) out as a bare AttributeError: the writer is already
+    # None. Here the connection is put in the state that race leaves, then written on.
+    async with RedisBroker(redis_url, namespace="closed-writer") as broker:
+        connection = broker._connection
+        pool = connection.client.connection_pool
+        closed = await pool.get_connection()
+        try:
+            await closed.disconnect(nowait=True)
+            with pytest.raises(AttributeError):  # what redis-py itself raises
+                await closed._send_packed_command([b"PING\r\n"])
+            errors = connection.connection_errors
+            with pytest.raises(SourceError, match="closed during a write") as caught:
+                await connection.call("writing", lambda: closed._send_packed_command([b"x"]))
+            assert caught.value.retriable
+            assert connection.connection_errors == errors + 1
+        finally:
+            await pool.release(closed)
+        assert await broker.create_topic("t", 1)  # the next call connects again
+
+        async def bug() -> None:
+            raise AttributeError("not a connection's")
+
+        with pytest.raises(AttributeError, match="not a connection's"):
+            await connection.call("our own bug", bug)
+        assert connection.connection_errors == errors + 1
+
+
 async def test_statistics(broker: RedisBroker) -> None:
     await broker.create_topic("t", 3)
     stats = broker.statistics()
