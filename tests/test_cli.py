@@ -103,6 +103,29 @@ def test_plain_text(text: str, plain: str) -> None:
     assert plain_text(text) == plain
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("trace", "KEY"),
+        ("offsets", "show", "--store", "sqlite://", "--group", "g"),
+        ("offsets", "reset", "--store", "sqlite://", "--group", "g", "--topic", "t"),
+        ("group", "show", "--group", "g"),
+    ],
+    ids=lambda c: " ".join(c[:2]),
+)
+@pytest.mark.parametrize("flag", ["--redis-namespace", "--namespace"])
+def test_every_redis_command_takes_the_same_redis_options(
+    command: tuple[str, ...], flag: str
+) -> None:
+    from stagedconsumer._cli import build_parser
+
+    url = "redis://127.0.0.1:6379/0"
+    args = build_parser().parse_args([*command, "--redis", url, flag, "ns", "--redis-cluster"])
+    assert (args.redis, args.redis_namespace, args.redis_cluster) == (url, "ns", True)
+    defaults = build_parser().parse_args([*command, "--redis", url])
+    assert (defaults.redis_namespace, defaults.redis_cluster) == ("sc", False)
+
+
 def test_main_returns_2_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "commands:" in capsys.readouterr().out

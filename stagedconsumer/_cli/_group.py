@@ -15,28 +15,21 @@ import anyio
 
 from .._exceptions import StagedConsumerError
 from .._sources._gray import gray_ratio_of
+from ._redis_args import add_redis_arguments, operator_broker
 
 __all__ = ("register",)
 
 
 async def _show(args: argparse.Namespace) -> int:
     try:
-        from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
-    except ImportError as exc:
-        print(f"{exc} (pip install 'stagedconsumer[redis]')")
-        return 1
-    try:
-        async with RedisBroker(
-            args.redis,
-            namespace=args.redis_namespace,
-            send_timeout=2.0,
-            socket_timeout=2.0,
-            cluster=args.redis_cluster,
-        ) as broker:
+        async with operator_broker(args) as broker:
             coordinator = broker.group_coordinator()
             members = await coordinator.members(args.group)
             queues = await broker.get_queues(args.topic) if args.topic else []
             owners = [(mq, await coordinator.lock_owner(args.group, mq)) for mq in queues]
+    except ImportError as exc:
+        print(exc)
+        return 1
     except StagedConsumerError as exc:
         print(f"{args.redis}: {exc}")
         return 1
@@ -71,13 +64,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     show = commands.add_parser("show", help="print the live members and queue owners")
     show.add_argument("--group", required=True, help="consumer group")
     show.add_argument("--topic", help="also print the owner of each queue of this topic")
-    show.add_argument("--redis", required=True, metavar="URL", help="RedisBroker URL")
-    show.add_argument(
-        "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
-    )
-    show.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
-    )
+    add_redis_arguments(show, url_help="RedisBroker URL", required=True)
     show.set_defaults(handler=_handle_show)

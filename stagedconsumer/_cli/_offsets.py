@@ -31,11 +31,10 @@ from offsetstore import OffsetStoreError, QueueProgress, StageKey
 
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
+from ._redis_args import add_redis_arguments, operator_broker
 
 if TYPE_CHECKING:
     from offsetstore import SqlOffsetStore
-
-    from .._sources._redis_broker import RedisBroker
 
 __all__ = ("format_stage_key", "parse_stage_key", "register")
 
@@ -167,22 +166,6 @@ async def _show(args: argparse.Namespace) -> int:
     return 0 if lag_error is None else 1
 
 
-def _redis_broker(args: argparse.Namespace) -> RedisBroker:
-    """The RedisBroker of ``--redis``; raises ``ImportError`` without redis-py."""
-    try:
-        from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
-    except ImportError as exc:
-        raise ImportError(f"{exc} (pip install 'stagedconsumer[redis]')") from exc
-    # An operator command: give up on an unreachable Redis after seconds, not 30.
-    return RedisBroker(
-        args.redis,
-        namespace=args.redis_namespace,
-        send_timeout=2.0,
-        socket_timeout=2.0,
-        cluster=args.redis_cluster,
-    )
-
-
 async def _lags(
     args: argparse.Namespace, progress: Mapping[MessageQueue, QueueProgress]
 ) -> tuple[dict[MessageQueue, int], str | None]:
@@ -190,7 +173,7 @@ async def _lags(
     some are missing (``None``: none is)."""
     lags: dict[MessageQueue, int] = {}
     try:
-        async with _redis_broker(args) as broker:
+        async with operator_broker(args) as broker:
             for mq, value in progress.items():
                 max_offset = await broker.max_offset(mq)
                 lags[mq] = max(max_offset - (value.consume_offset or 0), 0)
@@ -213,7 +196,7 @@ async def _check_queues(args: argparse.Namespace, err: Console) -> str | None:
         )
         return None
     try:
-        async with _redis_broker(args) as broker:
+        async with operator_broker(args) as broker:
             count = await broker.queue_count(args.topic)
     except (ImportError, StagedConsumerError) as exc:
         return f"cannot check the queues of topic {args.topic!r} on {args.redis}: {exc}"
@@ -361,18 +344,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     show = commands.add_parser("show", help="print the progress of every queue of a group")
     common(show, topic_required=False)
     show.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    show.add_argument(
-        "--redis",
-        metavar="URL",
-        help="RedisBroker holding the queues: adds a lag column (exit 1 if unreachable)",
-    )
-    show.add_argument(
-        "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
-    )
-    show.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
+    add_redis_arguments(
+        show,
+        url_help="RedisBroker holding the queues: adds a lag column (exit 1 if unreachable)",
     )
     show.set_defaults(handler=_run(_show))
 
@@ -401,18 +375,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="drop every stage offset first (stage keys restart at 0)",
     )
-    reset.add_argument(
-        "--redis",
-        metavar="URL",
-        help="RedisBroker holding the topic: --queue ids are checked against its queues",
-    )
-    reset.add_argument(
-        "--redis-namespace", default="sc", metavar="NS", help="RedisBroker namespace (sc)"
-    )
-    reset.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
+    add_redis_arguments(
+        reset,
+        url_help="RedisBroker holding the topic: --queue ids are checked against its queues",
     )
     reset.add_argument(
         "-y",

@@ -33,6 +33,7 @@ from rich.table import Table
 from .._exceptions import ConfigurationError, StagedConsumerError
 from .._observability._trace_codec import RMQ_SYS_TRACE_TOPIC, TraceContext, TraceMessage, TraceType
 from .._observability._trace_query import query_message_trace, read_trace_file, read_trace_topic
+from ._redis_args import add_redis_arguments, operator_broker
 
 __all__ = ("LifeRow", "MessageHistory", "SendRow", "message_history", "message_life", "register")
 
@@ -397,16 +398,9 @@ def _narrow(history: MessageHistory) -> list[str]:
     return lines
 
 
-async def _read_redis(
-    url: str, namespace: str, topic: str, cluster: bool = False
-) -> list[TraceMessage]:
-    from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
-
-    # An operator command: give up on an unreachable Redis after seconds, not 30.
-    async with RedisBroker(
-        url, namespace=namespace, send_timeout=2.0, socket_timeout=2.0, cluster=cluster
-    ) as broker:
-        return await read_trace_topic(broker, topic)
+async def _read_redis(args: argparse.Namespace) -> list[TraceMessage]:
+    async with operator_broker(args) as broker:
+        return await read_trace_topic(broker, args.trace_topic)
 
 
 def _console() -> Console:
@@ -422,18 +416,11 @@ def _console() -> Console:
 def _run(args: argparse.Namespace) -> int:
     console = _console()
     if args.redis:
-        where = f"{args.trace_topic} of {args.redis} namespace {args.namespace}"
+        where = f"{args.trace_topic} of {args.redis} namespace {args.redis_namespace}"
         try:
-            messages = anyio.run(
-                _read_redis,
-                args.redis,
-                args.namespace,
-                args.trace_topic,
-                args.redis_cluster,
-                backend="asyncio",
-            )
+            messages = anyio.run(_read_redis, args, backend="asyncio")
         except ImportError as exc:
-            console.print(f"[red]{exc} (pip install 'stagedconsumer[redis]')[/red]")
+            console.print(f"[red]{escape(str(exc))}[/red]")
             return 1
         except StagedConsumerError as exc:
             console.print(f"[red]cannot read {escape(where)}: {escape(str(exc))}[/red]")
@@ -496,18 +483,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="PATH",
         help="JSON-lines file written by FileTraceSink(PATH)",
     )
-    source.add_argument(
-        "--redis",
-        metavar="URL",
-        help="read the trace topic of the RedisBroker at URL (e.g. redis://127.0.0.1:6379/0)",
-    )
-    parser.add_argument(
-        "--namespace", default="sc", metavar="NS", help="RedisBroker namespace (default sc)"
-    )
-    parser.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
+    add_redis_arguments(
+        parser,
+        url_help="read the trace topic of the RedisBroker at URL (e.g. redis://127.0.0.1:6379/0)",
+        url_group=source,
     )
     parser.add_argument(
         "--trace-topic",

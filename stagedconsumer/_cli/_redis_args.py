@@ -1,0 +1,61 @@
+"""The ``--redis`` options the operator commands share, and the broker they open.
+
+Every command that reads a RedisBroker takes ``--redis URL``, ``--redis-namespace NS``
+(also spelled ``--namespace``) and ``--redis-cluster``, and opens the broker with short
+timeouts: an operator command gives up on an unreachable Redis after seconds, not the
+30 s a consumer keeps retrying for.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .._sources._redis_broker import RedisBroker
+
+__all__ = ("add_redis_arguments", "operator_broker")
+
+_OPERATOR_TIMEOUT = 2.0
+"""Seconds an operator command waits on Redis (send and socket timeouts)."""
+
+
+def add_redis_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    url_help: str,
+    required: bool = False,
+    url_group: argparse._MutuallyExclusiveGroup | None = None,
+) -> None:
+    """Add ``--redis`` (to ``url_group`` when it is one of a mutually exclusive
+    choice), ``--redis-namespace``/``--namespace`` and ``--redis-cluster``."""
+    (url_group or parser).add_argument("--redis", required=required, metavar="URL", help=url_help)
+    parser.add_argument(
+        "--redis-namespace",
+        "--namespace",
+        dest="redis_namespace",
+        default="sc",
+        metavar="NS",
+        help="RedisBroker namespace (default sc)",
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the --redis URL is a node of a Redis Cluster (RedisBroker(cluster=True))",
+    )
+
+
+def operator_broker(args: argparse.Namespace) -> RedisBroker:
+    """The RedisBroker of ``--redis``; raises ``ImportError`` (with the install hint)
+    without redis-py."""
+    try:
+        from .._sources._redis_broker import RedisBroker  # optional: needs redis-py
+    except ImportError as exc:
+        raise ImportError(f"{exc} (pip install 'stagedconsumer[redis]')") from exc
+    return RedisBroker(
+        args.redis,
+        namespace=args.redis_namespace,
+        send_timeout=_OPERATOR_TIMEOUT,
+        socket_timeout=_OPERATOR_TIMEOUT,
+        cluster=args.redis_cluster,
+    )
