@@ -40,7 +40,7 @@ from tests.conftest import require_service
 from tests.redis._server import RedisClusterServers
 
 from ._events import Event, check_stages_and_barrier, read_events
-from .test_failover import Workers
+from ._workers import Workers, worker_config
 from .test_groups import Recorder
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.slow]
@@ -242,24 +242,21 @@ async def test_processes_consume_through_a_master_killed_mid_run(
         # Kill the master of queue 0, which serves the group's members and locks too.
         victim = cluster.master_of(broker._stream_key("t", 0))
         group = _group_on(cluster, namespace, victim.port)
+        entry = cluster.nodes[0] if cluster.nodes[-1] is victim else cluster.nodes[-1]
         workers = Workers(
             tmp_path,
-            {
-                "redis_url": cluster.nodes[-1].url if cluster.nodes[-1] is not victim
-                else cluster.nodes[0].url,
-                "cluster": True,
-                "backend": anyio_backend,
-                "namespace": namespace,
-                "store_url": url,
-                "table_prefix": prefix,
-                "group": group,
-                "topic": "t",
-                "cost": 0.005,
-                "threads": 4,
-                "persist_interval": 0.3,
-                "group_options": GROUP_OPTIONS,
-            },
-        )  # fmt: skip
+            worker_config(
+                redis_url=entry.url,
+                backend=anyio_backend,
+                namespace=namespace,
+                store=store_url,
+                group=group,
+                cost=0.005,
+                persist_interval=0.3,
+                group_options=GROUP_OPTIONS,
+                cluster=True,
+            ),
+        )
         store = SqlOffsetStore(url, table_prefix=prefix)
         names = ("a", "b", "c")
         try:

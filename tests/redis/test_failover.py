@@ -9,10 +9,6 @@ only duplicates are messages of the killed process's queues in its in-flight win
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,10 +23,10 @@ from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
+from ._workers import Workers, worker_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 QUEUES = 8
 PER_QUEUE = 300
 LOCK_TTL = 3.0
@@ -40,67 +36,6 @@ GROUP_OPTIONS = {
     "rebalance_interval": 0.5,
     "member_ttl": 1.5,
 }
-
-
-class Workers:
-    def __init__(self, tmp_path: Path, config: dict[str, Any]) -> None:
-        self.tmp_path = tmp_path
-        self.config = config
-        self.procs: dict[str, subprocess.Popen[str]] = {}
-        self.client_ids: dict[str, str] = {}
-
-    def log(self, name: str) -> Path:
-        return self.tmp_path / f"events-{name}.log"
-
-    def start(self, name: str) -> None:
-        config = dict(self.config, log=str(self.log(name)))
-        with open(self.tmp_path / f"stderr-{name}.log", "w") as stderr:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.redis.group_worker", json.dumps(config)],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-            )
-        self.procs[name] = proc
-
-    def wait_ready(self, name: str, timeout: float = 30) -> None:
-        proc = self.procs[name]
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("READY "):
-                self.client_ids[name] = line.split()[1]
-                return
-            if not line and proc.poll() is not None:
-                break
-        raise AssertionError(
-            f"worker {name} did not start:\n" + (self.tmp_path / f"stderr-{name}.log").read_text()
-        )
-
-    def stderr(self, name: str) -> str:
-        """The end of worker ``name``'s standard error (its log), for failure messages."""
-        path = self.tmp_path / f"stderr-{name}.log"
-        return path.read_text()[-4000:] if path.exists() else ""
-
-    def stop(self, name: str) -> int:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(30)
-        finally:
-            if proc.stdout is not None:
-                proc.stdout.close()
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
 
 
 @pytest.fixture
@@ -153,19 +88,16 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
     group = "failover"
     workers = Workers(
         tmp_path,
-        {
-            "redis_url": redis_url,
-            "backend": anyio_backend,
-            "namespace": namespace,
-            "store_url": url,
-            "table_prefix": prefix,
-            "group": group,
-            "topic": "t",
-            "cost": 0.01,
-            "threads": 4,
-            "persist_interval": 0.5,
-            "group_options": GROUP_OPTIONS,
-        },
+        worker_config(
+            redis_url=redis_url,
+            backend=anyio_backend,
+            namespace=namespace,
+            store=store_url,
+            group=group,
+            cost=0.01,
+            persist_interval=0.5,
+            group_options=GROUP_OPTIONS,
+        ),
     )
     store = SqlOffsetStore(url, table_prefix=prefix)
     try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -23,7 +22,8 @@ from offsetstore import SqlOffsetStore
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
-from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, Workers, _owners, _produce
+from ._workers import Workers, worker_config
+from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, _owners, _produce
 from .test_failover import _wait_all_committed as wait_all_committed
 from .test_failover import broker as broker  # the fixtures
 
@@ -48,19 +48,16 @@ async def test_gray_member_goes_away_and_normal_members_take_its_queues(
     url, prefix = store_url
     await broker.create_topic("t", QUEUES)
     group = "cutover"
-    base: dict[str, Any] = {
-        "redis_url": redis_url,
-        "backend": anyio_backend,
-        "namespace": namespace,
-        "store_url": url,
-        "table_prefix": prefix,
-        "group": group,
-        "topic": "t",
-        "cost": 0.01,
-        "threads": 4,
-        "persist_interval": 0.5,
-        "group_options": GROUP_OPTIONS,
-    }
+    base = worker_config(
+        redis_url=redis_url,
+        backend=anyio_backend,
+        namespace=namespace,
+        store=store_url,
+        group=group,
+        cost=0.01,
+        persist_interval=0.5,
+        group_options=GROUP_OPTIONS,
+    )
     workers = Workers(tmp_path, base)
     store = SqlOffsetStore(url, table_prefix=prefix)
     try:

@@ -21,7 +21,7 @@ from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import read_events
-from .test_failover import Workers
+from ._workers import Workers, worker_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
@@ -55,26 +55,22 @@ async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
     tmp_path: Path,
     anyio_backend: str,
 ) -> None:
-    url, prefix = store_url
     group = "lease"
     async with RedisBroker(redis_url, namespace=namespace) as broker:
         await broker.create_topic("t", QUEUES)
         workers = Workers(
             tmp_path,
-            {
-                "redis_url": redis_url,
-                "backend": anyio_backend,
-                "namespace": namespace,
-                "store_url": url,
-                "table_prefix": prefix,
-                "group": group,
-                "topic": "t",
-                "cost": 0.02,
-                "threads": 4,
-                "persist_interval": 0.2,
-                "group_options": GROUP_OPTIONS,
-                "log_takeovers": True,
-            },
+            worker_config(
+                redis_url=redis_url,
+                backend=anyio_backend,
+                namespace=namespace,
+                store=store_url,
+                group=group,
+                cost=0.02,
+                persist_interval=0.2,
+                group_options=GROUP_OPTIONS,
+                log_takeovers=True,
+            ),
         )
         try:
             for name in ("a", "b"):

@@ -1,0 +1,110 @@
+"""Consumer processes (``tests.redis.group_worker``) of a group, started, stopped and
+killed by the multi-process Redis tests, and the configuration they share."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ("Workers", "worker_config")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_config(
+    *,
+    redis_url: str,
+    backend: str,
+    namespace: str,
+    store: tuple[str, str],
+    group: str,
+    cost: float,
+    persist_interval: float,
+    group_options: dict[str, float],
+    **extra: Any,
+) -> dict[str, Any]:
+    """What every worker of a test gets: one topic ``t``, 4 handler threads, a staged
+    listener whose handler takes ``cost`` seconds, offsets in the ``store`` fixture's
+    PostgreSQL (URL, table prefix); ``extra`` adds or overrides keys (``cluster``,
+    ``consumer_options``, ``log_takeovers``)."""
+    url, prefix = store
+    return {
+        "redis_url": redis_url,
+        "backend": backend,
+        "namespace": namespace,
+        "store_url": url,
+        "table_prefix": prefix,
+        "group": group,
+        "topic": "t",
+        "cost": cost,
+        "threads": 4,
+        "persist_interval": persist_interval,
+        "group_options": group_options,
+        **extra,
+    }
+
+
+class Workers:
+    def __init__(self, tmp_path: Path, config: dict[str, Any]) -> None:
+        self.tmp_path = tmp_path
+        self.config = config
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.client_ids: dict[str, str] = {}
+
+    def log(self, name: str) -> Path:
+        return self.tmp_path / f"events-{name}.log"
+
+    def start(self, name: str) -> None:
+        config = dict(self.config, log=str(self.log(name)))
+        with open(self.tmp_path / f"stderr-{name}.log", "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.redis.group_worker", json.dumps(config)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+        self.procs[name] = proc
+
+    def wait_ready(self, name: str, timeout: float = 30) -> None:
+        proc = self.procs[name]
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("READY "):
+                self.client_ids[name] = line.split()[1]
+                return
+            if not line and proc.poll() is not None:
+                break
+        raise AssertionError(
+            f"worker {name} did not start:\n" + (self.tmp_path / f"stderr-{name}.log").read_text()
+        )
+
+    def stderr(self, name: str) -> str:
+        """The end of worker ``name``'s standard error (its log), for failure messages."""
+        path = self.tmp_path / f"stderr-{name}.log"
+        return path.read_text()[-4000:] if path.exists() else ""
+
+    def stop(self, name: str) -> int:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(30)
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
