@@ -566,12 +566,16 @@ async def test_a_sampler_of_another_kind_is_asked_about_every_process_span(otel:
 
 
 def histogram_counts(otel: Otel) -> dict[str, int]:
+    """How many measurements each histogram holds, and the consumed-messages count."""
     metrics = otel.metrics()
     names = ("messaging.process.duration", "stagedconsumer.consumer.await.duration")
-    return {
+    counts = {
         name: sum(point.count for point in metrics.get(name, ()))  # type: ignore[attr-defined]
         for name in names
     }
+    consumed = metrics.get("messaging.client.consumed.messages", ())
+    counts["consumed"] = sum(int(point.value) for point in consumed)  # type: ignore[attr-defined]
+    return counts
 
 
 def hooked_consumer(otel: Otel, broker: MemoryBroker) -> tuple[PushConsumer, OpenTelemetryHook]:
@@ -594,6 +598,7 @@ async def test_a_collection_while_the_consumer_runs_sees_every_measurement(otel:
         assert histogram_counts(otel) == {
             "messaging.process.duration": 5,
             "stagedconsumer.consumer.await.duration": 5,
+            "consumed": 5,
         }
         assert not hook._pending
         # Collections from another thread, as a periodic reader or a scrape makes them,
@@ -605,6 +610,7 @@ async def test_a_collection_while_the_consumer_runs_sees_every_measurement(otel:
         assert histogram_counts(otel) == {
             "messaging.process.duration": 305,
             "stagedconsumer.consumer.await.duration": 305,
+            "consumed": 305,
         }
     counts = [c["messaging.process.duration"] for c in seen]
     assert counts == sorted(counts)  # cumulative: never a measurement taken back
@@ -621,3 +627,4 @@ async def test_buffered_measurements_are_recorded_without_a_collection(otel: Ote
         assert 0 < len(hook._pending) < 256
     assert not hook._pending  # handed to the SDK when the consumer stopped
     assert histogram_counts(otel)["messaging.process.duration"] == 600
+    assert histogram_counts(otel)["consumed"] == 600

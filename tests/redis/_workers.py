@@ -1,5 +1,5 @@
 """Consumer processes (``tests.redis.group_worker``) of a group, started, stopped and
-killed by the multi-process Redis tests, and the configuration they share."""
+killed by the multi-process Redis tests (the ``workers`` fixture)."""
 
 from __future__ import annotations
 
@@ -11,42 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ("Workers", "worker_config")
+__all__ = ("Workers",)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def worker_config(
-    *,
-    redis_url: str,
-    backend: str,
-    namespace: str,
-    store: tuple[str, str],
-    group: str,
-    cost: float,
-    persist_interval: float,
-    group_options: dict[str, float],
-    **extra: Any,
-) -> dict[str, Any]:
-    """What every worker of a test gets: one topic ``t``, 4 handler threads, a staged
-    listener whose handler takes ``cost`` seconds, offsets in the ``store`` fixture's
-    PostgreSQL (URL, table prefix); ``extra`` adds or overrides keys (``cluster``,
-    ``consumer_options``, ``log_takeovers``)."""
-    url, prefix = store
-    return {
-        "redis_url": redis_url,
-        "backend": backend,
-        "namespace": namespace,
-        "store_url": url,
-        "table_prefix": prefix,
-        "group": group,
-        "topic": "t",
-        "cost": cost,
-        "threads": 4,
-        "persist_interval": persist_interval,
-        "group_options": group_options,
-        **extra,
-    }
 
 
 class Workers:

@@ -25,6 +25,7 @@ from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.conftest import require_service
 from tests.offsetstore.conftest import POSTGRES_URL, drop_tables, require_url
 from tests.redis._server import HangingProxy, RedisServer
+from tests.redis._workers import Workers
 
 REDIS_URL = os.environ.get("STAGEDCONSUMER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -110,6 +111,35 @@ async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
             yield broker
         finally:
             await broker.delete_namespace()
+
+
+@pytest.fixture
+def workers(
+    tmp_path: Path,
+    redis_url: str,
+    namespace: str,
+    store_url: tuple[str, str],
+    anyio_backend: str,
+) -> Iterator[Workers]:
+    """Consumer processes of a group (``tests.redis.group_worker``), killed after the
+    test. Each gets the test's Redis, namespace, backend and offset store, topic
+    ``t`` and 4 handler threads; the test adds the rest to ``workers.config`` (group,
+    handler cost, persist interval, group options) before it starts them."""
+    url, prefix = store_url
+    config = {
+        "redis_url": redis_url,
+        "backend": anyio_backend,
+        "namespace": namespace,
+        "store_url": url,
+        "table_prefix": prefix,
+        "topic": "t",
+        "threads": 4,
+    }
+    started = Workers(tmp_path, config)
+    try:
+        yield started
+    finally:
+        started.kill_all()
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ from tests.conftest import require_service
 from tests.redis._server import RedisClusterServers
 
 from ._events import Event, check_stages_and_barrier, read_events
-from ._workers import Workers, worker_config
+from ._workers import Workers
 from .test_groups import Recorder
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.slow]
@@ -232,8 +232,7 @@ async def test_processes_consume_through_a_master_killed_mid_run(
     own_cluster: RedisClusterServers,
     namespace: str,
     store_url: tuple[str, str],
-    tmp_path: Path,
-    anyio_backend: str,
+    workers: Workers,
 ) -> None:
     cluster = own_cluster
     url, prefix = store_url
@@ -243,19 +242,13 @@ async def test_processes_consume_through_a_master_killed_mid_run(
         victim = cluster.master_of(broker._stream_key("t", 0))
         group = _group_on(cluster, namespace, victim.port)
         entry = cluster.nodes[0] if cluster.nodes[-1] is victim else cluster.nodes[-1]
-        workers = Workers(
-            tmp_path,
-            worker_config(
-                redis_url=entry.url,
-                backend=anyio_backend,
-                namespace=namespace,
-                store=store_url,
-                group=group,
-                cost=0.005,
-                persist_interval=0.3,
-                group_options=GROUP_OPTIONS,
-                cluster=True,
-            ),
+        workers.config.update(
+            redis_url=entry.url,
+            cluster=True,
+            group=group,
+            cost=0.005,
+            persist_interval=0.3,
+            group_options=GROUP_OPTIONS,
         )
         store = SqlOffsetStore(url, table_prefix=prefix)
         names = ("a", "b", "c")

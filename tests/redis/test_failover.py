@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -23,7 +22,7 @@ from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
-from ._workers import Workers, worker_config
+from ._workers import Workers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
@@ -77,28 +76,13 @@ async def _wait_all_committed(
 
 async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
     broker: RedisBroker,
-    namespace: str,
-    redis_url: str,
     store_url: tuple[str, str],
-    tmp_path: Path,
-    anyio_backend: str,
+    workers: Workers,
 ) -> None:
     url, prefix = store_url
     await broker.create_topic("t", QUEUES)
     group = "failover"
-    workers = Workers(
-        tmp_path,
-        worker_config(
-            redis_url=redis_url,
-            backend=anyio_backend,
-            namespace=namespace,
-            store=store_url,
-            group=group,
-            cost=0.01,
-            persist_interval=0.5,
-            group_options=GROUP_OPTIONS,
-        ),
-    )
+    workers.config.update(group=group, cost=0.01, persist_interval=0.5, group_options=GROUP_OPTIONS)
     store = SqlOffsetStore(url, table_prefix=prefix)
     try:
         for name in ("a", "b", "c"):

@@ -13,7 +13,6 @@ only where at-least-once allows them (none on a graceful stop).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import anyio
 import pytest
@@ -22,7 +21,7 @@ from offsetstore import SqlOffsetStore
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
-from ._workers import Workers, worker_config
+from ._workers import Workers
 from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, _owners, _produce
 from .test_failover import _wait_all_committed as wait_all_committed
 from .test_failover import broker as broker  # the fixtures
@@ -39,26 +38,14 @@ NORMAL = {"enable_gray_switch": True, "gray_queue_ratio": 0.25}
 async def test_gray_member_goes_away_and_normal_members_take_its_queues(
     how: str,
     broker: RedisBroker,
-    namespace: str,
-    redis_url: str,
     store_url: tuple[str, str],
-    tmp_path: Path,
-    anyio_backend: str,
+    workers: Workers,
 ) -> None:
     url, prefix = store_url
     await broker.create_topic("t", QUEUES)
     group = "cutover"
-    base = worker_config(
-        redis_url=redis_url,
-        backend=anyio_backend,
-        namespace=namespace,
-        store=store_url,
-        group=group,
-        cost=0.01,
-        persist_interval=0.5,
-        group_options=GROUP_OPTIONS,
-    )
-    workers = Workers(tmp_path, base)
+    workers.config.update(group=group, cost=0.01, persist_interval=0.5, group_options=GROUP_OPTIONS)
+    base = dict(workers.config)
     store = SqlOffsetStore(url, table_prefix=prefix)
     try:
         for name, options in (("n1", NORMAL), ("n2", NORMAL), ("gray", GRAY)):

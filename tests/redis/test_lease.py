@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import anyio
 import pytest
@@ -21,7 +20,7 @@ from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import read_events
-from ._workers import Workers, worker_config
+from ._workers import Workers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
@@ -51,26 +50,17 @@ async def _produce(broker: RedisBroker, stop: anyio.Event) -> None:
 async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
     redis_url: str,
     namespace: str,
-    store_url: tuple[str, str],
-    tmp_path: Path,
-    anyio_backend: str,
+    workers: Workers,
 ) -> None:
     group = "lease"
     async with RedisBroker(redis_url, namespace=namespace) as broker:
         await broker.create_topic("t", QUEUES)
-        workers = Workers(
-            tmp_path,
-            worker_config(
-                redis_url=redis_url,
-                backend=anyio_backend,
-                namespace=namespace,
-                store=store_url,
-                group=group,
-                cost=0.02,
-                persist_interval=0.2,
-                group_options=GROUP_OPTIONS,
-                log_takeovers=True,
-            ),
+        workers.config.update(
+            group=group,
+            cost=0.02,
+            persist_interval=0.2,
+            group_options=GROUP_OPTIONS,
+            log_takeovers=True,
         )
         try:
             for name in ("a", "b"):
