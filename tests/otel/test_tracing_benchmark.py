@@ -1,12 +1,17 @@
-"""benchmarks/tracing_overhead.py's producer table runs and reports every case (a
-smoke run: it checks the program, not the numbers)."""
+"""benchmarks/tracing_overhead.py's tables and benchmarks/tracing_instructions.py's
+run and report every case (smoke runs: they check the programs, not the numbers)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_service
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,3 +73,45 @@ def test_the_consumer_table_has_every_case_and_floor_of_every_mode(tmp_path: Pat
         assert sorted(cases) == sorted([*CASES, *FLOORS]), mode
     assert all(row["cpu"] > 0 for row in rows)
     assert "1% sampled <= 1.3 x SDK floor" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_instruction_count_table_has_every_case_and_a_verdict() -> None:
+    # Six valgrind runs (three cases, two sizes) of one mode, at a smoke size.
+    require_service("valgrind", shutil.which("valgrind") is not None, "not on PATH")
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tracing_instructions", "--modes", "concurrent",
+         "--messages", "200"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [row] = [line for line in result.stdout.splitlines() if line.startswith("│ concurrent")]
+    cells = [cell.strip() for cell in row.split("│")[2:-1]]
+    trace, everything, floor, added = (float(c.rstrip("k").replace(",", "")) for c in cells[:4])
+    assert 0 < trace < everything
+    assert floor > 0
+    assert added == pytest.approx(everything - trace, abs=0.15)
+    assert cells[4] == f"{added / floor:.2f}x"
+    assert "by instructions: " in result.stdout
+    assert "reproduce: python -m benchmarks.tracing_instructions --modes concurrent" in (
+        result.stdout
+    )
+
+
+def test_the_instruction_count_needs_valgrind(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tracing_instructions"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": str(tmp_path)},  # nothing there
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "needs valgrind and callgrind_control on PATH" in result.stderr

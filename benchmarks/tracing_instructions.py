@@ -1,0 +1,202 @@
+"""The consume-side OpenTelemetry target by instruction count: what the hook adds per
+message against the SDK floor, counted by valgrind's callgrind instead of timed.
+
+``python -m benchmarks.tracing_overhead`` times the same cases by CPU time, which on
+a shared machine moves by a few percent from run to run: the target (the hook, with
+everything on and 1% of spans sampled, at most 1.3 times the sampled SDK floor) sits
+within that noise. Instructions executed do not depend on the machine's load. For
+each mode this program runs, each in its own ``valgrind --tool=callgrind`` process:
+
+- ``message trace``: the consumer with ``ConsumeMessageTraceHook``;
+- ``everything, spans sampled 1%``: the same with ``OpenTelemetryHook`` too (the
+  sampler's random trace ids seeded, so that runs sample the same spans);
+- ``SDK floor, spans sampled 1%``: the OpenTelemetry SDK calls alone
+  (:func:`benchmarks.tracing_overhead.sdk_floor`),
+
+each for ``--messages`` and twice as many messages, with instruction counting on only
+around the part ``tracing_overhead`` times (``callgrind_control -i on/off``): per
+message is the difference divided by ``--messages``, so set-up and start-up cancel
+out. The hook adds ``everything`` minus ``message trace``.
+
+Needs ``valgrind`` (with ``callgrind_control``) on ``PATH``. Every valgrind run takes
+5 to 15 s at the default size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+
+HOOK_CASE = "everything, spans sampled 1%"
+TRACE_CASE = "message trace"
+FLOOR_CASE = "SDK floor, spans sampled 1%"
+CASES = (TRACE_CASE, HOOK_CASE, FLOOR_CASE)
+MODES = ("concurrent", "staged", "orderly")
+TARGET = 1.3
+_COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+def _counting(on: bool) -> None:
+    """Switch callgrind's instruction counting for this process on or off (it takes
+    effect before ``callgrind_control`` returns)."""
+    subprocess.run(
+        ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
+        capture_output=True,
+        check=True,
+    )
+
+
+class _CountingClock:
+    """``time`` for :func:`sdk_floor`: its first ``process_time()`` call (the clock
+    starting) switches counting on, its second (the clock stopping) off."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def process_time(self) -> float:
+        self.calls += 1
+        if self.calls <= 2:
+            _counting(self.calls == 1)
+        return time.process_time()
+
+
+def child(case: str, mode: str, n: int, queues: int, stage_size: int) -> None:
+    """One case under callgrind, counting only what ``tracing_overhead`` times."""
+    from benchmarks import tracing_overhead as bench
+    from benchmarks.overhead import NoopConcurrently, NoopOrderly, NoopStaged, run_consumer
+
+    random.seed(7)  # the SDK's random trace ids, hence what the 1% sampler keeps
+    broker = bench.traced_fill(n, queues)
+    if case == FLOOR_CASE:
+        setattr(bench, "time", _CountingClock())  # noqa: B010 - the module's clock, replaced
+        bench.sdk_floor(broker, n, staged=mode == "staged", sampled=0.01)
+        return
+    per_queue = -(-n // queues)
+    listeners: dict[str, Callable[[], Any]] = {
+        "concurrent": NoopConcurrently,
+        "staged": lambda: NoopStaged(stage_size, -(-per_queue // stage_size)),
+        "orderly": NoopOrderly,
+    }
+    hooks, _ = bench.CASES[case]()
+    listener = listeners[mode]()
+    gc.collect()
+    _counting(True)
+    anyio.run(run_consumer, broker, listener, bench.OPTIONS, n, hooks, backend="asyncio")
+    _counting(False)
+
+
+def instructions(case: str, mode: str, n: int, args: argparse.Namespace) -> int:
+    """Instructions the counted part of ``case`` executes for ``n`` messages."""
+    with tempfile.TemporaryDirectory() as directory:
+        result = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={Path(directory) / 'callgrind.out'}",
+                sys.executable,
+                "-m",
+                "benchmarks.tracing_instructions",
+                "--child",
+                case,
+                mode,
+                str(n),
+                str(args.queues),
+                str(args.stage_size),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+            check=False,
+        )
+    found = _COLLECTED.search(result.stderr)
+    if result.returncode != 0 or found is None:
+        raise RuntimeError(f"{case} ({mode}, {n} messages) failed:\n{result.stderr[-3000:]}")
+    return int(found.group(1))
+
+
+def per_message(case: str, mode: str, args: argparse.Namespace) -> float:
+    n: int = args.messages
+    return (instructions(case, mode, 2 * n, args) - instructions(case, mode, n, args)) / n
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        case, mode, n, queues, stage_size = argv[1:6]
+        child(case, mode, int(n), int(queues), int(stage_size))
+        return 0
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--messages", type=int, default=2000, help="the smaller run's size (default 2000)"
+    )
+    parser.add_argument("--queues", type=int, default=8)
+    parser.add_argument("--stage-size", type=int, default=100)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    args = parser.parse_args(argv)
+    missing = [tool for tool in ("valgrind", "callgrind_control") if not shutil.which(tool)]
+    if missing:
+        parser.error(f"needs {' and '.join(missing)} on PATH (the valgrind package)")
+    if args.messages < 1:
+        parser.error("--messages must be at least 1")
+
+    console = Console(width=max(Console().width, 120))
+    table = Table(
+        title=f"Instructions per message, {args.messages:,} against {2 * args.messages:,}"
+        f" messages, {args.queues} queues, asyncio"
+    )
+    table.add_column("mode")
+    for case in CASES:
+        table.add_column(case, justify="right")
+    table.add_column("hook adds", justify="right")
+    table.add_column("vs floor", justify="right")
+    ratios: dict[str, float] = {}
+    with console.status("counting") as status:
+        for mode in args.modes:
+            counts = {}
+            for case in CASES:
+                status.update(f"{mode}: {case} (valgrind)")
+                counts[case] = per_message(case, mode, args)
+            added = counts[HOOK_CASE] - counts[TRACE_CASE]
+            ratio = ratios[mode] = added / counts[FLOOR_CASE]
+            table.add_row(
+                mode,
+                *(f"{counts[case] / 1000:,.1f}k" for case in CASES),
+                f"{added / 1000:,.1f}k",
+                f"{ratio:.2f}x",
+            )
+    console.print(table)
+    met = all(ratio <= TARGET for ratio in ratios.values())
+    shown = ", ".join(f"{mode} {ratio:.2f}x" for mode, ratio in ratios.items())
+    console.print(
+        f"target OpenTelemetry hook, everything on, 1% sampled <= {TARGET} x SDK floor,"
+        f" by instructions: {'met' if met else 'NOT met'} ({shown})"
+    )
+    console.print(f"python {platform.python_version()}, valgrind callgrind")
+    console.print("reproduce: python -m benchmarks.tracing_instructions " + " ".join(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
