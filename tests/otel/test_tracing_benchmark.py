@@ -16,18 +16,25 @@ from tests.conftest import require_service
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_benchmark(*options: str) -> subprocess.CompletedProcess[str]:
-    """``python -m benchmarks.tracing_overhead OPTIONS`` from the repository root; it
-    must exit 0."""
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tracing_overhead", *options],
+def run_module(
+    module: str, *options: str, path: str = "/usr/bin:/bin", timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE OPTIONS`` from the repository root, with ``PATH`` set to
+    ``path``."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
-        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        timeout=timeout,
+        env={"COLUMNS": "200", "PATH": path},
         check=False,
     )
+
+
+def run_benchmark(*options: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.tracing_overhead OPTIONS``; it must exit 0."""
+    result = run_module("benchmarks.tracing_overhead", *options)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -79,16 +86,14 @@ def test_the_consumer_table_has_every_case_and_floor_of_every_mode(tmp_path: Pat
 def test_the_instruction_count_table_has_every_case_and_a_verdict() -> None:
     # Six valgrind runs (three cases, two sizes) of one mode, at a smoke size.
     require_service("valgrind", shutil.which("valgrind") is not None, "not on PATH")
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tracing_instructions", "--modes", "concurrent",
-         "--messages", "200"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = run_module(
+        "benchmarks.tracing_instructions",
+        "--modes",
+        "concurrent",
+        "--messages",
+        "200",
         timeout=600,
-        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
-        check=False,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     [row] = [line for line in result.stdout.splitlines() if line.startswith("│ concurrent")]
     cells = [cell.strip() for cell in row.split("│")[2:-1]]
@@ -104,14 +109,6 @@ def test_the_instruction_count_table_has_every_case_and_a_verdict() -> None:
 
 
 def test_the_instruction_count_needs_valgrind(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tracing_instructions"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": str(tmp_path)},  # nothing there
-        check=False,
-    )
+    result = run_module("benchmarks.tracing_instructions", path=str(tmp_path))  # nothing there
     assert result.returncode == 2
     assert "needs valgrind and callgrind_control on PATH" in result.stderr
