@@ -118,7 +118,6 @@ Execute = Callable[..., Awaitable[Any]]
 """``execute(command, *args, keys=(0,))``: one Redis command, its raw reply."""
 
 
-
 def _closed_writer(exc: AttributeError | TypeError) -> bool:
     """Whether ``exc`` is redis-py's asyncio connection writing on a connection that
     was closed while the write waited its turn (its writer already ``None``, or the
@@ -133,6 +132,7 @@ def _closed_writer(exc: AttributeError | TypeError) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame.f_code.co_filename.endswith(_CLOSED_WRITER_FILES)
+
 
 @attrs.frozen(kw_only=True)
 class RedisConnectionStatistics:
