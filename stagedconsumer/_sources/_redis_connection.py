@@ -124,10 +124,11 @@ def _closed_writer(exc: AttributeError | TypeError) -> bool:
     transport's write callback gone): redis-py lets that race out as a bare
     ``AttributeError`` or ``TypeError`` instead of its ``ConnectionError`` (seen in a
     Redis Cluster fail-over, when the client drops a node's connections while a
-    command is on its way). Recognised by where it was raised, so that the same
-    errors from anywhere else (a bug) still propagate."""
+    command is on its way). Recognised by where it was raised and by what was torn
+    down (an attribute already ``None``: "'NoneType' object ..."), so that the same
+    errors from anywhere else, or of another kind there (a bug), still propagate."""
     tb = exc.__traceback__
-    if tb is None:
+    if tb is None or "'NoneType' object" not in str(exc):
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
