@@ -248,9 +248,7 @@ def _value(field: bytes, at: float) -> bytes:
     return _TS.pack(at) if field == b"b" else repr(at).encode()
 
 
-async def produce(
-    url: str, ns: str, kind: str, n: int, rate: float, cluster: bool = False
-) -> None:
+async def produce(url: str, ns: str, kind: str, n: int, rate: float, cluster: bool = False) -> None:
     """Send ``n`` messages at ``rate``/s, round-robin over the queues (in a child process)."""
     chunk = 10
     interval = chunk * QUEUES / rate

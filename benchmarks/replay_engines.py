@@ -45,25 +45,32 @@ def consumer_messages(queues: int, per_queue: int, fail: float, seed: int = 64) 
     """One consumer instance's messages, as the generation makes them."""
     rng = np.random.default_rng(seed)
     n = queues * per_queue
-    return pd.DataFrame({
-        "consumer": np.zeros(n, np.int32), "topic": np.zeros(n, np.int32),
-        "queue": np.repeat(np.arange(queues, dtype=np.int32), per_queue),
-        "qid": np.repeat(np.arange(queues, dtype=np.int32), per_queue),
-        "offset": np.tile(np.arange(per_queue, dtype=np.int64), queues),
-        "key": [f"k{i % 1000}" for i in range(n)], "strategy": "default",
-        "grp": [None] * n, "size": 1024,
-        "cost_us": rng.integers(5000, 15001, n),
-        "fail_attempts": (rng.random(n) < fail).astype(int),
-        "publish_us": np.zeros(n, np.int64), "stage": pd.array(np.zeros(n, int), dtype="Int32"),
-    })
+    return pd.DataFrame(
+        {
+            "consumer": np.zeros(n, np.int32),
+            "topic": np.zeros(n, np.int32),
+            "queue": np.repeat(np.arange(queues, dtype=np.int32), per_queue),
+            "qid": np.repeat(np.arange(queues, dtype=np.int32), per_queue),
+            "offset": np.tile(np.arange(per_queue, dtype=np.int64), queues),
+            "key": [f"k{i % 1000}" for i in range(n)],
+            "strategy": "default",
+            "grp": [None] * n,
+            "size": 1024,
+            "cost_us": rng.integers(5000, 15001, n),
+            "fail_attempts": (rng.random(n) < fail).astype(int),
+            "publish_us": np.zeros(n, np.int64),
+            "stage": pd.array(np.zeros(n, int), dtype="Int32"),
+        }
+    )
 
 
 def _cut(messages: pd.DataFrame, per_queue: int) -> pd.DataFrame:
     return messages[messages["offset"] < per_queue].reset_index(drop=True)
 
 
-def _replay(messages: pd.DataFrame, config: ReplayConfig, engine: str
-            ) -> dict[str, tuple[float, pd.DataFrame]]:
+def _replay(
+    messages: pd.DataFrame, config: ReplayConfig, engine: str
+) -> dict[str, tuple[float, pd.DataFrame]]:
     out: dict[str, tuple[float, pd.DataFrame]] = {}
     start = time.process_time()
     prepared = Prepared(messages) if engine == "core" else None
@@ -83,22 +90,35 @@ def _same(a: pd.DataFrame, b: pd.DataFrame) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.replay_engines",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.replay_engines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--queues", type=int, default=16)
     parser.add_argument("--per-queue", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--fail", type=float, default=0.0,
-                        help="probability that a message's first attempt fails")
-    parser.add_argument("--runtime-share", type=float, default=0.25,
-                        help="share of each queue the runtime engine replays")
+    parser.add_argument(
+        "--fail", type=float, default=0.0, help="probability that a message's first attempt fails"
+    )
+    parser.add_argument(
+        "--runtime-share",
+        type=float,
+        default=0.25,
+        help="share of each queue the runtime engine replays",
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
-    config = ReplayConfig(threads=args.threads, batch_size=args.batch_size, pull_batch_size=32,
-                          suspend_millis=1000, max_reconsume_times=None,
-                          strategies={"default": (50, 100, 200, 400)}, group_by_key=False)
+    config = ReplayConfig(
+        threads=args.threads,
+        batch_size=args.batch_size,
+        pull_batch_size=32,
+        suspend_millis=1000,
+        max_reconsume_times=None,
+        strategies={"default": (50, 100, 200, 400)},
+        group_by_key=False,
+    )
     messages = consumer_messages(args.queues, args.per_queue, args.fail)
     cut = _cut(messages, max(1, int(args.per_queue * args.runtime_share)))
     core_full = _replay(messages, config, "core")
@@ -107,15 +127,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = Table(title="replay engines: process CPU per message and mode")
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("engine", "mode") else "right")
-    rows = [("core", messages, core_full, None), ("core", cut, core_cut, runtime_cut),
-            ("runtime (baseline)", cut, runtime_cut, core_cut)]
+    rows = [
+        ("core", messages, core_full, None),
+        ("core", cut, core_cut, runtime_cut),
+        ("runtime (baseline)", cut, runtime_cut, core_cut),
+    ]
     for engine, frame, results, other in rows:
         for mode in MODES:
             cpu, events = results[mode]
             same = "" if other is None else ("yes" if _same(events, other[mode][1]) else "NO")
-            table.add_row(engine, mode, f"{len(frame):,}", f"{cpu:.2f}",
-                          f"{cpu / max(1, len(frame)) * 1e6:.1f}",
-                          f"{events['end'].max():.4f}", same)
+            table.add_row(
+                engine,
+                mode,
+                f"{len(frame):,}",
+                f"{cpu:.2f}",
+                f"{cpu / max(1, len(frame)) * 1e6:.1f}",
+                f"{events['end'].max():.4f}",
+                same,
+            )
     console = Console(width=max(Console().width, 100))
     console.print(table)
     load_after = os.getloadavg()
@@ -125,8 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} after, on"
         f" {os.cpu_count()} cores (process CPU time, not wall time)"
     )
-    console.print("reproduce: python -m benchmarks.replay_engines "
-                  + " ".join(argv if argv is not None else sys.argv[1:]), soft_wrap=True)
+    console.print(
+        "reproduce: python -m benchmarks.replay_engines "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        soft_wrap=True,
+    )
     return 0
 
 

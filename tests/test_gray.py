@@ -466,8 +466,10 @@ async def test_a_gray_member_with_a_larger_ratio_widens_the_gray_side_while_it_l
         await _until(lambda: len(log) == sent)
         async with widening:  # ratio 0.5: queues 4 to 7 are gray now
             await _until(
-                lambda: topic_queues(narrow) | topic_queues(widening) == {4, 5, 6, 7}
-                and topic_queues(normal) == {0, 1, 2, 3}
+                lambda: (
+                    topic_queues(narrow) | topic_queues(widening) == {4, 5, 6, 7}
+                    and topic_queues(normal) == {0, 1, 2, 3}
+                )
             )
             send_to_every_queue()
             await _until(lambda: len(log) == sent)

@@ -98,8 +98,9 @@ def planned_attempts(fail_attempts: np.ndarray, limit: int | None) -> np.ndarray
     return attempts
 
 
-def consumer_bounds(pdf: pd.DataFrame, modes: Sequence[str], workers: int,
-                    max_reconsume: int | None) -> pd.DataFrame:
+def consumer_bounds(
+    pdf: pd.DataFrame, modes: Sequence[str], workers: int, max_reconsume: int | None
+) -> pd.DataFrame:
     """Lower bounds of one consumer instance for each mode (see :mod:`.bounds`)."""
     pdf = pdf.sort_values(["qid", "offset"], kind="stable")
     cost = pdf["cost_us"].to_numpy(dtype=np.float64) / 1e6
@@ -113,8 +114,9 @@ def consumer_bounds(pdf: pd.DataFrame, modes: Sequence[str], workers: int,
         attempts = planned_attempts(fails, limit)
         work = cost * attempts
         jobs = np.repeat(cost, attempts)
-        bound = max(makespan_lower_bound(jobs, workers),
-                    float(np.max(publish + work)) if len(work) else 0.0)
+        bound = max(
+            makespan_lower_bound(jobs, workers), float(np.max(publish + work)) if len(work) else 0.0
+        )
         if mode == "orderly":
             qids = pdf["qid"].to_numpy()
             for q in np.unique(qids):
@@ -130,19 +132,25 @@ def consumer_bounds(pdf: pd.DataFrame, modes: Sequence[str], workers: int,
             for _, key_df in keyed.groupby(["qid", "strategy", "_grp"], sort=False):
                 stages = []
                 for _, stage_df in key_df.groupby("_rank", sort=True):
-                    stages.append((
-                        np.repeat(stage_df["_cost"].to_numpy(), stage_df["_attempts"].to_numpy()),
-                        stage_df["_publish"].to_numpy(),
-                        stage_df["_work"].to_numpy(),
-                    ))
+                    stages.append(
+                        (
+                            np.repeat(
+                                stage_df["_cost"].to_numpy(), stage_df["_attempts"].to_numpy()
+                            ),
+                            stage_df["_publish"].to_numpy(),
+                            stage_df["_work"].to_numpy(),
+                        )
+                    )
                 bound = max(bound, stage_chain(stages, workers))
-        rows.append({
-            "mode": mode,
-            "consumer": int(pdf["consumer"].iloc[0]),
-            "bound": bound,
-            "graham": graham_bound(jobs, workers),
-            "work": float(work.sum()),
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "consumer": int(pdf["consumer"].iloc[0]),
+                "bound": bound,
+                "graham": graham_bound(jobs, workers),
+                "work": float(work.sum()),
+            }
+        )
     return pd.DataFrame(rows, columns=[f.name for f in BOUND_SCHEMA.fields]).astype(
         {"mode": object, "consumer": "int32"}
     )
@@ -155,13 +163,25 @@ ZERO_BUCKET = -(1 << 31)
 _LOG_GAMMA = math.log(HIST_GAMMA)
 
 _QUEUE_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("qid", IntegerType()), ("topic", IntegerType()), ("queue", IntegerType()),
-    ("messages", LongType()), ("makespan", DoubleType()),
+    ("qid", IntegerType()),
+    ("topic", IntegerType()),
+    ("queue", IntegerType()),
+    ("messages", LongType()),
+    ("makespan", DoubleType()),
     *((f"latency_p{round(p * 100)}", DoubleType()) for p in PERCENTILES),
     *((f"queueing_p{round(p * 100)}", DoubleType()) for p in PERCENTILES),
 )
-_COUNTS = ("inputs", "messages", "attempts", "duplicates", "finished", "dead_lettered",
-           "queue_order_violations", "stage_order_violations", "stage_mismatches")
+_COUNTS = (
+    "inputs",
+    "messages",
+    "attempts",
+    "duplicates",
+    "finished",
+    "dead_lettered",
+    "queue_order_violations",
+    "stage_order_violations",
+    "stage_mismatches",
+)
 _HISTS = ("latency", "queueing")
 
 CONSUMER_SCHEMA = StructType(
@@ -230,8 +250,9 @@ def _group_quantiles(groups: IntArray, values: FloatArray, qs: Sequence[float]) 
     return v[starts[:, None] + ranks - 1]  # type: ignore[no-any-return]
 
 
-def _ordered_violations(key: IntArray, order: IntArray, start: FloatArray, end: FloatArray,
-                        weight: IntArray) -> int:
+def _ordered_violations(
+    key: IntArray, order: IntArray, start: FloatArray, end: FloatArray, weight: IntArray
+) -> int:
     """Sum of ``weight`` over items that start before some earlier item of their
     ``key`` (earlier by ``order``, then by start) ended."""
     if len(key) == 0:
@@ -255,16 +276,21 @@ def _segments(*keys: Any) -> tuple[IntArray, IntArray]:
     return order, np.flatnonzero(change)
 
 
-def _calls(key: IntArray, batch: IntArray, rank: Any, start: FloatArray,
-           end: FloatArray) -> tuple[IntArray, Any, FloatArray, FloatArray, IntArray]:
+def _calls(
+    key: IntArray, batch: IntArray, rank: Any, start: FloatArray, end: FloatArray
+) -> tuple[IntArray, Any, FloatArray, FloatArray, IntArray]:
     """Per handler call and ``key``: the key, min ``rank``, first start, last end and
     the number of messages (event rows)."""
     order, starts = _segments(batch, key)
     counts = np.diff(np.r_[starts, len(order)])
     # fmin: a missing rank (NaN) is skipped, like SQL's min
-    return (key[order][starts], np.fmin.reduceat(rank[order], starts),
-            np.minimum.reduceat(start[order], starts), np.maximum.reduceat(end[order], starts),
-            counts)
+    return (
+        key[order][starts],
+        np.fmin.reduceat(rank[order], starts),
+        np.minimum.reduceat(start[order], starts),
+        np.maximum.reduceat(end[order], starts),
+        counts,
+    )
 
 
 def _codes(values: pd.Series) -> IntArray:
@@ -292,9 +318,11 @@ def event_violations(events: pd.DataFrame) -> dict[str, int]:
 
     has = events["strategy"].notna().to_numpy()
     if has.any():
-        expected = events["expected_stage"].astype("Float64").to_numpy(
-            dtype=np.float64, na_value=np.nan
-        )[has]
+        expected = (
+            events["expected_stage"]
+            .astype("Float64")
+            .to_numpy(dtype=np.float64, na_value=np.nan)[has]
+        )
         rank = np.where(expected < 0, float(_TAIL_RANK), expected)
         strategy = _codes(events["strategy"][has])
         grp = _codes(events["grp"][has])
@@ -360,11 +388,15 @@ def summarise_events(events: pd.DataFrame, *, inputs: int | None = None) -> dict
     sizes = np.bincount(group, minlength=len(queue_ids))
     queues = [
         {
-            "qid": int(queue_ids[i]), "topic": int(topics[i]), "queue": int(queue_nums[i]),
-            "messages": int(sizes[i]), "makespan": float(makespans[i]),
+            "qid": int(queue_ids[i]),
+            "topic": int(topics[i]),
+            "queue": int(queue_nums[i]),
+            "messages": int(sizes[i]),
+            "makespan": float(makespans[i]),
             **{f"latency_p{round(p * 100)}": float(lat_q[i, j]) for j, p in enumerate(PERCENTILES)},
-            **{f"queueing_p{round(p * 100)}": float(que_q[i, j])
-               for j, p in enumerate(PERCENTILES)},
+            **{
+                f"queueing_p{round(p * 100)}": float(que_q[i, j]) for j, p in enumerate(PERCENTILES)
+            },
         }
         for i in range(len(queue_ids))
     ]
@@ -392,8 +424,14 @@ def summarise_events(events: pd.DataFrame, *, inputs: int | None = None) -> dict
 def consumer_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Rows of :data:`CONSUMER_SCHEMA` as a pandas frame Spark's Arrow writer takes."""
     frame = pd.DataFrame(list(rows), columns=[f.name for f in CONSUMER_SCHEMA.fields])
-    return frame.astype({"mode": object, "consumer": "int32", "cpu_seconds": "float64",
-                         **dict.fromkeys(_COUNTS, "int64")})
+    return frame.astype(
+        {
+            "mode": object,
+            "consumer": "int32",
+            "cpu_seconds": "float64",
+            **dict.fromkeys(_COUNTS, "int64"),
+        }
+    )
 
 
 def compute_bounds(messages: DataFrame, w: Workload, modes: Sequence[str]) -> DataFrame:
@@ -412,9 +450,7 @@ def compute_bounds(messages: DataFrame, w: Workload, modes: Sequence[str]) -> Da
 
     if not _is_by_consumer(messages):
         messages = by_consumer(messages)
-    return messages.groupBy(*group_keys(messages)).applyInPandas(
-        per_consumer, schema=BOUND_SCHEMA
-    )
+    return messages.groupBy(*group_keys(messages)).applyInPandas(per_consumer, schema=BOUND_SCHEMA)
 
 
 def violations(events: DataFrame) -> DataFrame:
@@ -426,7 +462,8 @@ def violations(events: DataFrame) -> DataFrame:
         F.count(F.lit(1)).alias("n"),  # a call holds each of its messages once
     )
     before = (
-        Window.partitionBy("mode", "qid").orderBy("lo", "s")
+        Window.partitionBy("mode", "qid")
+        .orderBy("lo", "s")
         .rowsBetween(Window.unboundedPreceding, -1)
     )
     queue_bad = (
@@ -437,7 +474,14 @@ def violations(events: DataFrame) -> DataFrame:
     )
 
     staged = events.select(
-        "mode", "consumer", "qid", "offset", "batch", "start", "end", "stage",
+        "mode",
+        "consumer",
+        "qid",
+        "offset",
+        "batch",
+        "start",
+        "end",
+        "stage",
         "expected_stage",
         F.coalesce(F.col("strategy"), F.lit(_NULL)).alias("strat"),
         F.coalesce(F.col("grp"), F.lit(_NULL)).alias("grp_key"),
@@ -458,7 +502,8 @@ def violations(events: DataFrame) -> DataFrame:
         F.max("e").alias("stage_end")
     )
     earlier = (
-        Window.partitionBy("mode", "qid", "strat", "grp_key").orderBy("rank")
+        Window.partitionBy("mode", "qid", "strat", "grp_key")
+        .orderBy("rank")
         .rowsBetween(Window.unboundedPreceding, -1)
     )
     barrier = stage_ends.withColumn("barrier", F.max("stage_end").over(earlier)).drop("stage_end")
@@ -503,9 +548,11 @@ def summarise_event_log(events: DataFrame, bounds: DataFrame | None = None) -> D
     if bounds is None:
         return rows
     names = [f.name for f in CONSUMER_SCHEMA.fields]
-    return rows.drop("bound", "graham", "work").join(
-        bounds, ["mode", "consumer"], "left"
-    ).select(*names)
+    return (
+        rows.drop("bound", "graham", "work")
+        .join(bounds, ["mode", "consumer"], "left")
+        .select(*names)
+    )
 
 
 def merged_histograms(per_consumer: DataFrame) -> pd.DataFrame:
@@ -515,25 +562,32 @@ def merged_histograms(per_consumer: DataFrame) -> pd.DataFrame:
         per_consumer.select(
             "mode",
             F.lit(name).alias("metric"),
-            F.explode(F.arrays_zip(
-                F.col(f"{name}_keys").alias("key"), F.col(f"{name}_counts").alias("n"),
-                F.col(f"{name}_max").alias("max"),
-            )).alias("b"),
+            F.explode(
+                F.arrays_zip(
+                    F.col(f"{name}_keys").alias("key"),
+                    F.col(f"{name}_counts").alias("n"),
+                    F.col(f"{name}_max").alias("max"),
+                )
+            ).alias("b"),
         ).select("mode", "metric", "b.key", "b.n", "b.max")
         for name in _HISTS
     ]
     union = parts[0].unionByName(parts[1])
-    merged: pd.DataFrame = union.groupBy("mode", "metric", "key").agg(
-        F.sum("n").alias("n"), F.max("max").alias("max")
-    ).toPandas()
+    merged: pd.DataFrame = (
+        union.groupBy("mode", "metric", "key")
+        .agg(F.sum("n").alias("n"), F.max("max").alias("max"))
+        .toPandas()
+    )
     return merged.sort_values(["mode", "metric", "key"], kind="stable").reset_index(drop=True)
 
 
-def _hist_quantiles(hists: pd.DataFrame, mode: str, metric: str,
-                    qs: Sequence[float]) -> list[float]:
+def _hist_quantiles(
+    hists: pd.DataFrame, mode: str, metric: str, qs: Sequence[float]
+) -> list[float]:
     sel = hists[(hists["mode"] == mode) & (hists["metric"] == metric)]
-    return histogram_quantiles(sel["n"].to_numpy(dtype=np.int64),
-                               sel["max"].to_numpy(dtype=np.float64), qs)
+    return histogram_quantiles(
+        sel["n"].to_numpy(dtype=np.int64), sel["max"].to_numpy(dtype=np.float64), qs
+    )
 
 
 def mode_summary(per_consumer: DataFrame, hists: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -545,19 +599,22 @@ def mode_summary(per_consumer: DataFrame, hists: pd.DataFrame | None = None) -> 
     if hists is None:
         hists = merged_histograms(per_consumer)
     out: pd.DataFrame = (
-        per_consumer.groupBy("mode").agg(
+        per_consumer.groupBy("mode")
+        .agg(
             *(F.sum(c).alias(c) for c in _COUNTS),
             F.max("makespan").alias("makespan"),
             F.max("bound").alias("bound"),
             F.max("graham").alias("graham"),
             F.sum("work").alias("work"),
-        ).withColumns(
+        )
+        .withColumns(
             {
                 "lost": F.col("inputs") - F.col("finished"),
                 "throughput": F.col("messages") / F.col("makespan"),
                 "efficiency": F.col("bound") / F.col("makespan"),
             }
-        ).drop("inputs")
+        )
+        .drop("inputs")
     ).toPandas()
     for metric in _HISTS:
         values = [_hist_quantiles(hists, m, metric, PERCENTILES) for m in out["mode"]]
@@ -587,7 +644,9 @@ def latency_quantiles(hists: pd.DataFrame, points: int = 100) -> pd.DataFrame:
     """Per mode, the latency at ``points + 1`` evenly spaced quantiles (for a CDF)."""
     qs = [i / points for i in range(points + 1)]
     modes = sorted(set(hists["mode"]))
-    return pd.DataFrame({
-        "mode": modes,
-        "latency_q": [_hist_quantiles(hists, m, "latency", qs) for m in modes],
-    })
+    return pd.DataFrame(
+        {
+            "mode": modes,
+            "latency_q": [_hist_quantiles(hists, m, "latency", qs) for m in modes],
+        }
+    )

@@ -67,12 +67,12 @@ def orderly_chain(publish: FloatArray, work: FloatArray) -> float:
     return float(np.max(publish + suffix))
 
 
-def stage_chain(
-    stages: Sequence[tuple[FloatArray, FloatArray, FloatArray]], workers: int
-) -> float:
+def stage_chain(stages: Sequence[tuple[FloatArray, FloatArray, FloatArray]], workers: int) -> float:
     """Stages in barrier order, each ``(attempt costs, publish, per-message work)``."""
     t = 0.0
     for attempts, publish, work in stages:
-        t = max(t + makespan_lower_bound(attempts, workers),
-                float(np.max(publish + work)) if len(work) else 0.0)
+        t = max(
+            t + makespan_lower_bound(attempts, workers),
+            float(np.max(publish + work)) if len(work) else 0.0,
+        )
     return t

@@ -97,9 +97,16 @@ class _SparkProgress:
 class BenchResult:
     """What :func:`run_bench` produced (pandas frames are small: per mode/queue)."""
 
-    def __init__(self, out: Path, summary: pd.DataFrame, queues: pd.DataFrame,
-                 timings: dict[str, float], report_path: Path, replay_cpu: dict[str, float],
-                 replays: int) -> None:
+    def __init__(
+        self,
+        out: Path,
+        summary: pd.DataFrame,
+        queues: pd.DataFrame,
+        timings: dict[str, float],
+        report_path: Path,
+        replay_cpu: dict[str, float],
+        replays: int,
+    ) -> None:
         self.replay_cpu = replay_cpu
         """CPU seconds the Python workers spent replaying, per clock."""
         self.replays = replays
@@ -184,14 +191,22 @@ def run_bench(
         consumers_path = str(out / f"consumers-{clock}.parquet")
         events_path = str(out / f"events-{clock}.parquet") if events else None
 
-        def replay(clock: str = clock, consumers_path: str = consumers_path,
-                   events_path: str | None = events_path) -> DataFrame:
+        def replay(
+            clock: str = clock,
+            consumers_path: str = consumers_path,
+            events_path: str | None = events_path,
+        ) -> DataFrame:
             if events_path is not None:
                 clear_events(events_path)
             replay_summaries(
-                messages, config, modes, workers=w.threads,
-                max_reconsume=w.failures.max_reconsume_times, wall_clock=clock == "wall",
-                events_path=events_path, engine="runtime" if clock == "wall" else engine,
+                messages,
+                config,
+                modes,
+                workers=w.threads,
+                max_reconsume=w.failures.max_reconsume_times,
+                wall_clock=clock == "wall",
+                events_path=events_path,
+                engine="runtime" if clock == "wall" else engine,
             ).write.mode("overwrite").parquet(consumers_path)
             return spark.read.parquet(consumers_path)
 
@@ -199,8 +214,9 @@ def run_bench(
             timings, f"replay ({clock} time)", partial(tracker.run, f"replay {clock}", replay)
         )
 
-        def analyse(per_consumer: DataFrame = per_consumer,
-                    events_path: str | None = events_path) -> tuple[pd.DataFrame, ...]:
+        def analyse(
+            per_consumer: DataFrame = per_consumer, events_path: str | None = events_path
+        ) -> tuple[pd.DataFrame, ...]:
             hists = analysis.merged_histograms(per_consumer)
             summary = analysis.mode_summary(per_consumer, hists)
             queues = analysis.queue_summary(per_consumer).toPandas()
@@ -234,16 +250,29 @@ def run_bench(
     t0 = time.perf_counter()
     summary.attrs.clear()
     spark.createDataFrame(summary.astype({"mode": object})).write.mode("overwrite").parquet(
-        str(out / "summary.parquet"))
+        str(out / "summary.parquet")
+    )
     assert bounds is not None
     bounds.write.mode("overwrite").parquet(str(out / "bounds.parquet"))
     queues.to_parquet(out / "queues.parquet", index=False)
     charts = report.write_charts(summary, quantiles, out)
     timings["report"] = time.perf_counter() - t0
     env = environment(spark)
-    path = report.write_markdown(out, w, summary, queues, timings, command, master, charts,
-                                 replay_cpu=cpu_info, replays=replays,
-                                 cross_checked=cross_checked, engine=engine, environment=env)
+    path = report.write_markdown(
+        out,
+        w,
+        summary,
+        queues,
+        timings,
+        command,
+        master,
+        charts,
+        replay_cpu=cpu_info,
+        replays=replays,
+        cross_checked=cross_checked,
+        engine=engine,
+        environment=env,
+    )
     messages.unpersist()
     result = BenchResult(out, summary, queues, timings, path, cpu_info, replays)
     result.engine = engine
@@ -301,13 +330,23 @@ def _bench(args: argparse.Namespace) -> int:
     spark = get_session(args.master, shuffle_partitions=partitions)
     try:
         with Progress(
-            TextColumn("{task.description:<18}"), BarColumn(),
-            TextColumn("{task.completed}/{task.total} tasks"), TimeElapsedColumn(),
-            console=console, transient=False,
+            TextColumn("{task.description:<18}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} tasks"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
         ) as progress:
             result = run_bench(
-                spark, w, out, modes=args.modes, wall_clock=args.wall_clock,
-                progress=progress, command=command, master=args.master, events=args.events,
+                spark,
+                w,
+                out,
+                modes=args.modes,
+                wall_clock=args.wall_clock,
+                progress=progress,
+                command=command,
+                master=args.master,
+                events=args.events,
                 engine=args.engine,
             )
     finally:
@@ -353,28 +392,48 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench = sub.add_parser("bench", help="replay a workload and report")
     bench.add_argument("workload", help="workload YAML file")
     bench.add_argument("--master", default="local[*]", help="Spark master URL (default local[*])")
     bench.add_argument("--out", help="output directory (default bench-results/<name>)")
     bench.add_argument("--modes", nargs="+", choices=MODES, help="modes to replay")
-    bench.add_argument("--engine", choices=ENGINES, default="core",
-                       help="virtual-time replay engine: core (discrete events over the"
-                       " sans-I/O core, the default) or runtime (the PushConsumer on trio's"
-                       " MockClock, the reference; same schedule, ~15x the CPU)")
-    bench.add_argument("--wall-clock", action="store_true",
-                       help="also replay on the real clock (handler costs really waited)")
+    bench.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="core",
+        help="virtual-time replay engine: core (discrete events over the"
+        " sans-I/O core, the default) or runtime (the PushConsumer on trio's"
+        " MockClock, the reference; same schedule, ~15x the CPU)",
+    )
+    bench.add_argument(
+        "--wall-clock",
+        action="store_true",
+        help="also replay on the real clock (handler costs really waited)",
+    )
     events = bench.add_mutually_exclusive_group()
-    events.add_argument("--events", dest="events", action="store_true", default=None,
-                        help="write the event log and recount violations over it in Spark"
-                        f" SQL (default: up to {EVENT_LOG_LIMIT:,} message-replays)")
-    events.add_argument("--no-events", dest="events", action="store_false",
-                        help="do not write the event log")
-    bench.add_argument("--shuffle-partitions", type=int, default=None,
-                       help="spark.sql.shuffle.partitions (default 8)")
+    events.add_argument(
+        "--events",
+        dest="events",
+        action="store_true",
+        default=None,
+        help="write the event log and recount violations over it in Spark"
+        f" SQL (default: up to {EVENT_LOG_LIMIT:,} message-replays)",
+    )
+    events.add_argument(
+        "--no-events", dest="events", action="store_false", help="do not write the event log"
+    )
+    bench.add_argument(
+        "--shuffle-partitions",
+        type=int,
+        default=None,
+        help="spark.sql.shuffle.partitions (default 8)",
+    )
     bench.set_defaults(handler=_bench)
     validate = sub.add_parser("validate", help="check workload files")
     validate.add_argument("workloads", nargs="+")
@@ -392,5 +451,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(handler(args))
-
-

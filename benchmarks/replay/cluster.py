@@ -65,31 +65,58 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def standalone_cluster(*, cores: int = 1, memory: str = "1g",
-                       timeout: float = 120.0) -> Iterator[Cluster]:
+def standalone_cluster(
+    *, cores: int = 1, memory: str = "1g", timeout: float = 120.0
+) -> Iterator[Cluster]:
     """Start a master and one worker on 127.0.0.1, wait until the worker is
     registered, yield the cluster, and stop both processes."""
     home = spark_home()
     launcher = home / "bin" / "spark-class"
     logs = Path(tempfile.mkdtemp(prefix="spark-standalone-"))
-    env = dict(os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1",
-               SPARK_WORKER_DIR=str(logs / "work"))
+    env = dict(
+        os.environ,
+        SPARK_HOME=str(home),
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_WORKER_DIR=str(logs / "work"),
+    )
     port, ui, worker_ui = free_ports(3)
     master_url = f"spark://127.0.0.1:{port}"
     with (logs / "master.log").open("wb") as out:
         master = subprocess.Popen(
-            [str(launcher), "org.apache.spark.deploy.master.Master",
-             "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui)],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
+            [
+                str(launcher),
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--webui-port",
+                str(ui),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     worker: subprocess.Popen[bytes] | None = None
     try:
         with (logs / "worker.log").open("wb") as out:
             worker = subprocess.Popen(
-                [str(launcher), "org.apache.spark.deploy.worker.Worker", master_url,
-                 "--host", "127.0.0.1", "--webui-port", str(worker_ui),
-                 "--cores", str(cores), "--memory", memory],
-                env=env, stdout=out, stderr=subprocess.STDOUT,
+                [
+                    str(launcher),
+                    "org.apache.spark.deploy.worker.Worker",
+                    master_url,
+                    "--host",
+                    "127.0.0.1",
+                    "--webui-port",
+                    str(worker_ui),
+                    "--cores",
+                    str(cores),
+                    "--memory",
+                    memory,
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         cluster = Cluster(master_url, f"http://127.0.0.1:{ui}", master, worker, logs)
         deadline = time.monotonic() + timeout

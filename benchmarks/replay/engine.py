@@ -174,8 +174,13 @@ class Prepared:
 class _Sim:
     """One consumer instance replayed in one mode."""
 
-    def __init__(self, messages: pd.DataFrame, mode: str, config: ReplayConfig,
-                 prepared: Prepared | None = None) -> None:
+    def __init__(
+        self,
+        messages: pd.DataFrame,
+        mode: str,
+        config: ReplayConfig,
+        prepared: Prepared | None = None,
+    ) -> None:
         options = config.options()
         self.options = options
         self.concurrent = mode == "concurrent"
@@ -194,7 +199,10 @@ class _Sim:
         state = ConsumerState(group=group, mode=mode)
         service = ConsumeService.for_listener(
             _listener(mode, None, config),  # type: ignore[arg-type]
-            group, MemoryBroker(), state, options,
+            group,
+            MemoryBroker(),
+            state,
+            options,
         )
         self.service = service
         self.dispatcher = Dispatcher(
@@ -238,7 +246,9 @@ class _Sim:
         self.record_attempts = any(self.fails)
         dispatcher = self.dispatcher
         self.take, self.has_ready, self.finish = (
-            dispatcher.take, dispatcher.has_ready, dispatcher.finish
+            dispatcher.take,
+            dispatcher.has_ready,
+            dispatcher.finish,
         )
         if service.retry_queues:
             self.retry_log = _Log()
@@ -379,8 +389,9 @@ class _Sim:
             offset = pull.offset
             if offset >= len(messages):
                 pull.outer = timer = _Timer(pull)
-                self.at(self.now + self.options.pull_long_polling_timeout,
-                        self.pull_timed_out, timer)
+                self.at(
+                    self.now + self.options.pull_long_polling_timeout, self.pull_timed_out, timer
+                )
                 if not self.pull_wait(pull):
                     return
             self.pulled(pull)
@@ -604,9 +615,19 @@ class _Sim:
                     dead.append(message)
                     continue
                 due = now + retry_delay_seconds(message.reconsume_times, 0)
-                heapq.heappush(self.delayed, (due, next(self.seq), attrs.evolve(
-                    message, reconsume_times=message.reconsume_times + 1,
-                    topic=retry_topic(self.group), queue_id=0)))
+                heapq.heappush(
+                    self.delayed,
+                    (
+                        due,
+                        next(self.seq),
+                        attrs.evolve(
+                            message,
+                            reconsume_times=message.reconsume_times + 1,
+                            topic=retry_topic(self.group),
+                            queue_id=0,
+                        ),
+                    ),
+                )
                 retried.append(message)
                 assert self.retry_log is not None
                 self.wake(self.retry_log)
@@ -614,14 +635,16 @@ class _Sim:
         else:
             suspended, dead = split_exhausted(messages, limit)
             settlement = Settlement(
-                dead=dead, suspended=suspended,
+                dead=dead,
+                suspended=suspended,
                 retry_at=now + self.suspend_delay if suspended else 0.0,
             )
         self.apply(batch.process_queue, self.dispatcher.settle(batch, settlement))
 
 
-def simulate(messages: pd.DataFrame, mode: str, config: ReplayConfig,
-             prepared: Prepared | None = None) -> CallLog:
+def simulate(
+    messages: pd.DataFrame, mode: str, config: ReplayConfig, prepared: Prepared | None = None
+) -> CallLog:
     """Replay one consumer instance's messages (sorted by ``qid`` and ``offset``) in
     ``mode`` and return its handler calls; ``prepared``: ``Prepared(messages)``,
     to share between the modes of the same messages."""

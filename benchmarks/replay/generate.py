@@ -27,8 +27,19 @@ from .workload import NO_STAGE, Workload
 __all__ = ("MESSAGE_COLUMNS", "add_derived_columns", "generate_messages", "import_recorded")
 
 MESSAGE_COLUMNS: tuple[str, ...] = (
-    "consumer", "topic", "queue", "qid", "offset", "key", "strategy", "grp",
-    "size", "cost_us", "fail_attempts", "publish_us", "stage",
+    "consumer",
+    "topic",
+    "queue",
+    "qid",
+    "offset",
+    "key",
+    "strategy",
+    "grp",
+    "size",
+    "cost_us",
+    "fail_attempts",
+    "publish_us",
+    "stage",
 )
 
 _MASK53 = (1 << 53) - 1
@@ -112,8 +123,9 @@ def _stage_index(w: Workload, stage_offset: Column) -> Column:
     return expr.cast("int")  # type: ignore[no-any-return]
 
 
-def add_derived_columns(df: DataFrame, w: Workload, queue_count: int, *,
-                        by_consumer: bool = False) -> DataFrame:
+def add_derived_columns(
+    df: DataFrame, w: Workload, queue_count: int, *, by_consumer: bool = False
+) -> DataFrame:
     """Consumer assignment, strategy, group and the contract's stage of each message.
 
     ``df`` needs ``qid``, ``offset`` and ``key``. ``by_consumer``: partition the result
@@ -147,8 +159,7 @@ def add_derived_columns(df: DataFrame, w: Workload, queue_count: int, *,
     return mark_by_consumer(df.select(*MESSAGE_COLUMNS, "part"))
 
 
-def generate_messages(spark: SparkSession, w: Workload, *, by_consumer: bool = False
-                      ) -> DataFrame:
+def generate_messages(spark: SparkSession, w: Workload, *, by_consumer: bool = False) -> DataFrame:
     """The workload's messages, generated deterministically from ``w.seed``.
 
     ``by_consumer``: one partition per consumer instance, ready for the replay (see
@@ -184,8 +195,7 @@ def generate_messages(spark: SparkSession, w: Workload, *, by_consumer: bool = F
     return add_derived_columns(df, w, queues, by_consumer=by_consumer)
 
 
-def import_recorded(spark: SparkSession, w: Workload, *, by_consumer: bool = False
-                    ) -> DataFrame:
+def import_recorded(spark: SparkSession, w: Workload, *, by_consumer: bool = False) -> DataFrame:
     """Recorded traffic (Parquet/CSV with measured handler times) as messages."""
     rec = w.recorded
     assert rec is not None

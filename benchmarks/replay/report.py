@@ -57,14 +57,25 @@ def _fmt(value: Any, name: str = "") -> str:
 
 def _sorted(summary: pd.DataFrame) -> pd.DataFrame:
     keys = [c for c in ("clock",) if c in summary.columns]
-    return summary.assign(_o=summary["mode"].map(_ORDER)).sort_values([*keys, "_o"]).drop(
-        columns="_o"
+    return (
+        summary.assign(_o=summary["mode"].map(_ORDER)).sort_values([*keys, "_o"]).drop(columns="_o")
     )
 
 
-TABLE_COLUMNS = ("mode", "makespan", "bound", "efficiency", "speedup", "throughput",
-                 "latency_p50", "latency_p99", "attempts", "queue_order_violations",
-                 "stage_order_violations", "lost")
+TABLE_COLUMNS = (
+    "mode",
+    "makespan",
+    "bound",
+    "efficiency",
+    "speedup",
+    "throughput",
+    "latency_p50",
+    "latency_p99",
+    "attempts",
+    "queue_order_violations",
+    "stage_order_violations",
+    "lost",
+)
 
 
 def rich_table(summary: pd.DataFrame, title: str) -> Table:
@@ -191,8 +202,7 @@ def write_markdown(
         "",
         f"Command: `{command}` (Spark master `{master}`).",
         "",
-        f"Engine (virtual time): `{engine}` — "
-        + (ENGINE_TEXT.get(engine, engine)),
+        f"Engine (virtual time): `{engine}` — " + (ENGINE_TEXT.get(engine, engine)),
         "",
         *(
             [
@@ -221,22 +231,34 @@ def write_markdown(
         "",
     ]
     extra = [
-        c for c in ("graham", "work", "duplicates", "dead_lettered", "stage_mismatches")
+        c
+        for c in ("graham", "work", "duplicates", "dead_lettered", "stage_mismatches")
         if c in summary.columns
     ]
     if extra:
         parts += [
             _markdown_table(
                 _sorted(summary).to_dict("records"),
-                [*([("clock", "clock")] if "clock" in summary.columns else []), ("mode", "mode"),
-                 *((c, c) for c in extra)],
+                [
+                    *([("clock", "clock")] if "clock" in summary.columns else []),
+                    ("mode", "mode"),
+                    *((c, c) for c in extra),
+                ],
             ),
             "",
         ]
-    qcols = [("mode", "mode"), ("qid", "queue"), ("consumer", "consumer"),
-             ("messages", "messages"), ("makespan", "makespan s"), ("throughput", "msg/s"),
-             ("speedup", "speedup"), ("latency_p50", "lat p50"), ("latency_p99", "lat p99"),
-             ("queueing_p99", "queue p99")]
+    qcols = [
+        ("mode", "mode"),
+        ("qid", "queue"),
+        ("consumer", "consumer"),
+        ("messages", "messages"),
+        ("makespan", "makespan s"),
+        ("throughput", "msg/s"),
+        ("speedup", "speedup"),
+        ("latency_p50", "lat p50"),
+        ("latency_p99", "lat p99"),
+        ("queueing_p99", "queue p99"),
+    ]
     qv = queues
     if "clock" in qv.columns and (qv["clock"] == "virtual").any():
         qv = qv[qv["clock"] == "virtual"]
@@ -247,8 +269,9 @@ def write_markdown(
         parts.append(_markdown_table(rows.to_dict("records"), qcols))
     else:
         rows = qv.sort_values("makespan", ascending=False).groupby("mode").head(5)
-        rows = rows.assign(_o=rows["mode"].map(_ORDER)).sort_values(["_o", "makespan"],
-                                                                      ascending=[True, False])
+        rows = rows.assign(_o=rows["mode"].map(_ORDER)).sort_values(
+            ["_o", "makespan"], ascending=[True, False]
+        )
         parts.append(
             f"{nq} queues; the 5 slowest per mode (all queues in `queues.parquet`):\n\n"
             + _markdown_table(rows.to_dict("records"), qcols)
@@ -264,8 +287,11 @@ def write_markdown(
     for clock, same in (cross_checked or {}).items():
         parts.append(
             f"- violations ({clock} time) recounted in Spark SQL over the written event log:"
-            + (" same counts as the replay tasks" if same else " **DIFFERENT from the replay"
-               " tasks' counts**")
+            + (
+                " same counts as the replay tasks"
+                if same
+                else " **DIFFERENT from the replay tasks' counts**"
+            )
         )
     parts += ["", "## Charts", ""]
     parts += [f"![{p.stem}]({p.name})" for p in charts]

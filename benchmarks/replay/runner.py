@@ -51,13 +51,34 @@ from stagedconsumer import (
 from .workload import Workload
 
 __all__ = (
-    "ENGINES", "EVENT_COLUMNS", "CallLog", "HandlerFailed", "ReplayConfig", "deterministic_trio",
-    "event_frame", "replay_consumer",
+    "ENGINES",
+    "EVENT_COLUMNS",
+    "CallLog",
+    "HandlerFailed",
+    "ReplayConfig",
+    "deterministic_trio",
+    "event_frame",
+    "replay_consumer",
 )
 
 EVENT_COLUMNS: tuple[str, ...] = (
-    "mode", "consumer", "topic", "queue", "qid", "offset", "stage", "attempt", "batch",
-    "start", "end", "ok", "dlq", "publish", "strategy", "grp", "expected_stage",
+    "mode",
+    "consumer",
+    "topic",
+    "queue",
+    "qid",
+    "offset",
+    "stage",
+    "attempt",
+    "batch",
+    "start",
+    "end",
+    "ok",
+    "dlq",
+    "publish",
+    "strategy",
+    "grp",
+    "expected_stage",
 )
 """``stage``: the stage index the runtime reported (staged mode; null otherwise).
 ``batch``: the handler call's number within the replay. ``start``/``end``: seconds
@@ -124,8 +145,9 @@ class CallLog:
     dead-lettered); the replay ends when it reaches 0.
     """
 
-    def __init__(self, costs: Sequence[float], fails: Sequence[int], limit: int | None,
-                 total: int) -> None:
+    def __init__(
+        self, costs: Sequence[float], fails: Sequence[int], limit: int | None, total: int
+    ) -> None:
         self.costs = costs
         self.fails = fails
         self.limit = limit
@@ -145,8 +167,9 @@ class CallLog:
         ``None``): a call's outcome follows from the failure schedule (the core
         engine's fast path at batch size 1)."""
 
-    def record(self, indexes: list[int], attempts: list[int], stage: int | None,
-               start: float, end: float) -> bool:
+    def record(
+        self, indexes: list[int], attempts: list[int], stage: int | None, start: float, end: float
+    ) -> bool:
         """Record one handler call; returns whether it failed (failure schedule)."""
         fails = self.fails
         failed = any(a < fails[i] for a, i in zip(attempts, indexes, strict=True))
@@ -188,8 +211,9 @@ class CallLog:
         if len(call_stage) < calls or all(s is None for s in call_stage):
             stage = pd.arrays.IntegerArray(np.zeros(len(ok), np.int32), np.ones(len(ok), np.bool_))
         else:
-            values = np.fromiter((-(2**31) if s is None else s for s in call_stage),
-                                 dtype=np.int64, count=calls)
+            values = np.fromiter(
+                (-(2**31) if s is None else s for s in call_stage), dtype=np.int64, count=calls
+            )
             per = np.repeat(values, sizes)
             stage = pd.arrays.IntegerArray(per.astype(np.int32), per == -(2**31))
         limit = self.limit
@@ -210,8 +234,9 @@ class _Recorder(CallLog):
     """Simulates handler costs and failures on the event loop's clock and records
     every attempt (the runtime engine)."""
 
-    def __init__(self, costs: Sequence[float], fails: Sequence[int], limit: int | None,
-                 total: int) -> None:
+    def __init__(
+        self, costs: Sequence[float], fails: Sequence[int], limit: int | None, total: int
+    ) -> None:
         super().__init__(costs, fails, limit, total)
         self.done = anyio.Event()
         if total == 0:
@@ -229,6 +254,7 @@ class _Recorder(CallLog):
             self.done.set()
         if failed:
             raise HandlerFailed("simulated failure (failure schedule)")
+
 
 class _Orderly(MessageListenerOrderly):
     def __init__(self, recorder: _Recorder) -> None:
@@ -322,15 +348,17 @@ async def _replay(messages: pd.DataFrame, mode: str, config: ReplayConfig) -> _R
 
     def publish(index: int) -> None:
         queue, key, strategy, _ = rows[index]
-        send(TOPIC, b"%d" % index, keys=() if key is None else (key,),
-             tags=strategy, queue_id=queue)
+        send(
+            TOPIC, b"%d" % index, keys=() if key is None else (key,), tags=strategy, queue_id=queue
+        )
 
     backlog = all(row[3] == 0 for row in rows)
     if backlog:
         for index in range(len(rows)):
             publish(index)
-    consumer = PushConsumer(f"replay-{mode}", broker, _listener(mode, recorder, config),
-                            options=options)
+    consumer = PushConsumer(
+        f"replay-{mode}", broker, _listener(mode, recorder, config), options=options
+    )
     consumer.subscribe(TOPIC)
 
     async def produce(t0: float) -> None:
@@ -396,8 +424,13 @@ def deterministic_trio() -> Iterator[None]:
 
 
 def replay_consumer(
-    messages: pd.DataFrame, mode: str, config: ReplayConfig, *, wall_clock: bool = False,
-    engine: str = "runtime", prepared: Any = None,
+    messages: pd.DataFrame,
+    mode: str,
+    config: ReplayConfig,
+    *,
+    wall_clock: bool = False,
+    engine: str = "runtime",
+    prepared: Any = None,
 ) -> pd.DataFrame:
     """Replay one consumer instance's messages in ``mode``; returns the event log.
 
@@ -440,8 +473,9 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _run_runtime(messages: pd.DataFrame, mode: str, config: ReplayConfig,
-                 wall_clock: bool) -> CallLog:
+def _run_runtime(
+    messages: pd.DataFrame, mode: str, config: ReplayConfig, wall_clock: bool
+) -> CallLog:
 
     async def main() -> _Recorder:
         return await _replay(messages, mode, config)
@@ -481,6 +515,7 @@ def event_frame(messages: pd.DataFrame, mode: str, log: CallLog) -> pd.DataFrame
 
     def objects(values: Any) -> pd.Series:
         return pd.Series(values, dtype=object, copy=False)
+
     out: dict[str, Any] = {
         "mode": objects(mode_col),
         "consumer": take("consumer", np.int32),

@@ -41,8 +41,16 @@ from pyspark.sql.types import (
 from .runner import ReplayConfig, collector_paused, replay_consumer
 
 __all__ = (
-    "EVENT_ARROW_SCHEMA", "EVENT_SCHEMA", "by_consumer", "clear_events", "get_session",
-    "group_keys", "mark_by_consumer", "replay_events", "replay_summaries", "ship_code",
+    "EVENT_ARROW_SCHEMA",
+    "EVENT_SCHEMA",
+    "by_consumer",
+    "clear_events",
+    "get_session",
+    "group_keys",
+    "mark_by_consumer",
+    "replay_events",
+    "replay_summaries",
+    "ship_code",
     "write_event_part",
 )
 
@@ -74,8 +82,11 @@ _SHIPPED: set[str] = set()
 
 
 def get_session(
-    master: str = "local[*]", *, app_name: str = "stagedconsumer-replay",
-    shuffle_partitions: int | None = None, driver_memory: str = "4g",
+    master: str = "local[*]",
+    *,
+    app_name: str = "stagedconsumer-replay",
+    shuffle_partitions: int | None = None,
+    driver_memory: str = "4g",
 ) -> SparkSession:
     """A SparkSession on ``master`` (any Spark master URL)."""
     # Executors must run the same interpreter as the driver (pandas, trio, ...).
@@ -107,8 +118,10 @@ def ship_code(spark: SparkSession) -> None:
         return
     target = Path(tempfile.mkdtemp(prefix="replay-code-")) / "stagedconsumer_replay.zip"
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
-        paths = [_ROOT / "benchmarks" / "__init__.py",
-                 *sorted((_ROOT / "benchmarks" / "replay").rglob("*.py"))]
+        paths = [
+            _ROOT / "benchmarks" / "__init__.py",
+            *sorted((_ROOT / "benchmarks" / "replay").rglob("*.py")),
+        ]
         for package in _PACKAGES[1:]:
             paths += sorted((_ROOT / package).rglob("*.py"))
         for path in paths:
@@ -118,8 +131,13 @@ def ship_code(spark: SparkSession) -> None:
 
 
 def replay_events(
-    messages: DataFrame, config: ReplayConfig, modes: Sequence[str], *, wall_clock: bool = False,
-    cpu_seconds: Accumulator[float] | None = None, engine: str = "runtime",
+    messages: DataFrame,
+    config: ReplayConfig,
+    modes: Sequence[str],
+    *,
+    wall_clock: bool = False,
+    cpu_seconds: Accumulator[float] | None = None,
+    engine: str = "runtime",
 ) -> DataFrame:
     """The event log of replaying every consumer instance in every mode.
 
@@ -138,8 +156,9 @@ def replay_events(
             cpu_seconds.add(time.process_time() - start)
         for mode in chosen:
             start = time.process_time()
-            events = replay_consumer(pdf, mode, config, wall_clock=wall_clock, engine=engine,
-                                     prepared=prepared)
+            events = replay_consumer(
+                pdf, mode, config, wall_clock=wall_clock, engine=engine, prepared=prepared
+            )
             if cpu_seconds is not None:
                 cpu_seconds.add(time.process_time() - start)
             yield events
@@ -154,8 +173,11 @@ def replay_events(
 
 def _arrow_type(t: DataType) -> pa.DataType:
     simple: dict[type[DataType], pa.DataType] = {
-        StringType: pa.string(), IntegerType: pa.int32(), LongType: pa.int64(),
-        DoubleType: pa.float64(), BooleanType: pa.bool_(),
+        StringType: pa.string(),
+        IntegerType: pa.int32(),
+        LongType: pa.int64(),
+        DoubleType: pa.float64(),
+        BooleanType: pa.bool_(),
     }
     return simple[type(t)]
 
@@ -194,8 +216,14 @@ def write_event_part(path: str, events: pd.DataFrame) -> None:
 
 
 def replay_summaries(
-    messages: DataFrame, config: ReplayConfig, modes: Sequence[str], *, workers: int,
-    max_reconsume: int | None, wall_clock: bool = False, events_path: str | None = None,
+    messages: DataFrame,
+    config: ReplayConfig,
+    modes: Sequence[str],
+    *,
+    workers: int,
+    max_reconsume: int | None,
+    wall_clock: bool = False,
+    events_path: str | None = None,
     engine: str = "runtime",
 ) -> DataFrame:
     """Replay every consumer instance in every mode and summarise, in one Spark stage.
@@ -228,15 +256,19 @@ def replay_summaries(
         shared = (time.process_time() - start) / len(chosen)
         for mode in chosen:
             start = time.process_time()
-            events = replay_consumer(pdf, mode, config, wall_clock=wall_clock, engine=engine,
-                                     prepared=prepared)
+            events = replay_consumer(
+                pdf, mode, config, wall_clock=wall_clock, engine=engine, prepared=prepared
+            )
             cpu = time.process_time() - start + shared
             if events_path is not None:
                 write_event_part(events_path, events)
             row = summarise_events(events, inputs=len(pdf))
             row.update(
-                mode=mode, consumer=int(pdf["consumer"].iloc[0]), cpu_seconds=cpu,
-                bound=float(bounds.loc[mode, "bound"]), graham=float(bounds.loc[mode, "graham"]),
+                mode=mode,
+                consumer=int(pdf["consumer"].iloc[0]),
+                cpu_seconds=cpu,
+                bound=float(bounds.loc[mode, "bound"]),
+                graham=float(bounds.loc[mode, "graham"]),
                 work=float(bounds.loc[mode, "work"]),
             )
             rows.append(row)
@@ -271,8 +303,9 @@ def mark_by_consumer(df: DataFrame) -> DataFrame:
     return df
 
 
-def by_consumer(messages: DataFrame, consumers: int | None = None, *,
-                persist: bool = False) -> DataFrame:
+def by_consumer(
+    messages: DataFrame, consumers: int | None = None, *, persist: bool = False
+) -> DataFrame:
     """One partition per consumer instance (so one Spark task each).
 
     Adds a ``part`` column whose Spark hash lands consumer ``c`` in partition ``c``

@@ -201,8 +201,15 @@ class _Reader:
             raise self.fail(field, f"must be >= {low}, got {value}")
         return value
 
-    def get_number(self, field: str, default: float | None, *, low: float = 0.0,
-               high: float = math.inf, strict: bool = False) -> float:
+    def get_number(
+        self,
+        field: str,
+        default: float | None,
+        *,
+        low: float = 0.0,
+        high: float = math.inf,
+        strict: bool = False,
+    ) -> float:
         value = self.raw(field, default)
         if value is None:
             raise self.fail(field, "is required")
@@ -292,9 +299,7 @@ def _failures(r: _Reader) -> FailureModel:
 def _stages(r: _Reader) -> StageModel:
     definitions = r.stage_list("definitions", r.raw("definitions", []))
     strategies_r = r.mapping("strategies")
-    strategies = {
-        str(k): strategies_r.stage_list(str(k), v) for k, v in strategies_r.data.items()
-    }
+    strategies = {str(k): strategies_r.stage_list(str(k), v) for k, v in strategies_r.data.items()}
     if "default" in strategies:
         raise strategies_r.fail("default", "is reserved for stages.definitions")
     weights_r = r.mapping("strategyWeights")
@@ -333,8 +338,9 @@ def parse_workload(data: Any, *, where: str = "<workload>", base: Path | None = 
         path = Path(path_value)
         if not path.is_absolute() and base is not None:
             path = base / path
-        fmt = rec.get_str("format", "csv" if path.suffix.lower() == ".csv" else "parquet",
-                      ("csv", "parquet"))
+        fmt = rec.get_str(
+            "format", "csv" if path.suffix.lower() == ".csv" else "parquet", ("csv", "parquet")
+        )
         rec.check_unknown()
         recorded = RecordedTraffic(path=path, format=fmt)
     modes_value = r.raw("modes", list(MODES))
@@ -345,8 +351,9 @@ def parse_workload(data: Any, *, where: str = "<workload>", base: Path | None = 
         or any(m not in MODES for m in modes_value)
         or len(set(modes_value)) != len(modes_value)
     ):
-        raise r.fail("modes", f"must be a non-empty list of distinct {', '.join(MODES)}, "
-                     f"got {modes_value!r}")
+        raise r.fail(
+            "modes", f"must be a non-empty list of distinct {', '.join(MODES)}, got {modes_value!r}"
+        )
     consumer = r.mapping("consumer")
     threads = consumer.get_int("threads", 20, low=1)
     batch = consumer.get_int("batchSize", 1, low=1)

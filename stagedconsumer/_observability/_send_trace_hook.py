@@ -213,4 +213,3 @@ class SendMessageTraceHook(DispatchingTraceHook, SendMessageHook):
             self.store_host = producer.source.store_host()
         await self.dispatcher.sink.prepare(producer)
         await self.dispatcher.run(task_status=task_status)
-

@@ -318,4 +318,3 @@ class ConsumeMessageTraceHook(DispatchingTraceHook, ConsumeMessageHook):
     ) -> None:
         await self.dispatcher.sink.prepare(consumer)
         await self.dispatcher.run(task_status=task_status)
-

@@ -72,7 +72,6 @@ class _Suspect:
     """Queue and offsets of the batch the handler was running."""
 
 
-
 class LoopWatchdog:
     """Reports an event loop blocked for ``threshold`` seconds or more, once per
     handler (or per function, outside handlers), with advice.

@@ -359,9 +359,7 @@ class MemoryBroker(MessageSource):
         count = len(self._queues_of(topic))
         queues = self._queue_lists.get(topic)
         if queues is None or len(queues) != count:  # built once per topic (and size)
-            queues = self._queue_lists[topic] = tuple(
-                MessageQueue(topic, i) for i in range(count)
-            )
+            queues = self._queue_lists[topic] = tuple(MessageQueue(topic, i) for i in range(count))
         return queues
 
     def _now(self) -> float:

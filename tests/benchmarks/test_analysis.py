@@ -21,12 +21,35 @@ COSTS = [1.0, 2.0, 3.0, 4.0]
 STAGES = [0, 0, 1, 1]
 
 
-def event(mode: str, offset: int, start: float, end: float, *, batch: int, qid: int = 0,
-          attempt: int = 0, ok: bool = True, stage: int | None = None) -> dict[str, Any]:
+def event(
+    mode: str,
+    offset: int,
+    start: float,
+    end: float,
+    *,
+    batch: int,
+    qid: int = 0,
+    attempt: int = 0,
+    ok: bool = True,
+    stage: int | None = None,
+) -> dict[str, Any]:
     return {
-        "mode": mode, "consumer": 0, "topic": 0, "queue": qid, "qid": qid, "offset": offset,
-        "stage": stage, "attempt": attempt, "batch": batch, "start": start, "end": end,
-        "ok": ok, "dlq": False, "publish": 0.0, "strategy": "default", "grp": None,
+        "mode": mode,
+        "consumer": 0,
+        "topic": 0,
+        "queue": qid,
+        "qid": qid,
+        "offset": offset,
+        "stage": stage,
+        "attempt": attempt,
+        "batch": batch,
+        "start": start,
+        "end": end,
+        "ok": ok,
+        "dlq": False,
+        "publish": 0.0,
+        "strategy": "default",
+        "grp": None,
         "expected_stage": STAGES[offset],
     }
 
@@ -35,8 +58,13 @@ def events_df(spark: SparkSession, rows: list[dict[str, Any]]) -> DataFrame:
     from benchmarks.replay.spark import EVENT_SCHEMA
 
     pdf = pd.DataFrame(rows, columns=list(EVENT_COLUMNS)).astype(
-        {"mode": object, "strategy": object, "grp": object, "stage": "Int32",
-         "expected_stage": "Int32"}
+        {
+            "mode": object,
+            "strategy": object,
+            "grp": object,
+            "stage": "Int32",
+            "expected_stage": "Int32",
+        }
     )
     return spark.createDataFrame(pdf, schema=EVENT_SCHEMA)
 
@@ -58,21 +86,41 @@ def clean_log() -> list[dict[str, Any]]:
 
 
 def messages_df(spark: SparkSession) -> DataFrame:
-    pdf = pd.DataFrame({
-        "consumer": 0, "topic": 0, "queue": 0, "qid": 0, "offset": range(4),
-        "key": [None] * 4, "strategy": "default", "grp": [None] * 4, "size": 1,
-        "cost_us": [int(c * 1e6) for c in COSTS], "fail_attempts": 0, "publish_us": 0,
-        "stage": STAGES,
-    }).astype({"strategy": object, "key": object, "grp": object})
-    schema = ("consumer int, topic int, queue int, qid int, offset long, key string,"
-              " strategy string, grp string, size int, cost_us long, fail_attempts int,"
-              " publish_us long, stage int")
+    pdf = pd.DataFrame(
+        {
+            "consumer": 0,
+            "topic": 0,
+            "queue": 0,
+            "qid": 0,
+            "offset": range(4),
+            "key": [None] * 4,
+            "strategy": "default",
+            "grp": [None] * 4,
+            "size": 1,
+            "cost_us": [int(c * 1e6) for c in COSTS],
+            "fail_attempts": 0,
+            "publish_us": 0,
+            "stage": STAGES,
+        }
+    ).astype({"strategy": object, "key": object, "grp": object})
+    schema = (
+        "consumer int, topic int, queue int, qid int, offset long, key string,"
+        " strategy string, grp string, size int, cost_us long, fail_attempts int,"
+        " publish_us long, stage int"
+    )
     return spark.createDataFrame(pdf, schema=schema)
 
 
 def test_analysis_of_a_hand_built_log(spark: SparkSession) -> None:
-    w = parse_workload({"name": "hand", "messagesPerQueue": 4, "consumer": {"threads": 2},
-                        "stages": {"definitions": [2, 2]}, "modes": ["orderly", "staged"]})
+    w = parse_workload(
+        {
+            "name": "hand",
+            "messagesPerQueue": 4,
+            "consumer": {"threads": 2},
+            "stages": {"definitions": [2, 2]},
+            "modes": ["orderly", "staged"],
+        }
+    )
     bounds = analysis.compute_bounds(messages_df(spark), w, w.modes)
     per_consumer = analysis.summarise_event_log(events_df(spark, clean_log()), bounds)
     summary = analysis.mode_summary(per_consumer).set_index("mode")
@@ -130,9 +178,7 @@ def test_violation_counter_finds_planted_violations(spark: SparkSession, how: st
 
 
 @pytest.mark.parametrize("how", ["sql", "tasks"])
-def test_a_failed_attempt_and_its_retry_are_not_violations(
-    spark: SparkSession, how: str
-) -> None:
+def test_a_failed_attempt_and_its_retry_are_not_violations(spark: SparkSession, how: str) -> None:
     rows = [
         event("orderly", 0, 0, 1, batch=0),
         event("orderly", 1, 1, 3, batch=1, ok=False),
@@ -174,9 +220,12 @@ def test_histogram_quantiles_are_values_that_occurred_within_a_bucket() -> None:
     rng = np.random.default_rng(5)
     values = np.concatenate([np.zeros(50), rng.lognormal(0, 2, 20_000)])
     halves = [analysis.histogram(values[:7_000]), analysis.histogram(values[7_000:])]
-    merged = pd.concat(
-        [pd.DataFrame({"key": k, "n": n, "max": m}) for k, n, m in halves]
-    ).groupby("key").agg(n=("n", "sum"), max=("max", "max")).sort_index()
+    merged = (
+        pd.concat([pd.DataFrame({"key": k, "n": n, "max": m}) for k, n, m in halves])
+        .groupby("key")
+        .agg(n=("n", "sum"), max=("max", "max"))
+        .sort_index()
+    )
     qs = [0.0, 0.001, 0.5, 0.95, 0.99, 1.0]
     got = analysis.histogram_quantiles(merged["n"].to_numpy(), merged["max"].to_numpy(), qs)
     ordered = np.sort(values)

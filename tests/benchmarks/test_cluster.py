@@ -65,9 +65,23 @@ def test_standalone_cluster_run_equals_the_local_run(spark: SparkSession, tmp_pa
         # command itself, as a user runs it
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         done = subprocess.run(
-            [sys.executable, "-m", "benchmarks", "bench", str(workload),
-             "--master", cluster.master_url, "--out", str(tmp_path / "cluster"), "--events"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks",
+                "bench",
+                str(workload),
+                "--master",
+                cluster.master_url,
+                "--out",
+                str(tmp_path / "cluster"),
+                "--events",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=480,
         )
         assert done.returncode == 0, done.stdout + done.stderr
         master, worker = cluster.master, cluster.worker
@@ -99,18 +113,20 @@ def test_readme_starts_the_cluster_as_the_test_does() -> None:
     from benchmarks.replay import cluster
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("**On a Spark standalone cluster.**"):]
-    block = section[section.index("```bash"):section.index("```", section.index("```bash") + 7)]
+    section = text[text.index("**On a Spark standalone cluster.**") :]
+    block = section[section.index("```bash") : section.index("```", section.index("```bash") + 7)]
     source = Path(cluster.__file__).read_text(encoding="utf-8")
     for needed in (
         "import pyspark, os; print(os.path.dirname(pyspark.__file__))",
         "$SPARK_HOME/bin/spark-class org.apache.spark.deploy.master.Master",
         "--host 127.0.0.1 --port 7077 --webui-port 8080",
-        "$SPARK_HOME/bin/spark-class org.apache.spark.deploy.worker.Worker"
-        " spark://127.0.0.1:7077",
+        "$SPARK_HOME/bin/spark-class org.apache.spark.deploy.worker.Worker spark://127.0.0.1:7077",
         "--master spark://127.0.0.1:7077",
     ):
         assert needed in block.replace("\\\n    ", ""), needed
-    for launched in ("org.apache.spark.deploy.master.Master",
-                     "org.apache.spark.deploy.worker.Worker", '"--host", "127.0.0.1"'):
+    for launched in (
+        "org.apache.spark.deploy.master.Master",
+        "org.apache.spark.deploy.worker.Worker",
+        '"--host", "127.0.0.1"',
+    ):
         assert launched in source

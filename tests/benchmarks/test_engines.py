@@ -77,8 +77,9 @@ def test_engines_agree_on_every_shipped_workload(spark: SparkSession, path: Path
             assert_same_schedule(pdf, mode, config), consumer
 
 
-def frame(rows: list[tuple[int, int, int, int, str | None, str | None]],
-          ) -> pd.DataFrame:
+def frame(
+    rows: list[tuple[int, int, int, int, str | None, str | None]],
+) -> pd.DataFrame:
     """Messages from ``(queue, cost_us, fail_attempts, publish_us, key, strategy)``,
     offsets in row order within each queue."""
     queues = [r[0] for r in rows]
@@ -88,14 +89,27 @@ def frame(rows: list[tuple[int, int, int, int, str | None, str | None]],
         offset.append(offsets.get(q, 0))
         offsets[q] = offset[-1] + 1
     n = len(rows)
-    return pd.DataFrame({
-        "consumer": np.zeros(n, np.int32), "topic": np.zeros(n, np.int32),
-        "queue": queues, "qid": queues, "offset": offset,
-        "key": [r[4] for r in rows], "strategy": [r[5] for r in rows],
-        "grp": [r[4] for r in rows], "size": 1,
-        "cost_us": [r[1] for r in rows], "fail_attempts": [r[2] for r in rows],
-        "publish_us": [r[3] for r in rows], "stage": pd.array([0] * n, dtype="Int32"),
-    }).sort_values(["qid", "offset"]).reset_index(drop=True)
+    return (
+        pd.DataFrame(
+            {
+                "consumer": np.zeros(n, np.int32),
+                "topic": np.zeros(n, np.int32),
+                "queue": queues,
+                "qid": queues,
+                "offset": offset,
+                "key": [r[4] for r in rows],
+                "strategy": [r[5] for r in rows],
+                "grp": [r[4] for r in rows],
+                "size": 1,
+                "cost_us": [r[1] for r in rows],
+                "fail_attempts": [r[2] for r in rows],
+                "publish_us": [r[3] for r in rows],
+                "stage": pd.array([0] * n, dtype="Int32"),
+            }
+        )
+        .sort_values(["qid", "offset"])
+        .reset_index(drop=True)
+    )
 
 
 # Whole milliseconds make many events tie at the same instant: the order in which
@@ -143,9 +157,15 @@ def test_engines_agree_on_generated_workloads(
 
 def test_prepared_messages_are_shared_between_modes() -> None:
     messages = frame([(0, 1000, 0, 0, "a", "default"), (1, 2000, 1, 0, None, None)] * 3)
-    config = ReplayConfig(threads=2, batch_size=1, pull_batch_size=4, suspend_millis=100,
-                          max_reconsume_times=None, strategies={"default": (2,)},
-                          group_by_key=False)
+    config = ReplayConfig(
+        threads=2,
+        batch_size=1,
+        pull_batch_size=4,
+        suspend_millis=100,
+        max_reconsume_times=None,
+        strategies={"default": (2,)},
+        group_by_key=False,
+    )
     prepared = Prepared(messages)
     for mode in MODES:
         shared = simulate(messages, mode, config, prepared)
@@ -167,9 +187,15 @@ def test_trio_is_fifo_inside_the_replay_only() -> None:
 
 def test_the_core_engine_refuses_the_wall_clock() -> None:
     messages = frame([(0, 1000, 0, 0, None, None)])
-    config = ReplayConfig(threads=1, batch_size=1, pull_batch_size=1, suspend_millis=100,
-                          max_reconsume_times=None, strategies={"default": (1,)},
-                          group_by_key=False)
+    config = ReplayConfig(
+        threads=1,
+        batch_size=1,
+        pull_batch_size=1,
+        suspend_millis=100,
+        max_reconsume_times=None,
+        strategies={"default": (1,)},
+        group_by_key=False,
+    )
     with pytest.raises(ValueError, match="virtual time only"):
         replay_consumer(messages, "orderly", config, engine="core", wall_clock=True)
     with pytest.raises(ValueError, match="engine must be one of"):
@@ -185,12 +211,20 @@ def test_engines_agree_when_flow_control_pauses_pulling() -> None:
     rows: list[tuple[int, int, int, int, str | None, str | None]] = [
         (0, 10_000_000 if i == 0 else 1000, 0, 0, None, "default") for i in range(2600)
     ]
-    rows += [(1, int(rng.integers(500, 3000)), int(rng.random() < 0.02), 0, None, "default")
-             for _ in range(1500)]
+    rows += [
+        (1, int(rng.integers(500, 3000)), int(rng.random() < 0.02), 0, None, "default")
+        for _ in range(1500)
+    ]
     messages = frame(rows)
-    config = ReplayConfig(threads=4, batch_size=1, pull_batch_size=32, suspend_millis=100,
-                          max_reconsume_times=None, strategies={"default": (500, 1000)},
-                          group_by_key=False)
+    config = ReplayConfig(
+        threads=4,
+        batch_size=1,
+        pull_batch_size=32,
+        suspend_millis=100,
+        max_reconsume_times=None,
+        strategies={"default": (500, 1000)},
+        group_by_key=False,
+    )
     for mode in MODES:
         assert_same_schedule(messages, mode, config)
     events = replay_consumer(messages, "concurrent", config, engine="core")
@@ -218,12 +252,19 @@ def test_key_ordered_replay_runs_keys_of_a_queue_concurrently() -> None:
     # one queue, keys a, b, a, b of 1 s each on two workers: by queue 4 s, by key 2 s,
     # and each key's messages still one after the other
     messages = frame([(0, 1_000_000, 0, 0, key, None) for key in ("a", "b", "a", "b")])
-    config = ReplayConfig(threads=2, batch_size=1, pull_batch_size=4, suspend_millis=100,
-                          max_reconsume_times=None, strategies={"default": (1,)},
-                          group_by_key=False)
+    config = ReplayConfig(
+        threads=2,
+        batch_size=1,
+        pull_batch_size=4,
+        suspend_millis=100,
+        max_reconsume_times=None,
+        strategies={"default": (1,)},
+        group_by_key=False,
+    )
     by_queue = replay_consumer(messages, "orderly", config, engine="core")
-    by_key = replay_consumer(messages, "orderly", attrs.evolve(config, key_ordered=True),
-                             engine="core")
+    by_key = replay_consumer(
+        messages, "orderly", attrs.evolve(config, key_ordered=True), engine="core"
+    )
     assert by_queue["end"].max() == 4.0
     assert by_key["end"].max() == 2.0
     starts = by_key.sort_values("offset")["start"].tolist()

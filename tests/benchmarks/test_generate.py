@@ -16,12 +16,22 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 def workload(**extra: Any) -> Any:
     doc = {
-        "name": "gen", "partitionsPerTopic": 4, "topics": 2, "messagesPerQueue": 250,
-        "consumerPerSubscription": 3, "keyDistributor": "KEY_ROUND_ROBIN", "keyCount": 7,
-        "seed": 11, "handlerCost": {"distribution": "lognormal", "medianMs": 5, "sigma": 1},
+        "name": "gen",
+        "partitionsPerTopic": 4,
+        "topics": 2,
+        "messagesPerQueue": 250,
+        "consumerPerSubscription": 3,
+        "keyDistributor": "KEY_ROUND_ROBIN",
+        "keyCount": 7,
+        "seed": 11,
+        "handlerCost": {"distribution": "lognormal", "medianMs": 5, "sigma": 1},
         "failures": {"probability": 0.3, "maxFailures": 2},
-        "stages": {"definitions": [10, 40], "strategies": {"vip": [3]},
-                   "strategyWeights": {"default": 2, "vip": 1, "none": 1}, "groupBy": "key"},
+        "stages": {
+            "definitions": [10, 40],
+            "strategies": {"vip": [3]},
+            "strategyWeights": {"default": 2, "vip": 1, "none": 1},
+            "groupBy": "key",
+        },
         **extra,
     }
     return parse_workload(doc)
@@ -60,8 +70,9 @@ def test_generated_columns_follow_the_workload(spark: SparkSession) -> None:
     # the contract's stage: rank within (queue, strategy, group) against the definitions
     for (_, strategy, _), g in df.dropna(subset=["strategy"]).groupby(["qid", "strategy", "grp"]):
         bounds = [10, 50] if strategy == "default" else [3]
-        expected = [next((i for i, b in enumerate(bounds) if rank < b), -1)
-                    for rank in range(len(g))]
+        expected = [
+            next((i for i, b in enumerate(bounds) if rank < b), -1) for rank in range(len(g))
+        ]
         assert list(g.sort_values("offset")["stage"]) == expected
     median_ms = df["cost_us"].median() / 1000
     assert 4 < median_ms < 6
@@ -70,8 +81,10 @@ def test_generated_columns_follow_the_workload(spark: SparkSession) -> None:
 def test_recorded_traffic_becomes_messages(spark: SparkSession, tmp_path: Path) -> None:
     csv = tmp_path / "traffic.csv"
     csv.write_text("queue,cost_ms,key\n1,2.5,a\n0,1,b\n1,4,c\n0,3,d\n1,1,e\n")
-    w = parse_workload({"name": "rec", "recorded": {"path": "traffic.csv"},
-                        "stages": {"definitions": [1, 1]}}, base=tmp_path)
+    w = parse_workload(
+        {"name": "rec", "recorded": {"path": "traffic.csv"}, "stages": {"definitions": [1, 1]}},
+        base=tmp_path,
+    )
     df = generate_messages(spark, w).orderBy("qid", "offset").toPandas()
     assert list(df["qid"]) == [0, 0, 1, 1, 1]
     assert list(df["offset"]) == [0, 1, 0, 1, 2]  # file order within a queue

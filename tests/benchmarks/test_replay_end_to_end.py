@@ -41,17 +41,28 @@ def test_rip22_reproduces_the_table_exactly(spark: SparkSession, tmp_path: Path)
 
 
 def test_two_consumers_with_failures_and_strategies(spark: SparkSession, tmp_path: Path) -> None:
-    w = parse_workload({
-        "name": "small", "partitionsPerTopic": 4, "messagesPerQueue": 60,
-        "consumerPerSubscription": 2, "keyDistributor": "KEY_ROUND_ROBIN", "keyCount": 6,
-        "producerRate": 500, "seed": 3,
-        "handlerCost": {"distribution": "exponential", "meanMs": 10},
-        "failures": {"probability": 0.1, "maxFailures": 1, "suspendMillis": 50},
-        "stages": {"definitions": [5, 10], "strategies": {"vip": [2]},
-                   "strategyWeights": {"default": 2, "vip": 1, "none": 1}, "groupBy": "key"},
-        "consumer": {"threads": 4},
-        "modes": ["orderly", "staged"],
-    })
+    w = parse_workload(
+        {
+            "name": "small",
+            "partitionsPerTopic": 4,
+            "messagesPerQueue": 60,
+            "consumerPerSubscription": 2,
+            "keyDistributor": "KEY_ROUND_ROBIN",
+            "keyCount": 6,
+            "producerRate": 500,
+            "seed": 3,
+            "handlerCost": {"distribution": "exponential", "meanMs": 10},
+            "failures": {"probability": 0.1, "maxFailures": 1, "suspendMillis": 50},
+            "stages": {
+                "definitions": [5, 10],
+                "strategies": {"vip": [2]},
+                "strategyWeights": {"default": 2, "vip": 1, "none": 1},
+                "groupBy": "key",
+            },
+            "consumer": {"threads": 4},
+            "modes": ["orderly", "staged"],
+        }
+    )
     result = run_bench(spark, w, tmp_path)
     assert result.cross_checked == {"virtual": True}
     summary = result.summary.set_index("mode")
@@ -91,8 +102,7 @@ def test_a_kept_event_log_summarises_like_the_replay_tasks(spark: SparkSession) 
     from benchmarks.replay.spark import replay_events
 
     w = load_workload(WORKLOADS / "rip22.yaml")
-    events = replay_events(generate_messages(spark, w), ReplayConfig.from_workload(w),
-                           ["orderly"])
+    events = replay_events(generate_messages(spark, w), ReplayConfig.from_workload(w), ["orderly"])
     assert events.count() == 100
     summary = analysis.mode_summary(analysis.summarise_event_log(events)).set_index("mode")
     assert summary.loc["orderly", "makespan"] == 100

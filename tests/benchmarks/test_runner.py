@@ -9,20 +9,38 @@ import pytest
 from benchmarks.replay.runner import EVENT_COLUMNS, ReplayConfig, replay_consumer
 
 
-def one_queue(n: int, cost_us: int, fails: list[int] | None = None,
-              stage: list[int] | None = None) -> pd.DataFrame:
-    return pd.DataFrame({
-        "consumer": 0, "topic": 0, "queue": 0, "qid": 0, "offset": np.arange(n),
-        "key": [None] * n, "strategy": "default", "grp": [None] * n, "size": 1,
-        "cost_us": cost_us, "fail_attempts": fails or [0] * n, "publish_us": 0,
-        "stage": stage or [0] * n,
-    })
+def one_queue(
+    n: int, cost_us: int, fails: list[int] | None = None, stage: list[int] | None = None
+) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "consumer": 0,
+            "topic": 0,
+            "queue": 0,
+            "qid": 0,
+            "offset": np.arange(n),
+            "key": [None] * n,
+            "strategy": "default",
+            "grp": [None] * n,
+            "size": 1,
+            "cost_us": cost_us,
+            "fail_attempts": fails or [0] * n,
+            "publish_us": 0,
+            "stage": stage or [0] * n,
+        }
+    )
 
 
 def config(definitions: tuple[int, ...], threads: int = 20, suspend: int = 1000) -> ReplayConfig:
-    return ReplayConfig(threads=threads, batch_size=1, pull_batch_size=32,
-                        suspend_millis=suspend, max_reconsume_times=None,
-                        strategies={"default": definitions}, group_by_key=False)
+    return ReplayConfig(
+        threads=threads,
+        batch_size=1,
+        pull_batch_size=32,
+        suspend_millis=suspend,
+        max_reconsume_times=None,
+        strategies={"default": definitions},
+        group_by_key=False,
+    )
 
 
 @pytest.mark.parametrize(("mode", "makespan"), [("orderly", 100), ("concurrent", 5), ("staged", 6)])

@@ -226,9 +226,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             stage_offsets=stage_offsets,
             plan=self.config.plan(),
             flow_control=self.config.flow,
-            key_of=self.config.message_key
-            if self.config.mode is ConsumeMode.KEY_ORDERED
-            else None,
+            key_of=self.config.message_key if self.config.mode is ConsumeMode.KEY_ORDERED else None,
         )
 
     # -- model helpers -----------------------------------------------------------
@@ -558,11 +556,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         for q in self.queues:
             pending_lanes = [b.lane for b in self.batches if b.queue is q and b.lane != "direct"]
             assert len(pending_lanes) == len(set(pending_lanes)), "two batches of one key"
-            live = {
-                m.lane
-                for m in q.msgs.values()
-                if m.state != "finished" and m.lane != "direct"
-            }
+            live = {m.lane for m in q.msgs.values() if m.state != "finished" and m.lane != "direct"}
             if not q.pq.dropped:
                 assert q.pq.key_count == len(live), "a lane kept for a key with nothing left"
 

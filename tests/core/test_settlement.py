@@ -8,8 +8,9 @@ from stagedconsumer._core import split_exhausted
 
 
 def _message(offset: int, reconsume_times: int) -> Message:
-    return Message(topic="t", queue_id=0, queue_offset=offset, body=b"",
-                   reconsume_times=reconsume_times)
+    return Message(
+        topic="t", queue_id=0, queue_offset=offset, body=b"", reconsume_times=reconsume_times
+    )
 
 
 def test_split_exhausted_sends_used_up_messages_to_the_dead_letter_queue_in_batch_order() -> None:

@@ -25,6 +25,7 @@ from .test_groups import OPTIONS, group_broker  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
+
 class Work(MessageListenerConcurrently):
     def __init__(self, name: str, calls: list[tuple[str, MessageQueue, int]]) -> None:
         self.name = name
