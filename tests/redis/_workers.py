@@ -11,9 +11,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ("Workers",)
+from stagedconsumer import MessageQueue, RedisBroker
+
+__all__ = ("Workers", "lock_owners")
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+async def lock_owners(broker: RedisBroker, group: str, queues: int) -> dict[int, str | None]:
+    """The client holding the group lock of each queue of topic ``t`` (``None``: free)."""
+    coordinator = broker.group_coordinator()
+    return {q: await coordinator.lock_owner(group, MessageQueue("t", q)) for q in range(queues)}
 
 
 class Workers:

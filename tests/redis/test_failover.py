@@ -22,7 +22,7 @@ from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
-from ._workers import Workers
+from ._workers import Workers, lock_owners
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
@@ -44,11 +44,6 @@ async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
             yield broker
         finally:
             await broker.delete_namespace()
-
-
-async def _owners(broker: RedisBroker, group: str) -> dict[int, str | None]:
-    coordinator = broker.group_coordinator()
-    return {q: await coordinator.lock_owner(group, MessageQueue("t", q)) for q in range(QUEUES)}
 
 
 async def _produce(broker: RedisBroker, per_queue: int, seconds: float) -> None:
@@ -92,15 +87,15 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
         # Wait for the three to share the queues (3/3/2).
         with anyio.fail_after(20):
             while (
-                len({o for o in (await _owners(broker, group)).values() if o}) != 3
-                or None in (await _owners(broker, group)).values()
+                len({o for o in (await lock_owners(broker, group, QUEUES)).values() if o}) != 3
+                or None in (await lock_owners(broker, group, QUEUES)).values()
             ):
                 await anyio.sleep(0.1)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(_produce, broker, PER_QUEUE, 1.0)
             await anyio.sleep(1.5)
-            owners = await _owners(broker, group)
+            owners = await lock_owners(broker, group, QUEUES)
             victim = workers.client_ids["a"]
             victim_queues = sorted(q for q, o in owners.items() if o == victim)
             assert victim_queues, owners
@@ -110,7 +105,7 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
             moved_at: dict[int, float] = {}
             with anyio.fail_after(LOCK_TTL + 5):
                 while len(moved_at) < len(victim_queues):
-                    owners = await _owners(broker, group)
+                    owners = await lock_owners(broker, group, QUEUES)
                     for q in victim_queues:
                         if q not in moved_at and owners[q] not in (None, victim):
                             moved_at[q] = time.monotonic() - killed_at

@@ -16,11 +16,10 @@ import time
 import anyio
 import pytest
 
-from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import read_events
-from ._workers import Workers
+from ._workers import Workers, lock_owners
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
@@ -32,11 +31,6 @@ GROUP_OPTIONS = {
     "rebalance_interval": 0.3,
     "member_ttl": 1.0,
 }
-
-
-async def _owners(broker: RedisBroker, group: str) -> dict[int, str | None]:
-    coordinator = broker.group_coordinator()
-    return {q: await coordinator.lock_owner(group, MessageQueue("t", q)) for q in range(QUEUES)}
 
 
 async def _produce(broker: RedisBroker, stop: anyio.Event) -> None:
@@ -68,17 +62,18 @@ async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
                 workers.wait_ready(name)
             frozen = workers.client_ids["a"]
             with anyio.fail_after(20):  # the two share the queues
-                while (
-                    sorted(map(str, (await _owners(broker, group)).values())).count(frozen)
-                    != QUEUES // 2
-                    or None in (await _owners(broker, group)).values()
-                ):
+                while True:
+                    owners = list((await lock_owners(broker, group, QUEUES)).values())
+                    if owners.count(frozen) == QUEUES // 2 and None not in owners:
+                        break
                     await anyio.sleep(0.1)
             stop = anyio.Event()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_produce, broker, stop)
                 await anyio.sleep(1.0)  # both consume
-                lost = sorted(q for q, o in (await _owners(broker, group)).items() if o == frozen)
+                lost = sorted(
+                    q for q, o in (await lock_owners(broker, group, QUEUES)).items() if o == frozen
+                )
                 proc = workers.procs["a"]
                 proc.send_signal(signal.SIGSTOP)
                 try:
@@ -86,7 +81,7 @@ async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
                     # locks expire at the server.
                     with anyio.fail_after(LOCK_TTL + 10):
                         while True:
-                            owners = await _owners(broker, group)
+                            owners = await lock_owners(broker, group, QUEUES)
                             if all(owners[q] not in (None, frozen) for q in lost):
                                 break
                             await anyio.sleep(0.05)
