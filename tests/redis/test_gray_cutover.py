@@ -21,8 +21,8 @@ from offsetstore import SqlOffsetStore
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
-from ._workers import Workers
-from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, _owners, _produce
+from ._workers import Workers, lock_owners
+from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, _produce
 from .test_failover import _wait_all_committed as wait_all_committed
 from .test_failover import broker as broker  # the fixtures
 
@@ -62,7 +62,7 @@ async def test_gray_member_goes_away_and_normal_members_take_its_queues(
             return gray_ok and None not in normal and gray_id not in normal and len(normal) == 2
 
         with anyio.fail_after(30):
-            while not split(await _owners(broker, group)):
+            while not split(await lock_owners(broker, group, QUEUES)):
                 await anyio.sleep(0.1)
 
         async with anyio.create_task_group() as tg:
@@ -76,7 +76,7 @@ async def test_gray_member_goes_away_and_normal_members_take_its_queues(
                 assert workers.stop("gray") == 0, workers.stderr("gray")
             with anyio.fail_after(LOCK_TTL + 10):
                 while True:
-                    owners = await _owners(broker, group)
+                    owners = await lock_owners(broker, group, QUEUES)
                     if all(owners[q] not in (None, gray_id) for q in GRAY_QUEUES):
                         break
                     await anyio.sleep(0.05)

@@ -63,8 +63,8 @@ async def test_a_member_frozen_past_its_lease_starts_no_handler_on_a_lost_queue(
             frozen = workers.client_ids["a"]
             with anyio.fail_after(20):  # the two share the queues
                 while True:
-                    owners = list((await lock_owners(broker, group, QUEUES)).values())
-                    if owners.count(frozen) == QUEUES // 2 and None not in owners:
+                    holders = list((await lock_owners(broker, group, QUEUES)).values())
+                    if holders.count(frozen) == QUEUES // 2 and None not in holders:
                         break
                     await anyio.sleep(0.1)
             stop = anyio.Event()
