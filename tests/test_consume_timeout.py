@@ -52,6 +52,7 @@ class Calls(ConsumeMessageHook):
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], float, float, ConsumeReturnType | None]] = []
 
+    @property
     def hook_name(self) -> str:
         return "calls"
 
@@ -253,9 +254,7 @@ async def test_a_hung_sync_handler_is_abandoned_and_its_late_result_ignored() ->
     finished_late: list[int] = []
 
     class Blocking(MessageListenerOrderly):  # orderly: the retry comes at once, in place
-        def consume_message(  # type: ignore[override]
-            self, msgs: Sequence[Message], context: ConsumeOrderlyContext
-        ) -> None:
+        def consume_message(self, msgs: Sequence[Message], context: ConsumeOrderlyContext) -> None:
             m = msgs[0]
             calls.append((m.queue_offset, m.reconsume_times))
             if m.queue_offset == 0 and m.reconsume_times == 0:
