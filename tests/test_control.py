@@ -171,7 +171,9 @@ async def test_pause_holds_a_queue_and_resume_lets_it_go_on() -> None:
         stats = consumer.statistics()
         assert stats.paused_queues == [Q0]
         assert stats.queues[Q0].committed_offset == 0  # nothing committed past it
-        consumer.resume(Q0)
+        # resume() takes one queue as well (it wraps a lone MessageQueue or topic), but
+        # its annotation names only the iterable form
+        consumer.resume(Q0)  # type: ignore[arg-type]
         await consumer.wait_caught_up(timeout=5)
         assert sorted(o for q, o in listener.seen if q == 0) == list(range(5))
         assert consumer.statistics().paused_queues == []

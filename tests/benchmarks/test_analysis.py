@@ -138,7 +138,9 @@ def test_analysis_of_a_hand_built_log(spark: SparkSession) -> None:
         assert summary.loc[mode, "stage_order_violations"] == 0
     assert summary.loc["orderly", "queue_order_violations"] == 0
     assert summary.loc["staged", "stage_mismatches"] == 0
-    queues = analysis.queue_summary(per_consumer).toPandas().set_index("mode")
+    # pd.DataFrame: pyspark's annotation of toPandas() needs pandas-stubs
+    queues_pdf: pd.DataFrame = analysis.queue_summary(per_consumer).toPandas()
+    queues = queues_pdf.set_index("mode")
     assert queues.loc["staged", "speedup"] == pytest.approx(10 / 6)
     assert queues.loc["orderly", "messages"] == 4
     assert queues.loc["orderly", "latency_p50"] == 3
@@ -150,8 +152,9 @@ def count_violations(spark: SparkSession, rows: list[dict[str, Any]], how: str) 
     """Per mode, by Spark SQL over the log or as the replay tasks count (pandas)."""
     events = events_df(spark, rows)
     if how == "sql":
-        return analysis.violations(events).toPandas().set_index("mode")
-    pdf = events.toPandas()
+        violations: pd.DataFrame = analysis.violations(events).toPandas()
+        return violations.set_index("mode")
+    pdf: pd.DataFrame = events.toPandas()
     return pd.DataFrame(
         [{"mode": m, **analysis.event_violations(g)} for m, g in pdf.groupby("mode")]
     ).set_index("mode")

@@ -9,6 +9,10 @@ from benchmarks.replay.generate import MESSAGE_COLUMNS, generate_messages
 from benchmarks.replay.workload import parse_workload
 
 if TYPE_CHECKING:
+    # pyspark annotates toPandas() with pandas-stubs' DataFrame, which is not installed,
+    # so the result has a type mypy cannot resolve: the frames are annotated pd.DataFrame,
+    # as in benchmarks/replay (pandas.* imports are untyped here)
+    import pandas as pd
     from pyspark.sql import SparkSession
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -57,7 +61,7 @@ def test_generation_is_deterministic_for_a_seed(spark: SparkSession) -> None:
 
 
 def test_generated_columns_follow_the_workload(spark: SparkSession) -> None:
-    df = generate_messages(spark, workload()).toPandas()
+    df: pd.DataFrame = generate_messages(spark, workload()).toPandas()
     assert len(df) == 2 * 4 * 250
     assert sorted(df["consumer"].unique()) == [0, 1, 2]
     assert df.groupby("qid")["offset"].apply(lambda s: sorted(s) == list(range(250))).all()
@@ -85,7 +89,7 @@ def test_recorded_traffic_becomes_messages(spark: SparkSession, tmp_path: Path) 
         {"name": "rec", "recorded": {"path": "traffic.csv"}, "stages": {"definitions": [1, 1]}},
         base=tmp_path,
     )
-    df = generate_messages(spark, w).orderBy("qid", "offset").toPandas()
+    df: pd.DataFrame = generate_messages(spark, w).orderBy("qid", "offset").toPandas()
     assert list(df["qid"]) == [0, 0, 1, 1, 1]
     assert list(df["offset"]) == [0, 1, 0, 1, 2]  # file order within a queue
     assert list(df["cost_us"]) == [1000, 3000, 2500, 4000, 1000]

@@ -317,7 +317,8 @@ class ProcessQueueMachine(RuleBasedStateMachine):
     @rule(data=st.data(), max_count=st.integers(1, 5), direct=st.booleans())
     def take(self, data: st.DataObject, max_count: int, direct: bool) -> None:
         if direct:  # pausing and leases are the dispatcher's: a direct take ignores them
-            q = data.draw(st.sampled_from([q for q in self.queues if not q.pq.paused] or [None]))
+            unpaused: list[MQueue | None] = [q for q in self.queues if not q.pq.paused]
+            q = data.draw(st.sampled_from(unpaused or [None]))
             if q is None:
                 return
             batch = q.pq.try_take_messages(max_count)

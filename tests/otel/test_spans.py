@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -569,12 +569,14 @@ def histogram_counts(otel: Otel) -> dict[str, int]:
     """How many measurements each histogram holds, and the consumed-messages count."""
     metrics = otel.metrics()
     names = ("messaging.process.duration", "stagedconsumer.consumer.await.duration")
+    # Otel.metrics() holds the points of every kind as objects: these names are a
+    # histogram's and a counter's
     counts = {
-        name: sum(point.count for point in metrics.get(name, ()))  # type: ignore[attr-defined]
+        name: sum(point.count for point in cast("list[HistogramDataPoint]", metrics.get(name, [])))
         for name in names
     }
-    consumed = metrics.get("messaging.client.consumed.messages", ())
-    counts["consumed"] = sum(int(point.value) for point in consumed)  # type: ignore[attr-defined]
+    consumed = cast("list[NumberDataPoint]", metrics.get("messaging.client.consumed.messages", []))
+    counts["consumed"] = sum(int(point.value) for point in consumed)
     return counts
 
 

@@ -94,6 +94,13 @@ def inspect(redis_url: str) -> Iterator[redis.Redis]:
         client.close()
 
 
+def entry_id(reply: bytes | str) -> bytes:
+    """The id an ``inspect.xadd`` returned: bytes, as ``inspect`` does not decode its
+    replies (redis-py's annotations allow either)."""
+    assert isinstance(reply, bytes)
+    return reply
+
+
 @pytest.fixture
 def redis_url() -> str:
     return require_redis()

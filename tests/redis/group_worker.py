@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -40,6 +40,7 @@ from stagedconsumer import (
     GroupOptions,
     Message,
     MessageListenerStagedConcurrently,
+    MessageQueue,
     PushConsumer,
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
@@ -71,7 +72,9 @@ class TakeoverLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if " took " not in record.msg or not isinstance(record.args, tuple):
             return
-        _group, _client, mq, offset, epoch = record.args
+        # the arguments of the consumer's "group %s: %s took %s at offset %d (epoch %d)"
+        took = cast("tuple[str, str, MessageQueue, int, int]", record.args)
+        _group, _client, mq, offset, epoch = took
         line = f"T {mq.queue_id} {offset} {epoch} {time.time():.6f} {os.getpid()}\n"
         os.write(self._fd, line.encode())
         os.fsync(self._fd)

@@ -34,6 +34,7 @@ from stagedconsumer import (
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
 from stagedconsumer._sources._redis_codec import _attached_id, _attached_offset
+from tests.redis.conftest import entry_id
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -84,7 +85,8 @@ async def test_plain_xadd_entries_are_consumed_staged_and_resume_after_the_last(
     broker: RedisBroker, streams: list[str], inspect: redis.Redis
 ) -> None:
     ids = [
-        inspect.xadd(streams[0], {"body": f"order {i}", "shop": "s1"}).decode() for i in range(3)
+        entry_id(inspect.xadd(streams[0], {"body": f"order {i}", "shop": "s1"})).decode()
+        for i in range(3)
     ]
     queues = await broker.attach_stream("orders", streams)
     assert queues == [MessageQueue("orders", 0), MessageQueue("orders", 1)]
@@ -136,7 +138,7 @@ async def test_long_poll_wakes_on_a_plain_xadd(
 ) -> None:
     mq = MessageQueue("orders", 1)
     await broker.attach_stream("orders", streams)
-    entry = inspect.xadd(streams[1], {"body": "x"})
+    entry = entry_id(inspect.xadd(streams[1], {"body": "x"}))
     offset = (await broker.pull(mq, 0, 10)).next_offset
     assert offset == _attached_offset(entry) + 1
 

@@ -159,6 +159,7 @@ async def test_a_member_whose_lock_was_taken_releases_the_queue_without_committi
         inspect.delete(coordinator._lock_key("grp", mq))
         epoch = (await coordinator.lock("grp", "thief", [mq]))[mq]
         claimed = await store.claim("grp", mq, epoch)
+        assert claimed is not None
         assert claimed == QueueProgress(consume_offset=50, stage_offsets=claimed.stage_offsets)
         await broker.send_many("t", [b"y"] * 20, queue_id=0)
         await _wait_for(lambda: mq not in consumer.assigned_queues, timeout=5)

@@ -32,6 +32,7 @@ from stagedconsumer._sources._source import (
     SendBackResult,
 )
 from tests.redis._server import RedisServer
+from tests.redis.conftest import entry_id
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -45,6 +46,7 @@ async def test_offsets_are_consecutive_per_queue_and_entry_ids_derive_from_them(
     assert [m.queue_offset for m in sent if m.queue_id == 0] == [0, 1, 2, 3, 4]
     assert [m.queue_offset for m in sent if m.queue_id == 1] == [0, 1, 2, 3, 4]
     entries = inspect.xrange(f"{broker.namespace}:q:{{t:0}}", "-", "+")
+    assert entries is not None
     assert [entry[0] for entry in entries] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
     assert await broker.max_offset(MessageQueue("t", 0)) == 5
     assert await broker.min_offset(MessageQueue("t", 0)) == 0
@@ -321,6 +323,7 @@ async def test_default_delay_level_follows_reconsume_times(
     assert (await broker.pull(retry_mq, 0, 10)).messages == []
     score = inspect.zrange(f"{broker.namespace}:delay:{{%RETRY%g:0}}", 0, 0, withscores=True)
     server_now = inspect.time()[0]
+    assert isinstance(score[0], tuple)  # withscores: (member, score) pairs
     assert 8 <= score[0][1] / 1000 - server_now <= 10.5
 
 
@@ -527,7 +530,7 @@ async def test_a_foreign_entry_is_named_by_pulls_and_refused_by_send(
     broker: RedisBroker, inspect: redis.Redis
 ) -> None:
     stream = await _send_three(broker)
-    foreign = inspect.xadd(stream, {"body": "x"}).decode()
+    foreign = entry_id(inspect.xadd(stream, {"body": "x"})).decode()
     mq = MessageQueue("t", 0)
     broker.read_ahead = 0  # what comes before the foreign entry is still served
     assert [m.queue_offset for m in (await broker.pull(mq, 0, 2)).messages] == [0, 1]
@@ -546,7 +549,7 @@ async def test_a_foreign_entry_with_our_fields_past_the_counter_is_detected(
     inspect: redis.Redis,
 ) -> None:
     stream = await _send_three(broker)
-    foreign = inspect.xadd(stream, {"i": "someone", "b": "else", "t": "0"})
+    foreign = entry_id(inspect.xadd(stream, {"i": "someone", "b": "else", "t": "0"}))
     mq = MessageQueue("t", 0)
     for offset in (0, 3):  # read with ours, and alone
         with pytest.raises(SourceError, match="past the queue's last offset 3") as pulled:

@@ -15,6 +15,7 @@ from stagedconsumer import (
 )
 from stagedconsumer.testing import (
     CallLog,
+    HandlerCall,
     OrderingViolation,
     Outcome,
     StagePlan,
@@ -49,7 +50,9 @@ class Log:
     def __init__(self) -> None:
         self.log = CallLog()
 
-    def start(self, offsets: Sequence[int], stage: int | None = None, attempt: int = 1, **kw: str):
+    def start(
+        self, offsets: Sequence[int], stage: int | None = None, attempt: int = 1, **kw: str
+    ) -> HandlerCall:
         context: object
         if stage is None:
             context = ConsumeOrderlyContext(message_queue=MQ)
@@ -62,13 +65,20 @@ class Log:
             [msg(o, key=key, attempt=attempt) for o in offsets], context, 0.0
         )
 
-    def end(self, call, outcome: Outcome = Outcome.SUCCESS) -> None:  # type: ignore[no-untyped-def]
+    def end(self, call: HandlerCall, outcome: Outcome = Outcome.SUCCESS) -> None:
         self.log.end_call(call, 1.0, outcome, acked=len(call.messages))
 
-    def run(self, offsets: Sequence[int], stage: int | None = None, **kw: object) -> None:
-        outcome = kw.pop("outcome", Outcome.SUCCESS)
-        call = self.start(offsets, stage, **kw)  # type: ignore[arg-type]
-        self.end(call, outcome)  # type: ignore[arg-type]
+    def run(
+        self,
+        offsets: Sequence[int],
+        stage: int | None = None,
+        *,
+        outcome: Outcome = Outcome.SUCCESS,
+        attempt: int = 1,
+        **kw: str,
+    ) -> None:
+        call = self.start(offsets, stage, attempt, **kw)
+        self.end(call, outcome)
 
 
 class TwoStages(MessageListenerStagedConcurrently):

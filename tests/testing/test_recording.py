@@ -98,7 +98,7 @@ def test_a_recorder_is_a_listener_of_the_same_kind() -> None:
     assert inspect.iscoroutinefunction(staged.consume_message)
     orderly = RecordingListener(Orderly())
     assert isinstance(orderly, MessageListenerOrderly)
-    assert orderly.ordering is Ordering.BY_KEY  # type: ignore[attr-defined]
+    assert orderly.ordering is Ordering.BY_KEY
     assert not inspect.iscoroutinefunction(orderly.consume_message)
     assert isinstance(RecordingListener(Concurrent()), MessageListenerConcurrently)
     with pytest.raises(TypeError, match="listener instance"):
@@ -191,6 +191,7 @@ def test_a_sync_handler_still_runs_in_a_worker_thread() -> None:
             threads.append(threading.current_thread())
 
     listener = RecordingListener(Sync())
+    assert isinstance(listener, MessageListenerOrderly)  # a recorder is of its listener's kind
     assert not inspect.iscoroutinefunction(listener.consume_message)
     run = run_virtual(listener, specs(3), costs=[2.0])
     assert len(threads) == 3

@@ -48,7 +48,7 @@ class Staged(MessageListenerStagedConcurrently):
 
     async def consume_message(
         self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
-    ) -> None:
+    ) -> ConsumeOrderlyStatus | None:  # a subclass below returns a status
         return None
 
 
