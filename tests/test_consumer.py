@@ -422,6 +422,30 @@ async def test_graceful_shutdown_drains_in_flight_and_persists() -> None:
     assert [o for o, _, _ in listener2.seen] == list(range(3, 10))
 
 
+async def test_consumers_given_no_store_share_one_per_broker() -> None:
+    """As a RocketMQ broker keeps its groups' offsets: a consumer given no store
+    resumes where an earlier member of its group on the same broker committed; other
+    groups and other brokers start afresh."""
+    broker = broker_with(10, queues=2)
+    first = Concurrent()
+    await consume(PushConsumer("g", broker, first))
+    assert len(first.seen) == 10
+
+    again, other_group = Concurrent(), Concurrent()
+    await consume(PushConsumer("g", broker, again))
+    await consume(PushConsumer("other", broker, other_group))
+    assert again.seen == []
+    assert len(other_group.seen) == 10
+
+    other_broker = broker_with(10, queues=2)
+    elsewhere = Concurrent()
+    await consume(PushConsumer("g", other_broker, elsewhere))
+    assert len(elsewhere.seen) == 10
+    consumer = PushConsumer("g", broker, Concurrent())
+    assert consumer.offset_store is PushConsumer("h", broker, Concurrent()).offset_store
+    assert consumer.offset_store is not PushConsumer("g", other_broker, Concurrent()).offset_store
+
+
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_shutdown_timeout_cancels_handlers_and_keeps_their_messages() -> None:
     store = MemoryOffsetStore()

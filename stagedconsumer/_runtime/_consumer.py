@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 
@@ -47,6 +48,20 @@ __all__ = ("PushConsumer",)
 logger = logging.getLogger("stagedconsumer")
 
 
+_default_stores: weakref.WeakKeyDictionary[MessageSource, MemoryOffsetStore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def default_offset_store(source: MessageSource) -> MemoryOffsetStore:
+    """The store of consumers given none: one per source object, so that the members
+    of a group on one embedded broker hand queues over at the committed offsets."""
+    store = _default_stores.get(source)
+    if store is None:
+        store = _default_stores[source] = MemoryOffsetStore()
+    return store
+
+
 class PushConsumer:
     """Pulls the subscribed topics from a source and pushes messages to a listener.
 
@@ -61,9 +76,13 @@ class PushConsumer:
     (up to ``options.shutdown_timeout``; calls still running then are abandoned and
     their messages delivered again), and persists progress. Progress (consume offset
     and stage offsets of every queue) goes to ``offset_store`` (default: a
-    :class:`~offsetstore.MemoryOffsetStore`) every
-    ``options.persist_consumer_offset_interval`` seconds and on shutdown; a consumer
-    started on the same store resumes from it, with identical stage assignment.
+    :class:`~offsetstore.MemoryOffsetStore` per source object, shared by every
+    consumer of that source in this process, as a RocketMQ broker keeps its groups'
+    offsets) every ``options.persist_consumer_offset_interval`` seconds and on
+    shutdown; a consumer started on the same store resumes from it, with identical
+    stage assignment. Members of a group in several processes need one durable store
+    (:class:`~offsetstore.SqlOffsetStore`); without one, a consumer of such a source
+    (``RedisBroker``) warns when it starts.
     Delivery is at-least-once: nothing committed is ever unfinished.
 
     Errors: an exception raised inside ``async with consumer:`` comes out as itself;
@@ -99,8 +118,9 @@ class PushConsumer:
         self.listener = listener
         self.options = options
         self.offset_store: StageOffsetStore = (
-            offset_store if offset_store is not None else MemoryOffsetStore()
+            offset_store if offset_store is not None else default_offset_store(source)
         )
+        self._default_store = offset_store is None
         self._state = ConsumerState(group=group, mode="")
         self._service = ConsumeService.for_listener(listener, group, source, self._state, options)
         self._state.mode = self._service.mode.value
@@ -249,6 +269,15 @@ class PushConsumer:
     async def _start_up(self) -> tuple[dict[MessageQueue, TagFilter], list[QueueState]]:
         """Load the store, list the subscribed queues and (without a group) load
         their progress, waiting up to ``start_timeout`` for an unreachable store."""
+
+        if self._default_store and self.source.groups_span_processes:
+            logger.warning(
+                "group %s: no offset_store given, so progress is kept in this process"
+                " only: it is lost when the process ends and not seen by the group's"
+                " members in other processes, which then consume again what this one"
+                " finished. Pass offset_store=SqlOffsetStore(...) shared by the group.",
+                self.group,
+            )
 
         async def start() -> tuple[dict[MessageQueue, TagFilter], list[QueueState]]:
             await self.offset_store.load()

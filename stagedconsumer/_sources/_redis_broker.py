@@ -25,7 +25,7 @@ import urllib.parse
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
@@ -190,6 +190,8 @@ class RedisBroker(MessageSource):
     message, and larger replies make the cyclic garbage collector run more often
     (``benchmarks/redis_e2e.py`` shows its share).
     """
+
+    groups_span_processes: ClassVar[bool] = True
 
     def __init__(
         self,

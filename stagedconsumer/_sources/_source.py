@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
@@ -98,6 +98,11 @@ class MessageSource(abc.ABC):
     the same messages). Nothing is ordered across queues. Messages handed back for
     retry come back through the group's retry queue, in the order they become due.
     """
+
+    groups_span_processes: ClassVar[bool] = False
+    """Whether consumers in other processes can be members of a group consuming this
+    source (``RedisBroker``: yes). A consumer of such a source given no offset store
+    warns: its default store keeps progress in this process only."""
 
     @abc.abstractmethod
     async def get_queues(self, topic: str) -> Sequence[MessageQueue]:

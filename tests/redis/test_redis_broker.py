@@ -13,6 +13,7 @@ import pytest
 import redis.exceptions
 
 from benchmarks._ports import free_port
+from offsetstore import MemoryOffsetStore
 from stagedconsumer import (
     ConfigurationError,
     ConsumeConcurrentlyContext,
@@ -625,3 +626,29 @@ async def test_every_script_touches_one_cluster_slot(
     for sha, keys in calls:
         assert len({key_slot(k.encode()) for k in keys}) == 1, (sha, keys)
     assert any(len(keys) == 6 for _, keys in calls)  # the three queues' locks in one call
+
+
+async def test_a_consumer_given_no_store_warns_that_its_progress_stays_in_the_process(
+    broker: RedisBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Listener(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            pass
+
+    await broker.create_topic("t", 1)
+    for store in (None, MemoryOffsetStore()):
+        caplog.clear()
+        consumer = PushConsumer("g", broker, Listener(), offset_store=store)
+        consumer.subscribe("t")
+        async with consumer:
+            pass
+        messages = [record.getMessage() for record in caplog.records]
+        warned = [message for message in messages if "no offset_store given" in message]
+        if store is None:
+            assert len(warned) == 1
+            assert warned[0].startswith("group g: ")
+            assert "SqlOffsetStore" in warned[0]
+        else:
+            assert warned == []
