@@ -6,7 +6,13 @@ import anyio
 import pytest
 from trio.testing import MockClock
 
-from stagedconsumer import ConfigurationError, MemoryBroker, MessageQueue, UnknownTopicError
+from stagedconsumer import (
+    ConfigurationError,
+    InvalidMessageError,
+    MemoryBroker,
+    MessageQueue,
+    UnknownTopicError,
+)
 from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC
 
 pytestmark = pytest.mark.anyio
@@ -42,7 +48,7 @@ def test_queue_selection_by_key_hash_round_robin_and_explicit() -> None:
     plain = [broker.send("t", b"x") for _ in range(8)]
     assert [m.queue_id for m in plain] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert broker.send("t", b"x", queue_id=2).queue_id == 2
-    with pytest.raises(ConfigurationError, match="out of range"):
+    with pytest.raises(InvalidMessageError, match="out of range"):  # as Producer.send
         broker.send("t", b"x", queue_id=4)
 
 
@@ -182,8 +188,6 @@ def test_broker_serves_a_second_event_loop_after_cancelled_pull() -> None:
 def test_send_checks_the_message_as_the_producer_does(
     fields: dict[str, object], fragment: str
 ) -> None:
-    from stagedconsumer import InvalidMessageError
-
     broker = MemoryBroker()
     broker.create_topic("t", 2)
     kwargs: dict[str, object] = {"body": b"x", **fields}
@@ -198,5 +202,5 @@ def test_send_checks_the_message_as_the_producer_does(
 def test_send_rejects_a_queue_id_that_is_not_an_int() -> None:
     broker = MemoryBroker()
     broker.create_topic("t", 2)
-    with pytest.raises(ConfigurationError, match="queue_id must be an int"):
+    with pytest.raises(InvalidMessageError, match="queue_id must be an int"):
         broker.send("t", b"x", queue_id="0")  # type: ignore[arg-type]

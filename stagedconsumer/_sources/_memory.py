@@ -15,7 +15,12 @@ import anyio
 import attrs
 
 from .._core import retry_delay_seconds
-from .._exceptions import ConfigurationError, UnknownTopicError, WrongThreadError
+from .._exceptions import (
+    ConfigurationError,
+    InvalidMessageError,
+    UnknownTopicError,
+    WrongThreadError,
+)
 from .._message import (
     EMPTY_PROPERTIES,
     Message,
@@ -235,9 +240,9 @@ class MemoryBroker(MessageSource):
             else:
                 queue_id = next(self._round_robin[topic]) % len(queues)
         elif isinstance(queue_id, bool) or not isinstance(queue_id, int):
-            raise ConfigurationError(f"queue_id must be an int or None, got {queue_id!r}")
+            raise InvalidMessageError(f"queue_id must be an int or None, got {queue_id!r}")
         elif not 0 <= queue_id < len(queues):
-            raise ConfigurationError(
+            raise InvalidMessageError(
                 f"queue_id {queue_id} out of range for topic {topic!r} with {len(queues)} queues"
             )
         queue = queues[queue_id]
@@ -266,7 +271,7 @@ class MemoryBroker(MessageSource):
     async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
         queues = self._queues_of(mq.topic)
         if not 0 <= mq.queue_id < len(queues):
-            raise ConfigurationError(
+            raise InvalidMessageError(
                 f"queue_id {mq.queue_id} out of range for topic {mq.topic!r} with"
                 f" {len(queues)} queues"
             )

@@ -404,9 +404,9 @@ class RedisBroker(MessageSource):
                 rr = self._round_robin[topic] = itertools.count()
             return next(rr) % count
         if isinstance(queue_id, bool) or not isinstance(queue_id, int):
-            raise ConfigurationError(f"queue_id must be an int or None, got {queue_id!r}")
+            raise InvalidMessageError(f"queue_id must be an int or None, got {queue_id!r}")
         if not 0 <= queue_id < count:
-            raise ConfigurationError(
+            raise InvalidMessageError(
                 f"queue_id {queue_id} out of range for topic {topic!r} with {count} queues"
             )
         return queue_id
@@ -470,7 +470,7 @@ class RedisBroker(MessageSource):
         self._check_not_attached(topic)
         count = await self.queue_count(topic)
         if not 0 <= queue_id < count:
-            raise ConfigurationError(
+            raise InvalidMessageError(
                 f"queue_id {queue_id} out of range for topic {topic!r} with {count} queues"
             )
         born_ms = round(time.time() * 1000)

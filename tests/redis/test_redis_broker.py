@@ -478,6 +478,7 @@ async def test_the_client_follows_the_event_loop(broker: RedisBroker, anyio_back
         ({"keys": None}, "keys must be a string or a sequence of strings, got NoneType"),
         ({"body": "text"}, "body must be bytes, got str"),
         ({"queue_id": "0"}, "queue_id must be an int"),
+        ({"queue_id": 2}, "queue_id 2 out of range for topic 't' with 2 queues"),
     ],
 )
 async def test_send_checks_the_message_as_the_producer_does(
@@ -486,7 +487,7 @@ async def test_send_checks_the_message_as_the_producer_does(
     await broker.create_topic("t", 2)
     kwargs: dict[str, Any] = {"body": b"x", **fields}
     body = kwargs.pop("body")
-    with pytest.raises(ConfigurationError) as info:
+    with pytest.raises(InvalidMessageError) as info:
         await broker.send("t", body, **kwargs)
     assert fragment in str(info.value)
     for q in (0, 1):  # nothing stored
