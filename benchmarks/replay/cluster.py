@@ -81,18 +81,22 @@ def standalone_cluster(
     )
     port, ui, worker_ui = free_ports(3)
     master_url = f"spark://127.0.0.1:{port}"
+    master_command = [
+        str(launcher), "org.apache.spark.deploy.master.Master",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--webui-port", str(ui),
+    ]  # fmt: skip
+    worker_command = [
+        str(launcher), "org.apache.spark.deploy.worker.Worker", master_url,
+        "--host", "127.0.0.1",
+        "--webui-port", str(worker_ui),
+        "--cores", str(cores),
+        "--memory", memory,
+    ]  # fmt: skip
     with (logs / "master.log").open("wb") as out:
         master = subprocess.Popen(
-            [
-                str(launcher),
-                "org.apache.spark.deploy.master.Master",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--webui-port",
-                str(ui),
-            ],
+            master_command,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -101,19 +105,7 @@ def standalone_cluster(
     try:
         with (logs / "worker.log").open("wb") as out:
             worker = subprocess.Popen(
-                [
-                    str(launcher),
-                    "org.apache.spark.deploy.worker.Worker",
-                    master_url,
-                    "--host",
-                    "127.0.0.1",
-                    "--webui-port",
-                    str(worker_ui),
-                    "--cores",
-                    str(cores),
-                    "--memory",
-                    memory,
-                ],
+                worker_command,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
