@@ -534,7 +534,7 @@ def _handle(args: argparse.Namespace) -> int:
         )
     else:
         results = anyio.run(lambda: run_demo(**kwargs), backend=args.backend)
-    console = Console()
+    console = Console(emoji=False)  # like the other commands (nothing here is user text)
     render(results, console, virtual=args.virtual)
     console.print(
         f"stages {args.stages}, {args.workers} workers,"
