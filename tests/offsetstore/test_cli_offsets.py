@@ -125,9 +125,25 @@ def test_names_are_shown_verbatim_emoji_codes_and_markup_included(
 
 
 def test_show_never_creates_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    url = f"sqlite:///{tmp_path / 'typo.db'}"
+    path = tmp_path / "empty.db"
+    path.touch()  # an empty SQLite database
+    url = f"sqlite:///{path}"
     assert main(["offsets", "show", "--store", url, "--group", GROUP]) == 1
     assert "no offset store tables" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", ["show", "reset"])
+def test_a_missing_sqlite_file_is_an_error_and_is_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # the message on one line
+    path = tmp_path / "typo.db"
+    args = ["offsets", action, "--store", f"sqlite:///{path}", "--group", GROUP]
+    if action == "reset":
+        args += ["--topic", "orders", "--queue", "0", "--to-offset", "0", "--yes"]
+    assert main(args) == 1
+    assert f"the SQLite file {path} does not exist" in capsys.readouterr().err
+    assert not path.exists()
 
 
 def test_show_with_a_malformed_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
