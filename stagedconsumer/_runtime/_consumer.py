@@ -409,7 +409,10 @@ class PushConsumer:
         """Wait until every message available at call time has finished.
 
         "Available" means below each assigned queue's max offset at the moment of the
-        call (retry queues included). Raises ``TimeoutError`` after ``timeout`` seconds.
+        call (retry queues included). Raises ``TimeoutError`` after ``timeout`` seconds,
+        saying which queues are behind: each one's committed offset and the max offset
+        it must reach, and how many of its messages are in handlers, waiting to be
+        retried, cached or held, whether it is paused, and how far it was pulled.
         In concurrent mode a message handed to the retry queue counts as finished
         here; its retry is a new message.
         """
@@ -418,14 +421,18 @@ class PushConsumer:
         if timeout is not None and (math.isnan(timeout) or timeout < 0):
             raise ValueError(f"timeout must be None or >= 0, got {timeout!r}")
         targets = {queue.pq: await self.source.max_offset(queue.mq) for queue in self._queues}
-        with anyio.fail_after(timeout):
+        total = len(targets)
+        with anyio.move_on_after(timeout):
             while True:
-                for pq, target in list(targets.items()):
-                    if pq.dropped or pq.committed_offset >= target:
-                        del targets[pq]
+                _drop_caught_up(targets)
                 if not targets:
                     return
                 await self._signals.wait_for(targets)
+        _drop_caught_up(targets)
+        if not targets:  # caught up as the deadline passed
+            return
+        assert timeout is not None  # only a deadline ends the loop without returning
+        raise TimeoutError(_not_caught_up(targets, total, timeout))
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -436,6 +443,48 @@ class PushConsumer:
     def statistics(self) -> ConsumerStatistics:
         """A frozen snapshot of counters and per-queue state."""
         return self._queues.statistics(self._hooks, self._hook_list)
+
+
+def _drop_caught_up(targets: dict[ProcessQueue, int]) -> None:
+    for pq, target in list(targets.items()):
+        if pq.dropped or pq.committed_offset >= target:
+            del targets[pq]
+
+
+_QUEUES_NAMED = 10
+"""How many queues a ``wait_caught_up`` timeout describes one by one."""
+
+
+def _not_caught_up(targets: Mapping[ProcessQueue, int], total: int, timeout: float) -> str:
+    """Why ``wait_caught_up`` timed out: the queues still behind their targets, from
+    counters their process queues keep anyway."""
+    behind = sorted(targets.items(), key=lambda item: item[0].message_queue)
+    described = []
+    for pq, target in behind[:_QUEUES_NAMED]:
+        waiting = pq.pending_count - pq.in_handlers
+        counts = [
+            (pq.in_handlers, "in handlers"),
+            (waiting, "waiting to be retried"),
+            (pq.cached_count, "cached"),
+            (pq.held_count, "held by a failed stage assignment"),
+        ]
+        notes = [f"{count} {what}" for count, what in counts if count]
+        if pq.paused:
+            notes.append("paused")
+        if pq.highest_offset < pq.committed_offset:
+            notes.append("not pulled yet")
+        elif pq.highest_offset + 1 < target:
+            notes.append(f"pulled up to offset {pq.highest_offset}")
+        where = f"{pq.message_queue} at committed offset {pq.committed_offset} of {target}"
+        described.append(f"{where} ({', '.join(notes)})" if notes else where)
+    if len(behind) > _QUEUES_NAMED:
+        rest = behind[_QUEUES_NAMED:]
+        short = sum(target - pq.committed_offset for pq, target in rest)
+        described.append(f"{len(rest)} more, {short} offset(s) behind in all")
+    return (
+        f"not caught up after {timeout:g} s: {len(behind)} of {total} queue(s) behind"
+        f" the max offsets of the call: {'; '.join(described)}"
+    )
 
 
 def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFilter]) -> None:
