@@ -111,6 +111,8 @@ class PushConsumer:
             self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
         self._coordinator: GroupCoordinator | None = source.group_coordinator()
         self._subscriptions: dict[str, TagFilter] = {}
+        self._known_queues: frozenset[MessageQueue] | None = None
+        """Every queue of the subscribed topics (retry ones included), once started."""
         self._hook_list: list[ConsumeMessageHook] = []
         self._hooks: HookRunner | None = None
         self._membership: GroupMembership | None = None
@@ -271,6 +273,7 @@ class PushConsumer:
 
     def _wire(self, subscribed: dict[MessageQueue, TagFilter]) -> None:
         """Build the services (once the consumer starts: hooks are known then)."""
+        self._known_queues = frozenset(subscribed)
         _wire_services(self, subscribed)
 
     def _on_room(self, pq: ProcessQueue) -> None:
@@ -381,16 +384,60 @@ class PushConsumer:
             await self._queues.release(mq)
             await self._queues.revoked([mq])
 
-    def pause(self, targets: Iterable[MessageQueue | str]) -> None:
+    def pause(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:
         """Pause queues, or whole topics by name (Kafka's ``pause``): their pulling
         stops and no new handler call starts; calls already running finish and
         commit as usual; nothing is lost. A paused topic's queues assigned later
-        start paused. ``statistics().paused_queues`` lists them."""
-        self._queues.pause([targets] if isinstance(targets, (str, MessageQueue)) else targets)
+        start paused, and so does a paused queue: a queue of a subscribed topic that
+        another member of the group holds now can be paused here. ``targets`` is one
+        queue or topic name, or an iterable of them. ``statistics().paused_queues``
+        lists the paused queues assigned here.
 
-    def resume(self, targets: Iterable[MessageQueue | str]) -> None:
-        """Undo :meth:`pause` for these queues or topics."""
-        self._queues.resume([targets] if isinstance(targets, (str, MessageQueue)) else targets)
+        Raises :class:`ConfigurationError` (a ``ValueError``), pausing nothing, for a
+        topic this consumer is not subscribed to (its retry topic, ``%RETRY%<group>``,
+        counts in concurrent mode) or a queue of one, and, once the consumer runs, for
+        a queue its topic does not have: subscribe before pausing.
+        """
+        self._queues.pause(self._checked_targets("pause", targets))
+
+    def resume(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:
+        """Undo :meth:`pause` for these queues or topics (one, or an iterable of them);
+        raises :class:`ConfigurationError` as :meth:`pause` does."""
+        self._queues.resume(self._checked_targets("resume", targets))
+
+    def _checked_targets(
+        self, method: str, targets: MessageQueue | str | Iterable[MessageQueue | str]
+    ) -> list[MessageQueue | str]:
+        """``targets`` as a list, each checked against the subscribed topics and, once
+        they are known (the consumer runs), their queues."""
+        listed = [targets] if isinstance(targets, (str, MessageQueue)) else list(targets)
+        topics = list(self._subscriptions)
+        if self._service.retry_queues:
+            topics.append(retry_topic(self.group))
+        for target in listed:
+            if not isinstance(target, (str, MessageQueue)):
+                raise ConfigurationError(
+                    f"{method}() takes MessageQueues and topic names, got {target!r}"
+                )
+            topic = target if isinstance(target, str) else target.topic
+            if topic not in topics:
+                what = (
+                    f"this consumer is not subscribed to topic {topic!r}"
+                    if isinstance(target, str)
+                    else f"{target} is a queue of topic {topic!r}, which this consumer is not"
+                    " subscribed to"
+                )
+                raise ConfigurationError(
+                    f"{method}(): {what} (its topics: {', '.join(map(repr, topics)) or 'none yet'})"
+                )
+            known = self._known_queues
+            if isinstance(target, MessageQueue) and known is not None and target not in known:
+                count = sum(1 for mq in known if mq.topic == topic)
+                raise ConfigurationError(
+                    f"{method}(): {target} is not a queue of topic {topic!r}, which has"
+                    f" {count} queue(s)"
+                )
+        return listed
 
     async def seek(
         self, mq: MessageQueue, offset: int, *, stage_offsets: Mapping[StageKey, int] | None = None
