@@ -282,7 +282,10 @@ class SqlOffsetStore(StageOffsetStore):
     default; WAL journal, ``synchronous=FULL``), ``postgresql+psycopg://user@host/db``
     or ``mysql+pymysql://user@host/db`` (MariaDB or MySQL). Tables are created by
     :meth:`load` when missing (unless ``create_tables=False``), with names starting
-    with ``table_prefix``; several consumer groups share them.
+    with ``table_prefix``; several consumer groups share them. A store that creates no
+    tables (``create_tables=False`` or ``read_only=True``) creates no SQLite file
+    either: :meth:`load` raises :class:`~offsetstore.StoreConfigurationError` when
+    the file does not exist.
 
     Ordering guarantee: each queue's progress (consume offset and stage offsets) is
     one row written by one statement, and every :meth:`persist_all` is one
@@ -624,6 +627,16 @@ class SqlOffsetStore(StageOffsetStore):
                 return None
         return Path(database)
 
+    def _missing_sqlite_file(self) -> Path | None:
+        """The file of a SQLite URL when it does not exist; ``None`` when it does or
+        the database is not a file (another backend, a database in memory)."""
+        if self._backend != "sqlite" or self._url.query.get("mode") == "memory":
+            return None
+        path = self._sqlite_path()
+        if path is None or str(path) == ":memory:" or path.exists():
+            return None
+        return path
+
     # -- setup ------------------------------------------------------------------------------
 
     async def load(self) -> None:
@@ -683,6 +696,12 @@ class SqlOffsetStore(StageOffsetStore):
                 ) as exc:
                     if attempt == 2 or _is_read_only(exc) or not self._tables_exist():
                         raise
+        elif (missing := self._missing_sqlite_file()) is not None:
+            # Checked before connecting: connecting would create the file, empty.
+            raise StoreConfigurationError(
+                f"no offset store at {self.url}: the SQLite file {missing.absolute()} does"
+                " not exist (only a store with create_tables=True creates it, a consumer's)"
+            )
         elif not self._tables_exist():
             raise StoreConfigurationError(
                 f"no offset store tables ({self._progress.name}, {self._schema_table.name})"

@@ -221,6 +221,34 @@ def test_exceptions_come_out_as_themselves(backend: str) -> None:
         running.wait_caught_up(timeout=10)
 
 
+def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    class Held(MessageListenerConcurrently):
+        def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            started.set()
+            release.wait(10)
+
+    broker = broker_with()
+    broker.send("t", b"x")
+    consumer = PushConsumer("g", broker, Held())
+    consumer.subscribe("t")
+    with BlockingConsumer(consumer) as running:
+        try:
+            assert started.wait(10)
+            with pytest.raises(TimeoutError) as info:
+                running.wait_caught_up(timeout=0.2)
+        finally:
+            release.set()
+        running.wait_caught_up(timeout=10)
+    assert str(info.value) == (
+        "not caught up after 0.2 s: 1 of 3 queue(s) behind the max offsets of the call:"
+        " t#0 at committed offset 0 of 1 (1 in handlers)"
+    )
+
+
 @BACKENDS
 def test_an_exception_of_the_block_comes_out_as_itself_after_a_graceful_stop(
     backend: str,

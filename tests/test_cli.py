@@ -159,6 +159,20 @@ def test_demo_table_fits_the_terminal_and_never_cuts_a_mode(
     assert ("bare" in lines[1]) is not virtual  # the bare schedule: wall clock only
 
 
+@pytest.mark.parametrize(
+    "args", [("--stages", "0,5"), ("--stages", "10,-1"), ("--stages", "10,abc"), ("--workers", "0")]
+)
+def test_demo_with_a_bad_size_is_a_usage_error(
+    args: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: stagedconsumer demo")
+    assert f"error: argument {args[0]}: " in err
+
+
 def test_demo_lists_order_violations_below_the_table() -> None:
     from io import StringIO
 

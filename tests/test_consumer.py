@@ -485,12 +485,36 @@ async def test_progress_is_persisted_on_the_interval() -> None:
 
 
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
-async def test_wait_caught_up_times_out() -> None:
+async def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
     consumer = PushConsumer("g", broker_with(3), Orderly(cost=100))
     consumer.subscribe("t")
     async with consumer:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError) as info:
             await consumer.wait_caught_up(timeout=150)
+        assert str(info.value) == (
+            "not caught up after 150 s: 1 of 1 queue(s) behind the max offsets of the call:"
+            " t#0 at committed offset 1 of 3 (1 in handlers, 1 cached)"
+        )
+        consumer.pause("t")
+        with pytest.raises(
+            TimeoutError, match=r"t#0 at committed offset 2 of 3 \(1 cached, paused\)"
+        ):
+            await consumer.wait_caught_up(timeout=100)
+
+
+@pytest.mark.parametrize("anyio_backend", [VIRTUAL])
+async def test_a_timeout_names_ten_queues_behind_and_counts_the_rest() -> None:
+    consumer = PushConsumer("g", broker_with(24, 12), Orderly(cost=100))
+    consumer.subscribe("t")
+    consumer.pause("t")  # nothing is pulled
+    async with consumer:
+        with pytest.raises(TimeoutError) as info:
+            await consumer.wait_caught_up(timeout=1)
+    message = str(info.value)
+    assert "12 of 12 queue(s) behind" in message
+    assert "; t#9 at committed offset 0 of 2 (paused, not pulled yet); " in message
+    assert "t#10" not in message
+    assert message.endswith("; 2 more, 4 offset(s) behind in all")
 
 
 async def test_statistics_snapshot() -> None:

@@ -171,9 +171,7 @@ async def test_pause_holds_a_queue_and_resume_lets_it_go_on() -> None:
         stats = consumer.statistics()
         assert stats.paused_queues == [Q0]
         assert stats.queues[Q0].committed_offset == 0  # nothing committed past it
-        # resume() takes one queue as well (it wraps a lone MessageQueue or topic), but
-        # its annotation names only the iterable form
-        consumer.resume(Q0)  # type: ignore[arg-type]
+        consumer.resume(Q0)  # one queue as well as an iterable of them
         await consumer.wait_caught_up(timeout=5)
         assert sorted(o for q, o in listener.seen if q == 0) == list(range(5))
         assert consumer.statistics().paused_queues == []
@@ -206,6 +204,36 @@ async def test_pausing_a_topic_lets_running_calls_finish() -> None:
         consumer.resume("t")
         await consumer.wait_caught_up(timeout=5)
     assert len(finished) == 6
+
+
+async def test_pause_and_resume_refuse_what_the_consumer_does_not_consume() -> None:
+    consumer = PushConsumer("g", broker_with(0), Record())
+    consumer.subscribe("t")
+    for call in (consumer.pause, consumer.resume):
+        with pytest.raises(ValueError, match=r"not subscribed to topic 'tt' \(its topics: 't', "):
+            call(["tt"])  # a typo
+        with pytest.raises(
+            ConfigurationError,
+            match="u#0 is a queue of topic 'u', which this consumer is not subscribed to",
+        ):
+            call(MessageQueue("u", 0))
+    consumer.pause("%RETRY%g")  # its retry topic is consumed too (concurrent mode)
+    consumer.resume("%RETRY%g")
+    async with consumer:
+        with pytest.raises(
+            ConfigurationError, match="t#9 is not a queue of topic 't', which has 2"
+        ):
+            consumer.resume([MessageQueue("t", 9)])
+        with pytest.raises(ConfigurationError, match="'tt'"):
+            consumer.pause([Q0, "tt"])
+        assert consumer.statistics().paused_queues == []  # all or nothing
+        # a queue held elsewhere (released here) can be paused: it comes back paused
+        await consumer.release_queue(Q1)
+        consumer.pause(Q1)
+        await consumer.assign_queue(Q1)
+        assert consumer.statistics().paused_queues == [Q1]
+        consumer.resume([Q1])
+        assert consumer.statistics().paused_queues == []
 
 
 # -- listeners and lag -----------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from offsetstore import OffsetStoreError, QueueProgress, StageKey
@@ -109,8 +110,15 @@ def _store(args: argparse.Namespace, *, read_only: bool = False) -> SqlOffsetSto
     return SqlOffsetStore(args.store, create_tables=False, read_only=read_only)
 
 
+def _console(*, stderr: bool = False) -> Console:
+    """A console that leaves ``:name:`` emoji codes alone: group, topic and stage key
+    names, URLs and the error messages quoting them are shown verbatim (their
+    ``[...]`` is escaped where they are printed, so rich reads no markup in them)."""
+    return Console(stderr=stderr, emoji=False)
+
+
 def _fail(console: Console, message: str) -> int:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return 1
 
 
@@ -118,7 +126,7 @@ def _fail(console: Console, message: str) -> int:
 
 
 async def _show(args: argparse.Namespace) -> int:
-    err = Console(stderr=True)
+    err = _console(stderr=True)
     try:
         store = _store(args, read_only=True)  # works on a read-only replica too
     except OffsetStoreError as exc:
@@ -135,7 +143,7 @@ async def _show(args: argparse.Namespace) -> int:
     if args.redis and progress:
         lags, lag_error = await _lags(args, progress)
         if lag_error is not None:
-            err.print(f"[bold yellow]warning:[/] no lag: {lag_error}", highlight=False)
+            err.print(f"[bold yellow]warning:[/] no lag: {escape(lag_error)}", highlight=False)
     if args.json:
         queues = [_progress_json(mq, p) for mq, p in progress.items()]
         if lags is not None:
@@ -143,12 +151,12 @@ async def _show(args: argparse.Namespace) -> int:
                 entry["lag"] = lags.get(mq)
         sys.stdout.write(json.dumps({"group": args.group, "queues": queues}, indent=2) + "\n")
         return 0 if lag_error is None else 1
-    console = Console()
-    where = f"group [bold]{args.group}[/]"
+    console = _console()
+    where = f"group [bold]{escape(args.group)}[/]"
     if args.topic:
-        where += f", topic [bold]{args.topic}[/]"
+        where += f", topic [bold]{escape(args.topic)}[/]"
     if not progress:
-        console.print(f"No stored progress for {where} in {store.url}.", highlight=False)
+        console.print(f"No stored progress for {where} in {escape(store.url)}.", highlight=False)
         return 0
     table = Table(title=f"Progress of {where}", title_justify="left")
     table.add_column("Queue")
@@ -158,7 +166,7 @@ async def _show(args: argparse.Namespace) -> int:
         table.add_column("Lag", justify="right")
     for mq, value in progress.items():
         offset = "-" if value.consume_offset is None else str(value.consume_offset)
-        row = [str(mq), offset, _format_stages(value.stage_offsets)]
+        row = [escape(str(mq)), offset, escape(_format_stages(value.stage_offsets))]
         if lags is not None:
             row.append(str(lags[mq]) if mq in lags else "?")
         table.add_row(*row)
@@ -233,7 +241,7 @@ def _planned(
 
 
 async def _reset(args: argparse.Namespace) -> int:
-    err = Console(stderr=True)
+    err = _console(stderr=True)
     if args.to_offset is None and not args.stage_offset and not args.clear_stage_offsets:
         return _fail(
             err, "nothing to reset: give --to-offset, --stage-offset or --clear-stage-offsets"
@@ -255,9 +263,10 @@ async def _reset(args: argparse.Namespace) -> int:
                 f"no stored progress for group {args.group!r}, topic {args.topic!r}:"
                 " name the queues with --queue",
             )
-        console = Console()
+        console = _console()
         table = Table(
-            title=f"Reset of group [bold]{args.group}[/], topic [bold]{args.topic}[/]",
+            title=f"Reset of group [bold]{escape(args.group)}[/],"
+            f" topic [bold]{escape(args.topic)}[/]",
             title_justify="left",
         )
         table.add_column("Queue")
@@ -270,13 +279,13 @@ async def _reset(args: argparse.Namespace) -> int:
         for mq, new in plan.items():
             old = stored.get(mq)
             table.add_row(
-                str(mq),
+                escape(str(mq)),
                 "-" if old is None or old.consume_offset is None else str(old.consume_offset),
                 "->",
                 "-" if new.consume_offset is None else str(new.consume_offset),
-                _format_stages(old.stage_offsets) if old else "-",
+                escape(_format_stages(old.stage_offsets)) if old else "-",
                 "->",
-                _format_stages(new.stage_offsets),
+                escape(_format_stages(new.stage_offsets)),
             )
         console.print(table)
         if not args.yes:

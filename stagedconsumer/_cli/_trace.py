@@ -406,11 +406,13 @@ async def _read_redis(args: argparse.Namespace) -> list[TraceMessage]:
 def _console() -> Console:
     """A terminal's own width (the table folds to fit it); 160 columns when the
     output goes to a file or a pipe and ``COLUMNS`` does not say otherwise, so a
-    saved table keeps one line per row."""
-    console = Console()
+    saved table keeps one line per row. ``:name:`` emoji codes are not replaced:
+    keys, groups and the records quoted in errors are shown as they are (their
+    ``[...]`` is escaped where they are printed)."""
+    console = Console(emoji=False)
     if console.is_terminal or "COLUMNS" in os.environ:
         return console
-    return Console(width=160)
+    return Console(width=160, emoji=False)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -434,7 +436,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             messages = list(read_trace_file(path))
         except (ConfigurationError, OSError) as exc:
-            Console(stderr=True).print(
+            Console(stderr=True, emoji=False).print(
                 f"[red]stagedconsumer trace: {escape(str(exc))}[/red]", soft_wrap=True
             )
             return 1

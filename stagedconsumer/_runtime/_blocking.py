@@ -645,7 +645,7 @@ class BlockingConsumer:
     def wait_caught_up(self, timeout: float | None = None) -> None:
         """:meth:`PushConsumer.wait_caught_up <stagedconsumer.PushConsumer.wait_caught_up>`,
         blocking: returns once every message available at call time has finished;
-        ``TimeoutError`` after ``timeout`` seconds."""
+        ``TimeoutError`` after ``timeout`` seconds, naming the queues still behind."""
         self._call("wait_caught_up", functools.partial(self.consumer.wait_caught_up, timeout))
 
     def wait_stopped(self, timeout: float | None = None) -> None:

@@ -131,6 +131,8 @@ class PushConsumer:
             self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
         self._coordinator: GroupCoordinator | None = source.group_coordinator()
         self._subscriptions: dict[str, TagFilter] = {}
+        self._known_queues: frozenset[MessageQueue] | None = None
+        """Every queue of the subscribed topics (retry ones included), once started."""
         self._hook_list: list[ConsumeMessageHook] = []
         self._hooks: HookRunner | None = None
         self._membership: GroupMembership | None = None
@@ -300,6 +302,7 @@ class PushConsumer:
 
     def _wire(self, subscribed: dict[MessageQueue, TagFilter]) -> None:
         """Build the services (once the consumer starts: hooks are known then)."""
+        self._known_queues = frozenset(subscribed)
         _wire_services(self, subscribed)
 
     def _on_room(self, pq: ProcessQueue) -> None:
@@ -410,16 +413,60 @@ class PushConsumer:
             await self._queues.release(mq)
             await self._queues.revoked([mq])
 
-    def pause(self, targets: Iterable[MessageQueue | str]) -> None:
+    def pause(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:
         """Pause queues, or whole topics by name (Kafka's ``pause``): their pulling
         stops and no new handler call starts; calls already running finish and
         commit as usual; nothing is lost. A paused topic's queues assigned later
-        start paused. ``statistics().paused_queues`` lists them."""
-        self._queues.pause([targets] if isinstance(targets, (str, MessageQueue)) else targets)
+        start paused, and so does a paused queue: a queue of a subscribed topic that
+        another member of the group holds now can be paused here. ``targets`` is one
+        queue or topic name, or an iterable of them. ``statistics().paused_queues``
+        lists the paused queues assigned here.
 
-    def resume(self, targets: Iterable[MessageQueue | str]) -> None:
-        """Undo :meth:`pause` for these queues or topics."""
-        self._queues.resume([targets] if isinstance(targets, (str, MessageQueue)) else targets)
+        Raises :class:`ConfigurationError` (a ``ValueError``), pausing nothing, for a
+        topic this consumer is not subscribed to (its retry topic, ``%RETRY%<group>``,
+        counts in concurrent mode) or a queue of one, and, once the consumer runs, for
+        a queue its topic does not have: subscribe before pausing.
+        """
+        self._queues.pause(self._checked_targets("pause", targets))
+
+    def resume(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:
+        """Undo :meth:`pause` for these queues or topics (one, or an iterable of them);
+        raises :class:`ConfigurationError` as :meth:`pause` does."""
+        self._queues.resume(self._checked_targets("resume", targets))
+
+    def _checked_targets(
+        self, method: str, targets: MessageQueue | str | Iterable[MessageQueue | str]
+    ) -> list[MessageQueue | str]:
+        """``targets`` as a list, each checked against the subscribed topics and, once
+        they are known (the consumer runs), their queues."""
+        listed = [targets] if isinstance(targets, (str, MessageQueue)) else list(targets)
+        topics = list(self._subscriptions)
+        if self._service.retry_queues:
+            topics.append(retry_topic(self.group))
+        for target in listed:
+            if not isinstance(target, (str, MessageQueue)):
+                raise ConfigurationError(
+                    f"{method}() takes MessageQueues and topic names, got {target!r}"
+                )
+            topic = target if isinstance(target, str) else target.topic
+            if topic not in topics:
+                what = (
+                    f"this consumer is not subscribed to topic {topic!r}"
+                    if isinstance(target, str)
+                    else f"{target} is a queue of topic {topic!r}, which this consumer is not"
+                    " subscribed to"
+                )
+                raise ConfigurationError(
+                    f"{method}(): {what} (its topics: {', '.join(map(repr, topics)) or 'none yet'})"
+                )
+            known = self._known_queues
+            if isinstance(target, MessageQueue) and known is not None and target not in known:
+                count = sum(1 for mq in known if mq.topic == topic)
+                raise ConfigurationError(
+                    f"{method}(): {target} is not a queue of topic {topic!r}, which has"
+                    f" {count} queue(s)"
+                )
+        return listed
 
     async def seek(
         self, mq: MessageQueue, offset: int, *, stage_offsets: Mapping[StageKey, int] | None = None
@@ -438,7 +485,10 @@ class PushConsumer:
         """Wait until every message available at call time has finished.
 
         "Available" means below each assigned queue's max offset at the moment of the
-        call (retry queues included). Raises ``TimeoutError`` after ``timeout`` seconds.
+        call (retry queues included). Raises ``TimeoutError`` after ``timeout`` seconds,
+        saying which queues are behind: each one's committed offset and the max offset
+        it must reach, and how many of its messages are in handlers, waiting to be
+        retried, cached or held, whether it is paused, and how far it was pulled.
         In concurrent mode a message handed to the retry queue counts as finished
         here; its retry is a new message.
         """
@@ -447,14 +497,18 @@ class PushConsumer:
         if timeout is not None and (math.isnan(timeout) or timeout < 0):
             raise ValueError(f"timeout must be None or >= 0, got {timeout!r}")
         targets = {queue.pq: await self.source.max_offset(queue.mq) for queue in self._queues}
-        with anyio.fail_after(timeout):
+        total = len(targets)
+        with anyio.move_on_after(timeout):
             while True:
-                for pq, target in list(targets.items()):
-                    if pq.dropped or pq.committed_offset >= target:
-                        del targets[pq]
+                _drop_caught_up(targets)
                 if not targets:
                     return
                 await self._signals.wait_for(targets)
+        _drop_caught_up(targets)
+        if not targets:  # caught up as the deadline passed
+            return
+        assert timeout is not None  # only a deadline ends the loop without returning
+        raise TimeoutError(_not_caught_up(targets, total, timeout))
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -465,6 +519,48 @@ class PushConsumer:
     def statistics(self) -> ConsumerStatistics:
         """A frozen snapshot of counters and per-queue state."""
         return self._queues.statistics(self._hooks, self._hook_list)
+
+
+def _drop_caught_up(targets: dict[ProcessQueue, int]) -> None:
+    for pq, target in list(targets.items()):
+        if pq.dropped or pq.committed_offset >= target:
+            del targets[pq]
+
+
+_QUEUES_NAMED = 10
+"""How many queues a ``wait_caught_up`` timeout describes one by one."""
+
+
+def _not_caught_up(targets: Mapping[ProcessQueue, int], total: int, timeout: float) -> str:
+    """Why ``wait_caught_up`` timed out: the queues still behind their targets, from
+    counters their process queues keep anyway."""
+    behind = sorted(targets.items(), key=lambda item: item[0].message_queue)
+    described = []
+    for pq, target in behind[:_QUEUES_NAMED]:
+        waiting = pq.pending_count - pq.in_handlers
+        counts = [
+            (pq.in_handlers, "in handlers"),
+            (waiting, "waiting to be retried"),
+            (pq.cached_count, "cached"),
+            (pq.held_count, "held by a failed stage assignment"),
+        ]
+        notes = [f"{count} {what}" for count, what in counts if count]
+        if pq.paused:
+            notes.append("paused")
+        if pq.highest_offset < pq.committed_offset:
+            notes.append("not pulled yet")
+        elif pq.highest_offset + 1 < target:
+            notes.append(f"pulled up to offset {pq.highest_offset}")
+        where = f"{pq.message_queue} at committed offset {pq.committed_offset} of {target}"
+        described.append(f"{where} ({', '.join(notes)})" if notes else where)
+    if len(behind) > _QUEUES_NAMED:
+        rest = behind[_QUEUES_NAMED:]
+        short = sum(target - pq.committed_offset for pq, target in rest)
+        described.append(f"{len(rest)} more, {short} offset(s) behind in all")
+    return (
+        f"not caught up after {timeout:g} s: {len(behind)} of {total} queue(s) behind"
+        f" the max offsets of the call: {'; '.join(described)}"
+    )
 
 
 def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFilter]) -> None:

@@ -93,10 +93,57 @@ def test_show_of_an_unknown_group_says_so(
     assert "No stored progress" in capsys.readouterr().out
 
 
+def test_names_are_shown_verbatim_emoji_codes_and_markup_included(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'progress.db'}"
+    group, mq, key = ":x: [b]g[/b]", MessageQueue("t:x:", 0), StageKey("s", "[red]a")
+
+    async def fill() -> None:
+        store = SqlOffsetStore(url)
+        try:
+            store.update_progress(
+                group, mq, QueueProgress(consume_offset=3, stage_offsets={key: 1})
+            )
+            await store.persist_all(group, [mq])
+        finally:
+            await store.aclose()
+
+    anyio.run(fill)
+    assert main(["offsets", "show", "--store", url, "--group", group]) == 0
+    out = capsys.readouterr().out
+    assert "group :x: [b]g[/b]" in out
+    assert "t:x:#0" in out
+    assert "s/[red]a=1" in out
+    assert main(["offsets", "show", "--store", url, "--group", ":x:", "--topic", "[i]t"]) == 0
+    assert "No stored progress for group :x:, topic [i]t in" in capsys.readouterr().out
+    reset = ["offsets", "reset", "--store", url, "--group", group, "--topic", "t:x:"]
+    assert main([*reset, "--to-offset", "1", "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "Reset of group :x: [b]g[/b], topic t:x:" in out
+    assert "s/[red]a=1" in out
+
+
 def test_show_never_creates_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    url = f"sqlite:///{tmp_path / 'typo.db'}"
+    path = tmp_path / "empty.db"
+    path.touch()  # an empty SQLite database
+    url = f"sqlite:///{path}"
     assert main(["offsets", "show", "--store", url, "--group", GROUP]) == 1
     assert "no offset store tables" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", ["show", "reset"])
+def test_a_missing_sqlite_file_is_an_error_and_is_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # the message on one line
+    path = tmp_path / "typo.db"
+    args = ["offsets", action, "--store", f"sqlite:///{path}", "--group", GROUP]
+    if action == "reset":
+        args += ["--topic", "orders", "--queue", "0", "--to-offset", "0", "--yes"]
+    assert main(args) == 1
+    assert f"the SQLite file {path} does not exist" in capsys.readouterr().err
+    assert not path.exists()
 
 
 def test_show_with_a_malformed_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

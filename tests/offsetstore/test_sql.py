@@ -165,6 +165,9 @@ async def test_newer_schema_version_is_refused(sql_backend: Backend) -> None:
 
 
 async def test_without_create_tables_missing_tables_are_an_error(sql_backend: Backend) -> None:
+    if sql_backend.name == "sqlite":  # an empty database; a missing file: the test below
+        assert sql_backend.url is not None
+        await anyio.Path(sa.make_url(sql_backend.url).database or "").touch()
     store = sql_backend.new_store(create_tables=False)
     with pytest.raises(StoreConfigurationError, match="no offset store tables"):
         await store.load()
@@ -212,6 +215,38 @@ async def test_sqlite_uses_wal_and_survives_a_new_process_view(tmp_path: Path) -
         ).fetchall()
     conn.close()
     assert rows == [("g", "t", 0, 5, '[["s",null,2]]')]
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_store_that_creates_no_tables_creates_no_sqlite_file(
+    tmp_path: Path, read_only: bool
+) -> None:
+    path = tmp_path / "typo.db"
+
+    async def use(store: SqlOffsetStore) -> None:
+        try:
+            with pytest.raises(StoreConfigurationError, match=r"the SQLite file .* does not exist"):
+                await store.load()
+            with pytest.raises(StoreConfigurationError, match="does not exist"):
+                await store.list_progress("g")
+        finally:
+            await store.aclose()
+
+    anyio.run(use, SqlOffsetStore(f"sqlite:///{path}", create_tables=False, read_only=read_only))
+    assert not path.exists()
+
+
+async def test_a_database_in_memory_has_no_file_to_miss() -> None:
+    memory = SqlOffsetStore(
+        "sqlite:///file:nofile?mode=memory&uri=true",
+        create_tables=False,
+        engine_options={"poolclass": sa.StaticPool, "connect_args": {"check_same_thread": False}},
+    )
+    try:
+        with pytest.raises(StoreConfigurationError, match="no offset store tables"):
+            await memory.load()
+    finally:
+        await memory.aclose()
 
 
 async def test_sqlite_in_memory_works_from_worker_threads() -> None:

@@ -76,6 +76,18 @@ def test_a_file_that_is_not_a_trace_file_is_one_line_naming_file_and_line(
     assert "not a trace record" in message
 
 
+def test_quoted_data_is_shown_verbatim_emoji_codes_and_markup_included(tmp_path: Path) -> None:
+    path = tmp_path / "notes.jsonl"
+    path.write_text("hello :x: [bold]w[/bold]\n")
+    result = trace("k3", "--trace-file", str(path))
+    assert result.returncode == 1
+    assert "'hello :x: [bold]w[/bold]'" in result.stderr
+    path.write_text("")
+    result = trace(":x: [red]k[/red]", "--trace-file", str(path))
+    assert result.returncode == 1
+    assert "no trace records for ':x: [red]k[/red]'" in result.stdout
+
+
 def test_a_narrow_terminal_gets_lines_not_a_cut_table(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     [*_, msg3, _msg4] = write_run(path)
