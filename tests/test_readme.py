@@ -7,9 +7,11 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+import redis
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -81,6 +83,13 @@ def test_readme_consumer_group_members_keep_running_and_split_the_queues(
     import time
 
     code = next(code for section, code in python_blocks() if "--keep-running" in code)
+    # A namespace and group of this run's own: another run of the suite on this
+    # machine would otherwise join the group and take a share of the queues.
+    unique = f"readme-{uuid.uuid4().hex[:8]}"
+    for fixed in ('namespace="shop"', 'PushConsumer("rewards"'):
+        assert fixed in code, fixed
+    code = code.replace('namespace="shop"', f'namespace="{unique}"')
+    code = code.replace('PushConsumer("rewards"', f'PushConsumer("{unique}"')
     script = tmp_path / "rewards.py"
     script.write_text(code)
 
@@ -134,6 +143,10 @@ def test_readme_consumer_group_members_keep_running_and_split_the_queues(
                 process.wait()
         for file in files:
             file.close()
+        client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        for key in client.scan_iter(f"{unique}:*"):
+            client.delete(key)
+        client.close()
 
 
 def test_every_table_ends_before_the_next_block() -> None:
