@@ -251,12 +251,22 @@ class MessageListenerStagedConcurrently(MessageListener):
         """Named definition lists for :meth:`compute_strategy` to pick from.
 
         Default: one strategy, ``"default"``, holding :meth:`get_stage_definitions`.
+        Called once, when the consumer is built. Without an override of
+        :meth:`compute_strategy` (which picks ``"default"``) the mapping must have
+        ``"default"``.
         """
         return {DEFAULT_STRATEGY: self.get_stage_definitions()}
 
     def compute_strategy(self, msg: Message) -> str | None:
-        """The strategy of ``msg``; ``None`` (or an unknown id) consumes it directly,
-        concurrently, with no stage. Default: ``"default"``."""
+        """The strategy of ``msg``: a key of :meth:`get_stage_definition_strategies`,
+        or ``None`` to consume it directly, concurrently, with no stage. Default:
+        ``"default"``.
+
+        Any other id (a typo) is an error, not "no stage": the queue stops at ``msg``
+        (nothing after it is run or committed), the error is logged with the message
+        id and counted in ``statistics().assignment_errors``, and the assignment is
+        tried again after ``suspend_current_queue_time_millis``, as when this method
+        raises."""
         return DEFAULT_STRATEGY
 
     def compute_group(self, msg: Message) -> str | None:

@@ -5,12 +5,13 @@ included, are accepted and called."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
 
 from stagedconsumer import (
+    ConfigurationError,
     ConsumeConcurrentlyContext,
     ListenerTypeError,
     MemoryBroker,
@@ -339,6 +340,30 @@ def test_only_callbacks_the_consumer_calls_are_checked() -> None:
             compute_strategy=staticmethod(lambda msg: "default"),
             compute_group=lambda self, msg, *rest: None,
             reset_current_stage_offset_if_need=lambda self, topic, current, extra=0: current,
+        )
+    )
+
+
+def test_strategies_without_default_need_a_compute_strategy() -> None:
+    def strategies(self: object) -> Mapping[str, Sequence[int]]:
+        return {"vip": [1], "bulk": [5]}
+
+    with pytest.raises(
+        ConfigurationError,
+        match=r"Bad\.get_stage_definition_strategies\(\) has no 'default' strategy \(it has"
+        r" 'bulk', 'vip'\), and the default compute_strategy\(\) picks 'default' for every"
+        r" message: add it, or override compute_strategy",
+    ):
+        build(
+            listener_of(
+                MessageListenerStagedConcurrently, get_stage_definition_strategies=strategies
+            )
+        )
+    build(
+        listener_of(
+            MessageListenerStagedConcurrently,
+            get_stage_definition_strategies=strategies,
+            compute_strategy=lambda self, msg: "vip",
         )
     )
 

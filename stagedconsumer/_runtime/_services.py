@@ -24,6 +24,7 @@ import attrs
 from offsetstore import StageKey
 
 from .._core import (
+    DEFAULT_STRATEGY,
     Batch,
     ConsumeMode,
     FlowControl,
@@ -482,6 +483,14 @@ def build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
         for strategy, sizes in strategies.items()
     }
     base = MessageListenerStagedConcurrently
+    if DEFAULT_STRATEGY not in definitions and not _overrides(listener, base, "compute_strategy"):
+        known = ", ".join(repr(strategy) for strategy in sorted(definitions)) or "none"
+        raise ConfigurationError(
+            f"{type(listener).__name__}.get_stage_definition_strategies() has no"
+            f" {DEFAULT_STRATEGY!r} strategy (it has {known}), and the default"
+            f" compute_strategy() picks {DEFAULT_STRATEGY!r} for every message: add it, or"
+            " override compute_strategy"
+        )
     reset: Callable[[str, int], int] | None = None
     if _overrides(listener, base, "reset_current_stage_offset_if_need"):
         reset = listener.reset_current_stage_offset_if_need
