@@ -6,7 +6,7 @@ The tree::
     ├── ConfigurationError (also ValueError)       bad input, raised at construction
     │   ├── InvalidStageDefinitionError            non-int, zero or negative stage sizes
     │   ├── InvalidOptionError                     unknown option or value out of range
-    │   ├── ListenerTypeError (also TypeError)     listener of the wrong kind
+    │   ├── ListenerTypeError (also TypeError)     listener of the wrong kind or shape
     │   ├── UnknownTopicError                      topic the source does not have
     │   └── InvalidMessageError                    a message that cannot be sent: body not
     │                                              bytes, keys/tags/properties not strings,
@@ -69,7 +69,9 @@ class InvalidOptionError(ConfigurationError):
 
 
 class ListenerTypeError(ConfigurationError, TypeError):
-    """A listener of the wrong kind (or one missing a required method)."""
+    """A listener of the wrong kind, or one whose ``consume_message`` or stage
+    callback cannot be called the way the consumer calls it (see
+    :class:`~stagedconsumer.MessageListener`)."""
 
 
 class UnknownTopicError(ConfigurationError):

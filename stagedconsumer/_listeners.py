@@ -4,6 +4,9 @@ A listener's ``consume_message(msgs, context)`` may be ``async def`` (run on the
 event loop) or a plain ``def`` (run in a worker thread). Returning ``None`` means
 success and raising means failure: a deliberate difference from RocketMQ, where a
 ``null`` return means failure.
+
+The consumer checks the shape of a listener's methods once, when it is built, rather
+than failing on every call: see :class:`MessageListener`.
 """
 
 from __future__ import annotations
@@ -145,7 +148,20 @@ def _staged_context(batch: _BatchLike, suspend_millis: int) -> ConsumeStagedConc
 
 
 class MessageListener(abc.ABC):  # noqa: B024 - a marker base; subclasses add the abstract methods
-    """Base class of the three listener kinds."""
+    """Base class of the three listener kinds.
+
+    ``PushConsumer(...)`` raises :class:`~stagedconsumer.ListenerTypeError` when
+    ``consume_message`` cannot be called with two positional arguments
+    ``(msgs, context)`` (parameters beyond those need defaults; ``*args``,
+    ``functools.partial``, callable objects and static methods are fine), or is a
+    generator function (``yield`` in its body, ``async def`` or not). The same goes for
+    the callbacks the consumer will call, with their arguments, which must also be
+    plain ``def`` (they are called synchronously): ``get_stage_definitions()``,
+    ``get_stage_definition_strategies()``, ``compute_strategy(msg)``,
+    ``compute_group(msg)``, ``reset_current_stage_offset_if_need(topic, current)`` and
+    (``Ordering.BY_KEY``) ``compute_key(msg)``. A callable whose signature Python
+    cannot read (some builtins) is accepted unchecked.
+    """
 
 
 class MessageListenerConcurrently(MessageListener):
@@ -235,12 +251,22 @@ class MessageListenerStagedConcurrently(MessageListener):
         """Named definition lists for :meth:`compute_strategy` to pick from.
 
         Default: one strategy, ``"default"``, holding :meth:`get_stage_definitions`.
+        Called once, when the consumer is built. Without an override of
+        :meth:`compute_strategy` (which picks ``"default"``) the mapping must have
+        ``"default"``.
         """
         return {DEFAULT_STRATEGY: self.get_stage_definitions()}
 
     def compute_strategy(self, msg: Message) -> str | None:
-        """The strategy of ``msg``; ``None`` (or an unknown id) consumes it directly,
-        concurrently, with no stage. Default: ``"default"``."""
+        """The strategy of ``msg``: a key of :meth:`get_stage_definition_strategies`,
+        or ``None`` to consume it directly, concurrently, with no stage. Default:
+        ``"default"``.
+
+        Any other id (a typo) is an error, not "no stage": the queue stops at ``msg``
+        (nothing after it is run or committed), the error is logged with the message
+        id and counted in ``statistics().assignment_errors``, and the assignment is
+        tried again after ``suspend_current_queue_time_millis``, as when this method
+        raises."""
         return DEFAULT_STRATEGY
 
     def compute_group(self, msg: Message) -> str | None:

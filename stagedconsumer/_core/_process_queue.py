@@ -25,9 +25,10 @@ The committed consume offset is the lowest offset still cached, pending or held,
 highest-seen + 1 when none is left. It never passes an unfinished message.
 
 When a stage callback of the listener (``compute_strategy``, ``compute_group``, the
-reset hook) raises or returns a bad value for a message, that message and every later
-one of the queue are *held*: not assigned to a stage, not taken, not committed past
-(:attr:`ProcessQueue.assignment_error` says why) until
+reset hook) raises or returns a bad value for a message (a value of the wrong type, a
+negative stage offset, a strategy id that none of the definitions has), that message
+and every later one of the queue are *held*: not assigned to a stage, not taken, not
+committed past (:attr:`ProcessQueue.assignment_error` says why) until
 :meth:`ProcessQueue.retry_assignment` succeeds. Other queues are not affected.
 
 Methods that change the queue return :data:`~._effects.Effects`.
@@ -114,11 +115,14 @@ class FlowControl:
 class StagePlan:
     """How staged mode assigns messages to stage keys and stages.
 
-    ``compute_strategy`` returns a key of ``definitions`` (or ``None``, or an unknown
-    id, to consume the message directly, with no stage); ``compute_group`` splits a
-    strategy into independent stage sequences; ``reset`` is consulted at every stage
-    boundary with ``(topic, current stage offset)`` and returns the stage offset to use.
-    All three are plain synchronous callables supplied by the shell.
+    ``compute_strategy`` returns a key of ``definitions``, or ``None`` to consume the
+    message directly, with no stage; any other id is a bad value (the queue holds the
+    message, see :class:`AssignmentFailure`), as is any strategy id when
+    ``compute_strategy`` is ``None`` and ``definitions`` lacks :data:`DEFAULT_STRATEGY`.
+    ``compute_group`` splits a strategy into independent stage sequences; ``reset`` is
+    consulted at every stage boundary with ``(topic, current stage offset)`` and
+    returns the stage offset to use. All three are plain synchronous callables
+    supplied by the shell.
     """
 
     definitions: Mapping[str, StageDefinition]
@@ -172,6 +176,11 @@ def _bad_value(message: Message, callback: str, value: object, expected: str) ->
             detail=f"{callback}() returned {type(value).__name__} {value!r}; expected {expected}",
         )
     )
+
+
+def _strategy_ids(plan: StagePlan) -> str:
+    known = ", ".join(repr(strategy) for strategy in sorted(plan.definitions)) or "none"
+    return f"a strategy id of the stage definitions ({known}) or None (no stage)"
 
 
 @attrs.define(eq=False, slots=True)
@@ -740,13 +749,15 @@ class ProcessQueue:
                 raise _bad_value(message, "compute_group", group, "a str or None")
         lane_or_none = self._lanes_by_name.get((strategy, group))
         if lane_or_none is None:
-            definition = plan.definitions.get(strategy) if strategy is not None else None
-            if strategy is None or definition is None:
+            if strategy is None:
                 lane = self._direct_lane
                 epoch = lane.current_epoch
                 if epoch is None:
                     epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
                 return lane, epoch, -1
+            definition = plan.definitions.get(strategy)
+            if definition is None:  # a typo must not drop the ordering silently
+                raise _bad_value(message, "compute_strategy", strategy, _strategy_ids(plan))
             key = StageKey(strategy, group)
             lane = self._lanes[key] = _Lane(key, definition, exclusive=False, counted=True)
             lane.next_stage_offset = self._stage_offsets.get(key, 0)

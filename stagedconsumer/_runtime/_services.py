@@ -13,6 +13,7 @@ worker loop itself (``_workers.py``) is the same for every mode.
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -23,6 +24,7 @@ import attrs
 from offsetstore import StageKey
 
 from .._core import (
+    DEFAULT_STRATEGY,
     Batch,
     ConsumeMode,
     FlowControl,
@@ -170,8 +172,8 @@ class ConsumeService(abc.ABC):
 
 
 def _check_listener(listener: object) -> None:
-    """A listener instance whose ``consume_message`` can be called (checked once,
-    here, rather than found out per message)."""
+    """A listener instance whose methods that the consumer calls can be called the
+    way it calls them (checked once, here, rather than found out per message)."""
     kinds = (
         "a MessageListenerConcurrently, MessageListenerOrderly or MessageListenerStagedConcurrently"
     )
@@ -186,13 +188,99 @@ def _check_listener(listener: object) -> None:
         )
     if not isinstance(listener, MessageListener):
         return  # the caller names the expected kinds
-    consume = getattr(listener, "consume_message", None)
-    if not callable(consume):
+    _check_method(listener, "consume_message", ("msgs", "context"), handler=True)
+    if isinstance(listener, MessageListenerStagedConcurrently):
+        base: type = MessageListenerStagedConcurrently
+        if not _overrides(listener, base, "get_stage_definition_strategies"):
+            _check_method(listener, "get_stage_definitions", ())
+        for name, params in _STAGE_CALLBACKS:
+            if _overrides(listener, base, name):
+                _check_method(listener, name, params)
+    elif (
+        isinstance(listener, MessageListenerOrderly)
+        and listener.ordering is Ordering.BY_KEY
+        and _overrides(listener, MessageListenerOrderly, "compute_key")
+    ):
+        _check_method(listener, "compute_key", ("msg",))
+
+
+_STAGE_CALLBACKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("get_stage_definition_strategies", ()),
+    ("compute_strategy", ("msg",)),
+    ("compute_group", ("msg",)),
+    ("reset_current_stage_offset_if_need", ("topic", "current")),
+)
+"""The staged listener's callbacks with the arguments the consumer passes them
+(positionally); the defaults of the base class need no check."""
+
+
+def _check_method(
+    listener: MessageListener, name: str, params: tuple[str, ...], *, handler: bool = False
+) -> None:
+    """Raise :class:`ListenerTypeError` unless ``listener.<name>`` can be called with
+    the positional arguments ``params``, as the consumer calls it.
+
+    ``handler``: it may be ``async def`` (``consume_message``); otherwise it must be a
+    plain function, whose return value the consumer uses as is. Generator functions
+    are refused (they return a generator, not a result). Only what certainly fails
+    is refused: ``*args``, defaults, keyword-only parameters with defaults,
+    ``functools.partial``, callable objects, static and class methods pass, and so
+    does a callable whose signature cannot be read (some builtins)."""
+    owner = type(listener).__name__
+    call = f"{name}({', '.join(params)})"
+    expected = f"def {name}({', '.join(('self', *params))})"
+    if handler:
+        expected = f"async def or {expected}"
+    method = getattr(listener, name, None)
+    if not callable(method):
         raise ListenerTypeError(
-            f"{type(listener).__name__}.consume_message must be a method"
-            f" (async def or def consume_message(self, msgs, context)),"
-            f" got {type(consume).__name__} {consume!r}"
+            f"{owner}.{name} must be a method ({expected}), got {type(method).__name__} {method!r}"
         )
+    if inspect.isasyncgenfunction(method) or inspect.isgeneratorfunction(method):
+        what = "an async generator" if inspect.isasyncgenfunction(method) else "a generator"
+        raise ListenerTypeError(
+            f"{owner}.{name} is {what} function (its body has yield): the consumer calls"
+            f" {call} for its result, and would get a generator every time; expected"
+            f" {expected} without yield"
+        )
+    if not handler and inspect.iscoroutinefunction(method):
+        raise ListenerTypeError(
+            f"{owner}.{name} is async def: the consumer calls {call} synchronously and"
+            f" uses its return value, which would be a coroutine; expected {expected}"
+        )
+    # A bound method is checked through its function with ``self`` bound, so that a
+    # method without ``self`` is reported too (its bound signature cannot be read).
+    target: Callable[..., Any] = method
+    bound: tuple[object, ...] = ()
+    if inspect.ismethod(method):
+        target, bound = method.__func__, (method.__self__,)
+    try:
+        # the callable itself, not what a decorator wraps: that is what gets called
+        signature = inspect.signature(target, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin, an extension type): trust it
+    try:
+        signature.bind(*bound, *params)
+    except TypeError as exc:
+        hint = ""
+        first = next(iter(signature.parameters), None)
+        if bound and first not in ("self", "cls") and _binds(signature, params):
+            hint = " (is self missing? a method's first parameter receives the listener)"
+        shown = signature.replace(
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        raise ListenerTypeError(
+            f"{owner}.{name}{shown} cannot be called as {call} ({exc}){hint}; expected {expected}"
+        ) from None
+
+
+def _binds(signature: inspect.Signature, args: tuple[object, ...]) -> bool:
+    try:
+        signature.bind(*args)
+    except TypeError:
+        return False
+    return True
 
 
 class ConcurrentlyConsumeService(ConsumeService):
@@ -395,6 +483,14 @@ def build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
         for strategy, sizes in strategies.items()
     }
     base = MessageListenerStagedConcurrently
+    if DEFAULT_STRATEGY not in definitions and not _overrides(listener, base, "compute_strategy"):
+        known = ", ".join(repr(strategy) for strategy in sorted(definitions)) or "none"
+        raise ConfigurationError(
+            f"{type(listener).__name__}.get_stage_definition_strategies() has no"
+            f" {DEFAULT_STRATEGY!r} strategy (it has {known}), and the default"
+            f" compute_strategy() picks {DEFAULT_STRATEGY!r} for every message: add it, or"
+            " override compute_strategy"
+        )
     reset: Callable[[str, int], int] | None = None
     if _overrides(listener, base, "reset_current_stage_offset_if_need"):
         reset = listener.reset_current_stage_offset_if_need

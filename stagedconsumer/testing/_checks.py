@@ -140,7 +140,11 @@ class StagePlan:
         compute_group: Callable[[Message], str | None] = lambda m: None,
         reset: Callable[[str, int], int] | None = None,
     ) -> StagePlan:
-        """The plan from stage definitions by strategy and the stage callbacks."""
+        """The plan from stage definitions by strategy and the stage callbacks.
+
+        Raises ``ValueError`` when ``compute_strategy`` gives a message a strategy id
+        that ``definitions`` lacks (``None`` means no stage): the consumer stops that
+        message's queue there, so no plan of the run exists."""
         counters: dict[StageKeyTuple, int] = defaultdict(int)
         last: dict[StageKeyTuple, tuple[int, int]] = {}
         epochs = itertools.count(1)
@@ -151,9 +155,16 @@ class StagePlan:
             ident = origin_id(message)
             messages[ident] = message
             strategy = compute_strategy(message)
-            if strategy is None or strategy not in definitions:
+            if strategy is None:
                 out[ident] = Assignment(None, TAIL, 0)
                 continue
+            if strategy not in definitions:
+                known = ", ".join(repr(name) for name in sorted(definitions)) or "none"
+                raise ValueError(
+                    f"compute_strategy gives {strategy!r} for {_where(message)}, which is"
+                    f" not a strategy of the definitions ({known}) nor None: the consumer"
+                    " stops its queue at such a message (statistics().assignment_errors)"
+                )
             sizes = definitions[strategy]
             key = (MessageQueue(message.topic, message.queue_id), strategy, compute_group(message))
             offset = counters[key]
@@ -284,8 +295,8 @@ def check_staged(log: CallLog, plan: StagePlan, *, within_runs: bool = False) ->
                     Violation(
                         "wrong-key",
                         f"call #{call.number} ran {_where(known[0])} as strategy"
-                        f" {call.strategy_id!r}, but compute_strategy gives no known strategy"
-                        " for it: it should run directly, with strategy None",
+                        f" {call.strategy_id!r}, but compute_strategy gives None for it:"
+                        " it should run directly, with strategy None",
                         (call,),
                     )
                 )

@@ -13,7 +13,14 @@ import pytest
 
 from offsetstore import StageKey
 from stagedconsumer import Message, MessageQueue
-from stagedconsumer._core import ConsumeMode, EraseStatus, ProcessQueue, StagePlan
+from stagedconsumer._core import (
+    HELD,
+    ConsumeMode,
+    EraseStatus,
+    ProcessQueue,
+    StageDefinition,
+    StagePlan,
+)
 
 MQ = MessageQueue("t", 0)
 
@@ -122,3 +129,66 @@ def test_move_to_resumes_an_idle_queue_backwards_keeping_stage_offsets() -> None
     assert batch.stage_index == 0  # stage offsets 3 and 4 of [5]
     with pytest.raises(ValueError, match="unfinished"):
         pq.move_to(0)  # never past (or before) an unfinished message
+
+
+def tagged(start: int, tags: list[str | None]) -> list[Message]:
+    return [
+        Message(topic="t", queue_id=0, queue_offset=offset, body=b"x", tags=tag)
+        for offset, tag in enumerate(tags, start)
+    ]
+
+
+def take_all(pq: ProcessQueue) -> list[tuple[int, str | None, int]]:
+    """Take and finish everything that may run: (offset, strategy id, stage) each."""
+    out: list[tuple[int, str | None, int]] = []
+    while (batch := pq.try_take_messages(10)) is not None:
+        out.extend((m.queue_offset, batch.strategy_id, batch.stage_index) for m in batch)
+        pq.erase_messages(batch, EraseStatus.SUCCESS)
+    return sorted(out)
+
+
+def test_an_unknown_strategy_id_holds_the_queue_at_its_message() -> None:
+    """A typo in compute_strategy is a bad value: it does not drop the message's order
+    by consuming it with no stage. None still means no stage."""
+    strategy_of = {"a": "a", "b": "b", "typo": "bb", None: None}
+    plan = StagePlan(
+        definitions={"a": StageDefinition.of([2]), "b": StageDefinition.of([1])},
+        compute_strategy=lambda m: strategy_of[m.tags],
+    )
+    pq = ProcessQueue(MQ, ConsumeMode.STAGED, plan=plan)
+    assert pq.put_messages(tagged(0, ["a", None, "b", "typo", "a"])) & HELD
+    assert pq.held_count == 2  # the typo and everything after it
+    failure = pq.assignment_error
+    assert failure is not None
+    assert failure.message.queue_offset == 3
+    assert failure.callback == "compute_strategy"
+    assert failure.exception is None
+    assert failure.detail == (
+        "compute_strategy() returned str 'bb'; expected a strategy id of the stage"
+        " definitions ('a', 'b') or None (no stage)"
+    )
+    assert take_all(pq) == [(0, "a", 0), (1, None, -1), (2, "b", 0)]
+    assert pq.committed_offset == 3  # never past the held message
+    assert pq.put_messages(tagged(5, ["a"])) & HELD  # new messages wait behind it
+    assert pq.held_count == 3
+    assert pq.retry_assignment() & HELD  # still a typo
+    assert pq.committed_offset == 3
+    strategy_of["typo"] = "b"  # fixed: the held messages are assigned in order
+    assert not pq.retry_assignment() & HELD
+    assert pq.assignment_error is None
+    assert take_all(pq) == [(3, "b", -1), (4, "a", 0), (5, "a", -1)]
+    assert pq.committed_offset == 6
+
+
+def test_the_default_strategy_missing_from_the_definitions_holds_the_queue() -> None:
+    # without compute_strategy every message asks for DEFAULT_STRATEGY
+    pq = ProcessQueue(
+        MQ, ConsumeMode.STAGED, plan=StagePlan(definitions={"a": StageDefinition.of([1])})
+    )
+    assert pq.put_messages(messages(0, 2)) & HELD
+    assert pq.held_count == 2
+    assert pq.committed_offset == 0
+    failure = pq.assignment_error
+    assert failure is not None
+    assert "returned str 'default'" in failure.detail
+    assert pq.try_take_messages(10) is None

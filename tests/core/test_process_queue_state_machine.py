@@ -10,8 +10,11 @@ step the machine checks the contract of design.md section 3:
   fresh ProcessQueue started from (committed offset, committed stage offsets) and fed
   the remaining messages assigns every message the same stage (restart rule);
 - staged: no message of a later epoch of a stage key is taken while an earlier one is
-  unfinished; orderly: at most one batch pending per queue, batches in offset order;
-  key-ordered: at most one batch pending per key, in offset order per key, and the
+  unfinished; a message whose strategy id none of the definitions has (a typo) holds
+  its queue: it and every later message are not assigned, taken or committed past,
+  and ``assignment_error`` names it;
+- orderly: at most one batch pending per queue, batches in offset order;
+- key-ordered: at most one batch pending per key, in offset order per key, and the
   queue keeps a lane only for keys with messages cached or pending;
 - a paused or dropped queue hands out nothing, and an unpaused one goes on;
 - every message is taken once (retries of a suspended batch are the same batch),
@@ -66,6 +69,20 @@ class Config:
     use_groups: bool
     reset_kind: str | None  # None, "zero" (always 0), "cycle" (0 once past 4)
     flow: FlowControl
+    typos: bool = False
+    """Messages may carry the tag "unknown", whose strategy id no definition has."""
+
+    def tags(self) -> list[str]:
+        """Tags to draw from: "unknown" rarely, so that a queue runs a while first."""
+        tags = sorted(tag for tag in STRATEGY_OF_TAG if tag != "unknown")
+        return tags * 4 + ["unknown"] if self.typos else tags
+
+    def holds(self, message: Message) -> bool:
+        """Staged: the strategy of ``message`` is an id none of the definitions has."""
+        if self.mode is not ConsumeMode.STAGED or not self.use_strategies:
+            return False
+        strategy = STRATEGY_OF_TAG[message.keys[0]]
+        return strategy is not None and strategy not in self.definitions
 
     def reset(self, topic: str, current: int) -> int:
         assert topic == TOPIC
@@ -99,8 +116,9 @@ class Config:
         if self.mode is not ConsumeMode.STAGED:
             return "main"
         strategy = STRATEGY_OF_TAG[message.keys[0]] if self.use_strategies else "default"
-        if strategy is None or strategy not in self.definitions:
+        if strategy is None:
             return "direct"
+        assert strategy in self.definitions, "a held message has no lane"
         group = (message.keys[1] or None) if self.use_groups else None
         return StageKey(strategy, group)
 
@@ -125,6 +143,8 @@ class MQueue:
     initial_stage_offsets: dict[StageKey, int]
     highest: int
     msgs: dict[int, MMsg] = attrs.Factory(dict)
+    held: list[Message] = attrs.Factory(list)
+    """Messages from the first one with an unknown strategy on: never assigned."""
     counters: dict[StageKey, int] = attrs.Factory(dict)
     last_epoch: dict[StageKey, tuple[int, int]] = attrs.Factory(dict)  # key -> (stage, epoch)
     last_committed: int = 0
@@ -175,6 +195,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         queue_count=st.integers(1, 2),
         start=st.integers(0, 5),
         initial_stage=st.integers(0, 6),
+        typos=st.booleans(),
     )
     def setup(
         self,
@@ -190,6 +211,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         queue_count: int,
         start: int,
         initial_stage: int,
+        typos: bool,
     ) -> None:
         self.config = Config(
             mode=mode,
@@ -200,6 +222,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             use_groups=use_groups,
             reset_kind=reset_kind,
             flow=FlowControl(count=count, size_bytes=size_bytes, max_span=max_span),
+            typos=typos,
         )
         for queue_id in range(queue_count):
             initial: dict[StageKey, int] = {}
@@ -296,7 +319,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             last = offset
             if filtered[i]:
                 continue
-            tag = data.draw(st.sampled_from(sorted(STRATEGY_OF_TAG)))
+            tag = data.draw(st.sampled_from(self.config.tags()))
             group = data.draw(st.sampled_from(["", "g1", "g2"]))
             body = b"x" * data.draw(st.integers(0, 9))
             messages.append(
@@ -310,7 +333,11 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             )
         self.dispatcher.put_messages(q.pq, messages, highest_offset=last if n else None)
         for message in messages:
-            if message.queue_offset > q.highest:
+            if message.queue_offset <= q.highest:
+                continue
+            if q.held or self.config.holds(message):
+                q.held.append(message)  # the queue stops at the first unknown strategy
+            else:
                 q.msgs[message.queue_offset] = self.assign(q, message)
         q.highest = max(q.highest, last)
 
@@ -471,7 +498,9 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             q.pq.message_queue.queue_id, committed, dict(q.pq.committed_stage_offsets)
         )
         rest = [q.msgs[o].message for o in sorted(q.msgs) if o >= committed]
-        fresh.put_messages(rest, highest_offset=q.highest if q.highest >= committed else None)
+        fresh.put_messages(
+            rest + q.held, highest_offset=q.highest if q.highest >= committed else None
+        )
         seen: dict[int, int] = {}
         while True:
             batch = fresh.try_take_messages(3)
@@ -482,15 +511,17 @@ class ProcessQueueMachine(RuleBasedStateMachine):
                 seen[message.queue_offset] = batch.stage_index
             fresh.erase_messages(batch, EraseStatus.SUCCESS)
         assert seen == {m.queue_offset: q.msgs[m.queue_offset].stage for m in rest}
-        assert fresh.committed_offset == q.highest + 1
+        assert fresh.held_count == len(q.held)
+        assert fresh.committed_offset == (q.held[0].queue_offset if q.held else q.highest + 1)
 
     # -- invariants ------------------------------------------------------------------
 
     @invariant()
     def committed_offset_is_lowest_unfinished(self) -> None:
         for q in self.queues:
-            unfinished = q.unfinished()
-            expected = min((m.message.queue_offset for m in unfinished), default=q.highest + 1)
+            unfinished = [m.message.queue_offset for m in q.unfinished()]
+            unfinished += [m.queue_offset for m in q.held[:1]]
+            expected = min(unfinished, default=q.highest + 1)
             committed = q.pq.committed_offset
             assert committed == expected
             assert committed >= q.last_committed, "committed offset moved backwards"
@@ -527,22 +558,41 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             assert stats.suspended_count == suspended
             unfinished_bytes = sum(m.size for m in cached + pending)
             assert stats.cached_bytes == unfinished_bytes
+            assert stats.held_count == len(q.held)
+            held_bytes = sum(len(m.body) for m in q.held)
             assert stats.highest_offset == q.highest
             lowest = min((m.message.queue_offset for m in cached + pending), default=None)
-            # counted in messages (sparse offsets span what is held, not id distance)
+            # counted in messages (sparse offsets span what is held, not id distance);
+            # held messages count only when nothing is cached or pending
             span = (
-                0
+                max(0, len(q.held) - 1)
                 if lowest is None
                 else sum(1 for m in q.msgs.values() if m.message.queue_offset >= lowest) - 1
             )
             assert stats.span == span
             full = (
-                len(cached) + len(pending) >= flow.count
-                or unfinished_bytes >= flow.size_bytes
+                len(cached) + len(pending) + len(q.held) >= flow.count
+                or unfinished_bytes + held_bytes >= flow.size_bytes
                 or (flow.max_span is not None and span >= flow.max_span)
             )
             assert q.pq.is_cache_full() == full
             assert stats.committed_offset == q.pq.committed_offset
+
+    @invariant()
+    def an_unknown_strategy_holds_its_queue_and_says_why(self) -> None:
+        for q in self.queues:
+            failure = q.pq.assignment_error
+            if not q.held:
+                assert failure is None
+                continue
+            assert failure is not None
+            assert failure.message.queue_offset == q.held[0].queue_offset
+            assert failure.callback == "compute_strategy"
+            assert failure.exception is None
+            assert repr(STRATEGY_OF_TAG["unknown"]) in failure.detail
+            for strategy in self.config.definitions:
+                assert repr(strategy) in failure.detail
+            assert "or None" in failure.detail
 
     @invariant()
     def orderly_has_at_most_one_batch_pending(self) -> None:

@@ -99,6 +99,20 @@ def test_the_plan_follows_the_definitions() -> None:
     assert epochs[0] == epochs[1] < epochs[2] < epochs[3]
 
 
+def test_the_plan_refuses_a_strategy_id_the_definitions_lack() -> None:
+    """The consumer stops a queue at such a message, so no plan of a run exists."""
+    plan = StagePlan.from_definitions(
+        {"a": [1]}, SENT, lambda m: None if m.queue_offset == 0 else "a"
+    )
+    assert [plan.assignments[m.msg_id].key is None for m in SENT] == [True] + [False] * 3
+    with pytest.raises(
+        ValueError,
+        match=r"gives 'b' for t:0@2, which is not a strategy of"
+        r" the definitions \('a'\) nor None",
+    ):
+        StagePlan.from_definitions({"a": [1]}, SENT, lambda m: "b" if m.queue_offset == 2 else "a")
+
+
 def test_a_staged_log_that_keeps_the_barrier_passes() -> None:
     w = Log()
     a, b = w.start([0], 0), w.start([1], 0)
