@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import inspect
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -145,6 +146,16 @@ def _staged_context(batch: _BatchLike, suspend_millis: int) -> ConsumeStagedConc
     context.group_id = batch.group_id
     context.suspend_current_queue_time_millis = suspend_millis
     return context
+
+
+def is_async_callable(fn: Any) -> bool:
+    """Whether calling ``fn`` returns a coroutine to await: an ``async def`` function or
+    method, a ``functools.partial`` of one, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or (
+        callable(fn)
+        and not inspect.isroutine(fn)
+        and inspect.iscoroutinefunction(type(fn).__call__)
+    )
 
 
 class MessageListener(abc.ABC):  # noqa: B024 - a marker base; subclasses add the abstract methods

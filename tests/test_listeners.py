@@ -5,6 +5,7 @@ included, are accepted and called."""
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -203,13 +204,24 @@ def test_valid_consume_message_shapes_are_accepted(
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "shape",
-    ["*args", "defaults", "partial", "async partial", "callable object", "decorated", "bound"],
+    [
+        "*args",
+        "defaults",
+        "partial",
+        "async partial",
+        "callable object",
+        "async callable object",
+        "decorated",
+        "bound",
+    ],
 )
 async def test_valid_odd_shapes_are_called_with_msgs_and_context(shape: str) -> None:
     seen: list[tuple[int, object]] = []
+    threads: set[threading.Thread] = set()
 
     def record(msgs: Sequence[Message], context: object, **unused: object) -> None:
         seen.extend((m.queue_offset, context) for m in msgs)
+        threads.add(threading.current_thread())
 
     async def record_async(msgs: Sequence[Message], context: object, **unused: object) -> None:
         record(msgs, context)
@@ -229,6 +241,10 @@ async def test_valid_odd_shapes_are_called_with_msgs_and_context(shape: str) -> 
         async def handle(self, msgs: Sequence[Message], context: object) -> None:
             record(msgs, context)
 
+    class AsyncRecorder:
+        async def __call__(self, msgs: Sequence[Message], context: object) -> None:
+            record(msgs, context)
+
     @_injecting
     async def decorated(self: object, msgs: Sequence[Message], context: object, db: str) -> None:
         assert db == "injected"
@@ -240,6 +256,7 @@ async def test_valid_odd_shapes_are_called_with_msgs_and_context(shape: str) -> 
         "partial": staticmethod(functools.partial(record, extra=None)),  # a worker thread
         "async partial": staticmethod(functools.partial(record_async, extra=None)),
         "callable object": Recorder(),  # a worker thread
+        "async callable object": AsyncRecorder(),  # awaited on the event loop
         "decorated": decorated,
         "bound": staticmethod(Recorder().handle),  # a bound method of another object
     }[shape]
@@ -255,6 +272,8 @@ async def test_valid_odd_shapes_are_called_with_msgs_and_context(shape: str) -> 
     assert consumer.statistics().consumed_ok == 3
     assert sorted(offset for offset, _ in seen) == [0, 1, 2]
     assert all(isinstance(context, ConsumeConcurrentlyContext) for _, context in seen)
+    on_the_loop = shape not in ("partial", "callable object")  # those are plain def
+    assert (threads == {threading.current_thread()}) is on_the_loop, threads
 
 
 # -- the callbacks the consumer calls -----------------------------------------------------
@@ -262,6 +281,11 @@ async def test_valid_odd_shapes_are_called_with_msgs_and_context(shape: str) -> 
 
 async def _async_strategy(self: object, msg: Message) -> str:
     return "default"
+
+
+class _AsyncStrategy:
+    async def __call__(self, msg: Message) -> str:
+        return "default"
 
 
 def _generator_group(self: object, msg: Message) -> Any:
@@ -282,6 +306,12 @@ def _generator_group(self: object, msg: Message) -> Any:
             r"Bad\.compute_strategy is async def: the consumer calls compute_strategy\(msg\)"
             r" synchronously",
             id="async compute_strategy",
+        ),
+        pytest.param(
+            {"compute_strategy": _AsyncStrategy()},
+            r"Bad\.compute_strategy is async def: the consumer calls compute_strategy\(msg\)"
+            r" synchronously",
+            id="callable object with an async __call__ as compute_strategy",
         ),
         pytest.param(
             {"compute_group": _generator_group},

@@ -50,6 +50,7 @@ from .._listeners import (
     _concurrently_context,
     _orderly_context,
     _staged_context,
+    is_async_callable,
 )
 from .._message import Message, MessageQueue
 from .._options import ConsumerOptions
@@ -243,7 +244,7 @@ def _check_method(
             f" {call} for its result, and would get a generator every time; expected"
             f" {expected} without yield"
         )
-    if not handler and inspect.iscoroutinefunction(method):
+    if not handler and is_async_callable(method):
         raise ListenerTypeError(
             f"{owner}.{name} is async def: the consumer calls {call} synchronously and"
             f" uses its return value, which would be a coroutine; expected {expected}"

@@ -17,6 +17,7 @@ import anyio
 import anyio.abc
 
 from .._core import READY, Batch, Dispatcher, EraseStatus
+from .._listeners import is_async_callable
 from .._message import Message
 from .._observability._hooks import ConsumeMessageContext, ConsumeReturnType
 from ._hooks import HookRunner, loop_clock
@@ -80,7 +81,7 @@ class WorkerPool:
         self.service = service
         self.signals = signals
         self.consume = consume
-        self.is_async = inspect.iscoroutinefunction(consume)
+        self.is_async = is_async_callable(consume)
         self.workers = workers
         self.batch_size = batch_size
         self.hooks = hooks

@@ -10,7 +10,6 @@ it), since a message moved to the DLQ counts as finished.
 from __future__ import annotations
 
 import enum
-import inspect
 import itertools
 import math
 import threading
@@ -29,6 +28,7 @@ from .._listeners import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
+    is_async_callable,
 )
 from .._message import Message, MessageQueue
 from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
@@ -303,7 +303,7 @@ def wrapper_type(mixin: type, inner: MessageListener) -> type:
     ``inner``'s is a coroutine function or not (sync handlers keep running in threads).
     """
     kind = _kind_of(inner)
-    is_async = inspect.iscoroutinefunction(getattr(inner, "consume_message", None))
+    is_async = is_async_callable(getattr(inner, "consume_message", None))
     cache_key = (mixin, type(inner), is_async)
     cached = _wrapper_types.get(cache_key)
     if cached is not None:

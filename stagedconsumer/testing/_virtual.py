@@ -9,7 +9,6 @@ time and every timing is exact. The broker is a :class:`MemoryBroker`, the store
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import threading
@@ -29,6 +28,7 @@ from .._listeners import (
     ConsumeOrderlyStatus,
     MessageListener,
     MessageListenerConcurrently,
+    is_async_callable,
 )
 from .._message import Message, MessageQueue
 from .._options import ConsumerOptions
@@ -415,7 +415,7 @@ def run_virtual(
     if failures is not None or cost is not None:
         faulty_type = wrapper_type(_Faulty, inner)
         inner = faulty_type(inner, index, failures or FailureSchedule(), cost, gate)
-    if not inspect.iscoroutinefunction(getattr(inner, "consume_message", None)):
+    if not is_async_callable(getattr(inner, "consume_message", None)):
         inner = wrapper_type(_Threaded, inner)(inner, gate)
     recorder = RecordingListener(inner, log)
     store = _CrashableStore()
