@@ -127,7 +127,7 @@ class ConsumeService(abc.ABC):
         options: ConsumerOptions,
     ) -> ConsumeService:
         """The service of ``listener``'s kind; raises :class:`ListenerTypeError`."""
-        _check_listener(listener)
+        check_listener(listener)
         if isinstance(listener, MessageListenerStagedConcurrently):
             return StagedConsumeService(group, source, state, options, build_plan(listener))
         if isinstance(listener, MessageListenerOrderly):
@@ -172,7 +172,7 @@ class ConsumeService(abc.ABC):
         do its I/O (send back, dead-letter); the worker applies the settlement."""
 
 
-def _check_listener(listener: object) -> None:
+def check_listener(listener: object) -> None:
     """A listener instance whose methods that the consumer calls can be called the
     way it calls them (checked once, here, rather than found out per message)."""
     kinds = (

@@ -31,6 +31,7 @@ from .._listeners import (
     is_async_callable,
 )
 from .._message import Message, MessageQueue
+from .._runtime._services import check_listener
 from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 
 _K = TypeVar("_K")
@@ -363,6 +364,7 @@ class RecordingListener(MessageListener):
         return created.__new__(created, listener)
 
     def __init__(self, listener: MessageListener, log: CallLog | None = None) -> None:
+        check_listener(listener)  # the consumer sees the wrapper's (*args) shapes only
         self.inner = listener
         self.log = log if log is not None else CallLog()
         if isinstance(listener, MessageListenerOrderly):

@@ -33,6 +33,7 @@ from .._listeners import (
 from .._message import Message, MessageQueue
 from .._options import ConsumerOptions
 from .._runtime._consumer import PushConsumer
+from .._runtime._services import check_listener
 from .._sources._memory import MemoryBroker
 from ._log import CallLog, RecordingListener, origin_id, wrapper_type
 from ._strategies import FailureKind, FailureSchedule, MessageSpec
@@ -385,6 +386,7 @@ def run_virtual(
     inner = listener
     if isinstance(listener, RecordingListener):
         log, inner = listener.log, listener.inner
+    check_listener(inner)  # here: the wrappers below take (*args)
     broker = _Broker(log)
     topics: dict[str, int] = {}
     for spec in messages:

@@ -17,6 +17,7 @@ from stagedconsumer import (
     ConsumeOrderlyStatus,
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
+    ListenerTypeError,
     Message,
     MessageListenerConcurrently,
     MessageListenerOrderly,
@@ -103,6 +104,20 @@ def test_a_recorder_is_a_listener_of_the_same_kind() -> None:
     assert isinstance(RecordingListener(Concurrent()), MessageListenerConcurrently)
     with pytest.raises(TypeError, match="listener instance"):
         RecordingListener(Plain)  # type: ignore[arg-type]
+
+
+def test_a_listener_of_the_wrong_shape_is_refused_before_it_is_wrapped() -> None:
+    # The consumer sees only the wrapper, whose methods take (*args): the recorder and
+    # run_virtual check the listener itself, as PushConsumer does.
+    class NoContext(MessageListenerConcurrently):
+        async def consume_message(self, msgs: Sequence[Message]) -> None:  # type: ignore[override]
+            return None
+
+    fragment = r"NoContext\.consume_message\(self, msgs\) cannot be called as"
+    with pytest.raises(ListenerTypeError, match=fragment):
+        RecordingListener(NoContext())
+    with pytest.raises(ListenerTypeError, match=fragment):
+        run_virtual(NoContext(), [MessageSpec(topic="t", body=b"x", queue_id=0)])
 
 
 def test_only_the_callbacks_the_listener_overrides_are_forwarded() -> None:
