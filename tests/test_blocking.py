@@ -167,6 +167,34 @@ def test_a_consumer_on_its_own_portal_lends_it_to_a_producer(backend: str) -> No
         _ = running.portal
 
 
+@BACKENDS
+def test_pause_resume_and_seek_from_sync_code(backend: str) -> None:
+    broker = broker_with(queues=2)
+    store = MemoryOffsetStore()
+    listener = Collect()
+    consumer = PushConsumer("g", broker, listener, offset_store=store)
+    consumer.subscribe("t")
+    q0, q1 = MessageQueue("t", 0), MessageQueue("t", 1)
+    with BlockingConsumer(consumer, backend=backend) as running:
+        running.pause("t")
+        assert set(running.statistics().paused_queues) == {q0, q1}
+        with BlockingProducer(broker, portal=running.portal) as producer:
+            for queue_id in (0, 1):
+                producer.send("t", b"x%d" % queue_id, queue_id=queue_id)
+            time.sleep(0.3)  # paused: nothing is consumed
+            assert listener.bodies == []
+        running.resume("t")
+        running.wait_caught_up(timeout=10)
+        assert sorted(listener.bodies) == [b"x0", b"x1"]
+        assert not running.statistics().paused_queues
+        running.seek(q0, 0)  # consume queue 0 again
+        running.wait_caught_up(timeout=10)
+        with pytest.raises(ConfigurationError, match="not subscribed to topic 'nope'"):
+            running.pause("nope")
+    assert sorted(listener.bodies) == [b"x0", b"x0", b"x1"]
+    assert committed(store, "g", q0) == 1
+
+
 def test_a_source_used_on_two_event_loops_is_refused() -> None:
     broker = broker_with()
     consumer = PushConsumer("g", broker, Collect())

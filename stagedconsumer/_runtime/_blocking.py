@@ -32,6 +32,8 @@ import anyio
 import anyio.from_thread
 from anyio.from_thread import BlockingPortal
 
+from offsetstore import StageKey
+
 from .._exceptions import (
     ConfigurationError,
     ConsumerStateError,
@@ -648,6 +650,25 @@ class BlockingConsumer:
         ``TimeoutError`` after ``timeout`` seconds, naming the queues still behind."""
         self._call("wait_caught_up", functools.partial(self.consumer.wait_caught_up, timeout))
 
+    def pause(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:
+        """:meth:`PushConsumer.pause <stagedconsumer.PushConsumer.pause>` (queues, or
+        topics by name), done on the event loop while the consumer runs."""
+        self._sync(lambda: self.consumer.pause(targets))
+
+    def resume(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:
+        """:meth:`PushConsumer.resume <stagedconsumer.PushConsumer.resume>`, done on
+        the event loop while the consumer runs."""
+        self._sync(lambda: self.consumer.resume(targets))
+
+    def seek(
+        self, mq: MessageQueue, offset: int, *, stage_offsets: Mapping[StageKey, int] | None = None
+    ) -> None:
+        """:meth:`PushConsumer.seek <stagedconsumer.PushConsumer.seek>`, blocking until
+        the new position is committed."""
+        self._call(
+            "seek", functools.partial(self.consumer.seek, mq, offset, stage_offsets=stage_offsets)
+        )
+
     def wait_stopped(self, timeout: float | None = None) -> None:
         """Block until the consumer stops on its own (a failure, raised on leaving
         the block); ``TimeoutError`` after ``timeout`` seconds. The main thread of a
@@ -663,16 +684,12 @@ class BlockingConsumer:
     def statistics(self) -> ConsumerStatistics:
         """A frozen snapshot of counters and per-queue state (taken on the event loop
         while the consumer runs)."""
-        if self._host is None:
-            return self.consumer.statistics()
-        return self._host.call_sync(self.consumer.statistics)
+        return self._sync(self.consumer.statistics)
 
     @property
     def assigned_queues(self) -> list[MessageQueue]:
         """The queues the consumer holds now, sorted."""
-        if self._host is None:
-            return self.consumer.assigned_queues
-        return self._host.call_sync(lambda: self.consumer.assigned_queues)
+        return self._sync(lambda: self.consumer.assigned_queues)
 
     def _call(self, method: str, call: Callable[[], Awaitable[_T]]) -> _T:
         if self._host is None:
@@ -680,3 +697,9 @@ class BlockingConsumer:
                 f"{method}() needs a running consumer: use `with BlockingConsumer(...)`"
             )
         return self._host.call(method, call)
+
+    def _sync(self, func: Callable[[], _T]) -> _T:
+        """``func()`` on the event loop while the consumer runs, here before it does."""
+        if self._host is None:
+            return func()
+        return self._host.call_sync(func)

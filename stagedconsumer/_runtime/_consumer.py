@@ -431,7 +431,9 @@ class PushConsumer:
 
     def resume(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:
         """Undo :meth:`pause` for these queues or topics (one, or an iterable of them);
-        raises :class:`ConfigurationError` as :meth:`pause` does."""
+        raises :class:`ConfigurationError` as :meth:`pause` does. A queue runs when
+        neither it nor its topic is paused: resuming a queue does not undo a pause of
+        its topic, nor resuming a topic a pause of one of its queues."""
         self._queues.resume(self._checked_targets("resume", targets))
 
     def _checked_targets(
