@@ -42,6 +42,7 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
+from offsetstore import MemoryOffsetStore
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
     ConsumeOrderlyContext,
@@ -120,8 +121,12 @@ async def run_consumer(
     expected: int,
     hooks: Sequence[Any] = (),
 ) -> float:
-    """Consume the backlog once; returns the seconds until every message finished."""
-    consumer = PushConsumer("bench", broker, listener, options=options)
+    """Consume the backlog once; returns the seconds until every message finished.
+
+    Every run has an offset store of its own, so it consumes the whole backlog again
+    (given none, consumers of one broker share their group's progress)."""
+    store = MemoryOffsetStore()
+    consumer = PushConsumer("bench", broker, listener, offset_store=store, options=options)
     consumer.subscribe(TOPIC)
     for hook in hooks:
         consumer.register_consume_message_hook(hook)

@@ -37,3 +37,24 @@ def test_benchmark_starts(name: str, how: str, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
     assert result.stderr == ""
+
+
+RUNS = {
+    # every case of each, small: a benchmark that reuses its backlog across cases and
+    # repeats must consume all of it every time (it raises otherwise)
+    "overhead": ["--messages", "1600", "--repeat", "2"],
+    "memory": ["--messages", "1600"],
+}
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_benchmark_runs_every_case(name: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", *RUNS[name]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"reproduce: python -m benchmarks.{name}" in result.stdout.replace("\n", " ")
