@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from benchmarks._reproduce import print_reproduce
 from benchmarks.overhead import NoopConcurrently, NoopOrderly, NoopStaged
 from stagedconsumer import (
     ConsumeOrderlyContext,
@@ -239,10 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "The consumer's flow control (pull_threshold_for_queue=1000 per queue) bounds what it"
         " holds; memory at 10% and 100% of the backlog should be alike."
     )
-    console.print(
-        "reproduce: python -m benchmarks.memory "
-        + " ".join(argv if argv is not None else sys.argv[1:])
-    )
+    print_reproduce(console, "memory", argv)
     return 0
 
 

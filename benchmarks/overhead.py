@@ -42,6 +42,7 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks._reproduce import print_reproduce
 from offsetstore import MemoryOffsetStore
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
@@ -284,10 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB;"
         f" 1-minute load average {load_before:.2f} before, {load_after:.2f} after"
     )
-    console.print(
-        "reproduce: python -m benchmarks.overhead "
-        + " ".join(argv if argv is not None else sys.argv[1:])
-    )
+    print_reproduce(console, "overhead", argv)
     if args.json:
         args.json.write_text(json.dumps(list(rows.values()), indent=2))
     return 0

@@ -5,7 +5,9 @@ the same data layout (8 streams, one per queue), each in its own key namespace:
 
 - stagedconsumer's ``PushConsumer`` on ``RedisBroker``, in each mode (one group
   member, holding the locks of all 8 queues), and the concurrent mode once more with
-  ``read_ahead=0`` (every pull one ``XRANGE`` of ``--pull-batch`` entries);
+  ``read_ahead=0`` (every pull one ``XRANGE`` of ``--pull-batch`` entries) and once
+  with RocketMQ's batch consumption (``consume_message_batch_max_size=32``: a handler
+  call gets up to 32 messages, and records each);
 - baseline 1: a hand-written redis-py loop, ``XREADGROUP COUNT n BLOCK`` over the 8
   streams, an async no-op handler awaited per message, one ``XACK`` per stream per
   batch;
@@ -175,6 +177,7 @@ class NoopStaged(_Listener, MessageListenerStagedConcurrently):
 
 LISTENERS: dict[str, Callable[[Recorder], Any]] = {
     "stagedconsumer concurrent": NoopConcurrently,
+    "stagedconsumer concurrent, batches of 32": NoopConcurrently,
     "stagedconsumer concurrent, cluster": NoopConcurrently,
     "stagedconsumer concurrent, cluster, trio (coredis)": NoopConcurrently,
     "stagedconsumer concurrent, trio (coredis)": NoopConcurrently,
@@ -457,7 +460,12 @@ async def measure_phase(name: str, args: argparse.Namespace, latency: bool) -> d
     """One drain or latency phase of one system, in a fresh namespace."""
     cluster = "cluster" in name
     url = args.cluster_url if cluster else args.url
-    options = ConsumerOptions(pull_batch_size=args.pull_batch, pull_long_polling_timeout=1.0)
+    options = ConsumerOptions(
+        pull_batch_size=args.pull_batch,
+        pull_long_polling_timeout=1.0,
+        # RocketMQ's batch consumption: a handler call gets up to 32 messages
+        consume_message_batch_max_size=BATCHED if name.endswith(f"batches of {BATCHED}") else 1,
+    )
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
@@ -532,8 +540,12 @@ async def _delete_namespace(url: str, ns: str, cluster: bool = False) -> None:
     await anyio.to_thread.run_sync(delete)  # on either event loop
 
 
+BATCHED = 32
+"""consume_message_batch_max_size of the batched system."""
+
 SYSTEMS = [
     "stagedconsumer concurrent",
+    "stagedconsumer concurrent, batches of 32",
     "stagedconsumer concurrent, trio (coredis)",
     "stagedconsumer concurrent, read_ahead=0",
     "stagedconsumer staged [100]*k",
@@ -697,7 +709,9 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         " after the drains"
         + (f"; cluster rows: Redis Cluster at {args.cluster_url}" if args.cluster_url else "")
     )
-    console.print("reproduce: python -m benchmarks.redis_e2e " + " ".join(argv or sys.argv[1:]))
+    from benchmarks._reproduce import print_reproduce
+
+    print_reproduce(console, "redis_e2e", argv)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -34,6 +34,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks._reproduce import print_reproduce
 from benchmarks.replay.engine import Prepared
 from benchmarks.replay.runner import ReplayConfig, replay_consumer
 from benchmarks.replay.workload import MODES
@@ -154,11 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} after, on"
         f" {os.cpu_count()} cores (process CPU time, not wall time)"
     )
-    console.print(
-        "reproduce: python -m benchmarks.replay_engines "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        soft_wrap=True,
-    )
+    print_reproduce(console, "replay_engines", argv)
     return 0
 
 

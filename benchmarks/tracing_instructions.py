@@ -194,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" by instructions: {'met' if met else 'NOT met'} ({shown})"
     )
     console.print(f"python {platform.python_version()}, valgrind callgrind")
-    console.print("reproduce: python -m benchmarks.tracing_instructions " + " ".join(argv))
+    from benchmarks._reproduce import print_reproduce
+
+    print_reproduce(console, "tracing_instructions", argv)
     return 0
 
 

@@ -91,6 +91,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, T
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks._reproduce import print_reproduce
 from benchmarks.overhead import (
     TOPIC,
     NoopConcurrently,
@@ -653,10 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"python {platform.python_version()}, best of {args.repeat};"
         f" load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
-    console.print(
-        "reproduce: python -m benchmarks.tracing_overhead "
-        + " ".join(argv if argv is not None else sys.argv[1:])
-    )
+    print_reproduce(console, "tracing_overhead", argv)
     if args.json:
         args.json.write_text(
             json.dumps([{**row} for row in all_rows.values()], indent=2, default=str)

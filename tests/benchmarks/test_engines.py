@@ -113,6 +113,19 @@ def frame(
     )
 
 
+def config_of(*, threads: int, pull_batch_size: int, stages: tuple[int, ...]) -> ReplayConfig:
+    """One handler call per message, one stage sequence per queue, no retry limit."""
+    return ReplayConfig(
+        threads=threads,
+        batch_size=1,
+        pull_batch_size=pull_batch_size,
+        suspend_millis=100,
+        max_reconsume_times=None,
+        strategies={"default": stages},
+        group_by_key=False,
+    )
+
+
 # Whole milliseconds make many events tie at the same instant: the order in which
 # the engines handle simultaneous events is what most needs checking.
 COSTS = st.one_of(st.sampled_from([0, 1000, 2000, 3000]), st.integers(1, 20_000))
@@ -158,15 +171,7 @@ def test_engines_agree_on_generated_workloads(
 
 def test_prepared_messages_are_shared_between_modes() -> None:
     messages = frame([(0, 1000, 0, 0, "a", "default"), (1, 2000, 1, 0, None, None)] * 3)
-    config = ReplayConfig(
-        threads=2,
-        batch_size=1,
-        pull_batch_size=4,
-        suspend_millis=100,
-        max_reconsume_times=None,
-        strategies={"default": (2,)},
-        group_by_key=False,
-    )
+    config = config_of(threads=2, pull_batch_size=4, stages=(2,))
     prepared = Prepared(messages)
     for mode in MODES:
         shared = simulate(messages, mode, config, prepared)
@@ -188,15 +193,7 @@ def test_trio_is_fifo_inside_the_replay_only() -> None:
 
 def test_the_core_engine_refuses_the_wall_clock() -> None:
     messages = frame([(0, 1000, 0, 0, None, None)])
-    config = ReplayConfig(
-        threads=1,
-        batch_size=1,
-        pull_batch_size=1,
-        suspend_millis=100,
-        max_reconsume_times=None,
-        strategies={"default": (1,)},
-        group_by_key=False,
-    )
+    config = config_of(threads=1, pull_batch_size=1, stages=(1,))
     with pytest.raises(ValueError, match="virtual time only"):
         replay_consumer(messages, "orderly", config, engine="core", wall_clock=True)
     with pytest.raises(ValueError, match="engine must be one of"):
@@ -217,15 +214,7 @@ def test_engines_agree_when_flow_control_pauses_pulling() -> None:
         for _ in range(1500)
     ]
     messages = frame(rows)
-    config = ReplayConfig(
-        threads=4,
-        batch_size=1,
-        pull_batch_size=32,
-        suspend_millis=100,
-        max_reconsume_times=None,
-        strategies={"default": (500, 1000)},
-        group_by_key=False,
-    )
+    config = config_of(threads=4, pull_batch_size=32, stages=(500, 1000))
     for mode in MODES:
         assert_same_schedule(messages, mode, config)
     events = replay_consumer(messages, "concurrent", config, engine="core")
@@ -253,15 +242,7 @@ def test_key_ordered_replay_runs_keys_of_a_queue_concurrently() -> None:
     # one queue, keys a, b, a, b of 1 s each on two workers: by queue 4 s, by key 2 s,
     # and each key's messages still one after the other
     messages = frame([(0, 1_000_000, 0, 0, key, None) for key in ("a", "b", "a", "b")])
-    config = ReplayConfig(
-        threads=2,
-        batch_size=1,
-        pull_batch_size=4,
-        suspend_millis=100,
-        max_reconsume_times=None,
-        strategies={"default": (1,)},
-        group_by_key=False,
-    )
+    config = config_of(threads=2, pull_batch_size=4, stages=(1,))
     by_queue = replay_consumer(messages, "orderly", config, engine="core")
     by_key = replay_consumer(
         messages, "orderly", attrs.evolve(config, key_ordered=True), engine="core"
