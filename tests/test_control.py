@@ -21,6 +21,7 @@ from stagedconsumer import (
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     InvalidOptionError,
+    ListenerTypeError,
     MemoryBroker,
     Message,
     MessageListenerConcurrently,
@@ -276,6 +277,40 @@ async def test_queue_listeners_hear_assignment_before_work_and_revocation_after_
     assert tell.events[1] == ("revoked", [Q1], 3)  # its progress was committed first
     assert tell.events[2] == ("revoked", [*retry, Q0], 3)
     assert stats.listener_errors == 1
+
+
+class PlainDef(MessageQueueListener):
+    def on_queues_assigned(self, queues: Sequence[MessageQueue]) -> None:  # type: ignore[override]
+        pass
+
+
+class NoQueues(MessageQueueListener):
+    async def on_queues_revoked(self) -> None:  # type: ignore[override]
+        pass
+
+
+@pytest.mark.parametrize(
+    ("listener", "fragment"),
+    [
+        (
+            PlainDef(),
+            r"PlainDef\.on_queues_assigned is a plain def: the consumer awaits"
+            r" on_queues_assigned\(queues\), which needs a coroutine; expected async def"
+            r" on_queues_assigned\(self, queues\)",
+        ),
+        (
+            NoQueues(),
+            r"NoQueues\.on_queues_revoked\(self\) cannot be called as on_queues_revoked\(queues\)",
+        ),
+    ],
+)
+def test_a_queue_listener_of_the_wrong_shape_is_refused_when_registered(
+    listener: MessageQueueListener, fragment: str
+) -> None:
+    consumer = PushConsumer("g", broker_with(1), Record())
+    with pytest.raises(ListenerTypeError, match=fragment):
+        consumer.register_message_queue_listener(listener)
+    consumer.register_message_queue_listener(MessageQueueListener())  # the defaults: fine
 
 
 async def test_statistics_report_lag_per_queue() -> None:

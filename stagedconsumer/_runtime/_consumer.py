@@ -37,7 +37,7 @@ from ._hooks import HookRunner
 from ._membership import GroupMembership
 from ._pull import PullService
 from ._queues import QueueTable
-from ._services import ConsumeService
+from ._services import ConsumeService, check_queue_listener
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
 from ._watchdog import LoopWatchdog
@@ -183,7 +183,10 @@ class PushConsumer:
 
     def register_message_queue_listener(self, listener: MessageQueueListener) -> None:
         """Tell ``listener`` when queues are assigned here or taken away (see
-        :class:`MessageQueueListener`). Call before starting."""
+        :class:`MessageQueueListener`). Call before starting. Raises
+        :class:`ListenerTypeError` when a method it overrides cannot be awaited as
+        ``on_queues_assigned(queues)`` / ``on_queues_revoked(queues)`` (a plain
+        ``def``, a generator, a wrong signature)."""
         if self._state.started:
             raise ConsumerStateError(
                 "register_message_queue_listener() must be called before the consumer starts"
@@ -192,6 +195,7 @@ class PushConsumer:
             raise ConfigurationError(
                 f"listener must be a MessageQueueListener, got {type(listener).__name__}"
             )
+        check_queue_listener(listener)
         self._queues.listeners.append(listener)
 
     def subscribe(self, topic: str, expression: str = "*") -> None:

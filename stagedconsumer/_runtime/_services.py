@@ -46,6 +46,7 @@ from .._listeners import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
+    MessageQueueListener,
     Ordering,
     _concurrently_context,
     _orderly_context,
@@ -215,13 +216,27 @@ _STAGE_CALLBACKS: tuple[tuple[str, tuple[str, ...]], ...] = (
 (positionally); the defaults of the base class need no check."""
 
 
+def check_queue_listener(listener: MessageQueueListener) -> None:
+    """The methods of a :class:`MessageQueueListener` that ``listener`` overrides can be
+    awaited with the list of queues, as the consumer calls them."""
+    for name in ("on_queues_assigned", "on_queues_revoked"):
+        if _overrides(listener, MessageQueueListener, name):
+            _check_method(listener, name, ("queues",), awaited=True)
+
+
 def _check_method(
-    listener: MessageListener, name: str, params: tuple[str, ...], *, handler: bool = False
+    listener: object,
+    name: str,
+    params: tuple[str, ...],
+    *,
+    handler: bool = False,
+    awaited: bool = False,
 ) -> None:
     """Raise :class:`ListenerTypeError` unless ``listener.<name>`` can be called with
     the positional arguments ``params``, as the consumer calls it.
 
-    ``handler``: it may be ``async def`` (``consume_message``); otherwise it must be a
+    ``handler``: it may be ``async def`` (``consume_message``); ``awaited``: it must be
+    (the queue listener's methods); otherwise it must be a
     plain function, whose return value the consumer uses as is. Generator functions
     are refused (they return a generator, not a result). Only what certainly fails
     is refused: ``*args``, defaults, keyword-only parameters with defaults,
@@ -232,6 +247,8 @@ def _check_method(
     expected = f"def {name}({', '.join(('self', *params))})"
     if handler:
         expected = f"async def or {expected}"
+    elif awaited:
+        expected = f"async {expected}"
     method = getattr(listener, name, None)
     if not callable(method):
         raise ListenerTypeError(
@@ -244,7 +261,12 @@ def _check_method(
             f" {call} for its result, and would get a generator every time; expected"
             f" {expected} without yield"
         )
-    if not handler and is_async_callable(method):
+    if awaited and not is_async_callable(method):
+        raise ListenerTypeError(
+            f"{owner}.{name} is a plain def: the consumer awaits {call}, which needs a"
+            f" coroutine; expected {expected}"
+        )
+    if not handler and not awaited and is_async_callable(method):
         raise ListenerTypeError(
             f"{owner}.{name} is async def: the consumer calls {call} synchronously and"
             f" uses its return value, which would be a coroutine; expected {expected}"
