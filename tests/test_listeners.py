@@ -14,6 +14,9 @@ import pytest
 from stagedconsumer import (
     ConfigurationError,
     ConsumeConcurrentlyContext,
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    ConsumeMessageTraceHook,
     ListenerTypeError,
     MemoryBroker,
     Message,
@@ -22,7 +25,11 @@ from stagedconsumer import (
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
     Ordering,
+    Producer,
     PushConsumer,
+    SendMessageContext,
+    SendMessageHook,
+    SendMessageTraceHook,
 )
 
 KINDS = {
@@ -407,3 +414,64 @@ def test_the_checks_do_not_call_anything() -> None:
 
     build(listener_of(MessageListenerStagedConcurrently, compute_strategy=strategy))
     assert calls == []
+
+
+# -- hooks ---------------------------------------------------------------------------------
+
+
+class _AsyncBefore(ConsumeMessageHook):
+    async def consume_message_before(self, context: ConsumeMessageContext) -> None:  # type: ignore[override]
+        pass
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        pass
+
+
+class _PulledWithoutContext(ConsumeMessageHook):
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        pass
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        pass
+
+    def messages_pulled(self) -> None:  # type: ignore[override]
+        pass
+
+
+class _AsyncAfterSend(SendMessageHook):
+    def send_message_before(self, context: SendMessageContext) -> None:
+        pass
+
+    async def send_message_after(self, context: SendMessageContext) -> None:  # type: ignore[override]
+        pass
+
+
+def test_hooks_of_the_wrong_shape_are_refused_when_registered() -> None:
+    # an async def hook method would return a coroutine that never runs: nothing
+    # would be traced, with only a RuntimeWarning to show for it
+    consumer = build(listener_of(MessageListenerConcurrently))
+    with pytest.raises(
+        ListenerTypeError,
+        match=r"_AsyncBefore\.consume_message_before is async def: the consumer calls"
+        r" consume_message_before\(context\) synchronously, so the coroutine it returns"
+        r" would never run",
+    ):
+        consumer.register_consume_message_hook(_AsyncBefore())
+    with pytest.raises(
+        ListenerTypeError,
+        match=r"_PulledWithoutContext\.messages_pulled\(self\) cannot be called as"
+        r" messages_pulled\(context\)",
+    ):
+        consumer.register_consume_message_hook(_PulledWithoutContext())
+    with pytest.raises(ConfigurationError, match="hook must be a ConsumeMessageHook, got str"):
+        consumer.register_consume_message_hook("trace")  # type: ignore[arg-type]
+    producer = Producer(MemoryBroker())
+    with pytest.raises(
+        ListenerTypeError, match=r"_AsyncAfterSend\.send_message_after is async def"
+    ):
+        producer.register_send_message_hook(_AsyncAfterSend())
+    with pytest.raises(ConfigurationError, match=r"sink must be a TraceSink .*, got MemoryBroker"):
+        ConsumeMessageTraceHook(MemoryBroker())  # type: ignore[arg-type]
+    # hooks of the right shape, the project's own included, are accepted
+    consumer.register_consume_message_hook(ConsumeMessageTraceHook())
+    producer.register_send_message_hook(SendMessageTraceHook())

@@ -101,6 +101,11 @@ class AsyncTraceDispatcher:
             raise ConfigurationError(f"flush_interval must be > 0, got {flush_interval!r}")
         if not trace_topic:
             raise ConfigurationError("trace_topic must be a non-empty string")
+        if not isinstance(sink, TraceSink):
+            raise ConfigurationError(
+                f"sink must be a TraceSink (FileTraceSink(path), or None for the trace"
+                f" topic of the consumer's or producer's own source), got {type(sink).__name__}"
+            )
         self.sink = sink
         self.trace_topic = trace_topic
         self.queue_size = queue_size

@@ -37,7 +37,8 @@ from ._hooks import HookRunner
 from ._membership import GroupMembership
 from ._pull import PullService
 from ._queues import QueueTable
-from ._services import ConsumeService, check_queue_listener
+from ._services import ConsumeService
+from ._shapes import check_hook, check_queue_listener
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
 from ._watchdog import LoopWatchdog
@@ -170,6 +171,9 @@ class PushConsumer:
 
         Call before starting. Message trace and OpenTelemetry are hooks:
         :class:`ConsumeMessageTraceHook`, ``stagedconsumer.otel.OpenTelemetryHook``.
+        Its ``consume_message_before``, ``consume_message_after`` and
+        ``messages_pulled`` are called synchronously with the context: one that is
+        ``async def`` or cannot take the context raises :class:`ListenerTypeError`.
         """
         if self._state.started:
             raise ConsumerStateError(
@@ -179,6 +183,11 @@ class PushConsumer:
             raise ConfigurationError(
                 f"hook must be a ConsumeMessageHook, got {type(hook).__name__}"
             )
+        check_hook(
+            hook,
+            ConsumeMessageHook,
+            ("consume_message_before", "consume_message_after", "messages_pulled"),
+        )
         self._hook_list.append(hook)
 
     def register_message_queue_listener(self, listener: MessageQueueListener) -> None:

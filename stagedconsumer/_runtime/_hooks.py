@@ -13,6 +13,7 @@ import sniffio
 
 from .._observability._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext
 from .._observability._send_hooks import SendMessageContext, SendMessageHook
+from ._shapes import overrides
 
 __all__ = ("HookRunner", "SendHookRunner", "loop_clock", "loop_wall_offset")
 
@@ -20,10 +21,6 @@ logger = logging.getLogger("stagedconsumer.hooks")
 
 _LOG_EVERY = 10.0
 """Seconds between two log records of the same failing hook method."""
-
-
-def _overrides(hook: object, base: type, name: str) -> bool:
-    return getattr(type(hook), name) is not getattr(base, name)
 
 
 class _Isolation:
@@ -81,13 +78,13 @@ class HookRunner(_Isolation):
         super().__init__("consume")
         self.hooks = tuple(hooks)
         self.pull_hooks = tuple(
-            h for h in self.hooks if _overrides(h, ConsumeMessageHook, "messages_pulled")
+            h for h in self.hooks if overrides(h, ConsumeMessageHook, "messages_pulled")
         )
         self.wants_pull = bool(self.pull_hooks)
 
     def services(self) -> tuple[ConsumeMessageHook, ...]:
         """Hooks with background work (:meth:`ConsumeMessageHook.run` overridden)."""
-        return tuple(h for h in self.hooks if _overrides(h, ConsumeMessageHook, "run"))
+        return tuple(h for h in self.hooks if overrides(h, ConsumeMessageHook, "run"))
 
     def before(self, context: ConsumeMessageContext) -> None:
         for hook in self.hooks:
@@ -125,7 +122,7 @@ class SendHookRunner(_Isolation):
 
     def services(self) -> tuple[SendMessageHook, ...]:
         """Hooks with background work (:meth:`SendMessageHook.run` overridden)."""
-        return tuple(h for h in self.hooks if _overrides(h, SendMessageHook, "run"))
+        return tuple(h for h in self.hooks if overrides(h, SendMessageHook, "run"))
 
     def before(self, context: SendMessageContext) -> None:
         for hook in self.hooks:

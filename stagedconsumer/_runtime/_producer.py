@@ -34,6 +34,7 @@ from .._options import ProducerOptions
 from .._sources._selectors import MessageQueueSelector, stable_hash
 from .._sources._source import MessageSource
 from ._hooks import SendHookRunner, loop_clock
+from ._shapes import check_hook
 
 __all__ = ("Producer",)
 
@@ -96,13 +97,16 @@ class Producer:
     def register_send_message_hook(self, hook: SendMessageHook) -> None:
         """Run ``hook`` around every send (see :class:`SendMessageHook`). Call before
         the producer starts; message trace (``Pub`` records) is such a hook:
-        :class:`SendMessageTraceHook`."""
+        :class:`SendMessageTraceHook`. Its ``send_message_before`` and
+        ``send_message_after`` are called synchronously with the context: one that is
+        ``async def`` or cannot take the context raises :class:`ListenerTypeError`."""
         if self._started:
             raise ProducerStateError(
                 "register_send_message_hook() must be called before the producer starts"
             )
         if not isinstance(hook, SendMessageHook):
             raise ConfigurationError(f"hook must be a SendMessageHook, got {type(hook).__name__}")
+        check_hook(hook, SendMessageHook, ("send_message_before", "send_message_after"))
         self._hook_list.append(hook)
 
     # -- lifecycle ---------------------------------------------------------------------

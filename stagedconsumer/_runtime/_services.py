@@ -13,7 +13,6 @@ worker loop itself (``_workers.py``) is the same for every mode.
 from __future__ import annotations
 
 import abc
-import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -46,17 +45,16 @@ from .._listeners import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
-    MessageQueueListener,
     Ordering,
     _concurrently_context,
     _orderly_context,
     _staged_context,
-    is_async_callable,
 )
 from .._message import Message, MessageQueue
 from .._options import ConsumerOptions
 from .._sources._gray import PROPERTY_GRAY
 from .._sources._source import MessageSource, SendBackResult
+from ._shapes import check_listener, overrides
 from ._state import ConsumerState
 
 __all__ = (
@@ -171,139 +169,6 @@ class ConsumeService(abc.ABC):
     ) -> Settlement:
         """Judge a failed handler call (``error`` raised, or ``result`` returned) and
         do its I/O (send back, dead-letter); the worker applies the settlement."""
-
-
-def check_listener(listener: object) -> None:
-    """A listener instance whose methods that the consumer calls can be called the
-    way it calls them (checked once, here, rather than found out per message)."""
-    kinds = (
-        "a MessageListenerConcurrently, MessageListenerOrderly or MessageListenerStagedConcurrently"
-    )
-    if isinstance(listener, type):
-        if issubclass(listener, MessageListener):
-            raise ListenerTypeError(
-                f"listener must be an instance, got the class {listener.__name__}:"
-                f" pass an instance, {listener.__name__}(...)"
-            )
-        raise ListenerTypeError(
-            f"listener must be an instance of {kinds}, got the class {listener.__name__}"
-        )
-    if not isinstance(listener, MessageListener):
-        return  # the caller names the expected kinds
-    _check_method(listener, "consume_message", ("msgs", "context"), handler=True)
-    if isinstance(listener, MessageListenerStagedConcurrently):
-        base: type = MessageListenerStagedConcurrently
-        if not _overrides(listener, base, "get_stage_definition_strategies"):
-            _check_method(listener, "get_stage_definitions", ())
-        for name, params in _STAGE_CALLBACKS:
-            if _overrides(listener, base, name):
-                _check_method(listener, name, params)
-    elif (
-        isinstance(listener, MessageListenerOrderly)
-        and listener.ordering is Ordering.BY_KEY
-        and _overrides(listener, MessageListenerOrderly, "compute_key")
-    ):
-        _check_method(listener, "compute_key", ("msg",))
-
-
-_STAGE_CALLBACKS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("get_stage_definition_strategies", ()),
-    ("compute_strategy", ("msg",)),
-    ("compute_group", ("msg",)),
-    ("reset_current_stage_offset_if_need", ("topic", "current")),
-)
-"""The staged listener's callbacks with the arguments the consumer passes them
-(positionally); the defaults of the base class need no check."""
-
-
-def check_queue_listener(listener: MessageQueueListener) -> None:
-    """The methods of a :class:`MessageQueueListener` that ``listener`` overrides can be
-    awaited with the list of queues, as the consumer calls them."""
-    for name in ("on_queues_assigned", "on_queues_revoked"):
-        if _overrides(listener, MessageQueueListener, name):
-            _check_method(listener, name, ("queues",), awaited=True)
-
-
-def _check_method(
-    listener: object,
-    name: str,
-    params: tuple[str, ...],
-    *,
-    handler: bool = False,
-    awaited: bool = False,
-) -> None:
-    """Raise :class:`ListenerTypeError` unless ``listener.<name>`` can be called with
-    the positional arguments ``params``, as the consumer calls it.
-
-    ``handler``: it may be ``async def`` (``consume_message``); ``awaited``: it must be
-    (the queue listener's methods); otherwise it must be a
-    plain function, whose return value the consumer uses as is. Generator functions
-    are refused (they return a generator, not a result). Only what certainly fails
-    is refused: ``*args``, defaults, keyword-only parameters with defaults,
-    ``functools.partial``, callable objects, static and class methods pass, and so
-    does a callable whose signature cannot be read (some builtins)."""
-    owner = type(listener).__name__
-    call = f"{name}({', '.join(params)})"
-    expected = f"def {name}({', '.join(('self', *params))})"
-    if handler:
-        expected = f"async def or {expected}"
-    elif awaited:
-        expected = f"async {expected}"
-    method = getattr(listener, name, None)
-    if not callable(method):
-        raise ListenerTypeError(
-            f"{owner}.{name} must be a method ({expected}), got {type(method).__name__} {method!r}"
-        )
-    if inspect.isasyncgenfunction(method) or inspect.isgeneratorfunction(method):
-        what = "an async generator" if inspect.isasyncgenfunction(method) else "a generator"
-        raise ListenerTypeError(
-            f"{owner}.{name} is {what} function (its body has yield): the consumer calls"
-            f" {call} for its result, and would get a generator every time; expected"
-            f" {expected} without yield"
-        )
-    if awaited and not is_async_callable(method):
-        raise ListenerTypeError(
-            f"{owner}.{name} is a plain def: the consumer awaits {call}, which needs a"
-            f" coroutine; expected {expected}"
-        )
-    if not handler and not awaited and is_async_callable(method):
-        raise ListenerTypeError(
-            f"{owner}.{name} is async def: the consumer calls {call} synchronously and"
-            f" uses its return value, which would be a coroutine; expected {expected}"
-        )
-    # A bound method is checked through its function with ``self`` bound, so that a
-    # method without ``self`` is reported too (its bound signature cannot be read).
-    target: Callable[..., Any] = method
-    bound: tuple[object, ...] = ()
-    if inspect.ismethod(method):
-        target, bound = method.__func__, (method.__self__,)
-    try:
-        # the callable itself, not what a decorator wraps: that is what gets called
-        signature = inspect.signature(target, follow_wrapped=False)
-    except (TypeError, ValueError):
-        return  # no signature to read (a builtin, an extension type): trust it
-    try:
-        signature.bind(*bound, *params)
-    except TypeError as exc:
-        hint = ""
-        first = next(iter(signature.parameters), None)
-        if bound and first not in ("self", "cls") and _binds(signature, params):
-            hint = " (is self missing? a method's first parameter receives the listener)"
-        shown = signature.replace(
-            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
-            return_annotation=signature.empty,
-        )
-        raise ListenerTypeError(
-            f"{owner}.{name}{shown} cannot be called as {call} ({exc}){hint}; expected {expected}"
-        ) from None
-
-
-def _binds(signature: inspect.Signature, args: tuple[object, ...]) -> bool:
-    try:
-        signature.bind(*args)
-    except TypeError:
-        return False
-    return True
 
 
 class ConcurrentlyConsumeService(ConsumeService):
@@ -488,10 +353,6 @@ class StagedConsumeService(OrderlyConsumeService):
     context_for: Callable[[Batch, int], Any] = staticmethod(_staged_context)
 
 
-def _overrides(listener: object, base: type, name: str) -> bool:
-    return getattr(type(listener), name) is not getattr(base, name)
-
-
 def build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
     """The stage plan of a staged listener: its definitions, validated, and the stage
     callbacks it overrides."""
@@ -506,7 +367,7 @@ def build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
         for strategy, sizes in strategies.items()
     }
     base = MessageListenerStagedConcurrently
-    if DEFAULT_STRATEGY not in definitions and not _overrides(listener, base, "compute_strategy"):
+    if DEFAULT_STRATEGY not in definitions and not overrides(listener, base, "compute_strategy"):
         known = ", ".join(repr(strategy) for strategy in sorted(definitions)) or "none"
         raise ConfigurationError(
             f"{type(listener).__name__}.get_stage_definition_strategies() has no"
@@ -515,15 +376,15 @@ def build_plan(listener: MessageListenerStagedConcurrently) -> StagePlan:
             " override compute_strategy"
         )
     reset: Callable[[str, int], int] | None = None
-    if _overrides(listener, base, "reset_current_stage_offset_if_need"):
+    if overrides(listener, base, "reset_current_stage_offset_if_need"):
         reset = listener.reset_current_stage_offset_if_need
     return StagePlan(
         definitions=definitions,
         compute_strategy=listener.compute_strategy
-        if _overrides(listener, base, "compute_strategy")
+        if overrides(listener, base, "compute_strategy")
         else None,
         compute_group=listener.compute_group
-        if _overrides(listener, base, "compute_group")
+        if overrides(listener, base, "compute_group")
         else None,
         reset=reset,
     )

@@ -31,7 +31,7 @@ from .._listeners import (
     is_async_callable,
 )
 from .._message import Message, MessageQueue
-from .._runtime._services import check_listener
+from .._runtime._shapes import check_listener
 from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 
 _K = TypeVar("_K")

@@ -33,7 +33,7 @@ from .._listeners import (
 from .._message import Message, MessageQueue
 from .._options import ConsumerOptions
 from .._runtime._consumer import PushConsumer
-from .._runtime._services import check_listener
+from .._runtime._shapes import check_listener
 from .._sources._memory import MemoryBroker
 from ._log import CallLog, RecordingListener, origin_id, wrapper_type
 from ._strategies import FailureKind, FailureSchedule, MessageSpec
