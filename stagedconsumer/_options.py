@@ -155,7 +155,10 @@ class ConsumerOptions:
     enable_gray_switch: bool = attrs.field(default=False, validator=_bool)
     """Gray release (RocketMQ's RIP-72): allocate the group's queues with
     :class:`~stagedconsumer.AllocateMessageQueueByGray` and keep gray retries apart.
-    Turn it on on every member of the group."""
+    Turn it on on every member of the group. (With it off, the default allocation is
+    gray-aware anyway, the plain average split while no member is gray, so a member
+    that missed it leaves no queue without an owner; another ``allocate_strategy``
+    warns when a gray member joins.)"""
     gray_tag: bool = attrs.field(default=False, validator=_bool)
     """With ``enable_gray_switch``: this member is gray (it consumes the gray queues).
     Fixed for the member's lifetime: changing it needs a restart."""

@@ -22,11 +22,13 @@ from hypothesis import strategies as st
 
 from offsetstore import MemoryOffsetStore
 from stagedconsumer import (
+    AllocateMessageQueueAveragely,
     AllocateMessageQueueByGray,
     ConfigurationError,
     ConsumeConcurrentlyContext,
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
+    GroupOptions,
     InvalidOptionError,
     MemoryBroker,
     Message,
@@ -328,6 +330,51 @@ async def test_gray_traffic_and_its_retries_reach_only_the_gray_member() -> None
     gray_retry, normal_retry = broker.messages("%RETRY%g", 1), broker.messages("%RETRY%g", 0)
     assert sorted(int(m.body) for m in gray_retry) == sorted([0, 10, 20, 30] * 2)
     assert sorted(int(m.body) for m in normal_retry) == sorted([5, 15, 25, 35] * 2)
+
+
+@pytest.mark.anyio
+async def test_a_member_with_the_switch_off_leaves_no_queue_without_an_owner(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An old member (default options) next to a gray one: with the default
+    # allocation it splits as the gray member does, so every queue has an owner.
+    broker = MemoryBroker()
+    broker.create_topic("t", 8)
+    log: list[tuple[str, Message]] = []
+    old = PushConsumer("g", broker, ConcurrentLog("old", log, fail_keys=False))
+    gray = PushConsumer("g", broker, ConcurrentLog("gray", log, fail_keys=False), options=GRAY)
+    old.subscribe("t")
+    gray.subscribe("t")
+
+    def owned(consumer: PushConsumer) -> set[int]:
+        return {mq.queue_id for mq in consumer.assigned_queues if mq.topic == "t"}
+
+    async with old, gray:
+        # the gray side of 8 queues at 0.25 is 6 and 7; before, the old member
+        # allocated 0..3 to itself, and nobody 4 and 5
+        await _until(lambda: owned(gray) == {6, 7} and owned(old) == set(range(6)))
+        for i in range(80):
+            broker.send("t", b"%d" % i, queue_id=i % 8)
+        await _until(lambda: len(log) == 80)
+    assert {m.queue_id for name, m in log if name == "gray"} == {6, 7}
+    assert {m.queue_id for name, m in log if name == "old"} == set(range(6))
+
+    # A member with an allocation of its own that ignores gray members says so.
+    class Mine(AllocateMessageQueueAveragely):
+        pass
+
+    caplog.clear()
+    broker = MemoryBroker(group_options=GroupOptions(allocate_strategy=Mine()))
+    broker.create_topic("t", 8)
+    custom = PushConsumer("g", broker, ConcurrentLog("custom", log, fail_keys=False))
+    gray = PushConsumer("g", broker, ConcurrentLog("gray", log, fail_keys=False), options=GRAY)
+    custom.subscribe("t")
+    gray.subscribe("t")
+    async with custom, gray:
+        await _until(lambda: any("allocates with Mine" in r.getMessage() for r in caplog.records))
+    warned = [r.getMessage() for r in caplog.records if "allocates with Mine" in r.getMessage()]
+    assert len(warned) == 1
+    assert "Turn enable_gray_switch on on every member" in warned[0]
 
 
 # -- the demo ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from .._observability._hooks import ConsumeMessageHook
 from .._observability._view import ConsumerStatistics
 from .._options import ConsumerOptions
 from .._sources._gray import AllocateMessageQueueByGray, gray_member_id
-from .._sources._group import GroupCoordinator, new_client_id
+from .._sources._group import AllocateMessageQueueAveragely, GroupCoordinator, new_client_id
 from .._sources._source import MessageSource, retry_topic
 from ._commit import ProgressCommitter, retry_store
 from ._hooks import HookRunner
@@ -586,7 +586,13 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         consumer._dispatcher.record_times = True
     if consumer._coordinator is not None:
         strategy = consumer._coordinator.options.allocate_strategy
-        if options.enable_gray_switch and not isinstance(strategy, AllocateMessageQueueByGray):
+        # The default allocation is gray-aware even with the switch off: while no member
+        # is gray it is the same average split, and once a gray member joins it agrees
+        # with the gray members' (an average split over everyone would leave queues
+        # that neither side allocates to itself without an owner).
+        if not isinstance(strategy, AllocateMessageQueueByGray) and (
+            options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely
+        ):
             strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
         consumer._membership = GroupMembership(
             strategy=strategy,

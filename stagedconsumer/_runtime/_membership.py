@@ -33,7 +33,7 @@ from .._core import Dispatcher, Lost, QueueOwnership
 from .._exceptions import SourceError
 from .._filter import TagFilter
 from .._message import MessageQueue
-from .._sources._gray import AllocateMessageQueueByGray
+from .._sources._gray import AllocateMessageQueueByGray, gray_ratio_of
 from .._sources._group import AllocateMessageQueueStrategy, GroupCoordinator
 from ._queues import QueueTable
 from ._state import ConsumerState
@@ -76,6 +76,7 @@ class GroupMembership:
         """How this member allocates (the coordinator's strategy unless gray release
         is on)."""
         self._gray: frozenset[MessageQueue] = frozenset()
+        self._warned_gray = False
         self.ownership = QueueOwnership()
         self._coordinating = anyio.Lock()
         """Held around each round's plan and lock request and around every unlock: a
@@ -138,6 +139,16 @@ class GroupMembership:
         queues = sorted(self.subscribed)
         if isinstance(self.strategy, AllocateMessageQueueByGray):
             self._gray = frozenset(self.strategy.gray_queues(queues, members))
+        elif not self._warned_gray and any(gray_ratio_of(m) is not None for m in members):
+            self._warned_gray = True
+            logger.warning(
+                "group %s: gray members joined (%s), but this member allocates with %s,"
+                " which does not know gray members: some queues may be allocated by"
+                " nobody. Turn enable_gray_switch on on every member of the group.",
+                self.group,
+                ", ".join(m for m in members if gray_ratio_of(m) is not None),
+                type(self.strategy).__name__,
+            )
         mine = self.strategy.allocate(self.group, self.client_id, queues, members)
         async with self._coordinating:
             plan = ownership.plan(mine)
