@@ -215,3 +215,14 @@ def test_demo_on_trio_without_trio_names_the_extra(flag: str, message: str) -> N
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert "LookupError" not in result.stderr
+
+
+def test_offsets_reset_help_documents_the_broker_checks_and_force() -> None:
+    result = run("offsets", "reset", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--force" in text
+    assert "a group with live members is refused (unless --force)" in text
+    assert "Without --redis none of this is checked" in text
+    assert "--table-prefix PREFIX" in text
+    assert "--table-prefix PREFIX" in run("offsets", "show", "--help").stdout
