@@ -67,7 +67,16 @@ def test_offsets_without_an_action_prints_its_help_and_exits_2() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [(), ("demo",), ("offsets",), ("offsets", "show"), ("offsets", "reset"), ("trace",)]
+    "args",
+    [
+        (),
+        ("demo",),
+        ("offsets",),
+        ("offsets", "show"),
+        ("offsets", "reset"),
+        ("trace",),
+        ("group", "show"),
+    ],
 )
 def test_help_texts_show_no_rest_markup(args: tuple[str, ...]) -> None:
     result = run(*args, "--help")
