@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
+import anyio
 import pytest
 
 from stagedconsumer._cli import main
@@ -67,7 +71,16 @@ def test_offsets_without_an_action_prints_its_help_and_exits_2() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [(), ("demo",), ("offsets",), ("offsets", "show"), ("offsets", "reset"), ("trace",)]
+    "args",
+    [
+        (),
+        ("demo",),
+        ("offsets",),
+        ("offsets", "show"),
+        ("offsets", "reset"),
+        ("trace",),
+        ("group", "show"),
+    ],
 )
 def test_help_texts_show_no_rest_markup(args: tuple[str, ...]) -> None:
     result = run(*args, "--help")
@@ -215,3 +228,108 @@ def test_demo_on_trio_without_trio_names_the_extra(flag: str, message: str) -> N
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert "LookupError" not in result.stderr
+
+
+def test_offsets_reset_help_documents_the_broker_checks_and_force() -> None:
+    result = run("offsets", "reset", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--force" in text
+    assert "a group with live members is refused (unless --force)" in text
+    assert "Without --redis none of this is checked" in text
+    assert "--table-prefix PREFIX" in text
+    assert "--table-prefix PREFIX" in run("offsets", "show", "--help").stdout
+
+
+@pytest.fixture
+def big_topic() -> Iterator[tuple[str, str]]:
+    """A RedisBroker namespace with topic ``big`` of 600 queues (``group show
+    --topic big`` prints more than a pipe's buffer); its URL and namespace."""
+    from stagedconsumer._sources._redis_broker import RedisBroker
+    from tests.redis.conftest import require_redis
+
+    url = require_redis()
+    namespace = f"test-{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        async with RedisBroker(url, namespace=namespace) as broker:
+            await broker.create_topic("big", 600)
+
+    async def clean() -> None:
+        async with RedisBroker(url, namespace=namespace) as broker:
+            await broker.delete_namespace()
+
+    anyio.run(create)
+    try:
+        yield url, namespace
+    finally:
+        anyio.run(clean)
+
+
+@pytest.fixture
+def progress_db(tmp_path: Path) -> str:
+    from offsetstore import QueueProgress, SqlOffsetStore
+    from stagedconsumer import MessageQueue
+
+    """Progress of group ``g``: one queue of topic ``small``, 400 of ``big`` (more
+    than a pipe's buffer to print)."""
+    url = f"sqlite:///{tmp_path / 'progress.db'}"
+    queues = [MessageQueue("small", 0)] + [MessageQueue("big", q) for q in range(400)]
+
+    async def fill() -> None:
+        store = SqlOffsetStore(url)
+        try:
+            for mq in queues:
+                store.update_progress("g", mq, QueueProgress(consume_offset=mq.queue_id))
+            await store.persist_all("g", queues)
+        finally:
+            await store.aclose()
+
+    anyio.run(fill)
+    return url
+
+
+def run_into_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the command with stdout a pipe whose reader has already gone (as
+    ``... | head -1`` once head has its line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "stagedconsumer", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("json_output", [True, False], ids=["json", "table"])
+@pytest.mark.parametrize("topic", ["small", "big"], ids=["buffered", "large"])
+def test_offsets_show_into_a_closed_pipe_exits_quietly(
+    progress_db: str, topic: str, json_output: bool
+) -> None:
+    args = ["offsets", "show", "--store", progress_db, "--group", "g", "--topic", topic]
+    result = run_into_closed_pipe(*args, *(["--json"] if json_output else []))
+    assert (result.returncode, result.stderr) == (1, "")
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("topic", [False, True], ids=["buffered", "large"])
+def test_group_show_into_a_closed_pipe_exits_quietly(
+    big_topic: tuple[str, str], topic: bool
+) -> None:
+    url, namespace = big_topic
+    args = ["group", "show", "--group", "g", "--redis", url, "--redis-namespace", namespace]
+    result = run_into_closed_pipe(*args, *(["--topic", "big"] if topic else []))
+    assert (result.returncode, result.stderr) == (1, "")
+
+
+@pytest.mark.parametrize("args", [(), ("--help",), ("offsets",)], ids=repr)
+def test_help_into_a_closed_pipe_exits_quietly(args: tuple[str, ...]) -> None:
+    result = run_into_closed_pipe(*args)
+    assert result.stderr == ""
+    assert result.returncode in (0, 1, 2)  # --help 0, usage 2; or 1: stdout closed

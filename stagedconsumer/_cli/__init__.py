@@ -7,13 +7,16 @@ markup (````literal````, ``:class:`~x.Name```) is turned into plain text for the
 terminal here, once, for every parser.
 
 Exit codes: 0 success (and ``--help``, ``--version``), 1 a command that failed,
-2 a usage error (no command, an unknown command, bad arguments).
+2 a usage error (no command, an unknown command, bad arguments). A command whose
+stdout reader went away (``stagedconsumer group show ... | head -4``) exits 1
+quietly, without a traceback: :func:`main` handles that for every command.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import shutil
 import sys
@@ -131,6 +134,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command of ``argv`` (default ``sys.argv[1:]``); its exit code.
+
+    A closed stdout (the reader of a pipe exited early) ends any command quietly
+    with exit code 1, after the recipe in Python's ``signal`` documentation ("Note
+    on SIGPIPE"): stdout is flushed here, where the error can still be caught
+    (output still in the buffer would otherwise fail at interpreter exit, with a
+    message), then pointed at ``os.devnull`` so that the flush at exit cannot fail.
+    rich's consoles (the tables) apply the same recipe, with the same exit code,
+    when their own write fails.
+    """
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit:  # --help, --version, a usage error: their output too
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return 1
+    return code
+
+
+def _discard_stdout() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced (tests) or closed: nothing to do
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)

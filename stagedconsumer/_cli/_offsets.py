@@ -5,14 +5,20 @@ offset and stage offsets. ``reset`` overwrites them, backwards too, for a group 
 is not running (a running consumer would overwrite the reset with its own progress
 at its next persist). Stage keys are written ``STRATEGY`` (no stage group) or
 ``STRATEGY/GROUP`` (``STRATEGY/`` is the empty group, distinct from none); the
-default strategy is ``default``.
+default strategy is ``default``. A store made with
+``SqlOffsetStore(url, table_prefix="x_")`` needs ``--table-prefix x_``.
 
 Lag (messages in the queue beyond the consume offset) needs the queue's max offset
 from the source: ``show --redis URL`` reads it from a :class:`RedisBroker` (and
 exits 1, after printing the progress, when it cannot); without it there is no lag
-column (the embedded broker lives inside the consumer's process). ``reset --redis
-URL`` checks ``--queue`` ids against the topic's queues; without a broker they
-cannot be checked, and the command says so.
+column (the embedded broker lives inside the consumer's process).
+
+``reset --redis URL`` checks against the broker, before anything is written: that
+the group has no live members (a running group is refused, naming them, unless
+``--force``), that ``--queue`` ids are queues of the topic, and that ``--to-offset``
+lies in every reset queue's [min offset, max offset]. Without a broker none of this
+can be checked: the command says so for queue ids, and takes the group as stopped
+and the offset as given.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from offsetstore import OffsetStoreError, QueueProgress, StageKey
+from offsetstore import OffsetStoreError, QueueProgress, StageKey, StoreConfigurationError
 
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
@@ -107,7 +113,23 @@ def _store(args: argparse.Namespace, *, read_only: bool = False) -> SqlOffsetSto
     from offsetstore import SqlOffsetStore
 
     # Never create tables from an operator command: a mistyped URL should fail.
-    return SqlOffsetStore(args.store, create_tables=False, read_only=read_only)
+    return SqlOffsetStore(
+        args.store, table_prefix=args.table_prefix, create_tables=False, read_only=read_only
+    )
+
+
+async def _load(store: SqlOffsetStore) -> None:
+    """``store.load()``; a store without the tables is told about ``--table-prefix``."""
+    try:
+        await store.load()
+    except StoreConfigurationError as exc:
+        if not str(exc).startswith("no offset store tables"):
+            raise
+        raise StoreConfigurationError(
+            f"{exc}: a store made with SqlOffsetStore(table_prefix=...) has other table"
+            f" names, give its prefix with --table-prefix (this looked for"
+            f" {store.table_prefix!r})"
+        ) from exc
 
 
 def _console(*, stderr: bool = False) -> Console:
@@ -132,7 +154,7 @@ async def _show(args: argparse.Namespace) -> int:
     except OffsetStoreError as exc:
         return _fail(err, str(exc))
     try:
-        await store.load()
+        await _load(store)
         progress = await store.list_progress(args.group, args.topic)
     except OffsetStoreError as exc:
         return _fail(err, str(exc))
@@ -190,29 +212,68 @@ async def _lags(
     return lags, None
 
 
-async def _check_queues(args: argparse.Namespace, err: Console) -> str | None:
-    """Check ``--queue`` ids against the topic's queues on the ``--redis`` broker; the
-    error, or ``None``. Without a broker the ids cannot be checked: say so."""
-    if not args.queue:
-        return None
-    if not args.redis:
+def _note_unchecked_queues(args: argparse.Namespace, err: Console) -> None:
+    """Without a broker ``--queue`` ids cannot be checked against the topic: say so."""
+    if args.queue:
         err.print(
             "[bold yellow]note:[/] queue ids are not checked against the topic's queues"
             " (no broker given: add --redis URL to check them); a queue the topic does not"
             " have would get a row no consumer reads",
             highlight=False,
         )
-        return None
+
+
+async def _check_on_broker(
+    args: argparse.Namespace, plan: Mapping[MessageQueue, QueueProgress], err: Console
+) -> str | None:
+    """Check the reset against the ``--redis`` broker; the error, or ``None``.
+
+    In this order: ``--queue`` ids against the topic's queues; the group's live
+    members (refused unless ``--force``, then only warned about); ``--to-offset``
+    against each planned queue's [min offset, max offset]."""
+    where = args.redis
+    what = f"the queues of topic {args.topic!r}"
+    outside: list[str] = []
     try:
         async with operator_broker(args) as broker:
-            count = await broker.queue_count(args.topic)
+            if args.queue or args.to_offset is not None:
+                count = await broker.queue_count(args.topic)
+                bad = sorted(q for q in set(args.queue or ()) if q >= count)
+                if bad:
+                    return (
+                        f"topic {args.topic!r} has {count} queue(s), 0 to {count - 1}:"
+                        f" no queue {', '.join(map(str, bad))}"
+                    )
+            what = f"whether group {args.group!r} is running"
+            members = await broker.group_coordinator().members(args.group)
+            if members and not args.force:
+                return (
+                    f"group {args.group!r} is running: {len(members)} live member(s):"
+                    f" {', '.join(members)}. A running member keeps consuming from its own"
+                    " offsets and overwrites the reset at its next persist: stop the group"
+                    " first, or pass --force to reset anyway"
+                )
+            if members:
+                err.print(
+                    f"[bold yellow]warning:[/] group {escape(repr(args.group))} has"
+                    f" {len(members)} live member(s) ({escape(', '.join(members))}); resetting"
+                    " anyway (--force): they overwrite the reset at their next persist",
+                    highlight=False,
+                )
+            if args.to_offset is None:
+                return None
+            what = f"the offsets of the queues of topic {args.topic!r}"
+            for mq in plan:
+                low, high = await broker.min_offset(mq), await broker.max_offset(mq)
+                if not low <= args.to_offset <= high:
+                    outside.append(f"{mq} [{low}, {high}]")
     except (ImportError, StagedConsumerError) as exc:
-        return f"cannot check the queues of topic {args.topic!r} on {args.redis}: {exc}"
-    bad = sorted(q for q in set(args.queue) if q >= count)
-    if bad:
+        return f"cannot check {what} on {where}: {exc}"
+    if outside:
         return (
-            f"topic {args.topic!r} has {count} queue(s), 0 to {count - 1}:"
-            f" no queue {', '.join(map(str, bad))}"
+            f"--to-offset {args.to_offset} is outside the offsets of {', '.join(outside)}"
+            " (from the min offset, the oldest message still stored, to the max offset,"
+            " where the next message goes); nothing changed"
         )
     return None
 
@@ -246,15 +307,12 @@ async def _reset(args: argparse.Namespace) -> int:
         return _fail(
             err, "nothing to reset: give --to-offset, --stage-offset or --clear-stage-offsets"
         )
-    problem = await _check_queues(args, err)
-    if problem is not None:
-        return _fail(err, problem)
     try:
         store = _store(args)
     except OffsetStoreError as exc:
         return _fail(err, str(exc))
     try:
-        await store.load()
+        await _load(store)
         stored = await store.list_progress(args.group, args.topic)
         plan = _planned(args, stored)
         if not plan:
@@ -263,6 +321,12 @@ async def _reset(args: argparse.Namespace) -> int:
                 f"no stored progress for group {args.group!r}, topic {args.topic!r}:"
                 " name the queues with --queue",
             )
+        if args.redis:
+            problem = await _check_on_broker(args, plan, err)
+            if problem is not None:
+                return _fail(err, problem)
+        else:
+            _note_unchecked_queues(args, err)
         console = _console()
         table = Table(
             title=f"Reset of group [bold]{escape(args.group)}[/],"
@@ -347,6 +411,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             metavar="URL",
             help="offset store URL, e.g. sqlite:///progress.db or postgresql+psycopg://user@host/db",
         )
+        sub.add_argument(
+            "--table-prefix",
+            default="stagedconsumer_",
+            metavar="PREFIX",
+            help="the store's table_prefix, as given to SqlOffsetStore (default stagedconsumer_)",
+        )
         sub.add_argument("--group", required=True, help="consumer group")
         sub.add_argument("--topic", required=topic_required, help="topic")
 
@@ -365,13 +435,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Overwrite consume and/or stage offsets of a group that is not running."
         " Without --queue, every queue of the topic with stored progress is reset."
         " Prints the planned change and asks for confirmation (y/N) on stdin; --yes skips"
-        " the question (needed when stdin is not a terminal, e.g. in scripts).",
+        " the question (needed when stdin is not a terminal, e.g. in scripts)."
+        " With --redis URL the reset is checked against the broker first: a group with"
+        " live members is refused (unless --force), and so are queue ids the topic does"
+        " not have and a --to-offset outside a queue's [min offset, max offset]. Without"
+        " --redis none of this is checked: whether the group is running is up to you.",
     )
     common(reset, topic_required=True)
     reset.add_argument(
         "--queue", type=_non_negative, action="append", metavar="N", help="queue id (repeatable)"
     )
-    reset.add_argument("--to-offset", type=_non_negative, metavar="N", help="new consume offset")
+    reset.add_argument(
+        "--to-offset",
+        type=_non_negative,
+        metavar="N",
+        help="new consume offset (with --redis: refused outside each queue's"
+        " [min offset, max offset])",
+    )
     reset.add_argument(
         "--stage-offset",
         type=_stage_assignment,
@@ -386,7 +466,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_redis_arguments(
         reset,
-        url_help="RedisBroker holding the topic: --queue ids are checked against its queues",
+        url_help="RedisBroker holding the topic: the group must have no live members, --queue"
+        " ids and --to-offset are checked against its queues",
+    )
+    reset.add_argument(
+        "--force",
+        action="store_true",
+        help="reset even though the group has live members on the --redis broker (they"
+        " overwrite the reset at their next persist); without --redis the group is not"
+        " checked at all",
     )
     reset.add_argument(
         "-y",

@@ -219,3 +219,14 @@ class RedisCoordinator(GroupCoordinator):
             f"reading the lock of {mq}", lambda: self._connection.execute("HGET", key, "owner")
         )
         return owner.decode() if isinstance(owner, bytes) else owner
+
+    async def lock_expires_in(self, group: str, mq: MessageQueue) -> float | None:
+        """Seconds until the lock of ``mq`` expires unless its owner renews it
+        (``None``: nobody holds it). For tools: a member killed without leaving
+        keeps its queues until then."""
+        key = self._lock_key(group, mq)
+        ms = await self._connection.call(
+            f"reading the expiry of the lock of {mq}",
+            lambda: self._connection.execute("PTTL", key),
+        )
+        return int(ms) / 1000 if int(ms) >= 0 else None

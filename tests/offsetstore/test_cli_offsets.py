@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -45,6 +46,57 @@ def store_url(tmp_path: Path) -> str:
 
     anyio.run(fill)
     return url
+
+
+@pytest.fixture
+def orders_on_redis() -> Iterator[tuple[str, str]]:
+    """Topic ``orders`` with 3 queues on a RedisBroker of a namespace of its own:
+    50 messages in queue 0, 20 in queues 1 and 2. Its URL and namespace."""
+    from stagedconsumer._sources._redis_broker import RedisBroker
+    from tests.redis.conftest import require_redis
+
+    redis_url = require_redis()
+    namespace = f"test-{uuid.uuid4().hex[:12]}"
+
+    async def fill() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            await broker.create_topic("orders", 3)
+            for q, count in enumerate([50, 20, 20]):
+                for _ in range(count):
+                    await broker.send("orders", b"x", queue_id=q)
+
+    async def clean() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            await broker.delete_namespace()
+
+    anyio.run(fill)
+    try:
+        yield redis_url, namespace
+    finally:
+        anyio.run(clean)
+
+
+def _heartbeat(redis_url: str, namespace: str, *members: str) -> None:
+    """Register ``members`` in GROUP as a running consumer does (default member ttl)."""
+    from stagedconsumer._sources._redis_broker import RedisBroker
+
+    async def beat() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            for member in members:
+                await broker.group_coordinator().heartbeat(GROUP, member)
+
+    anyio.run(beat)
+
+
+def _leave(redis_url: str, namespace: str, *members: str) -> None:
+    from stagedconsumer._sources._redis_broker import RedisBroker
+
+    async def leave() -> None:
+        async with RedisBroker(redis_url, namespace=namespace) as broker:
+            for member in members:
+                await broker.group_coordinator().leave(GROUP, member)
+
+    anyio.run(leave)
 
 
 def _stored(url: str) -> dict[MessageQueue, QueueProgress]:
@@ -357,3 +409,120 @@ def test_reset_without_a_terminal_says_to_pass_yes(store_url: str) -> None:
     assert all(
         p.consume_offset == 0 for mq, p in _stored(store_url).items() if mq.topic == "orders"
     )
+
+
+@pytest.mark.redis
+def test_reset_refuses_a_running_group_unless_forced(
+    store_url: str,
+    orders_on_redis: tuple[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # each message on one line
+    redis_url, namespace = orders_on_redis
+    _heartbeat(redis_url, namespace, "host@1@aa", "host@2@bb")
+    before = _stored(store_url)
+    common = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders",
+              "--yes", "--redis", redis_url, "--redis-namespace", namespace]  # fmt: skip
+    args = [*common, "--to-offset", "0"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"group '{GROUP}' is running: 2 live member(s): host@1@aa, host@2@bb" in err
+    assert "--force" in err
+    assert _stored(store_url) == before
+    # --force resets anyway, saying so
+    assert main([*args, "--force"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: group 'orders-app' has 2 live member(s) (host@1@aa, host@2@bb)" in (
+        captured.err
+    )
+    assert "Reset 3 queue(s)." in captured.out
+    assert all(_stored(store_url)[MessageQueue("orders", q)].consume_offset == 0 for q in range(3))
+    # once the members have left, no --force is needed
+    _leave(redis_url, namespace, "host@1@aa", "host@2@bb")
+    assert main([*common, "--to-offset", "2"]) == 0
+    assert all(_stored(store_url)[MessageQueue("orders", q)].consume_offset == 2 for q in range(3))
+
+
+def test_reset_without_a_broker_does_not_check_for_live_members(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--to-offset", "0", "--yes"]) == 0
+    assert "Reset 3 queue(s)." in capsys.readouterr().out
+
+
+@pytest.mark.redis
+def test_reset_refuses_an_offset_outside_the_queues_on_the_broker(
+    store_url: str,
+    orders_on_redis: tuple[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # each message on one line
+    redis_url, namespace = orders_on_redis
+    before = _stored(store_url)
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders",
+            "--yes", "--redis", redis_url, "--redis-namespace", namespace]  # fmt: skip
+    assert main([*args, "--queue", "0", "--to-offset", "9999"]) == 1
+    err = capsys.readouterr().err
+    assert "--to-offset 9999 is outside the offsets of orders#0 [0, 50]" in err
+    assert "nothing changed" in err
+    assert _stored(store_url) == before
+    # every queue of the plan is checked, each named with its range
+    assert main([*args, "--to-offset", "30"]) == 1
+    err = capsys.readouterr().err
+    assert "outside the offsets of orders#1 [0, 20], orders#2 [0, 20]" in err
+    assert "orders#0" not in err
+    assert _stored(store_url) == before
+    # the max offset itself (consume from the end) is in range
+    assert main([*args, "--queue", "0", "--to-offset", "50"]) == 0
+    assert _stored(store_url)[MessageQueue("orders", 0)].consume_offset == 50
+    assert main([*args, "--to-offset", "20"]) == 0
+    assert all(_stored(store_url)[MessageQueue("orders", q)].consume_offset == 20 for q in range(3))
+
+
+def test_reset_without_a_broker_takes_any_offset(store_url: str) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--queue", "0", "--to-offset", "9999", "--yes"]) == 0
+    assert _stored(store_url)[MessageQueue("orders", 0)].consume_offset == 9999
+
+
+def test_a_store_with_a_table_prefix_needs_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # the message on one line
+    url = f"sqlite:///{tmp_path / 'prefixed.db'}"
+    mq = MessageQueue("orders", 0)
+
+    async def fill() -> None:
+        store = SqlOffsetStore(url, table_prefix="x_")
+        try:
+            store.update_progress(GROUP, mq, QueueProgress(consume_offset=7))
+            await store.persist_all(GROUP, [mq])
+        finally:
+            await store.aclose()
+
+    anyio.run(fill)
+    show = ["offsets", "show", "--store", url, "--group", GROUP]
+    assert main(show) == 1
+    err = capsys.readouterr().err
+    assert "no offset store tables (stagedconsumer_progress, stagedconsumer_schema)" in err
+    assert "give its prefix with --table-prefix" in err
+    assert main([*show, "--table-prefix", "x_", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["queues"][0]["consume_offset"] == 7
+    reset = ["offsets", "reset", "--store", url, "--group", GROUP, "--topic", "orders"]
+    assert main([*reset, "--to-offset", "1", "--yes"]) == 1
+    assert "--table-prefix" in capsys.readouterr().err
+    assert main([*reset, "--table-prefix", "x_", "--to-offset", "1", "--yes"]) == 0
+
+    async def read() -> QueueProgress | None:
+        store = SqlOffsetStore(url, table_prefix="x_")
+        try:
+            return (await store.list_progress(GROUP)).get(mq)
+        finally:
+            await store.aclose()
+
+    assert anyio.run(read) == QueueProgress(consume_offset=1)
+    assert main([*show, "--table-prefix", "bad-prefix"]) == 1
+    assert "table_prefix must be" in capsys.readouterr().err
