@@ -491,7 +491,12 @@ class PushConsumer:
         outcome no longer moves the offset); the new progress, ``offset`` with
         ``stage_offsets`` (default: none, so every stage key starts over at its first
         stage from ``offset``), is committed at once, backwards too, and the queue is
-        pulled from there. ``offset`` must lie in the queue's [min, max] offsets."""
+        pulled from there.
+
+        ``offset`` must be an int in the queue's [min, max] offsets and
+        ``stage_offsets`` a mapping of :class:`~offsetstore.StageKey` to int >= 0;
+        anything else raises :class:`ConfigurationError` (a ``ValueError``) naming the
+        bad entry before the queue is touched: it goes on as it was."""
         if not self._state.started or self._state.closed:
             raise ConsumerStateError("seek() needs a running consumer")
         await self._queues.seek(mq, offset, stage_offsets)
