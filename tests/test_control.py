@@ -402,6 +402,65 @@ async def test_statistics_report_lag_per_queue() -> None:
         assert consumer.statistics().lag == 0
 
 
+async def test_lag_of_paused_queues_follows_the_broker() -> None:
+    """A paused queue is not pulled, so no pull reports its max offset: the consumer
+    asks the broker every persist_consumer_offset_interval instead."""
+    broker = broker_with(4)
+    options = ConsumerOptions(persist_consumer_offset_interval=0.05)
+    consumer = PushConsumer("g", broker, Record(), options=options)
+    consumer.subscribe("t")
+    consumer.pause(Q0)  # never pulled
+    async with consumer:
+        with anyio.fail_after(5):
+            while consumer.statistics().queues[Q1].committed_offset < 4:
+                await anyio.sleep(0.01)
+            while consumer.statistics().queues[Q0].lag != 4:
+                await anyio.sleep(0.01)
+        assert consumer.statistics().lag == 4
+        consumer.pause(Q1)  # pulled, then paused (its long poll may still deliver)
+        for _ in range(3):
+            broker.send("t", b"later", queue_id=1)
+            broker.send("t", b"later", queue_id=0)
+        with anyio.fail_after(5):
+            while consumer.statistics().lag != 4 + 3 + 3:
+                await anyio.sleep(0.01)
+        stats = consumer.statistics()
+        assert (stats.queues[Q0].lag, stats.queues[Q1].lag) == (7, 3)
+        assert (stats.queues[Q0].max_offset, stats.queues[Q1].max_offset) == (7, 7)
+        consumer.resume([Q0, Q1])
+        await consumer.wait_caught_up(timeout=5)
+        assert consumer.statistics().lag == 0
+
+
+async def test_lag_of_a_queue_held_by_flow_control_follows_the_broker() -> None:
+    broker = broker_with(4, queues=1)
+    release = anyio.Event()
+
+    class Hold(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            await release.wait()
+
+    options = ConsumerOptions(
+        persist_consumer_offset_interval=0.05, pull_threshold_for_queue=2, pull_batch_size=2
+    )
+    consumer = PushConsumer("g", broker, Hold(), options=options)
+    consumer.subscribe("t")
+    async with consumer:
+        with anyio.fail_after(5):
+            while consumer.statistics().in_flight < 2:
+                await anyio.sleep(0.01)
+        for _ in range(5):
+            broker.send("t", b"later", queue_id=0)
+        with anyio.fail_after(5):  # not pulled (2 unfinished), yet its lag is current
+            while consumer.statistics().queues[Q0].lag != 9:
+                await anyio.sleep(0.01)
+        assert consumer.statistics().queues[Q0].cached_count == 0
+        release.set()
+        await consumer.wait_caught_up(timeout=5)
+
+
 # -- key-ordered consumption -------------------------------------------------------------
 
 
