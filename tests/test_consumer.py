@@ -539,6 +539,29 @@ async def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
 
 
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
+async def test_wait_caught_up_without_timeout_waits_as_long_as_a_queue_is_paused() -> None:
+    listener = Orderly(cost=1)
+    consumer = PushConsumer("g", broker_with(3), listener)
+    consumer.subscribe("t")
+    consumer.pause("t")
+    async with consumer:
+        returned_at: list[float] = []
+
+        async def wait() -> None:
+            await consumer.wait_caught_up()
+            returned_at.append(anyio.current_time())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.sleep(600)  # ten minutes on, still waiting: the queue is paused
+            assert returned_at == []
+            resumed_at = anyio.current_time()
+            consumer.resume("t")
+    assert len(listener.seen) == 3
+    assert returned_at == [pytest.approx(resumed_at + 3)]  # caught up 3 x 1 s after resuming
+
+
+@pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_a_timeout_names_ten_queues_behind_and_counts_the_rest() -> None:
     consumer = PushConsumer("g", broker_with(24, 12), Orderly(cost=100))
     consumer.subscribe("t")

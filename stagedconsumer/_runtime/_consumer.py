@@ -511,6 +511,12 @@ class PushConsumer:
         retried, cached or held, whether it is paused, and how far it was pulled.
         In concurrent mode a message handed to the retry queue counts as finished
         here; its retry is a new message.
+
+        Paused queues are waited for too: a queue (or topic) paused with
+        :meth:`pause` while it is behind holds the wait until it is resumed and has
+        caught up, so without ``timeout`` this waits forever if it is never resumed
+        (pass a ``timeout``, or resume first). A queue released from this consumer
+        meanwhile no longer counts.
         """
         if not self._state.started or self._state.closed:
             raise ConsumerStateError("wait_caught_up() needs a running consumer")
