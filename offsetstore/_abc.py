@@ -6,7 +6,15 @@ import abc
 from collections.abc import Iterable, Mapping
 
 from ._exceptions import StoreConfigurationError, StoreFencedError
-from ._types import MessageQueue, QueueProgress, ReadOffsetType, StageKey
+from ._types import (
+    MessageQueue,
+    QueueProgress,
+    ReadOffsetType,
+    StageKey,
+    check_offset,
+    check_stage_offset,
+    check_stage_offsets,
+)
 
 __all__ = ("StageOffsetStore",)
 
@@ -97,9 +105,9 @@ class StageOffsetStore(abc.ABC):
     def update_offset(
         self, group: str, mq: MessageQueue, offset: int, *, increase_only: bool = False
     ) -> None:
-        """Set the in-memory consume offset of ``mq``."""
-        if offset < 0:
-            raise ValueError(f"consume offset must be >= 0, got {offset}")
+        """Set the in-memory consume offset of ``mq`` (an int >= 0: ``TypeError`` or
+        ``ValueError`` otherwise)."""
+        check_offset("consume offset", offset)
         row = self._row(group, mq)
         if increase_only and row.consume_offset is not None and offset < row.consume_offset:
             return
@@ -114,9 +122,10 @@ class StageOffsetStore(abc.ABC):
         *,
         increase_only: bool = False,
     ) -> None:
-        """Set the in-memory stage offset of one stage key of ``mq``."""
-        if stage_offset < 0:
-            raise ValueError(f"stage offset must be >= 0, got {stage_offset}")
+        """Set the in-memory stage offset of one stage key of ``mq`` (``key`` a
+        :class:`StageKey`, ``stage_offset`` an int >= 0: ``TypeError`` or
+        ``ValueError`` otherwise)."""
+        check_stage_offset(key, stage_offset)
         row = self._row(group, mq)
         current = row.stage_offsets.get(key)
         if increase_only and current is not None and stage_offset < current:
@@ -124,7 +133,12 @@ class StageOffsetStore(abc.ABC):
         row.stage_offsets[key] = stage_offset
 
     def update_progress(self, group: str, mq: MessageQueue, progress: QueueProgress) -> None:
-        """Set the in-memory progress of ``mq`` (consume and stage offsets) as one unit."""
+        """Set the in-memory progress of ``mq`` (consume and stage offsets) as one unit.
+
+        ``progress`` must be a :class:`QueueProgress` (which checks its offsets when
+        built): ``TypeError`` otherwise."""
+        if type(progress) is not QueueProgress and not isinstance(progress, QueueProgress):
+            raise TypeError(f"progress of {mq} must be a QueueProgress, got {progress!r}")
         row = self._row(group, mq)
         row.consume_offset = progress.consume_offset
         row.stage_offsets = dict(progress.stage_offsets)
@@ -282,10 +296,37 @@ class StageOffsetStore(abc.ABC):
 
         For operators, on a group that is not running: a running consumer would
         overwrite the reset with its own progress.
+
+        Every entry is checked before anything is written: keys must be
+        :class:`MessageQueue`, values :class:`QueueProgress` (offsets ints >= 0, stage
+        offsets keyed by :class:`StageKey`) or ``None``; a bad one raises
+        ``TypeError`` or ``ValueError`` naming it, and nothing changes.
         """
+        progress = dict(progress)
+        for mq, value in progress.items():
+            _check_reset_entry(mq, value)
         await self._overwrite_stored(group, progress)
         for mq, value in progress.items():
             if value is None:
                 self.remove_offset(group, mq)
             else:
                 self.update_progress(group, mq, value)
+
+
+def _check_reset_entry(mq: object, value: object) -> None:
+    """One entry of :meth:`StageOffsetStore.reset_progress`, checked in full (the
+    offsets again too: an operator action, rare, and the last stop before the store)."""
+    if not isinstance(mq, MessageQueue):
+        raise TypeError(f"reset_progress(): keys must be MessageQueues, got {mq!r}")
+    if value is None:
+        return
+    if not isinstance(value, QueueProgress):
+        raise TypeError(
+            f"reset_progress(): the progress of {mq} must be a QueueProgress or None, got {value!r}"
+        )
+    try:
+        if value.consume_offset is not None:
+            check_offset("consume offset", value.consume_offset)
+        check_stage_offsets(value.stage_offsets)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"reset_progress(): {mq}: {exc}") from None

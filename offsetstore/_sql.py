@@ -824,12 +824,22 @@ class SqlOffsetStore(StageOffsetStore):
 
     # -- the durable part -------------------------------------------------------------------
 
-    def _rows_to_progress(self, rows: Any) -> dict[MessageQueue, QueueProgress]:
+    def _rows_to_progress(
+        self, rows: Any, *, unreadable_stages: set[MessageQueue] | None = None
+    ) -> dict[MessageQueue, QueueProgress]:
+        """Decode rows; a corrupt one raises, unless only its stage offsets are and
+        ``unreadable_stages`` is given: then it has none and its queue goes there."""
         result: dict[MessageQueue, QueueProgress] = {}
         for topic, queue_id, consume_offset, stage_text in rows:
             mq = MessageQueue(str(topic), int(queue_id))
             try:
-                stage_offsets = decode_stage_offsets(stage_text)
+                try:
+                    stage_offsets = decode_stage_offsets(stage_text)
+                except (ValueError, TypeError):
+                    if unreadable_stages is None:
+                        raise
+                    unreadable_stages.add(mq)
+                    stage_offsets = {}
                 progress = QueueProgress(
                     consume_offset=None if consume_offset is None else int(consume_offset),
                     stage_offsets=stage_offsets,
@@ -874,6 +884,27 @@ class SqlOffsetStore(StageOffsetStore):
             return self._rows_to_progress(rows)
 
         return await self._run(f"listing the progress of group {group!r}", read, writes=False)
+
+    async def list_progress_for_repair(
+        self, group: str, topic: str | None = None
+    ) -> tuple[dict[MessageQueue, QueueProgress], frozenset[MessageQueue]]:
+        """:meth:`list_progress`, and the queues whose stored stage offsets cannot be
+        read (written by an older version that did not check them): those come back
+        without stage offsets instead of raising, for an operator to overwrite them
+        (``stagedconsumer offsets reset --clear-stage-offsets``). A row whose consume
+        offset cannot be read still raises."""
+        stmt = self._select(group)
+        if topic is not None:
+            stmt = stmt.where(self._progress.c.topic == topic)
+        unreadable: set[MessageQueue] = set()
+
+        def read() -> dict[MessageQueue, QueueProgress]:
+            with self._engine.connect() as conn:
+                rows = conn.execute(stmt).all()
+            return self._rows_to_progress(rows, unreadable_stages=unreadable)
+
+        progress = await self._run(f"listing the progress of group {group!r}", read, writes=False)
+        return progress, frozenset(unreadable)
 
     def _params(self, group: str, mq: MessageQueue, progress: QueueProgress) -> dict[str, Any]:
         return {

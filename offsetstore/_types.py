@@ -8,7 +8,15 @@ from types import MappingProxyType
 
 import attrs
 
-__all__ = ("MessageQueue", "QueueProgress", "ReadOffsetType", "StageKey")
+__all__ = (
+    "MessageQueue",
+    "QueueProgress",
+    "ReadOffsetType",
+    "StageKey",
+    "check_offset",
+    "check_stage_offset",
+    "check_stage_offsets",
+)
 
 
 @attrs.frozen(order=True, cache_hash=True)
@@ -24,10 +32,16 @@ class MessageQueue:
 
 @attrs.frozen(order=True, cache_hash=True)
 class StageKey:
-    """What stage progress is tracked by, within one message queue."""
+    """What stage progress is tracked by, within one message queue.
 
-    strategy_id: str
-    group_id: str | None = None
+    ``strategy_id`` is a str and ``group_id`` a str or ``None`` (checked: a store
+    keeps them as text and could not read anything else back).
+    """
+
+    strategy_id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    group_id: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
 
     def __str__(self) -> str:
         return self.strategy_id if self.group_id is None else f"{self.strategy_id}/{self.group_id}"
@@ -44,8 +58,60 @@ class ReadOffsetType(enum.Enum):
     """The in-memory table, falling back to the store when the queue is unknown there."""
 
 
+def check_offset(what: str, value: object) -> None:
+    """Check that ``value`` is an int >= 0 (a bool is not): ``TypeError`` saying
+    ``"<what> must be an int"`` or ``ValueError`` saying ``"<what> must be >= 0"``
+    otherwise (the wording of ``stagedconsumer offsets reset``)."""
+    if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+
+
+def check_stage_offset(key: object, offset: object) -> None:
+    """Check one stage offset entry: ``key`` a :class:`StageKey`, ``offset`` an int
+    >= 0 (not a bool); ``TypeError`` / ``ValueError`` naming the entry otherwise."""
+    if type(key) is not StageKey and not isinstance(key, StageKey):
+        hint = f" (write StageKey({key!r}) for a strategy id)" if isinstance(key, str) else ""
+        raise TypeError(
+            f"stage offsets map StageKey to int: key {key!r} is a {type(key).__name__},"
+            f" not a StageKey{hint}"
+        )
+    if type(offset) is not int or offset < 0:
+        try:
+            check_offset("stage offset", offset)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc} for stage key {str(key)!r}") from None
+
+
+def check_stage_offsets(value: object) -> dict[StageKey, int]:
+    """``value`` (a mapping of :class:`StageKey` to int >= 0, or ``None``) as a new dict;
+    ``TypeError`` / ``ValueError`` naming the first bad entry otherwise.
+
+    Every :class:`QueueProgress` is built through here, and the store's
+    ``update_stage_offset`` and ``reset_progress`` check the same way, so a store
+    is never given a row it cannot read back.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"stage offsets must be a mapping of StageKey to int, got {value!r}")
+    result = dict(value)
+    for key, offset in result.items():
+        if type(key) is not StageKey or type(offset) is not int or offset < 0:
+            check_stage_offset(key, offset)
+    return result
+
+
 def _freeze(value: Mapping[StageKey, int] | None) -> Mapping[StageKey, int]:
-    return MappingProxyType(dict(value or {}))
+    return MappingProxyType(check_stage_offsets(value))
+
+
+def _check_consume_offset(
+    _instance: object, _attribute: attrs.Attribute[int | None], value: int | None
+) -> None:
+    if value is not None:
+        check_offset("consume offset", value)
 
 
 @attrs.frozen(kw_only=True)
@@ -55,11 +121,14 @@ class QueueProgress:
     ``consume_offset`` is where consumption resumes (every message below it
     finished; ``None`` when only stage offsets were recorded); ``stage_offsets``
     holds, per stage key, the stage offset at ``consume_offset``.
+
+    Checked when built: ``consume_offset`` an int >= 0 or ``None``, ``stage_offsets``
+    a mapping of :class:`StageKey` to int >= 0 (a bool is not an offset);
+    ``TypeError`` or ``ValueError`` naming the bad entry otherwise. So any progress
+    a store is given can be stored and read back.
     """
 
-    consume_offset: int | None = attrs.field(
-        validator=attrs.validators.optional(attrs.validators.ge(0))
-    )
+    consume_offset: int | None = attrs.field(validator=_check_consume_offset)
     stage_offsets: Mapping[StageKey, int] = attrs.field(factory=dict, converter=_freeze)
 
     def __eq__(self, other: object) -> bool:

@@ -44,10 +44,27 @@ def _freeze_keys(value: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
 class Message:
     """A message as delivered to a listener.
 
-    ``queue_offset`` is the message's position in the queue it was pulled from;
-    ``reconsume_times`` counts how often it was handed to a listener before and
-    failed. Messages compare by identity of their position
-    (``topic``, ``queue_id``, ``queue_offset``, ``reconsume_times``), never by body.
+    ``topic``, ``queue_id`` and ``queue_offset`` say where the message was pulled
+    from (the context's ``message_queue``): ``queue_offset`` is its position in that
+    queue. ``reconsume_times`` counts how often it was handed to a listener before
+    and failed.
+
+    A retried message of a concurrent consumer is the one exception, as in
+    RocketMQ: after a failure it is sent to the group's retry topic
+    ``%RETRY%<group>`` as a *new* message (a new ``msg_id``, ``reconsume_times``
+    one higher) and pulled from there. Its ``topic`` is restored to the topic it was
+    first sent to, but ``queue_id`` and ``queue_offset`` are those of the retry
+    queue, which is also the context's ``message_queue`` (``%RETRY%<group>#<id>``).
+    Where it was first stored (queue and offset) is not kept. Its properties tell
+    it apart: ``RETRY_TOPIC`` holds the original topic and ``ORIGIN_MESSAGE_ID`` the
+    ``msg_id`` of its first delivery; a message never retried has neither (or test
+    ``context.message_queue.topic.startswith("%RETRY%")``). Orderly and staged
+    consumers retry in place: the same message, position and ``msg_id``, with
+    ``reconsume_times`` one higher (so does a concurrent consumer when the broker
+    cannot take the message back).
+
+    Messages compare by identity of their position (``topic``, ``queue_id``,
+    ``queue_offset``, ``msg_id``, ``reconsume_times``), never by body.
     """
 
     topic: str

@@ -121,7 +121,9 @@ class ConsumerOptions:
     )
     """Orderly and staged: wait before a failed batch is retried."""
     persist_consumer_offset_interval: float = attrs.field(default=5.0, validator=_finite_positive)
-    """Seconds between commits of progress to the offset store."""
+    """Seconds between commits of progress to the offset store; also how often the
+    max offset (for lag) of a queue that is not pulled, paused or held by flow
+    control, is asked of the source."""
     shutdown_timeout: float = attrs.field(default=30.0, validator=_finite_positive)
     """Seconds that leaving ``async with`` waits for in-flight handlers; calls still
     running then are abandoned (their messages are not committed and come again)."""

@@ -341,6 +341,42 @@ async def test_concurrent_failure_goes_through_the_retry_queue_then_dlq() -> Non
     assert dead.body == b"1"
 
 
+@pytest.mark.parametrize("anyio_backend", [VIRTUAL])
+async def test_a_retried_message_has_its_topic_and_the_retry_queue_s_position() -> None:
+    """What the Message docstring and the README say of a retried message (RocketMQ's
+    behaviour): topic restored, queue id and offset of the retry queue, which is the
+    context's message queue; the first delivery's id in ORIGIN_MESSAGE_ID."""
+    broker = broker_with(4, queues=2)  # b"3" is t#1 at offset 1
+    seen: list[tuple[Message, MessageQueue]] = []
+
+    class FailOnce(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            seen.extend((m, context.message_queue) for m in msgs)
+            if any(m.body == b"3" and m.reconsume_times == 0 for m in msgs):
+                context.delay_level_when_next_consume = 1
+                raise ValueError("once")
+
+    consumer = PushConsumer("g", broker, FailOnce())
+    consumer.subscribe("t")
+    async with consumer:
+        with anyio.fail_after(600):
+            while len(seen) < 5:
+                await anyio.sleep(1)
+        await consumer.wait_caught_up(timeout=10)
+    (first, first_mq), (retried, retried_mq) = [(m, q) for m, q in seen if m.body == b"3"]
+    assert (first.topic, first.queue_id, first.queue_offset) == ("t", 1, 1)
+    assert first_mq == MessageQueue("t", 1)
+    assert (retried.topic, retried.queue_id, retried.queue_offset) == ("t", 0, 0)
+    assert retried_mq == MessageQueue("%RETRY%g", 0)
+    assert retried.reconsume_times == 1
+    assert retried.msg_id != first.msg_id
+    assert retried.properties["ORIGIN_MESSAGE_ID"] == first.msg_id
+    assert retried.properties["RETRY_TOPIC"] == "t"
+    assert "RETRY_TOPIC" not in first.properties
+
+
 async def test_concurrent_ack_index_sends_back_the_rest() -> None:
     class Partial(MessageListenerConcurrently):
         async def consume_message(
@@ -500,6 +536,29 @@ async def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
             TimeoutError, match=r"t#0 at committed offset 2 of 3 \(1 cached, paused\)"
         ):
             await consumer.wait_caught_up(timeout=100)
+
+
+@pytest.mark.parametrize("anyio_backend", [VIRTUAL])
+async def test_wait_caught_up_without_timeout_waits_as_long_as_a_queue_is_paused() -> None:
+    listener = Orderly(cost=1)
+    consumer = PushConsumer("g", broker_with(3), listener)
+    consumer.subscribe("t")
+    consumer.pause("t")
+    async with consumer:
+        returned_at: list[float] = []
+
+        async def wait() -> None:
+            await consumer.wait_caught_up()
+            returned_at.append(anyio.current_time())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.sleep(600)  # ten minutes on, still waiting: the queue is paused
+            assert returned_at == []
+            resumed_at = anyio.current_time()
+            consumer.resume("t")
+    assert len(listener.seen) == 3
+    assert returned_at == [pytest.approx(resumed_at + 3)]  # caught up 3 x 1 s after resuming
 
 
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offsetstore import MemoryOffsetStore, QueueProgress, StageKey
+from offsetstore import MemoryOffsetStore, QueueProgress, ReadOffsetType, StageKey
 from stagedconsumer import (
     ConfigurationError,
     ConsumeConcurrentlyContext,
@@ -149,6 +149,68 @@ async def test_seek_backwards_replays_from_there_with_fresh_stages_and_commits_i
         assert sorted(listener.seen) == [(0, 4, -1), (0, 5, -1)]
         with pytest.raises(ConfigurationError, match="offset must be an int in"):
             await consumer.seek(Q0, 99)
+
+
+@pytest.mark.parametrize(
+    ("stage_offsets", "match"),
+    [
+        ({StageKey("default"): -1}, r"stage offset must be >= 0, got -1 for stage key 'default'"),
+        (
+            {"default": 25},
+            r"stage offsets map StageKey to int: key 'default' is a str, not a StageKey"
+            r" \(write StageKey\('default'\) for a strategy id\)",
+        ),
+        ({StageKey("default"): True}, r"stage offset must be an int, got True for stage key"),
+        ([(StageKey("default"), 1)], r"stage offsets must be a mapping of StageKey to int"),
+    ],
+)
+async def test_seek_with_bad_stage_offsets_is_refused_before_the_queue_is_touched(
+    stage_offsets: object, match: str
+) -> None:
+    """Once, a negative stage offset was stored by seek() and killed the pull loop,
+    and the stored row could not be read back: every restart failed on it."""
+    broker = broker_with(6, queues=1)
+    store = MemoryOffsetStore()
+    release = anyio.Event()
+
+    class Gated(Staged):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+        ) -> None:
+            await release.wait()
+            await super().consume_message(msgs, context)
+
+    listener = Gated()
+    options = ConsumerOptions(persist_consumer_offset_interval=3600, shutdown_timeout=2)
+    consumer = PushConsumer("g", broker, listener, offset_store=store, options=options)
+    consumer.subscribe("t")
+    async with consumer:
+        with anyio.fail_after(5):
+            while consumer.statistics().in_flight < 2:  # stage 0 in handlers, the rest cached
+                await anyio.sleep(0.01)
+        before = consumer.statistics().queues[Q0]
+        with pytest.raises(
+            ConfigurationError, match=f"seek\\(\\): bad stage_offsets for t#0: {match}"
+        ):
+            await consumer.seek(Q0, 0, stage_offsets=stage_offsets)  # type: ignore[arg-type]
+        after = consumer.statistics().queues[Q0]
+        assert not after.dropped
+        assert after == before  # nothing dropped, nothing moved
+        assert (after.cached_count, after.pending_count) == (4, 2)
+        assert await store.read_progress("g", Q0, ReadOffsetType.READ_FROM_STORE) is None
+        release.set()
+        await consumer.wait_caught_up(timeout=5)
+    assert sorted(listener.seen) == [
+        (0, 0, 0),
+        (0, 1, 0),
+        (0, 2, 1),
+        (0, 3, 1),
+        (0, 4, -1),
+        (0, 5, -1),
+    ]
+    assert await store.read_progress("g", Q0, ReadOffsetType.READ_FROM_STORE) == QueueProgress(
+        consume_offset=6, stage_offsets={StageKey("default"): 6}
+    )
 
 
 # -- pause and resume --------------------------------------------------------------------
@@ -338,6 +400,65 @@ async def test_statistics_report_lag_per_queue() -> None:
         release.set()
         await consumer.wait_caught_up(timeout=5)
         assert consumer.statistics().lag == 0
+
+
+async def test_lag_of_paused_queues_follows_the_broker() -> None:
+    """A paused queue is not pulled, so no pull reports its max offset: the consumer
+    asks the broker every persist_consumer_offset_interval instead."""
+    broker = broker_with(4)
+    options = ConsumerOptions(persist_consumer_offset_interval=0.05)
+    consumer = PushConsumer("g", broker, Record(), options=options)
+    consumer.subscribe("t")
+    consumer.pause(Q0)  # never pulled
+    async with consumer:
+        with anyio.fail_after(5):
+            while consumer.statistics().queues[Q1].committed_offset < 4:
+                await anyio.sleep(0.01)
+            while consumer.statistics().queues[Q0].lag != 4:
+                await anyio.sleep(0.01)
+        assert consumer.statistics().lag == 4
+        consumer.pause(Q1)  # pulled, then paused (its long poll may still deliver)
+        for _ in range(3):
+            broker.send("t", b"later", queue_id=1)
+            broker.send("t", b"later", queue_id=0)
+        with anyio.fail_after(5):
+            while consumer.statistics().lag != 4 + 3 + 3:
+                await anyio.sleep(0.01)
+        stats = consumer.statistics()
+        assert (stats.queues[Q0].lag, stats.queues[Q1].lag) == (7, 3)
+        assert (stats.queues[Q0].max_offset, stats.queues[Q1].max_offset) == (7, 7)
+        consumer.resume([Q0, Q1])
+        await consumer.wait_caught_up(timeout=5)
+        assert consumer.statistics().lag == 0
+
+
+async def test_lag_of_a_queue_held_by_flow_control_follows_the_broker() -> None:
+    broker = broker_with(4, queues=1)
+    release = anyio.Event()
+
+    class Hold(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            await release.wait()
+
+    options = ConsumerOptions(
+        persist_consumer_offset_interval=0.05, pull_threshold_for_queue=2, pull_batch_size=2
+    )
+    consumer = PushConsumer("g", broker, Hold(), options=options)
+    consumer.subscribe("t")
+    async with consumer:
+        with anyio.fail_after(5):
+            while consumer.statistics().in_flight < 2:
+                await anyio.sleep(0.01)
+        for _ in range(5):
+            broker.send("t", b"later", queue_id=0)
+        with anyio.fail_after(5):  # not pulled (2 unfinished), yet its lag is current
+            while consumer.statistics().queues[Q0].lag != 9:
+                await anyio.sleep(0.01)
+        assert consumer.statistics().queues[Q0].cached_count == 0
+        release.set()
+        await consumer.wait_caught_up(timeout=5)
 
 
 # -- key-ordered consumption -------------------------------------------------------------

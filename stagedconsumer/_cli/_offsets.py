@@ -313,7 +313,12 @@ async def _reset(args: argparse.Namespace) -> int:
         return _fail(err, str(exc))
     try:
         await _load(store)
-        stored = await store.list_progress(args.group, args.topic)
+        unreadable: frozenset[MessageQueue] = frozenset()
+        if args.clear_stage_offsets:  # the stored stage offsets are not kept: a row
+            # whose stage offsets cannot be read is repaired rather than refused
+            stored, unreadable = await store.list_progress_for_repair(args.group, args.topic)
+        else:
+            stored = await store.list_progress(args.group, args.topic)
         plan = _planned(args, stored)
         if not plan:
             return _fail(
@@ -342,12 +347,13 @@ async def _reset(args: argparse.Namespace) -> int:
         table.add_column("New")
         for mq, new in plan.items():
             old = stored.get(mq)
+            old_stages = escape(_format_stages(old.stage_offsets)) if old else "-"
             table.add_row(
                 escape(str(mq)),
                 "-" if old is None or old.consume_offset is None else str(old.consume_offset),
                 "->",
                 "-" if new.consume_offset is None else str(new.consume_offset),
-                escape(_format_stages(old.stage_offsets)) if old else "-",
+                "unreadable" if mq in unreadable else old_stages,
                 "->",
                 escape(_format_stages(new.stage_offsets)),
             )
@@ -462,7 +468,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     reset.add_argument(
         "--clear-stage-offsets",
         action="store_true",
-        help="drop every stage offset first (stage keys restart at 0)",
+        help="drop every stage offset first (stage keys restart at 0); also repairs a row"
+        " whose stored stage offsets cannot be read (a 'corrupt progress row')",
     )
     add_redis_arguments(
         reset,

@@ -294,8 +294,11 @@ class ProcessQueueStatistics:
     held_count: int = 0
     """Messages held because a stage callback failed on the first of them."""
     max_offset: int | None = None
-    """The broker's max offset of the queue as its last pull reported it (the offset
-    the next message will get; ``None`` before the first pull)."""
+    """The broker's max offset of the queue (the offset the next message will get),
+    as its last pull reported it; while the queue is not pulled (paused, or over its
+    flow-control thresholds) the consumer asks the source for it every
+    ``persist_consumer_offset_interval`` instead, so it is at most that old. ``None``
+    until first known."""
     paused: bool = False
     """Whether handing out batches is paused (``PushConsumer.pause``)."""
     key_count: int = 0
@@ -304,7 +307,9 @@ class ProcessQueueStatistics:
     @property
     def lag(self) -> int | None:
         """Messages of the queue past its committed offset (``max_offset`` minus the
-        committed offset): what is left to consume, by the last pull's count."""
+        committed offset): what is left to consume, as of ``max_offset`` (at most
+        ``persist_consumer_offset_interval`` old for a paused queue); ``None`` while
+        the max offset is unknown."""
         if self.max_offset is None:
             return None
         return max(0, self.max_offset - self.committed_offset)

@@ -67,8 +67,9 @@ class ConsumerStatistics:
 
     @property
     def lag(self) -> int:
-        """Messages past the committed offsets of every assigned queue (by each
-        queue's last pull)."""
+        """Messages past the committed offsets of every assigned queue: the sum of
+        each queue's :attr:`~stagedconsumer.ProcessQueueStatistics.lag`, paused
+        queues included (a queue whose max offset is not known yet counts 0)."""
         return sum(q.lag or 0 for q in self.queues.values())
 
     @property

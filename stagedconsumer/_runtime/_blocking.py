@@ -647,7 +647,9 @@ class BlockingConsumer:
     def wait_caught_up(self, timeout: float | None = None) -> None:
         """:meth:`PushConsumer.wait_caught_up <stagedconsumer.PushConsumer.wait_caught_up>`,
         blocking: returns once every message available at call time has finished;
-        ``TimeoutError`` after ``timeout`` seconds, naming the queues still behind."""
+        ``TimeoutError`` after ``timeout`` seconds, naming the queues still behind.
+        A paused queue that is behind holds it until resumed: without ``timeout``
+        this blocks forever if the queue is never resumed."""
         self._call("wait_caught_up", functools.partial(self.consumer.wait_caught_up, timeout))
 
     def pause(self, targets: MessageQueue | str | Iterable[MessageQueue | str]) -> None:

@@ -491,7 +491,12 @@ class PushConsumer:
         outcome no longer moves the offset); the new progress, ``offset`` with
         ``stage_offsets`` (default: none, so every stage key starts over at its first
         stage from ``offset``), is committed at once, backwards too, and the queue is
-        pulled from there. ``offset`` must lie in the queue's [min, max] offsets."""
+        pulled from there.
+
+        ``offset`` must be an int in the queue's [min, max] offsets and
+        ``stage_offsets`` a mapping of :class:`~offsetstore.StageKey` to int >= 0;
+        anything else raises :class:`ConfigurationError` (a ``ValueError``) naming the
+        bad entry before the queue is touched: it goes on as it was."""
         if not self._state.started or self._state.closed:
             raise ConsumerStateError("seek() needs a running consumer")
         await self._queues.seek(mq, offset, stage_offsets)
@@ -506,6 +511,12 @@ class PushConsumer:
         retried, cached or held, whether it is paused, and how far it was pulled.
         In concurrent mode a message handed to the retry queue counts as finished
         here; its retry is a new message.
+
+        Paused queues are waited for too: a queue (or topic) paused with
+        :meth:`pause` while it is behind holds the wait until it is resumed and has
+        caught up, so without ``timeout`` this waits forever if it is never resumed
+        (pass a ``timeout``, or resume first). A queue released from this consumer
+        meanwhile no longer counts.
         """
         if not self._state.started or self._state.closed:
             raise ConsumerStateError("wait_caught_up() needs a running consumer")

@@ -40,7 +40,9 @@ class PullService:
     pauses while its queue is over the flow-control thresholds (RocketMQ's: 1000
     messages, 100 MiB, span 2000 in concurrent mode) and resumes when a finished
     batch brings it back under them (the ``ROOM`` effect). A failed pull is retried
-    after ``pull_time_delay_when_exception``, doubling up to 30 s.
+    after ``pull_time_delay_when_exception``, doubling up to 30 s. A loop that does
+    not pull (its queue paused or over the thresholds) asks the source for the
+    queue's max offset every ``persist_consumer_offset_interval``, so lag stays true.
     """
 
     def __init__(
@@ -102,6 +104,31 @@ class PullService:
         if state is not None and state.room is not None:
             state.room.set()
 
+    async def _wait_not_pulling(self, state: QueueState, go_on: anyio.Event) -> None:
+        """Wait for ``go_on`` while ``state``'s queue is not pulled (paused, or over
+        its flow-control thresholds), keeping its max offset, and so its lag, true:
+        the max offset is asked of the source every ``persist_consumer_offset_interval``
+        meanwhile, and at once if the queue was never pulled. One ``max_offset`` call
+        per such queue and interval; a queue being pulled never makes one (its pulls
+        report the max offset). A failed call is retried at the next interval."""
+        pq = state.pq
+        refresh = pq.max_offset is None
+        while True:
+            if refresh:
+                try:
+                    pq.max_offset = await self.source.max_offset(state.mq)
+                except SourceError as exc:
+                    logger.debug(
+                        "group %s: max offset of %s (not pulled) unknown: %s",
+                        self.state.group,
+                        state.mq,
+                        exc,
+                    )
+            with anyio.move_on_after(self.options.persist_consumer_offset_interval):
+                await go_on.wait()
+                return
+            refresh = True
+
     async def _pull_loop(self, state: QueueState) -> None:
         source = self.source
         mq = state.mq
@@ -123,12 +150,12 @@ class PullService:
             while not pq.dropped:
                 if pq.paused:  # PushConsumer.pause(): no pulling until resumed
                     state.unpaused = anyio.Event()
-                    await state.unpaused.wait()
+                    await self._wait_not_pulling(state, state.unpaused)
                     continue
                 if pq.should_pause_pull():
                     state.room = anyio.Event()
                     self._paused[pq] = state
-                    await state.room.wait()
+                    await self._wait_not_pulling(state, state.room)
                     continue
                 if hooks is not None:
                     started = clock()

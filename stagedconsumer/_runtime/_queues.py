@@ -246,7 +246,15 @@ class QueueTable:
         in flight finish (at most ``drain_timeout``; their outcome no longer moves
         anything), the progress becomes ``offset`` with ``stage_offsets`` (default:
         none, every stage key starts at its first stage there) and is committed,
-        backwards too, and the queue is pulled again from there."""
+        backwards too, and the queue is pulled again from there.
+
+        Everything is checked before the queue is touched: a bad ``offset`` or
+        ``stage_offsets`` entry raises :class:`ConfigurationError` and the queue
+        goes on as it was (nothing dropped, nothing stored)."""
+        try:  # QueueProgress checks the entries, as every store write does
+            stages = QueueProgress(consume_offset=None, stage_offsets=stage_offsets).stage_offsets
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"seek(): bad stage_offsets for {mq}: {exc}") from None
         state = self.states.get(mq)
         if state is None:
             raise ConsumerStateError(f"seek(): {mq} is not assigned to this consumer")
@@ -255,6 +263,7 @@ class QueueTable:
             raise ConfigurationError(
                 f"seek(): offset must be an int in [{low}, {high}] for {mq}, got {offset!r}"
             )
+        progress = QueueProgress(consume_offset=offset, stage_offsets=stages)
         assert self.pulls is not None
         self.pulls.stop(state)
         state.pq.drop()
@@ -262,7 +271,6 @@ class QueueTable:
             while state.pq.in_handlers > 0:
                 await self.signals.wait_for({state.pq: -1})
         self.forget(mq)
-        progress = QueueProgress(consume_offset=offset, stage_offsets=dict(stage_offsets or {}))
         await self.store.reset_progress(self.group, {mq: progress})
         fresh = await self.load(mq, state.filter)
         fresh.persisted = progress

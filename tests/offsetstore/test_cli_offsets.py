@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import sqlalchemy as sa
 
 from offsetstore import QueueProgress, SqlOffsetStore, StageKey
 from stagedconsumer import MessageQueue
@@ -526,3 +527,37 @@ def test_a_store_with_a_table_prefix_needs_the_option(
     assert anyio.run(read) == QueueProgress(consume_offset=1)
     assert main([*show, "--table-prefix", "bad-prefix"]) == 1
     assert "table_prefix must be" in capsys.readouterr().err
+
+
+def test_clear_stage_offsets_repairs_a_row_whose_stage_offsets_cannot_be_read(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row stored before offsets were checked (a negative stage offset, written by
+    seek()) made show, reset and every consumer start fail on "corrupt progress row"."""
+    engine = sa.create_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE stagedconsumer_progress SET stage_offsets = :bad"
+                    " WHERE topic = 'orders' AND queue_id = 1"
+                ),
+                {"bad": '[["default",null,-1]]'},
+            )
+    finally:
+        engine.dispose()
+    show = ["offsets", "show", "--store", store_url, "--group", GROUP]
+    assert main(show) == 1
+    assert "corrupt progress row for orders#1" in capsys.readouterr().err
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
+    assert main([*args, "--queue", "1", "--stage-offset", "default=0", "--yes"]) == 1
+    assert "corrupt progress row for orders#1" in capsys.readouterr().err
+    assert main([*args, "--queue", "1", "--clear-stage-offsets", "--yes"]) == 0
+    assert "unreadable" in capsys.readouterr().out
+    stored = _stored(store_url)
+    assert stored[MessageQueue("orders", 1)] == QueueProgress(consume_offset=11)  # kept
+    assert stored[MessageQueue("orders", 0)].stage_offsets == {  # untouched
+        StageKey("default", None): 4,
+        StageKey("vip", ""): 0,
+    }
+    assert main(show) == 0

@@ -21,6 +21,7 @@ from anyio.abc import SocketAttribute
 
 from offsetstore import QueueProgress, StageKey, StageOffsetStore
 from stagedconsumer import (
+    ConfigurationError,
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     MemoryBroker,
@@ -103,6 +104,36 @@ async def test_consumer_resumes_from_the_sql_store_with_the_same_stages(
         MessageQueue(TOPIC, q): QueueProgress(consume_offset=20, stage_offsets={DEFAULT_KEY: 20})
         for q in range(QUEUES)
     }
+
+
+async def test_seek_with_bad_stage_offsets_stores_nothing_and_the_consumer_goes_on(
+    sql_backend: Backend,
+) -> None:
+    """A str stage key used to raise AttributeError inside the SQL store and stop the
+    consumer; a negative stage offset was written, and no consumer nor ``stagedconsumer
+    offsets`` could read the row again."""
+    broker = MemoryBroker()
+    broker.create_topic(TOPIC, QUEUES)
+    _fill(broker, 7)
+    mq = MessageQueue(TOPIC, 0)
+    first = Recorder()
+    async with _consumer(broker, sql_backend.new_store(), first) as consumer:
+        await consumer.wait_caught_up(timeout=10)
+        for bad in ({"default": 25}, {DEFAULT_KEY: -1}):
+            with pytest.raises(ConfigurationError, match="bad stage_offsets for t#0"):
+                await consumer.seek(mq, 2, stage_offsets=bad)  # type: ignore[arg-type]
+        _fill(broker, 3)
+        await consumer.wait_caught_up(timeout=10)
+    assert sorted(first.seen) == [
+        (q, o, _expected_stage(o)) for q in range(QUEUES) for o in range(10)
+    ]
+    stored = await sql_backend.new_store().list_progress(GROUP, TOPIC)
+    assert stored[mq] == QueueProgress(consume_offset=10, stage_offsets={DEFAULT_KEY: 10})
+    _fill(broker, 1)
+    second = Recorder()
+    async with _consumer(broker, sql_backend.new_store(), second) as consumer:
+        await consumer.wait_caught_up(timeout=10)
+    assert sorted(second.seen) == [(q, 10, _expected_stage(10)) for q in range(QUEUES)]
 
 
 class TcpProxy:

@@ -211,6 +211,95 @@ async def test_reset_progress_moves_back_and_deletes(backend: Backend) -> None:
     assert await restarted.read_progress(GROUP, MQ) == progress(3, a=0)
 
 
+@pytest.mark.parametrize(
+    ("stage_offsets", "error", "match"),
+    [
+        (
+            {KEY: -1},
+            ValueError,
+            r"stage offset must be >= 0, got -1 for stage key 'strategyId/groupId'",
+        ),
+        ({"default": 25}, TypeError, r"key 'default' is a str, not a StageKey"),
+        ({KEY: True}, TypeError, r"stage offset must be an int, got True for stage key"),
+        ({KEY: 2.0}, TypeError, r"stage offset must be an int, got 2.0"),
+        ([(KEY, 1)], TypeError, r"stage offsets must be a mapping of StageKey to int"),
+    ],
+)
+async def test_progress_the_store_could_not_read_back_is_refused(
+    backend: Backend, stage_offsets: object, error: type[Exception], match: str
+) -> None:
+    """A negative, bool or float stage offset, a key that is not a StageKey: refused
+    before anything is stored, so no row is ever unreadable ("corrupt progress row")."""
+    store = backend.new_store()
+    await store.load()
+    store.update_progress(GROUP, MQ, progress(10, a=5))
+    await store.persist_all(GROUP, [MQ])
+    other = MessageQueue("TopicA", 2)
+    with pytest.raises(error, match=match):
+        await store.reset_progress(
+            GROUP,
+            {
+                other: progress(1),
+                MQ: QueueProgress(consume_offset=3, stage_offsets=stage_offsets),  # type: ignore[arg-type]
+            },
+        )
+    # Smuggled past QueueProgress's own check: reset_progress checks again, and
+    # writes nothing of the batch.
+    smuggled = progress(3)
+    object.__setattr__(smuggled, "stage_offsets", stage_offsets)
+    with pytest.raises(error, match=match):
+        await store.reset_progress(GROUP, {other: progress(1), MQ: smuggled})
+    assert await store.list_progress(GROUP) == {MQ: progress(10, a=5)}
+    assert await backend.new_store().read_progress(GROUP, MQ) == progress(10, a=5)
+
+
+@pytest.mark.parametrize(
+    ("consume_offset", "error", "match"),
+    [
+        (-1, ValueError, "consume offset must be >= 0, got -1"),
+        (True, TypeError, "consume offset must be an int, got True"),
+        (1.5, TypeError, "consume offset must be an int, got 1.5"),
+    ],
+)
+async def test_bad_consume_offsets_are_refused_on_every_way_in(
+    backend: Backend, consume_offset: object, error: type[Exception], match: str
+) -> None:
+    store = backend.new_store()
+    await store.load()
+    with pytest.raises(error, match=match):
+        QueueProgress(consume_offset=consume_offset)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match):
+        store.update_offset(GROUP, MQ, consume_offset)  # type: ignore[arg-type]
+    smuggled = progress(3)
+    object.__setattr__(smuggled, "consume_offset", consume_offset)
+    with pytest.raises(error, match=match):
+        await store.reset_progress(GROUP, {MQ: smuggled})
+    assert await store.list_progress(GROUP) == {}
+
+
+async def test_the_in_memory_updates_refuse_what_a_persist_could_not_store(
+    backend: Backend,
+) -> None:
+    store = backend.new_store()
+    await store.load()
+    with pytest.raises(ValueError, match="stage offset must be >= 0, got -1 for stage key"):
+        store.update_stage_offset(GROUP, MQ, KEY, -1)
+    with pytest.raises(TypeError, match="stage offset must be an int, got False"):
+        store.update_stage_offset(GROUP, MQ, KEY, False)
+    with pytest.raises(TypeError, match="key 'default' is a str, not a StageKey"):
+        store.update_stage_offset(GROUP, MQ, "default", 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be a QueueProgress"):
+        store.update_progress(GROUP, MQ, {"consume_offset": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="keys must be MessageQueues"):
+        await store.reset_progress(GROUP, {"TopicA#1": progress(1)})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="'strategy_id' must be <class 'str'>"):
+        StageKey(1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'group_id' must be <class 'str'>"):
+        StageKey("s", 2)  # type: ignore[arg-type]
+    await store.persist_all(GROUP, [MQ])
+    assert await store.list_progress(GROUP) == {}
+
+
 async def test_read_progress_memory_first_then_store(backend: Backend) -> None:
     store = backend.new_store()
     await store.load()
