@@ -40,9 +40,10 @@ class PullService:
     pauses while its queue is over the flow-control thresholds (RocketMQ's: 1000
     messages, 100 MiB, span 2000 in concurrent mode) and resumes when a finished
     batch brings it back under them (the ``ROOM`` effect). A failed pull is retried
-    after ``pull_time_delay_when_exception``, doubling up to 30 s. A loop that does
-    not pull (its queue paused or over the thresholds) asks the source for the
-    queue's max offset every ``persist_consumer_offset_interval``, so lag stays true.
+    after ``pull_time_delay_when_exception``, doubling up to 30 s. The max offset of
+    a queue that is not pulled (paused, or over the thresholds) is asked of the
+    source every ``persist_consumer_offset_interval`` (one task for all of them), so
+    its lag stays true.
     """
 
     def __init__(
@@ -66,6 +67,9 @@ class PullService:
         self.options = options
         self.hooks = hooks
         self._paused: dict[ProcessQueue, QueueState] = {}
+        """Queues whose pull loop waits for room (flow control)."""
+        self._user_paused: dict[ProcessQueue, QueueState] = {}
+        """Queues whose pull loop waits for :meth:`PushConsumer.resume`."""
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def run(
@@ -77,7 +81,7 @@ class PullService:
             async with anyio.create_task_group() as pulls:
                 self._tg = pulls
                 task_status.started()
-                await anyio.sleep_forever()
+                await self._refresh_idle()  # until cancelled
 
     def start(self, state: QueueState) -> None:
         """Start pulling ``state``'s queue from its committed offset."""
@@ -89,6 +93,7 @@ class PullService:
         if state.pull_scope is not None:
             state.pull_scope.cancel()
         self._paused.pop(state.pq, None)
+        self._user_paused.pop(state.pq, None)
 
     def stop_all(self) -> None:
         self._scope.cancel()
@@ -104,30 +109,29 @@ class PullService:
         if state is not None and state.room is not None:
             state.room.set()
 
-    async def _wait_not_pulling(self, state: QueueState, go_on: anyio.Event) -> None:
-        """Wait for ``go_on`` while ``state``'s queue is not pulled (paused, or over
-        its flow-control thresholds), keeping its max offset, and so its lag, true:
-        the max offset is asked of the source every ``persist_consumer_offset_interval``
-        meanwhile, and at once if the queue was never pulled. One ``max_offset`` call
-        per such queue and interval; a queue being pulled never makes one (its pulls
-        report the max offset). A failed call is retried at the next interval."""
-        pq = state.pq
-        refresh = pq.max_offset is None
+    async def _refresh_max_offset(self, state: QueueState) -> None:
+        """Ask the source for the max offset of ``state``'s queue, which is not pulled
+        (its pulls would report it); a failure waits for the next refresh."""
+        try:
+            state.pq.max_offset = await self.source.max_offset(state.mq)
+        except SourceError as exc:
+            logger.debug(
+                "group %s: max offset of %s (not pulled) unknown: %s",
+                self.state.group,
+                state.mq,
+                exc,
+            )
+
+    async def _refresh_idle(self) -> None:
+        """Every ``persist_consumer_offset_interval``: the max offset of every queue
+        that is not pulled (paused, or over its flow-control thresholds), so that its
+        lag stays true. One task for all queues: the pull loops' waits stay plain
+        event waits, and a queue being pulled costs nothing here."""
+        interval = self.options.persist_consumer_offset_interval
         while True:
-            if refresh:
-                try:
-                    pq.max_offset = await self.source.max_offset(state.mq)
-                except SourceError as exc:
-                    logger.debug(
-                        "group %s: max offset of %s (not pulled) unknown: %s",
-                        self.state.group,
-                        state.mq,
-                        exc,
-                    )
-            with anyio.move_on_after(self.options.persist_consumer_offset_interval):
-                await go_on.wait()
-                return
-            refresh = True
+            await anyio.sleep(interval)
+            for state in [*self._paused.values(), *self._user_paused.values()]:
+                await self._refresh_max_offset(state)
 
     async def _pull_loop(self, state: QueueState) -> None:
         source = self.source
@@ -150,12 +154,18 @@ class PullService:
             while not pq.dropped:
                 if pq.paused:  # PushConsumer.pause(): no pulling until resumed
                     state.unpaused = anyio.Event()
-                    await self._wait_not_pulling(state, state.unpaused)
+                    self._user_paused[pq] = state
+                    try:
+                        if pq.max_offset is None:  # never pulled: its lag at once
+                            await self._refresh_max_offset(state)
+                        await state.unpaused.wait()
+                    finally:
+                        self._user_paused.pop(pq, None)
                     continue
                 if pq.should_pause_pull():
                     state.room = anyio.Event()
                     self._paused[pq] = state
-                    await self._wait_not_pulling(state, state.room)
+                    await state.room.wait()
                     continue
                 if hooks is not None:
                     started = clock()
