@@ -162,6 +162,25 @@ def _calls(contexts: Sequence[TraceContext]) -> list[LifeRow]:
     return rows
 
 
+def _is_local_retry(prev: LifeRow, call: LifeRow) -> bool:
+    """Whether ``call`` retried ``prev`` (the previous call of the same consumer group)
+    locally: the same queue position, one attempt more.
+
+    Exact, from counts the consumer keeps: a local retry counts one more
+    ``reconsume_times`` on the message it holds, while anything pulled again brings
+    the count of its stored copy: a redelivery of the original (a crash, a
+    rebalance) starts again at attempt 1, and a retry through the retry queue has
+    another queue position. The cached times are no test: each call converts them to
+    wall-clock milliseconds with its own clock reading, so the two attempts' values
+    may differ by 1 ms."""
+    return (
+        call.attempt == prev.attempt + 1
+        and call.topic == prev.topic
+        and call.queue_id == prev.queue_id
+        and call.queue_offset == prev.queue_offset
+    )
+
+
 def _with_waits(calls: list[LifeRow], send: SendRow | None) -> list[LifeRow]:
     """``calls`` (of one message, in start order) with their broker and cache waits,
     each measured from the previous step of the same consumer group."""
@@ -175,7 +194,7 @@ def _with_waits(calls: list[LifeRow], send: SendRow | None) -> list[LifeRow]:
         local = False
         if call.cached_ms is None:
             pass  # records of another writer: nothing to measure
-        elif prev is not None and prev.cached_ms == call.cached_ms:
+        elif prev is not None and _is_local_retry(prev, call):
             local = True  # a local retry: the message stayed in the cache, suspended
             if prev.end_ms is not None:
                 cache = call.start_ms - prev.end_ms
