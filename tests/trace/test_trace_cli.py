@@ -95,7 +95,47 @@ def test_quoted_data_is_shown_verbatim_emoji_codes_and_markup_included(tmp_path:
     path.write_text("")
     result = trace(":x: [red]k[/red]", "--trace-file", str(path))
     assert result.returncode == 1
-    assert "no trace records for ':x: [red]k[/red]'" in result.stdout
+    assert "no trace records for ':x: [red]k[/red]'" in result.stderr
+
+
+def test_errors_go_to_stderr_so_stdout_stays_json(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    for extra in ((), ("--json",)):
+        result = trace("k3", "--trace-file", str(missing), *extra)
+        assert result.returncode == 1
+        assert result.stdout == ""
+        assert f"stagedconsumer trace: no trace file {missing}" in result.stderr
+    path = tmp_path / "trace.jsonl"
+    write_run(path)
+    result = trace("nope", "--trace-file", str(path), "--json")
+    assert result.returncode == 1
+    assert json.loads(result.stdout) == []
+    assert f"no trace records for 'nope' in {path}" in result.stderr
+    table = trace("nope", "--trace-file", str(path))
+    assert (table.returncode, table.stdout) == (1, "")
+    assert "no trace records for 'nope'" in table.stderr
+    found = trace("k3", "--trace-file", str(path), "--json")
+    assert found.returncode == 0
+    assert found.stderr == ""
+    [history] = json.loads(found.stdout)
+    assert history["calls"]
+
+
+def test_json_has_the_took_column_beside_rocketmqs_cost(tmp_path: Path) -> None:
+    """``took`` is end - start of the two records' rounded timestamps (``took_ms``);
+    ``cost_ms`` is RocketMQ's costTime as the SubAfter record has it (truncated)."""
+    path = tmp_path / "trace.jsonl"
+    t = 1_700_000_000_000
+    [before, after] = handler_call("R1", attempt=1, cached=t, start=t + 2, end=t + 53)
+    after.cost_time = 50
+    write_contexts(path, [before, after])
+    [history] = json.loads(trace("ORDER-3", "--trace-file", str(path), "--json").stdout)
+    [call] = history["calls"]
+    assert (call["took_ms"], call["cost_ms"]) == (51, 50)
+    table = trace("ORDER-3", "--trace-file", str(path), columns=200)
+    [row] = [line for line in table.stdout.splitlines() if "attempt 1" in line]
+    assert "51 ms" in row
+    assert "took_ms" in trace("--help").stdout
 
 
 def test_a_narrow_terminal_gets_lines_not_a_cut_table(tmp_path: Path) -> None:
