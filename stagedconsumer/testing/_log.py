@@ -211,16 +211,29 @@ class CallLog:
         outcome: Outcome,
         *,
         error: BaseException | None = None,
-        acked: int = 0,
+        acked: int | None = None,
     ) -> None:
-        """Record that ``call`` ended at ``now`` with ``outcome``; ``acked``: how many of
-        its messages (from the first) a success finished."""
+        """Record that ``call`` ended at ``now`` with ``outcome``.
+
+        ``acked``: how many of its messages (from the first) a success finished. The
+        default, ``None``, is all of them, what a success means for every listener
+        kind; pass fewer for a concurrent listener that set ``context.ack_index``
+        (``ack_index + 1``, so ``0`` when it finished none). A call that did not
+        succeed finishes nothing, whatever ``acked`` says."""
+        if acked is not None and not 0 <= acked <= len(call.messages):
+            raise ValueError(
+                f"acked={acked}: a call of {len(call.messages)} message(s) finishes"
+                f" 0 to {len(call.messages)} of them"
+            )
         with self._lock:
             call.end = now
             call.end_seq = self.next_seq()
             call.outcome = outcome
             call.error = repr(error) if error is not None else None
-            call.acked = acked if outcome is Outcome.SUCCESS else 0
+            if outcome is not Outcome.SUCCESS:
+                call.acked = 0
+            else:
+                call.acked = len(call.messages) if acked is None else acked
         for callback in self.on_end:
             callback(call)
 
