@@ -5,7 +5,7 @@ OpenTelemetry and the package must work without it::
 
     from stagedconsumer.otel import OpenTelemetryHook, OpenTelemetrySendHook, serve_prometheus
 
-    endpoint = serve_prometheus(9464)
+    endpoint = serve_prometheus(9464)  # every interface; addr="127.0.0.1": this machine only
     consumer.register_consume_message_hook(
         OpenTelemetryHook(meter_provider=endpoint.meter_provider)
     )

@@ -78,8 +78,13 @@ class LifeRow:
     barrier_wait_ms: int | None
     start_ms: int
     end_ms: int | None
+    took_ms: int | None
+    """How long the handler call took, ``end_ms - start_ms`` (the table's ``took``)."""
     cost_ms: int | None
-    """RocketMQ's costTime: handler time divided by the batch size."""
+    """RocketMQ's costTime, as the ``SubAfter`` record has it: the handler time
+    divided by the batch size, truncated to whole ms. ``took_ms`` is the difference
+    of the two records' rounded timestamps, so even for a call of one message the
+    two may differ by 1 ms."""
     success: bool | None
     """``None``: no ``SubAfter`` yet (the call was running or the consumer died)."""
     context_code: int | None
@@ -153,6 +158,7 @@ def _calls(contexts: Sequence[TraceContext]) -> list[LifeRow]:
                 barrier_wait_ms=bean.barrier_wait_ms,
                 start_ms=before.timestamp,
                 end_ms=after.timestamp if after is not None else None,
+                took_ms=after.timestamp - before.timestamp if after is not None else None,
                 cost_ms=after.cost_time if after is not None else None,
                 success=after.success if after is not None else None,
                 context_code=after.context_code if after is not None else None,
@@ -160,6 +166,25 @@ def _calls(contexts: Sequence[TraceContext]) -> list[LifeRow]:
             )
         )
     return rows
+
+
+def _is_local_retry(prev: LifeRow, call: LifeRow) -> bool:
+    """Whether ``call`` retried ``prev`` (the previous call of the same consumer group)
+    locally: the same queue position, one attempt more.
+
+    Exact, from counts the consumer keeps: a local retry counts one more
+    ``reconsume_times`` on the message it holds, while anything pulled again brings
+    the count of its stored copy: a redelivery of the original (a crash, a
+    rebalance) starts again at attempt 1, and a retry through the retry queue has
+    another queue position. The cached times are no test: each call converts them to
+    wall-clock milliseconds with its own clock reading, so the two attempts' values
+    may differ by 1 ms."""
+    return (
+        call.attempt == prev.attempt + 1
+        and call.topic == prev.topic
+        and call.queue_id == prev.queue_id
+        and call.queue_offset == prev.queue_offset
+    )
 
 
 def _with_waits(calls: list[LifeRow], send: SendRow | None) -> list[LifeRow]:
@@ -175,7 +200,7 @@ def _with_waits(calls: list[LifeRow], send: SendRow | None) -> list[LifeRow]:
         local = False
         if call.cached_ms is None:
             pass  # records of another writer: nothing to measure
-        elif prev is not None and prev.cached_ms == call.cached_ms:
+        elif prev is not None and _is_local_retry(prev, call):
             local = True  # a local retry: the message stayed in the cache, suspended
             if prev.end_ms is not None:
                 cache = call.start_ms - prev.end_ms
@@ -342,7 +367,6 @@ def _table(history: MessageHistory) -> Table:
             _send_result(send),
         )
     for call in history.calls:
-        took = None if call.end_ms is None else call.end_ms - call.start_ms
         table.add_row(
             f"attempt {call.attempt}",
             escape(call.group),
@@ -352,7 +376,7 @@ def _table(history: MessageHistory) -> Table:
             "" if call.local_retry else _ms(call.barrier_wait_ms),
             _ms(call.cache_wait_ms),
             _time(call.start_ms),
-            _ms(took),
+            _ms(call.took_ms),
             _result(call),
         )
     return table
@@ -375,12 +399,11 @@ def _narrow(history: MessageHistory) -> list[str]:
         )
         lines.append(f"{indent}{_send_result(send)}")
     for call in history.calls:
-        took = None if call.end_ms is None else call.end_ms - call.start_ms
         lines.append(
             f"{f'attempt {call.attempt}':<11}{_time(call.start_ms)}  {escape(call.group)}"
             f"  {escape(_where(call.topic, call.queue_id, call.queue_offset))}"
             + (f"  stage {_stage(call.stage_index)}" if call.stage_index is not None else "")
-            + f"  took {_ms(took) or '?'}"
+            + f"  took {_ms(call.took_ms) or '?'}"
         )
         lines.append(f"{indent}{_result(call)}")
         waits = [
@@ -415,6 +438,14 @@ def _console() -> Console:
     return Console(width=160, emoji=False)
 
 
+def _error(text: str) -> None:
+    """``text`` (plain, not markup) on stderr, in red on a terminal: stdout holds only
+    the tables, or only JSON with ``--json``."""
+    Console(stderr=True, emoji=False).print(
+        f"[red]stagedconsumer trace: {escape(text)}[/red]", soft_wrap=True, highlight=False
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     console = _console()
     if args.redis:
@@ -422,30 +453,29 @@ def _run(args: argparse.Namespace) -> int:
         try:
             messages = anyio.run(_read_redis, args, backend="asyncio")
         except ImportError as exc:
-            console.print(f"[red]{escape(str(exc))}[/red]")
+            _error(str(exc))
             return 1
         except StagedConsumerError as exc:
-            console.print(f"[red]cannot read {escape(where)}: {escape(str(exc))}[/red]")
+            _error(f"cannot read {where}: {exc}")
             return 1
     else:
         path = Path(args.trace_file)
         where = str(path)
         if not path.exists():
-            console.print(f"[red]no trace file {escape(where)}[/red]")
+            _error(f"no trace file {where}")
             return 1
         try:
             messages = list(read_trace_file(path))
         except (ConfigurationError, OSError) as exc:
-            Console(stderr=True, emoji=False).print(
-                f"[red]stagedconsumer trace: {escape(str(exc))}[/red]", soft_wrap=True
-            )
+            _error(str(exc))
             return 1
     histories = message_history(query_message_trace(messages, args.key))
+    if not histories:
+        _error(f"no trace records for {args.key!r} in {where}")
     if args.json:
         print(json.dumps([attrs.asdict(h) for h in histories], indent=2))
         return 0 if histories else 1
     if not histories:
-        console.print(f"no trace records for {escape(repr(args.key))} in {escape(where)}")
         return 1
     if len(histories) > 1:
         console.print(
@@ -496,5 +526,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="TOPIC",
         help=f"trace topic to read with --redis (default {RMQ_SYS_TRACE_TOPIC})",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=(
+            "print the rows as JSON instead of a table (a list of messages, each with its"
+            " sends and calls; a call's took_ms is the took column, its cost_ms RocketMQ's"
+            " costTime: handler time / batch size, truncated to ms); errors go to stderr"
+        ),
+    )
     parser.set_defaults(handler=_run)

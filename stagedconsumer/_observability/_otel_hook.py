@@ -770,7 +770,11 @@ def serve_prometheus(
     Needs ``opentelemetry-exporter-prometheus`` and ``prometheus_client`` (both in
     the ``otel`` extra). Returns the endpoint; pass its ``meter_provider`` to
     :class:`OpenTelemetryHook`. ``port=0`` picks a free port (see ``.port``).
-    ``registry`` defaults to ``prometheus_client``'s global registry.
+    ``addr`` defaults to ``"0.0.0.0"``, every interface (``prometheus_client``'s
+    default), so anyone who can reach the machine can scrape it; pass
+    ``addr="127.0.0.1"`` to serve this machine only (e.g. behind a local agent), or
+    the address of one interface. ``registry`` defaults to ``prometheus_client``'s
+    global registry.
     """
     try:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader

@@ -112,6 +112,8 @@ class StagePlan:
     assignments: Mapping[str, Assignment]
     """By message id (:func:`origin_id`)."""
     messages: Mapping[str, Message]
+    definitions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict, kw_only=True)
+    """The stage definitions by strategy id the plan was made from."""
 
     @classmethod
     def of(cls, listener: MessageListenerStagedConcurrently, sent: Iterable[Message]) -> StagePlan:
@@ -181,7 +183,9 @@ class StagePlan:
                 previous = last[key] = (stage, next(epochs))
             counters[key] = offset + 1
             out[ident] = Assignment(key, stage, previous[1])
-        return cls(out, messages)
+        return cls(
+            out, messages, definitions={name: tuple(sizes) for name, sizes in definitions.items()}
+        )
 
     def stage_of(self, message: Message) -> int:
         return self.assignments[origin_id(message)].stage
@@ -208,6 +212,30 @@ def stage_of(sizes: Sequence[int], offset: int) -> int:
 def _key_text(key: StageKeyTuple) -> str:
     mq, strategy, group = key
     return f"queue {mq.topic}:{mq.queue_id}, strategy {strategy!r}, group {group!r}"
+
+
+def _definitions_hint(
+    log: CallLog, plan: StagePlan, call: HandlerCall, assigned: Assignment
+) -> str:
+    """Why a message may have run in another stage than the plan's: the stage
+    definitions the consumer read (recorded by a :class:`RecordingListener`) when they
+    differ from the plan's, else the rule they break if they changed unseen."""
+    if assigned.key is not None and plan.definitions:
+        strategy = assigned.key[1]
+        planned = plan.definitions.get(strategy)
+        read = [(run, d) for run, d in log.stage_definitions if run == call.run]
+        for run, definitions in read or log.stage_definitions:
+            sizes = definitions.get(strategy)
+            if sizes is not None and sizes != planned:
+                return (
+                    f": the stage definitions changed between calls (strategy {strategy!r}:"
+                    f" {list(sizes)} when the consumer of run {run} read them,"
+                    f" {list(planned or ())} when the plan did); they must be constant"
+                )
+    return (
+        " (stage definitions must be constant: the consumer reads them when it is"
+        " built, StagePlan.of reads them again)"
+    )
 
 
 def _finish_seqs_by_run(log: CallLog) -> dict[int, dict[str, int]]:
@@ -276,7 +304,8 @@ def check_staged(log: CallLog, plan: StagePlan, *, within_runs: bool = False) ->
                     Violation(
                         "wrong-stage",
                         f"{_where(message)} ran in stage {call.stage_index} (call #{call.number}),"
-                        f" but the stage definitions put it in stage {assigned.stage}",
+                        f" but the stage definitions put it in stage {assigned.stage}"
+                        + _definitions_hint(log, plan, call, assigned),
                         (call,),
                     )
                 )

@@ -9,17 +9,19 @@ it), since a message moved to the DLQ counts as finished.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
 import anyio
 import anyio.from_thread
 import attrs
 
+from .._core import DEFAULT_STRATEGY
 from .._listeners import (
     ConsumeConcurrentlyContext,
     ConsumeConcurrentlyStatus,
@@ -165,6 +167,11 @@ class CallLog:
     dead_letters: list[DeadLetter] = attrs.Factory(list)
     run: int = 0
     """The incarnation new calls belong to (``run_virtual`` bumps it on each restart)."""
+    stage_definitions: list[tuple[int, dict[str, tuple[int, ...]]]] = attrs.Factory(list)
+    """``(run, definitions by strategy id)`` each time the consumer read a staged
+    :class:`RecordingListener`'s stage definitions (``get_stage_definitions()`` is
+    recorded as strategy ``"default"``); :func:`check_staged` compares them with the
+    plan's to explain a message run in the wrong stage."""
     on_start: list[Callable[[HandlerCall], None]] = attrs.Factory(list)
     """Called (in the handler's task or thread) after each call was recorded as started."""
     on_end: list[Callable[[HandlerCall], None]] = attrs.Factory(list)
@@ -211,18 +218,38 @@ class CallLog:
         outcome: Outcome,
         *,
         error: BaseException | None = None,
-        acked: int = 0,
+        acked: int | None = None,
     ) -> None:
-        """Record that ``call`` ended at ``now`` with ``outcome``; ``acked``: how many of
-        its messages (from the first) a success finished."""
+        """Record that ``call`` ended at ``now`` with ``outcome``.
+
+        ``acked``: how many of its messages (from the first) a success finished. The
+        default, ``None``, is all of them, what a success means for every listener
+        kind; pass fewer for a concurrent listener that set ``context.ack_index``
+        (``ack_index + 1``, so ``0`` when it finished none). A call that did not
+        succeed finishes nothing, whatever ``acked`` says."""
+        if acked is not None and not 0 <= acked <= len(call.messages):
+            raise ValueError(
+                f"acked={acked}: a call of {len(call.messages)} message(s) finishes"
+                f" 0 to {len(call.messages)} of them"
+            )
         with self._lock:
             call.end = now
             call.end_seq = self.next_seq()
             call.outcome = outcome
             call.error = repr(error) if error is not None else None
-            call.acked = acked if outcome is Outcome.SUCCESS else 0
+            if outcome is not Outcome.SUCCESS:
+                call.acked = 0
+            else:
+                call.acked = len(call.messages) if acked is None else acked
         for callback in self.on_end:
             callback(call)
+
+    def record_stage_definitions(self, definitions: Mapping[str, Sequence[int]]) -> None:
+        """Record that the consumer of the current :attr:`run` read ``definitions``
+        (by strategy id); :class:`RecordingListener` does this for you."""
+        snapshot = {str(name): tuple(sizes) for name, sizes in definitions.items()}
+        with self._lock:
+            self.stage_definitions.append((self.run, snapshot))
 
     def record_dead_letter(self, message: Message, now: float = math.nan) -> None:
         """Record that ``message`` went to the dead-letter queue (it counts as
@@ -302,6 +329,7 @@ def wrapper_type(mixin: type, inner: MessageListener) -> type:
     paths for callbacks left to the defaults, so the wrapper must not override more.
     ``consume_message`` is ``mixin._consume_async`` or ``mixin._consume_sync``, as
     ``inner``'s is a coroutine function or not (sync handlers keep running in threads).
+    ``mixin._forwarders`` (optional) maps a callback name to the forwarder to use.
     """
     kind = _kind_of(inner)
     is_async = is_async_callable(getattr(inner, "consume_message", None))
@@ -314,9 +342,10 @@ def wrapper_type(mixin: type, inner: MessageListener) -> type:
         "__module__": mixin.__module__,
         "__qualname__": f"{mixin.__name__}[{type(inner).__name__}]",
     }
+    own: Mapping[str, Callable[..., Any]] = getattr(mixin, "_forwarders", {})
     for name in _FORWARDED[kind]:
         if getattr(type(inner), name) is not getattr(kind, name):
-            namespace[name] = _forwarder(name)
+            namespace[name] = own.get(name) or _forwarder(name)
     created = type(namespace["__qualname__"], (mixin, kind), namespace)
     _wrapper_types[cache_key] = created
     return created
@@ -349,7 +378,8 @@ class RecordingListener(MessageListener):
     handler (a suspend time you set is kept), the result and exceptions pass
     through, an ``async def`` handler stays one and a plain ``def`` handler still runs
     in a worker thread, and only the stage callbacks your class overrides are
-    forwarded (the consumer takes the same paths). ``recorder.log`` holds the calls;
+    forwarded (the consumer takes the same paths). ``recorder.log`` holds the calls,
+    and the stage definitions the consumer read (:attr:`CallLog.stage_definitions`);
     give several listeners one ``log`` to record them together.
     """
 
@@ -372,6 +402,28 @@ class RecordingListener(MessageListener):
 
     def __repr__(self) -> str:
         return f"RecordingListener({self.inner!r})"
+
+    # The consumer reads the stage definitions once when it is built: recorded for
+    # check_staged. A value of the wrong shape is not recorded; the consumer reports it
+    # as without the recorder.
+    _WRONG_SHAPE = (TypeError, ValueError, AttributeError)
+
+    def _get_stage_definitions(self) -> Any:
+        sizes = self.inner.get_stage_definitions()  # type: ignore[attr-defined]
+        with contextlib.suppress(*self._WRONG_SHAPE):
+            self.log.record_stage_definitions({DEFAULT_STRATEGY: sizes})
+        return sizes
+
+    def _get_stage_definition_strategies(self) -> Any:
+        strategies = self.inner.get_stage_definition_strategies()  # type: ignore[attr-defined]
+        with contextlib.suppress(*self._WRONG_SHAPE):
+            self.log.record_stage_definitions(strategies)
+        return strategies
+
+    _forwarders: ClassVar[Mapping[str, Callable[..., Any]]] = {
+        "get_stage_definitions": _get_stage_definitions,
+        "get_stage_definition_strategies": _get_stage_definition_strategies,
+    }
 
     async def _consume_async(self, msgs: Sequence[Message], context: Any) -> Any:
         log = self.log

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import errno
+import inspect
+import re
 import socket
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import pytest
@@ -130,3 +133,20 @@ async def test_send_metrics_are_served_for_prometheus() -> None:
     assert len(count) == 1
     assert 'messaging_operation_type="send"' in count[0]
     assert float(count[0].rsplit(" ", 1)[1]) == 3.0
+
+
+def test_the_readme_shows_addr_for_a_local_only_endpoint() -> None:
+    """The default stays prometheus_client's every-interface address; the README
+    shows the ``addr=`` that keeps the endpoint on this machine, and it does."""
+    assert inspect.signature(serve_prometheus).parameters["addr"].default == "0.0.0.0"
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    shown = re.search(r'serve_prometheus\(9464, addr="([^"]+)"\)', readme)
+    assert shown is not None, "the README's Prometheus fragment does not show addr="
+    assert shown.group(1) == "127.0.0.1"
+    assert 'addr` defaults to `"0.0.0.0"`' in readme.replace("\n", " ")
+    endpoint = serve_prometheus(0, addr=shown.group(1), registry=CollectorRegistry())
+    try:
+        assert endpoint._server.server_address[0] == "127.0.0.1"
+        scrape(endpoint.port)  # served, on the loopback address
+    finally:
+        endpoint.close()

@@ -102,10 +102,16 @@ async def test_trace_topic_in_redis_read_back_as_one_history(
     assert "stored on 127.0.0.1:6379" in out
     other = ["trace", "ORDER-1", "--redis", redis_url, "--namespace", namespace + "-empty"]
     assert await anyio.to_thread.run_sync(main, other) == 1
-    assert "no trace records" in capsys.readouterr().out
+    assert "no trace records" in capsys.readouterr().err
 
 
 def test_cli_reports_an_unreachable_redis(capsys: pytest.CaptureFixture[str]) -> None:
     closed = "redis://127.0.0.1:1/0"  # nothing listens on port 1
     assert main(["trace", "k", "--redis", closed]) == 1
-    assert "cannot read RMQ_SYS_TRACE_TOPIC" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "cannot read RMQ_SYS_TRACE_TOPIC" in captured.err
+    assert captured.out == ""
+    assert main(["trace", "k", "--redis", closed, "--json"]) == 1
+    captured = capsys.readouterr()
+    assert "cannot read RMQ_SYS_TRACE_TOPIC" in captured.err
+    assert captured.out == ""  # nothing for a JSON reader to choke on

@@ -125,6 +125,44 @@ def test_a_staged_log_that_keeps_the_barrier_passes() -> None:
     assert check_at_least_once(w.log, SENT, exactly_once=True) == []
 
 
+def test_a_replayed_success_finishes_every_message_of_its_call_by_default() -> None:
+    """Replaying a log through start_call / end_call as the README says: a success
+    without ``acked`` finished all its messages, so nothing is lost and the barrier
+    holds."""
+    log = CallLog()
+
+    def context(stage: int) -> ConsumeStagedConcurrentlyContext:
+        return ConsumeStagedConcurrentlyContext(
+            message_queue=MQ, stage_index=stage, strategy_id="default", group_id=None
+        )
+
+    first = log.start_call(SENT[:2], context(0), 0.0)  # a batch of two
+    log.end_call(first, 1.0, Outcome.SUCCESS)
+    assert first.finished_messages == tuple(SENT[:2])
+    for offset, stage in ((2, 1), (3, -1)):
+        call = log.start_call([SENT[offset]], context(stage), float(offset))
+        log.end_call(call, offset + 0.5, Outcome.SUCCESS)
+    assert check_at_least_once(log, SENT, exactly_once=True) == []
+    assert check_staged(log, PLAN) == []
+
+
+def test_end_call_keeps_partial_acks_and_refuses_impossible_ones() -> None:
+    log = CallLog()
+    context = ConsumeOrderlyContext(message_queue=MQ)
+    partial = log.start_call(SENT[:3], context, 0.0)
+    log.end_call(partial, 1.0, Outcome.SUCCESS, acked=1)  # a concurrent ack_index of 0
+    assert partial.finished_messages == (SENT[0],)
+    none = log.start_call(SENT[:1], context, 1.0)
+    log.end_call(none, 2.0, Outcome.SUCCESS, acked=0)
+    assert none.finished_messages == ()
+    failed = log.start_call(SENT[:1], context, 2.0)
+    log.end_call(failed, 3.0, Outcome.RAISED)
+    assert failed.acked == 0
+    too_many = log.start_call(SENT[:1], context, 3.0)
+    with pytest.raises(ValueError, match=r"acked=2: a call of 1 message\(s\) finishes 0 to 1"):
+        log.end_call(too_many, 4.0, Outcome.SUCCESS, acked=2)
+
+
 def test_a_stage_starting_before_the_previous_finished_is_a_barrier_violation() -> None:
     w = Log()
     a = w.start([0], 0)

@@ -132,6 +132,20 @@ def test_only_the_callbacks_the_listener_overrides_are_forwarded() -> None:
     assert keyed.get_stage_definitions() == [2, 3]  # type: ignore[attr-defined]
 
 
+class TwoStrategies(Plain):
+    def get_stage_definition_strategies(self) -> dict[str, Sequence[int]]:
+        return {"default": [1], "vip": [2, 2]}
+
+
+def test_the_stage_definitions_the_consumer_reads_are_recorded_per_run() -> None:
+    run = run_virtual(Plain(), specs(6), costs=[1.0], crash_at=[1])
+    assert run.crashes == 1
+    assert run.log.stage_definitions == [(0, {"default": (2, 3)}), (1, {"default": (2, 3)})]
+    strategies = RecordingListener(TwoStrategies())
+    assert strategies.get_stage_definition_strategies() == {"default": [1], "vip": [2, 2]}  # type: ignore[attr-defined]
+    assert strategies.log.stage_definitions == [(0, {"default": (1,), "vip": (2, 2)})]
+
+
 def test_every_call_is_recorded_with_its_stage_key_and_times() -> None:
     log = CallLog()
     listener = RecordingListener(Keyed(), log)

@@ -332,3 +332,45 @@ def test_the_kit_finds_a_planted_key_order_bug_within_the_default_budget() -> No
     with pytest.raises(OrderingViolation, match=r"violation\(s\) of key order") as info:
         key_order_property(ByKeyWithACounter)()
     assert {v.rule for v in info.value.violations} & {"overlap", "offset-order"}
+
+
+class ChangingDefinitions(MessageListenerStagedConcurrently):
+    """A planted bug: get_stage_definitions() gives [1, 1], then [3], then [1, 1]..."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        self.reads += 1
+        return [1, 1] if self.reads % 2 else [3]
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        return None
+
+
+def test_definitions_that_change_between_calls_are_named_in_the_violation() -> None:
+    listener = ChangingDefinitions()
+    run = run_virtual(listener, one_queue(2))  # the consumer reads [1, 1]
+    assert run.log.stage_definitions == [(0, {"default": (1, 1)})]
+    plan = StagePlan.of(listener, run.sent)  # the plan reads [3]
+    assert plan.definitions == {"default": (3,)}
+    (violation,) = check_staged(run.log, plan)
+    assert violation.rule == "wrong-stage"
+    assert violation.explanation == (
+        "t:0@1 ran in stage 1 (call #1), but the stage definitions put it in stage 0:"
+        " the stage definitions changed between calls (strategy 'default': [1, 1] when"
+        " the consumer of run 0 read them, [3] when the plan did); they must be constant"
+    )
+
+
+def test_a_wrong_stage_without_recorded_definitions_says_they_must_be_constant() -> None:
+    listener = ChangingDefinitions()
+    run = run_virtual(listener, one_queue(2))
+    run.log.stage_definitions.clear()  # a log replayed from elsewhere records none
+    (violation,) = check_staged(run.log, StagePlan.of(listener, run.sent))
+    assert violation.explanation.endswith(
+        "put it in stage 0 (stage definitions must be constant: the consumer reads them"
+        " when it is built, StagePlan.of reads them again)"
+    )
