@@ -33,6 +33,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from . import analysis, report
@@ -317,7 +318,7 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         w = load_workload(args.workload)
     except WorkloadError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
     out = Path(args.out) if args.out else Path("bench-results") / w.name
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in args.argv)
@@ -349,6 +350,9 @@ def _bench(args: argparse.Namespace) -> int:
                 events=args.events,
                 engine=args.engine,
             )
+    except WorkloadError as exc:  # recorded traffic that cannot be replayed
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
+        return 2
     finally:
         spark.stop()
     console.print(report.rich_table(result.summary, f"{w.name}: replay results"))
@@ -391,6 +395,16 @@ def _validate(args: argparse.Namespace) -> int:
     return status
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -430,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--shuffle-partitions",
-        type=int,
+        type=_positive_int,
         default=None,
         help="spark.sql.shuffle.partitions (default 8)",
     )

@@ -44,6 +44,7 @@ __all__ = (
     "CostModel",
     "FailureModel",
     "RecordedTraffic",
+    "RecordedTrafficError",
     "StageModel",
     "Workload",
     "WorkloadError",
@@ -80,6 +81,12 @@ _OMB_IGNORED = frozenset(
 
 class WorkloadError(ValueError):
     """A workload file is malformed; the message names the file and the field."""
+
+
+class RecordedTrafficError(WorkloadError):
+    """Recorded traffic cannot be replayed as it is (a column missing, a value that is
+    not a valid number, an offset twice in a queue); the message names the file, and
+    the row and column of the first bad value."""
 
 
 @attrs.frozen(kw_only=True)

@@ -117,3 +117,44 @@ def test_validate_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert "rip22.yaml: ok (rip22, 100 messages" in capsys.readouterr().out
     assert main(["validate", str(bad)]) == 1
     assert "stages.definitions: stage sizes must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("csv", "message"),
+    [
+        # used to hang bench for ever
+        ("queue,cost_ms\n0,5\n0,\n", "row 2 (line 3), column cost_ms: must be a finite number"),
+        # used to end in a Spark CAST_INVALID_INPUT traceback, and a ValueError one
+        ("queue,cost_ms\n0,abc\n", "row 1 (line 2), column cost_ms: must be a finite number"),
+        ("queue,cost\n0,5\n", "recorded traffic needs columns queue and cost_ms"),
+    ],
+)
+def test_bench_reports_bad_recorded_traffic_as_an_error(
+    spark: SparkSession,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    csv: str,
+    message: str,
+) -> None:
+    import benchmarks.replay.cli
+
+    (tmp_path / "traffic.csv").write_text(csv)
+    workload = tmp_path / "rec.yaml"
+    workload.write_text("name: rec\nrecorded: {path: traffic.csv}\nstages: {definitions: [1]}\n")
+    # the shared session, which bench must not stop
+    monkeypatch.setattr(benchmarks.replay.cli, "get_session", lambda *a, **k: spark)
+    monkeypatch.setattr(spark, "stop", lambda: None)
+    assert main(["bench", str(workload), "--out", str(tmp_path / "out")]) == 2
+    out = capsys.readouterr().out
+    assert f"error: {tmp_path / 'traffic.csv'}: {message}" in out
+    assert "Traceback" not in out
+
+
+def test_bench_refuses_a_shuffle_partition_count_below_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", str(WORKLOADS / "rip22.yaml"), "--shuffle-partitions", "-3"])
+    assert info.value.code == 2
+    assert "--shuffle-partitions: must be a positive integer, got -3" in capsys.readouterr().err
