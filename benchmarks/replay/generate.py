@@ -233,9 +233,9 @@ def _check_recorded(df: DataFrame, path: str, csv: bool) -> None:
     if bad:
         row_id, name, whole = min(bad)
         row = df.filter(F.col("_row") <= F.lit(row_id)).count()  # 1-based, in file order
-        value = df.filter(F.col("_row") == F.lit(row_id)).select(name).first()
-        assert value is not None
-        got = repr(value[0]) if value[0] is not None else "an empty cell" if csv else "null"
+        cell = df.filter(F.col("_row") == F.lit(row_id)).select(name).first()
+        assert cell is not None
+        got = repr(cell[0]) if cell[0] is not None else "an empty cell" if csv else "null"
         where = f"row {row} (line {row + 1})" if csv else f"row {row}"
         kind = "a whole number" if whole else "a finite number"
         more = found[f"{name}_bad"] - 1
@@ -245,9 +245,9 @@ def _check_recorded(df: DataFrame, path: str, csv: bool) -> None:
         )
     if "offset" in df.columns:
         keys = [c for c in ("topic", "queue") if c in df.columns]
-        whole = [F.col(k).try_cast("double").cast("long").alias(k) for k in (*keys, "offset")]
+        numbers = [F.col(k).try_cast("double").cast("long").alias(k) for k in (*keys, "offset")]
         repeated = (
-            df.groupBy(*whole)
+            df.groupBy(*numbers)
             .agg(F.count(F.lit(1)).alias("n"))
             .filter(F.col("n") > 1)
             .orderBy(*keys, "offset")
