@@ -320,6 +320,8 @@ def _bench(args: argparse.Namespace) -> int:
     except WorkloadError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
+    for warning in w.warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True)
     out = Path(args.out) if args.out else Path("bench-results") / w.name
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in args.argv)
     t0 = time.perf_counter()
@@ -390,6 +392,8 @@ def _validate(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             status = 1
         else:
+            for warning in w.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
             count = "recorded" if w.recorded else f"{w.message_count:,} messages"
             print(f"{path}: ok ({w.name}, {count}, modes {', '.join(w.modes)})")
     return status

@@ -117,6 +117,12 @@ def test_validate_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert "rip22.yaml: ok (rip22, 100 messages" in capsys.readouterr().out
     assert main(["validate", str(bad)]) == 1
     assert "stages.definitions: stage sizes must be positive" in capsys.readouterr().err
+    unstaged = tmp_path / "unstaged.yaml"
+    unstaged.write_text("name: unstaged\nmodes: [orderly, staged]\n")
+    assert main(["validate", str(unstaged)]) == 0
+    out, err = capsys.readouterr()
+    assert "unstaged.yaml: ok (unstaged, 100 messages" in out
+    assert f"warning: {unstaged}: modes: staged without stages.definitions" in err
 
 
 @pytest.mark.parametrize(
