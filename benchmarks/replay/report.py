@@ -304,7 +304,8 @@ def write_markdown(
         parts.append(
             f"- replay CPU ({clock} time): {cpu:.1f} s in the Python workers for {replays:,}"
             f" message-replays = {cpu / max(1, replays) * 1e6:.1f} us per message and mode"
-            " (independent of other load on the machine, unlike the wall times)"
+            " (process CPU time: less load-dependent than the wall times, but not immune:"
+            " caches and hyperthreads are shared)"
         )
     for clock, same in (cross_checked or {}).items():
         parts.append(

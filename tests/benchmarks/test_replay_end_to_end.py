@@ -32,6 +32,7 @@ def test_rip22_reproduces_the_table_exactly(spark: SparkSession, tmp_path: Path)
     assert (summary["lost"] == 0).all()
     report = result.report_path.read_text()
     assert "| staged | 6 | 6 | 1 | 16.7x |" in report
+    assert "less load-dependent than the wall times, but not immune" in report
     for name in ("throughput.png", "makespan_vs_bound.png", "latency.png"):
         assert (tmp_path / name).stat().st_size > 1000
     events = pd.read_parquet(tmp_path / "events-virtual.parquet")
@@ -164,3 +165,12 @@ def test_bench_refuses_a_shuffle_partition_count_below_one(
         main(["bench", str(WORKLOADS / "rip22.yaml"), "--shuffle-partitions", "-3"])
     assert info.value.code == 2
     assert "--shuffle-partitions: must be a positive integer, got -3" in capsys.readouterr().err
+
+
+def test_help_says_which_engine_replays() -> None:
+    from benchmarks.replay.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    # the default engine is core; only --engine runtime (and --wall-clock) use PushConsumer
+    assert "in virtual time: by default with the core engine" in text
+    assert "with ``--engine runtime`` with the real PushConsumer on trio's MockClock" in text
