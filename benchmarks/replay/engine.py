@@ -66,7 +66,15 @@ from stagedconsumer._runtime._services import ConsumeService
 from stagedconsumer._runtime._state import ConsumerState
 from stagedconsumer._sources._source import is_spent, retry_topic
 
-from .runner import TOPIC, CallLog, ReplayConfig, _listener, _opt_str, collector_paused
+from .runner import (
+    TOPIC,
+    CallLog,
+    ReplayConfig,
+    _listener,
+    _opt_str,
+    collector_paused,
+    handler_costs,
+)
 
 __all__ = ("Prepared", "simulate")
 
@@ -187,7 +195,7 @@ class _Sim:
         limit = options.effective_max_reconsume_times(concurrent=self.concurrent)
         n = len(messages)
         self.log = CallLog(
-            (messages["cost_us"].to_numpy() / 1e6).tolist(),
+            handler_costs(messages),
             messages["fail_attempts"].to_numpy().tolist(),
             limit,
             n,

@@ -22,7 +22,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from .workload import NO_STAGE, Workload
+from .workload import NO_STAGE, RecordedTrafficError, Workload
 
 __all__ = ("MESSAGE_COLUMNS", "add_derived_columns", "generate_messages", "import_recorded")
 
@@ -195,8 +195,80 @@ def generate_messages(spark: SparkSession, w: Workload, *, by_consumer: bool = F
     return add_derived_columns(df, w, queues, by_consumer=by_consumer)
 
 
+_RECORDED_NUMBERS: tuple[tuple[str, bool, float], ...] = (
+    # column, whole numbers only, largest value (the type it is cast to)
+    ("topic", True, 2**31 - 1),
+    ("queue", True, 2**31 - 1),
+    ("offset", True, 2**53),
+    ("size", True, 2**31 - 1),
+    ("fail_attempts", True, 2**31 - 1),
+    ("cost_ms", False, 2**53 / 1000),
+    ("publish_ms", False, 2**53 / 1000),
+)
+"""The numeric columns of recorded traffic: each value must be a number in [0, largest]."""
+
+
+def _check_recorded(df: DataFrame, path: str, csv: bool) -> None:
+    """Every numeric value present and in range, every offset once per queue; else a
+    :class:`RecordedTrafficError` naming the first bad row (in file order) and column.
+
+    Unchecked, an empty or negative ``cost_ms`` reached the replay, which waited
+    forever on it, and a repeated offset was reported as a message lost and one
+    consumed twice.
+    """
+    checks = [(name, whole, high) for name, whole, high in _RECORDED_NUMBERS if name in df.columns]
+    firsts = []
+    for name, whole, high in checks:
+        value = F.col(name).try_cast("double")
+        ok = value.isNotNull() & ~F.isnan(value) & (value >= 0) & (value <= F.lit(high))
+        if whole:
+            ok = ok & (value == F.floor(value))
+        firsts.append(F.min(F.when(~ok, F.col("_row"))).alias(name))
+        firsts.append(F.count(F.when(~ok, 1)).alias(f"{name}_bad"))
+    found = df.agg(F.count(F.lit(1)).alias("_rows"), *firsts).first()
+    assert found is not None
+    if found["_rows"] == 0:
+        raise RecordedTrafficError(f"{path}: recorded traffic has no rows")
+    bad = [(found[name], name, whole) for name, whole, _ in checks if found[name] is not None]
+    if bad:
+        row_id, name, whole = min(bad)
+        row = df.filter(F.col("_row") <= F.lit(row_id)).count()  # 1-based, in file order
+        cell = df.filter(F.col("_row") == F.lit(row_id)).select(name).first()
+        assert cell is not None
+        got = repr(cell[0]) if cell[0] is not None else "an empty cell" if csv else "null"
+        where = f"row {row} (line {row + 1})" if csv else f"row {row}"
+        kind = "a whole number" if whole else "a finite number"
+        more = found[f"{name}_bad"] - 1
+        raise RecordedTrafficError(
+            f"{path}: {where}, column {name}: must be {kind} >= 0, got {got}"
+            + (f" ({more} more bad value(s) in this column)" if more else "")
+        )
+    if "offset" in df.columns:
+        keys = [c for c in ("topic", "queue") if c in df.columns]
+        numbers = [F.col(k).try_cast("double").cast("long").alias(k) for k in (*keys, "offset")]
+        repeated = (
+            df.groupBy(*numbers)
+            .agg(F.count(F.lit(1)).alias("n"))
+            .filter(F.col("n") > 1)
+            .orderBy(*keys, "offset")
+        )
+        first = repeated.first()
+        if first is not None:
+            queue = ", ".join(f"{k} {first[k]}" for k in keys)
+            raise RecordedTrafficError(
+                f"{path}: offset {first['offset']} appears {first['n']} times in {queue}"
+                f" ({repeated.count()} repeated offset(s) in all); each offset of a queue"
+                " must appear once"
+            )
+
+
 def import_recorded(spark: SparkSession, w: Workload, *, by_consumer: bool = False) -> DataFrame:
-    """Recorded traffic (Parquet/CSV with measured handler times) as messages."""
+    """Recorded traffic (Parquet/CSV with measured handler times) as messages.
+
+    Raises :class:`~benchmarks.replay.workload.RecordedTrafficError` when a column is
+    missing, a numeric value is not a number >= 0 (or not whole where it must be), or an
+    offset appears twice in a queue.
+    """
     rec = w.recorded
     assert rec is not None
     path = str(rec.path)
@@ -207,11 +279,16 @@ def import_recorded(spark: SparkSession, w: Workload, *, by_consumer: bool = Fal
     cols = set(raw.columns)
     missing = {"queue", "cost_ms"} - cols
     if missing:
-        raise ValueError(
+        raise RecordedTrafficError(
             f"{path}: recorded traffic needs columns queue and cost_ms; missing"
             f" {', '.join(sorted(missing))} (has {', '.join(sorted(cols))})"
         )
     df = raw.withColumn("_row", F.monotonically_increasing_id())
+    _check_recorded(df, path, rec.format == "csv")
+    # checked: every value converts (through double: a CSV cell may read as a string)
+    df = df.withColumns(
+        {name: F.col(name).try_cast("double") for name, _, _ in _RECORDED_NUMBERS if name in cols}
+    )
     if "topic" not in cols:
         df = df.withColumn("topic", F.lit(0))
     df = df.withColumn("topic", F.col("topic").cast("int")).withColumn(

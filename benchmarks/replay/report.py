@@ -12,11 +12,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.patches import Patch
 from rich.table import Table
 
 from .workload import Workload
 
-__all__ = ("SUMMARY_COLUMNS", "rich_table", "write_charts", "write_markdown")
+__all__ = ("MODE_COLOURS", "SUMMARY_COLUMNS", "rich_table", "write_charts", "write_markdown")
 
 SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("mode", "mode"),
@@ -37,6 +38,13 @@ SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 _ORDER = {"orderly": 0, "concurrent": 1, "staged": 2}
+
+MODE_COLOURS: Mapping[str, str] = {
+    "orderly": "#7f7f7f",
+    "concurrent": "#d62728",
+    "staged": "#1f77b4",
+}
+"""One colour per mode, the same in every chart whichever modes are replayed."""
 
 
 def _fmt(value: Any, name: str = "") -> str:
@@ -106,9 +114,10 @@ def write_charts(summary: pd.DataFrame, quantiles: pd.DataFrame, out: Path) -> l
     if "clock" in s.columns:
         s = s[s["clock"] == "virtual"] if (s["clock"] == "virtual").any() else s
     modes = list(s["mode"])
+    colours = [MODE_COLOURS[m] for m in modes]
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(modes, s["throughput"], color=["#888888", "#d62728", "#1f77b4"][: len(modes)])
+    ax.bar(modes, s["throughput"], color=colours)
     ax.set_ylabel("messages / s")
     ax.set_title("Throughput per mode")
     fig.tight_layout()
@@ -118,12 +127,20 @@ def write_charts(summary: pd.DataFrame, quantiles: pd.DataFrame, out: Path) -> l
 
     fig, ax = plt.subplots(figsize=(6, 4))
     x = range(len(modes))
-    ax.bar([i - 0.2 for i in x], s["makespan"], width=0.4, label="makespan")
-    ax.bar([i + 0.2 for i in x], s["bound"], width=0.4, label="lower bound")
+    ax.bar([i - 0.2 for i in x], s["makespan"], width=0.4, color=colours)
+    ax.bar(
+        [i + 0.2 for i in x], s["bound"], width=0.4, color="white", edgecolor=colours, hatch="//"
+    )
     ax.set_xticks(list(x), modes)
     ax.set_ylabel("seconds")
     ax.set_title("Makespan vs theoretical bound")
-    ax.legend()
+    # the bars have their mode's colour: the legend says which is which in grey
+    ax.legend(
+        handles=[
+            Patch(facecolor="#999999", label="makespan"),
+            Patch(facecolor="white", edgecolor="#999999", hatch="//", label="lower bound"),
+        ]
+    )
     fig.tight_layout()
     paths.append(out / "makespan_vs_bound.png")
     fig.savefig(paths[-1], dpi=100)
@@ -135,7 +152,12 @@ def write_charts(summary: pd.DataFrame, quantiles: pd.DataFrame, out: Path) -> l
         q = q[q["clock"] == "virtual"]
     for row in q.to_dict("records"):
         values = list(row["latency_q"])
-        ax.plot(values, [i / (len(values) - 1) for i in range(len(values))], label=row["mode"])
+        ax.plot(
+            values,
+            [i / (len(values) - 1) for i in range(len(values))],
+            color=MODE_COLOURS[row["mode"]],
+            label=row["mode"],
+        )
     ax.set_xlabel("latency (s)")
     ax.set_ylabel("fraction of messages")
     ax.set_title("Latency distribution (CDF)")
@@ -282,7 +304,8 @@ def write_markdown(
         parts.append(
             f"- replay CPU ({clock} time): {cpu:.1f} s in the Python workers for {replays:,}"
             f" message-replays = {cpu / max(1, replays) * 1e6:.1f} us per message and mode"
-            " (independent of other load on the machine, unlike the wall times)"
+            " (process CPU time: less load-dependent than the wall times, but not immune:"
+            " caches and hyperthreads are shared)"
         )
     for clock, same in (cross_checked or {}).items():
         parts.append(

@@ -58,6 +58,7 @@ __all__ = (
     "ReplayConfig",
     "deterministic_trio",
     "event_frame",
+    "handler_costs",
     "replay_consumer",
 )
 
@@ -133,6 +134,27 @@ class ReplayConfig:
             consume_timeout=None,
             event_loop_block_threshold=None,
         )
+
+
+def handler_costs(messages: pd.DataFrame) -> list[float]:
+    """Each message's handler cost in seconds (``cost_us`` / 1e6), as both engines
+    take it.
+
+    A missing, NaN, infinite or negative cost is a :class:`ValueError` naming the
+    first such message: neither engine can replay one (a NaN deadline never comes, so
+    the replay would wait forever, and a negative one would end a call before it
+    started).
+    """
+    costs = messages["cost_us"].to_numpy(dtype=np.float64, na_value=np.nan)
+    bad = np.flatnonzero(~(np.isfinite(costs) & (costs >= 0)))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"cost_us must be a finite number >= 0, got {costs[i]:g} for the message at qid"
+            f" {messages['qid'].iloc[i]}, offset {messages['offset'].iloc[i]}"
+            f" ({len(bad)} such message(s))"
+        )
+    return (costs / 1e6).tolist()  # type: ignore[no-any-return]
 
 
 class CallLog:
@@ -326,7 +348,7 @@ async def _replay(messages: pd.DataFrame, mode: str, config: ReplayConfig) -> _R
     options = config.options()
     limit = options.effective_max_reconsume_times(concurrent=mode == "concurrent")
     recorder = _Recorder(
-        (messages["cost_us"].to_numpy() / 1e6).tolist(),
+        handler_costs(messages),
         messages["fail_attempts"].to_numpy().tolist(),
         limit,
         len(messages),

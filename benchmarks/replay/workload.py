@@ -26,7 +26,11 @@ message at most, ``suspendMillis``, ``maxReconsumeTimes``), ``stages``
 (``definitions``, optional ``strategies`` + ``strategyWeights`` and ``groupBy``),
 ``consumer`` (``threads`` = ``consume_thread_max``, ``batchSize`` =
 ``consume_message_batch_max_size``, ``pullBatchSize``), ``modes`` and ``recorded``
-(import measured traffic from Parquet/CSV instead of generating it).
+(import measured traffic from Parquet/CSV instead of generating it; the fields that
+only shape generated traffic are then refused).
+
+A key given twice is an error (PyYAML alone keeps the last). What is valid but
+probably not meant is in :attr:`Workload.warnings`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = (
     "CostModel",
     "FailureModel",
     "RecordedTraffic",
+    "RecordedTrafficError",
     "StageModel",
     "Workload",
     "WorkloadError",
@@ -78,8 +83,27 @@ _OMB_IGNORED = frozenset(
 )
 
 
+_GENERATION_ONLY = (
+    "topics",
+    "partitionsPerTopic",
+    "keyDistributor",
+    "keyCount",
+    "producerRate",
+    "messagesPerQueue",
+    "handlerCost",
+)
+"""Fields that only shape generated traffic: recorded traffic has its own queues,
+keys, publish times, message count and costs."""
+
+
 class WorkloadError(ValueError):
     """A workload file is malformed; the message names the file and the field."""
+
+
+class RecordedTrafficError(WorkloadError):
+    """Recorded traffic cannot be replayed as it is (a column missing, a value that is
+    not a valid number, an offset twice in a queue); the message names the file, and
+    the row and column of the first bad value."""
 
 
 @attrs.frozen(kw_only=True)
@@ -132,7 +156,9 @@ class StageModel:
 class RecordedTraffic:
     """Measured traffic: a table with at least ``queue`` and ``cost_ms`` columns;
     optional ``topic``, ``offset``, ``key``, ``size``, ``fail_attempts``,
-    ``publish_ms``. Without ``offset``, file order within a queue is queue order."""
+    ``publish_ms``, ``strategy``. Without ``offset``, file order within a queue is
+    queue order. Its values are checked when it is imported (see
+    :func:`~benchmarks.replay.generate.import_recorded`)."""
 
     path: Path
     format: str
@@ -161,6 +187,8 @@ class Workload:
     modes: tuple[str, ...] = MODES
     recorded: RecordedTraffic | None = None
     source: Path | None = None
+    warnings: tuple[str, ...] = attrs.field(default=(), eq=False)
+    """What the file says that is valid but probably not meant (each names the file)."""
 
     @property
     def queue_count(self) -> int:
@@ -302,14 +330,17 @@ def _stages(r: _Reader) -> StageModel:
     strategies = {str(k): strategies_r.stage_list(str(k), v) for k, v in strategies_r.data.items()}
     if "default" in strategies:
         raise strategies_r.fail("default", "is reserved for stages.definitions")
+    if NO_STAGE in strategies:
+        raise strategies_r.fail(
+            NO_STAGE, f"is reserved: strategy weight {NO_STAGE} means consumed with no stage"
+        )
     weights_r = r.mapping("strategyWeights")
     weights: dict[str, float] = {}
     for k in weights_r.data:
         name = str(k)
         if name not in strategies and name not in ("default", NO_STAGE):
-            raise weights_r.fail(
-                name, f"is not a strategy (known: default, {NO_STAGE}, {', '.join(strategies)})"
-            )
+            known = ", ".join(["default", NO_STAGE, *strategies])
+            raise weights_r.fail(name, f"is not a strategy (known: {known})")
         weights[name] = weights_r.get_number(name, None, low=0.0)
     if weights and sum(weights.values()) <= 0:
         raise r.fail("strategyWeights", "must have a positive total weight")
@@ -329,6 +360,12 @@ def parse_workload(data: Any, *, where: str = "<workload>", base: Path | None = 
         raise WorkloadError(f"{where}: a workload must be a mapping, got {type(data).__name__}")
     r = _Reader(where, data)
     name = r.get_str("name", "") if r.has("name") else Path(where).stem
+    if "/" in name or "\\" in name or name in (".", ".."):
+        raise r.fail(
+            "name",
+            f"must not contain a path separator or be . or .. (it names the default output"
+            f" directory bench-results/<name>), got {name!r}",
+        )
     recorded: RecordedTraffic | None = None
     rec = r.mapping("recorded")
     if rec.data:
@@ -338,6 +375,15 @@ def parse_workload(data: Any, *, where: str = "<workload>", base: Path | None = 
         path = Path(path_value)
         if not path.is_absolute() and base is not None:
             path = base / path
+        if not path.exists():
+            raise rec.fail("path", f"no such file or directory: {path}")
+        ignored = [f for f in _GENERATION_ONLY if r.has(f)]
+        if ignored:
+            raise r.fail(
+                "recorded",
+                f"the traffic comes from {path_value}, so {', '.join(ignored)} would be"
+                " ignored: remove them",
+            )
         fmt = rec.get_str(
             "format", "csv" if path.suffix.lower() == ".csv" else "parquet", ("csv", "parquet")
         )
@@ -390,8 +436,47 @@ def parse_workload(data: Any, *, where: str = "<workload>", base: Path | None = 
             f"{workload.consumers} consumers for {workload.queue_count} queues would leave"
             " consumers idle",
         )
+    stages = workload.stages
+    if recorded is None and stages.strategies and not stages.strategy_weights:
+        # (recorded traffic may name each message's strategy in a strategy column)
+        raise r.fail(
+            "stages.strategies",
+            "without stages.strategyWeights every message uses stages.definitions"
+            " (strategy default): give each strategy a weight",
+        )
     r.check_unknown(_OMB_IGNORED)
-    return workload
+    warnings = []
+    if "staged" in workload.modes and not any(stages.all_strategies().values()):
+        warnings.append(
+            f"{where}: modes: staged without stages.definitions (or a strategy with"
+            " definitions) replays exactly as concurrent"
+        )
+    return attrs.evolve(workload, warnings=tuple(warnings))
+
+
+class _DuplicateKey(yaml.YAMLError):  # type: ignore[misc]
+    def __init__(self, key: object, line: int) -> None:
+        super().__init__(f"duplicate key {key!r} on line {line}")
+        self.key = key
+        self.line = line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error
+    (PyYAML keeps the last value silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable: the base class reports it
+                continue
+            if duplicate:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
 
 
 def load_workload(path: str | Path) -> Workload:
@@ -402,7 +487,12 @@ def load_workload(path: str | Path) -> Workload:
     except OSError as exc:
         raise WorkloadError(f"{path}: cannot read workload file ({exc.strerror})") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except _DuplicateKey as exc:
+        raise WorkloadError(
+            f"{path}: line {exc.line}: {exc.key!r} is given twice in the same mapping"
+            " (YAML would keep only the last value)"
+        ) from exc
     except yaml.YAMLError as exc:
         raise WorkloadError(f"{path}: not valid YAML ({exc})") from exc
     return parse_workload(data, where=str(path), base=path.parent)

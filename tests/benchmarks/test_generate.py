@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from benchmarks.replay.generate import MESSAGE_COLUMNS, generate_messages
-from benchmarks.replay.workload import parse_workload
+from benchmarks.replay.workload import RecordedTrafficError, parse_workload
 
 if TYPE_CHECKING:
     # pyspark annotates toPandas() with pandas-stubs' DataFrame, which is not installed,
@@ -98,5 +98,71 @@ def test_recorded_traffic_becomes_messages(spark: SparkSession, tmp_path: Path) 
     bad = tmp_path / "bad.csv"
     bad.write_text("queue,millis\n0,1\n")
     w_bad = parse_workload({"name": "bad", "recorded": {"path": str(bad)}})
-    with pytest.raises(ValueError, match="needs columns queue and cost_ms; missing cost_ms"):
+    with pytest.raises(
+        RecordedTrafficError, match="needs columns queue and cost_ms; missing cost_ms"
+    ):
         generate_messages(spark, w_bad)
+
+
+@pytest.mark.parametrize(
+    ("csv", "message"),
+    [
+        # an empty cost used to hang bench, a negative one was replayed as 0
+        (
+            "queue,cost_ms\n0,5\n0,\n",
+            "row 2 (line 3), column cost_ms: must be a finite number >= 0, got an empty cell",
+        ),
+        (
+            "queue,cost_ms\n0,5\n0,-20\n1,-1\n",
+            "row 2 (line 3), column cost_ms: must be a finite number >= 0, got -20 (1 more",
+        ),
+        (
+            "queue,cost_ms\n0,abc\n",
+            "row 1 (line 2), column cost_ms: must be a finite number >= 0, got 'abc'",
+        ),
+        (
+            "queue,cost_ms\n0,5\n0,NaN\n",
+            "row 2 (line 3), column cost_ms: must be a finite number >= 0, got nan",
+        ),
+        (
+            "queue,cost_ms\n0,5\n-1,5\n",
+            "row 2 (line 3), column queue: must be a whole number >= 0, got -1",
+        ),
+        (
+            "queue,cost_ms,fail_attempts\n0,5,1.5\n",
+            "column fail_attempts: must be a whole number >= 0, got 1.5",
+        ),
+        (
+            "queue,cost_ms,publish_ms\n0,5,x\n",
+            "column publish_ms: must be a finite number >= 0, got 'x'",
+        ),
+        # a repeated offset used to be reported as one message lost and one duplicated
+        (
+            "queue,offset,cost_ms\n0,0,5\n0,0,5\n0,5,5\n1,0,1\n",
+            "offset 0 appears 2 times in queue 0",
+        ),
+        ("queue,cost_ms\n", "recorded traffic has no rows"),
+    ],
+)
+def test_bad_recorded_traffic_is_refused(
+    spark: SparkSession, tmp_path: Path, csv: str, message: str
+) -> None:
+    (tmp_path / "traffic.csv").write_text(csv)
+    w = parse_workload({"name": "rec", "recorded": {"path": "traffic.csv"}}, base=tmp_path)
+    with pytest.raises(RecordedTrafficError, match=r"traffic\.csv: ") as info:
+        generate_messages(spark, w)
+    assert message in str(info.value)
+
+
+def test_recorded_parquet_with_a_nan_or_null_cost_is_refused(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, cost, got in [("nan", float("nan"), "nan"), ("null", None, "null")]:
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"queue": [0, 0, 1], "cost_ms": [1.0, cost, 2.0]}), path)
+        w = parse_workload({"name": "rec", "recorded": {"path": str(path)}})
+        with pytest.raises(RecordedTrafficError, match=f"row 2, column cost_ms: .* got {got}$"):
+            generate_messages(spark, w)

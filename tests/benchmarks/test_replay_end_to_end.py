@@ -32,6 +32,7 @@ def test_rip22_reproduces_the_table_exactly(spark: SparkSession, tmp_path: Path)
     assert (summary["lost"] == 0).all()
     report = result.report_path.read_text()
     assert "| staged | 6 | 6 | 1 | 16.7x |" in report
+    assert "less load-dependent than the wall times, but not immune" in report
     for name in ("throughput.png", "makespan_vs_bound.png", "latency.png"):
         assert (tmp_path / name).stat().st_size > 1000
     events = pd.read_parquet(tmp_path / "events-virtual.parquet")
@@ -117,3 +118,59 @@ def test_validate_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert "rip22.yaml: ok (rip22, 100 messages" in capsys.readouterr().out
     assert main(["validate", str(bad)]) == 1
     assert "stages.definitions: stage sizes must be positive" in capsys.readouterr().err
+    unstaged = tmp_path / "unstaged.yaml"
+    unstaged.write_text("name: unstaged\nmodes: [orderly, staged]\n")
+    assert main(["validate", str(unstaged)]) == 0
+    out, err = capsys.readouterr()
+    assert "unstaged.yaml: ok (unstaged, 100 messages" in out
+    assert f"warning: {unstaged}: modes: staged without stages.definitions" in err
+
+
+@pytest.mark.parametrize(
+    ("csv", "message"),
+    [
+        # used to hang bench for ever
+        ("queue,cost_ms\n0,5\n0,\n", "row 2 (line 3), column cost_ms: must be a finite number"),
+        # used to end in a Spark CAST_INVALID_INPUT traceback, and a ValueError one
+        ("queue,cost_ms\n0,abc\n", "row 1 (line 2), column cost_ms: must be a finite number"),
+        ("queue,cost\n0,5\n", "recorded traffic needs columns queue and cost_ms"),
+    ],
+)
+def test_bench_reports_bad_recorded_traffic_as_an_error(
+    spark: SparkSession,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    csv: str,
+    message: str,
+) -> None:
+    import benchmarks.replay.cli
+
+    (tmp_path / "traffic.csv").write_text(csv)
+    workload = tmp_path / "rec.yaml"
+    workload.write_text("name: rec\nrecorded: {path: traffic.csv}\nstages: {definitions: [1]}\n")
+    # the shared session, which bench must not stop
+    monkeypatch.setattr(benchmarks.replay.cli, "get_session", lambda *a, **k: spark)
+    monkeypatch.setattr(spark, "stop", lambda: None)
+    assert main(["bench", str(workload), "--out", str(tmp_path / "out")]) == 2
+    out = capsys.readouterr().out
+    assert f"error: {tmp_path / 'traffic.csv'}: {message}" in out
+    assert "Traceback" not in out
+
+
+def test_bench_refuses_a_shuffle_partition_count_below_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", str(WORKLOADS / "rip22.yaml"), "--shuffle-partitions", "-3"])
+    assert info.value.code == 2
+    assert "--shuffle-partitions: must be a positive integer, got -3" in capsys.readouterr().err
+
+
+def test_help_says_which_engine_replays() -> None:
+    from benchmarks.replay.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    # the default engine is core; only --engine runtime (and --wall-clock) use PushConsumer
+    assert "in virtual time: by default with the core engine" in text
+    assert "with ``--engine runtime`` with the real PushConsumer on trio's MockClock" in text

@@ -72,3 +72,14 @@ def test_wall_clock_replay_really_waits() -> None:
     ordered = events.sort_values("offset")
     assert ordered["end"].max() >= 10 * 0.005  # ten 5 ms handlers one after the other
     assert (ordered["start"].to_numpy()[1:] >= ordered["end"].to_numpy()[:-1]).all()
+
+
+@pytest.mark.parametrize("engine", ["core", "runtime"])
+@pytest.mark.parametrize(("bad", "shown"), [(-20_000, "-20000"), (np.nan, "nan"), (pd.NA, "nan")])
+def test_a_negative_or_missing_cost_is_refused(engine: str, bad: object, shown: str) -> None:
+    # the runtime engine used to wait forever on these; the core engine took a
+    # negative cost for 0 and a missing one for 15 s
+    messages = one_queue(4, 1_000).astype({"cost_us": "Float64" if bad is pd.NA else "float64"})
+    messages.loc[2, "cost_us"] = bad
+    with pytest.raises(ValueError, match=f"got {shown} for the message at qid 0, offset 2"):
+        replay_consumer(messages, "staged", config((2,)), engine=engine)
