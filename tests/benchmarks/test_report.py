@@ -25,7 +25,7 @@ def chart_colours(
     def savefig(fig: Figure, path: Any, **kwargs: Any) -> None:
         (ax,) = fig.axes
         if ax.get_lines():
-            colours = {line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()}
+            colours = {str(line.get_label()): to_hex(line.get_color()) for line in ax.get_lines()}
         else:
             ticks = [t.get_text() for t in ax.get_xticklabels()]
             bars = ax.patches[: len(ticks)]  # the first (or only) series
