@@ -143,6 +143,17 @@ def test_recorded_traffic_becomes_messages(spark: SparkSession, tmp_path: Path) 
         ),
         ("queue,cost_ms\n", "recorded traffic has no rows"),
     ],
+    ids=[
+        "empty-cost",
+        "negative-cost",
+        "non-numeric-cost",
+        "nan-cost",
+        "negative-queue",
+        "fractional-attempts",
+        "non-numeric-publish",
+        "repeated-offset",
+        "no-rows",
+    ],
 )
 def test_bad_recorded_traffic_is_refused(
     spark: SparkSession, tmp_path: Path, csv: str, message: str

@@ -135,6 +135,7 @@ def test_validate_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
         ("queue,cost_ms\n0,abc\n", "row 1 (line 2), column cost_ms: must be a finite number"),
         ("queue,cost\n0,5\n", "recorded traffic needs columns queue and cost_ms"),
     ],
+    ids=["empty-cost", "non-numeric-cost", "no-cost-column"],
 )
 def test_bench_reports_bad_recorded_traffic_as_an_error(
     spark: SparkSession,
