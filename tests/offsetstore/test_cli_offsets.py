@@ -77,27 +77,18 @@ def orders_on_redis() -> Iterator[tuple[str, str]]:
         anyio.run(clean)
 
 
-def _heartbeat(redis_url: str, namespace: str, *members: str) -> None:
-    """Register ``members`` in GROUP as a running consumer does (default member ttl)."""
+def _members(redis_url: str, namespace: str, action: str, *members: str) -> None:
+    """``action`` ("heartbeat", as a running consumer does, or "leave") for ``members``
+    of GROUP through the broker's coordinator."""
     from stagedconsumer._sources._redis_broker import RedisBroker
 
-    async def beat() -> None:
+    async def run() -> None:
         async with RedisBroker(redis_url, namespace=namespace) as broker:
+            coordinator = broker.group_coordinator()
             for member in members:
-                await broker.group_coordinator().heartbeat(GROUP, member)
+                await getattr(coordinator, action)(GROUP, member)
 
-    anyio.run(beat)
-
-
-def _leave(redis_url: str, namespace: str, *members: str) -> None:
-    from stagedconsumer._sources._redis_broker import RedisBroker
-
-    async def leave() -> None:
-        async with RedisBroker(redis_url, namespace=namespace) as broker:
-            for member in members:
-                await broker.group_coordinator().leave(GROUP, member)
-
-    anyio.run(leave)
+    anyio.run(run)
 
 
 def _stored(url: str) -> dict[MessageQueue, QueueProgress]:
@@ -421,7 +412,7 @@ def test_reset_refuses_a_running_group_unless_forced(
 ) -> None:
     monkeypatch.setenv("COLUMNS", "400")  # each message on one line
     redis_url, namespace = orders_on_redis
-    _heartbeat(redis_url, namespace, "host@1@aa", "host@2@bb")
+    _members(redis_url, namespace, "heartbeat", "host@1@aa", "host@2@bb")
     before = _stored(store_url)
     common = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders",
               "--yes", "--redis", redis_url, "--redis-namespace", namespace]  # fmt: skip
@@ -440,7 +431,7 @@ def test_reset_refuses_a_running_group_unless_forced(
     assert "Reset 3 queue(s)." in captured.out
     assert all(_stored(store_url)[MessageQueue("orders", q)].consume_offset == 0 for q in range(3))
     # once the members have left, no --force is needed
-    _leave(redis_url, namespace, "host@1@aa", "host@2@bb")
+    _members(redis_url, namespace, "leave", "host@1@aa", "host@2@bb")
     assert main([*common, "--to-offset", "2"]) == 0
     assert all(_stored(store_url)[MessageQueue("orders", q)].consume_offset == 2 for q in range(3))
 
