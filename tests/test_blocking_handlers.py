@@ -98,6 +98,28 @@ async def test_an_async_handler_that_blocks_is_named_once_with_its_queue_and_adv
     assert "event_loop_block_threshold = 0.2 s" in warning
 
 
+class SleepyAfterWaiting(MessageListenerConcurrently):
+    """Blocks the loop after its call waited once (the loop resumes it from there)."""
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        await anyio.lowlevel.checkpoint()
+        if msgs[0].queue_offset == 2 and msgs[0].queue_id == 1:
+            time.sleep(THRESHOLD * 2.5)  # noqa: ASYNC251 - blocking on purpose
+
+
+async def test_a_handler_that_blocks_after_waiting_is_named_with_its_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
+        await consume(SleepyAfterWaiting(), broker_with(8))
+    warnings = block_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert "by the async def handler SleepyAfterWaiting.consume_message" in warnings[0]
+    assert "queue t#1, offset 2" in warnings[0]
+
+
 async def test_a_sync_handler_that_sleeps_does_not_block_the_loop(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

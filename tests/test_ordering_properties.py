@@ -253,12 +253,16 @@ class Behaviour:
         return _fail_how(msgs)
 
     async def handle(self, msgs: Sequence[Message], context: Any) -> bool:
-        """Sleep the batch's cost; True when the scenario fails this attempt."""
+        """Sleep the batch's cost; True when the scenario fails this attempt.
+
+        A call of cost 0 returns without suspending, as a fast handler does: the
+        consumer then runs the next messages in the same worker (its runs)."""
         q = msgs[0].queue_id
         cost = max(
             self.slow.get((q, m.queue_offset), self.scenario.cost(q, m.queue_offset)) for m in msgs
         )
-        await anyio.sleep(cost * self.unit)
+        if cost:
+            await anyio.sleep(cost * self.unit)
         return any(self.scenario.fails(q, m.queue_offset, m.reconsume_times) for m in msgs)
 
 

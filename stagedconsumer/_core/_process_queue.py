@@ -91,6 +91,8 @@ class EraseStatus(enum.Enum):
 _NEVER: Final = 1 << 62
 """An offset no queue reaches: nobody waits."""
 _FOREVER: Final = float("inf")
+_NO_LEASE: Final = float("-inf")
+"""``now`` of a take on queues without leases: only a closed queue gives nothing."""
 
 DEFAULT_STRATEGY: Final = "default"
 """Strategy id of the single definition list of ``get_stage_definitions()``."""
@@ -867,6 +869,32 @@ class ProcessQueue:
                 times,
             )
         return None
+
+    def take_next(self, batch: Batch, now: float = _NO_LEASE) -> Message | None:
+        """Add the next cached message of ``batch``'s lane and stage to ``batch`` and
+        return it, or ``None`` when there is none (or the queue gives nothing now:
+        paused, dropped or past its lease at ``now``, as for :meth:`Dispatcher.take`;
+        or ``batch`` is a retry).
+
+        For handler calls of one message each that run back to back on one batch (the
+        shell's runs), finished together: each message costs what taking it costs,
+        not a batch of its own. The lane's readiness is untouched: the messages left
+        stay where any worker can take them.
+        """
+        epoch = batch._epoch
+        if not epoch.cached or self.open_until <= now or batch.attempt != 1:
+            return None
+        lane = batch._lane
+        message = lane.cached.popleft()
+        epoch.cached -= 1
+        self._cached_count -= 1
+        self._pending_count += 1
+        batch.messages.append(message)
+        cached_at = lane.cached_at
+        at = cached_at.popleft() if cached_at else 0.0
+        if batch._cached_at is not None:
+            batch._cached_at.append(at)
+        return message
 
     def try_take_fifo_message(self) -> Batch | None:
         """Take the next single message of an exclusive (orderly) lane, or ``None``."""

@@ -76,8 +76,11 @@ class LoopWatchdog:
     """Reports an event loop blocked for ``threshold`` seconds or more, once per
     handler (or per function, outside handlers), with advice.
 
-    ``worker_code`` is the code of the worker loop that calls handlers, and
-    ``batch_local`` the name of its local holding the current batch.
+    ``worker_code`` is the code of the worker loop that calls handlers,
+    ``batch_local`` the name of its local holding the current batch and
+    ``call_local`` of its local holding the messages of the call in progress;
+    frames of ``skip_code`` between a handler and the worker loop are not the
+    handler's (the loop's stepping of a handler that suspended).
     """
 
     def __init__(
@@ -87,12 +90,16 @@ class LoopWatchdog:
         threshold: float,
         worker_code: CodeType,
         batch_local: str,
+        call_local: str,
+        skip_code: CodeType | None,
         handler_code: CodeType | None,
     ) -> None:
         self.group = group
         self.threshold = threshold
         self.worker_code = worker_code
         self.batch_local = batch_local
+        self.call_local = call_local
+        self.skip_code = skip_code
         self.handler_code = handler_code
         self.blocks = 0
         """Blocks of ``threshold`` or more seen (each one, reported or not)."""
@@ -176,18 +183,21 @@ class LoopWatchdog:
             return None  # the loop waits for events: late because the machine was busy
         frame: FrameType | None = innermost
         callee: FrameType | None = None
-        while frame is not None and frame.f_code is not self.worker_code:
-            callee, frame = frame, frame.f_back
+        worker, skip = self.worker_code, self.skip_code
+        while frame is not None and frame.f_code is not worker:
+            if frame.f_code is not skip:
+                callee = frame
+            frame = frame.f_back
         code = innermost.f_code
         where = f"{code.co_filename}:{innermost.f_lineno} in {code.co_name}"
         if frame is None or callee is None:
             return _Suspect(key=code, handler=None, where=where, batch=None)
-        batch = frame.f_locals.get(self.batch_local)
+        local = frame.f_locals
         return _Suspect(
             key=callee.f_code,
             handler=callee.f_code.co_qualname,
             where=where,
-            batch=_describe_batch(batch),
+            batch=_describe_batch(local.get(self.batch_local), local.get(self.call_local)),
         )
 
     def _blocked(self, seconds: float, suspect: _Suspect | None) -> None:
@@ -245,9 +255,9 @@ def _waiting(frame: FrameType) -> bool:
     )
 
 
-def _describe_batch(batch: Any) -> str | None:
+def _describe_batch(batch: Any, call: Any) -> str | None:
     try:
-        messages = batch.messages
+        messages = call if isinstance(call, list) and call else batch.messages
         mq = batch.process_queue.message_queue
         first, last = messages[0].queue_offset, messages[-1].queue_offset
     except (AttributeError, IndexError, TypeError):

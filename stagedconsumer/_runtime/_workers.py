@@ -10,7 +10,8 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+import types
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -198,7 +199,8 @@ class WorkerPool:
     async def _timed_out(
         self, batch: Batch, context: Any, hook_ctx: ConsumeMessageContext | None
     ) -> None:
-        """A handler call ran longer than ``consume_timeout``: a failure like any other."""
+        """A handler call ran longer than ``consume_timeout``: a failure like any other.
+        (A run's call times out only after it suspended: its batch holds it alone.)"""
         timeout = self.consume_timeout
         messages = batch.messages
         self.state.timed_out_calls += 1
@@ -220,7 +222,25 @@ class WorkerPool:
             self._hooks_after(hook_ctx, error, None, timed_out=True)
 
     async def _work(self, slot: _Slot | None) -> None:
-        """The worker loop (see :meth:`_worker`)."""
+        """The worker loop (see :meth:`_worker`).
+
+        With an ``async def`` handler, one message per call
+        (``consume_message_batch_max_size`` 1) and no hooks, a worker runs a *run*:
+        when a call returns without having suspended, the worker adds the next cached
+        message of the same stage to the batch (see :meth:`ProcessQueue.take_next`) and
+        calls the handler on it, and so on; the run's messages are finished together,
+        so a message costs what taking it costs instead of a batch of its own.
+
+        A run is invisible to everything else: a call that did not suspend let no
+        other task run, and before a call suspends (its first step yields to the event
+        loop) the run's earlier messages are finished. So a handler that waits on I/O
+        has every message finished as it ends, as without runs, and its next message
+        taken by whichever worker is free. A run ends after a call that suspended, a
+        failure (the calls before it are finished, the failed message settled alone,
+        see :meth:`_cut`), when the queue gives nothing more (paused, lease ended,
+        stage all taken), the consumer stops or the worker is due to yield
+        (``_CHECKPOINT_EVERY`` calls).
+        """
         state, dispatcher, signals, service = (
             self.state,
             self.dispatcher,
@@ -233,6 +253,7 @@ class WorkerPool:
         context_for, ok, partial_ack = service.context_for, service.success, service.partial_ack
         batch_max, consume, is_async = self.batch_size, self.consume, self.is_async
         call_sync, hooks, leased = self._call_sync, self.hooks, self.leased
+        runs = is_async and batch_max == 1 and hooks is None
         suspend_ms = service.options.suspend_current_queue_time_millis
         hook_ctx: ConsumeMessageContext | None = None
         clock = loop_clock() if hooks is not None or leased else anyio.current_time
@@ -246,40 +267,77 @@ class WorkerPool:
             if idle and has_ready():
                 idle.popleft().set()
             pq = batch.process_queue
-            context = context_for(batch, suspend_ms)
             messages = batch.messages
-            error: Exception | None = None
-            result: Any = None
-            if hooks is not None:
-                hook_ctx = self._hook_context(batch, clock)
-                hooks.before(hook_ctx)
-            state.in_flight += 1
-            if slot is not None:
-                slot.call = (batch, context, hook_ctx)
-            try:
-                if is_async:
-                    result = await consume(messages, context)
-                else:
-                    result = await call_sync(messages, context)
-            except Exception as exc:  # a failing handler never stops the consumer
-                error = exc
-            except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
-                self._exit_requested(batch, exc)
-                return
-            finally:
-                state.in_flight -= 1
-            if slot is not None:
-                if slot.timed_out:  # timed out as it returned: the result is ignored
+            run = runs and batch.attempt == 1
+            call = [messages[0]] if run else messages  # a run's batch grows
+            take_next = pq.take_next
+            done = 0  # messages of the run's earlier calls, not finished yet
+            while True:
+                context = context_for(batch, suspend_ms)
+                error: Exception | None = None
+                result: Any = None
+                suspended = True
+                if hooks is not None:
+                    hook_ctx = self._hook_context(batch, clock)
+                    hooks.before(hook_ctx)
+                state.in_flight += 1
+                if slot is not None and not run:
+                    slot.call = (batch, context, hook_ctx)
+                try:
+                    if run:
+                        coro = consume(call, context)
+                        try:
+                            step = coro.send(None)
+                        except StopIteration as stop:
+                            result = stop.value
+                            suspended = False
+                        else:  # it waits: what the run finished before is finished now
+                            if done:
+                                self._cut(batch, done)
+                                done = 0
+                            if slot is not None:  # only a call that waits can time out
+                                slot.call = (batch, context, hook_ctx)
+                            result = await _resume(coro, step)
+                    elif is_async:
+                        result = await consume(call, context)
+                    else:
+                        result = await call_sync(call, context)
+                except Exception as exc:  # a failing handler never stops the consumer
+                    error = exc
+                except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
+                    if done:
+                        self._cut(batch, done)
+                    self._exit_requested(batch, exc)
                     return
-                slot.call = None
-            if hook_ctx is not None:
-                hook_ctx.end_time = clock()
-            if (
-                error is None
-                and (result is None or result is ok)
-                and (not partial_ack or context.ack_index >= len(messages) - 1)
-            ):
-                state.consumed_ok += len(messages)
+                finally:
+                    state.in_flight -= 1
+                if slot is not None and suspended:
+                    if slot.timed_out:  # timed out as it returned: the result is ignored
+                        return
+                    slot.call = None
+                if hook_ctx is not None:
+                    hook_ctx.end_time = clock()
+                if (
+                    error is not None
+                    or (result is not None and result is not ok)
+                    or (partial_ack and context.ack_index < len(call) - 1)
+                ):
+                    if done:
+                        self._cut(batch, done)
+                    await self._settle(batch, context, error, result, hook_ctx)
+                    break
+                streak += 1
+                if (
+                    run
+                    and not suspended
+                    and streak < _CHECKPOINT_EVERY
+                    and not state.stopping
+                    and (message := take_next(batch, clock()) if leased else take_next(batch))
+                ):
+                    done += 1
+                    call = [message]
+                    continue
+                state.consumed_ok += len(batch.messages)
                 if hook_ctx is None:
                     effects = finish(batch, _SUCCESS)  # this worker takes what it freed
                 else:
@@ -287,15 +345,20 @@ class WorkerPool:
                     effects = finish(batch, _SUCCESS, hook_ctx.end_time)
                 if effects > _READY:  # READY alone: this worker takes the next batch itself
                     apply(pq, effects & _NOT_READY)
-            else:
-                await self._settle(batch, context, error, result, hook_ctx)
+                break
             if hook_ctx is not None:
                 self._hooks_after(hook_ctx, error, result)
                 hook_ctx = None
-            streak += 1
             if streak >= _CHECKPOINT_EVERY:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
+
+    def _cut(self, batch: Batch, done: int) -> None:
+        """Finish the first ``done`` messages of a run's batch (their calls succeeded),
+        leaving the batch holding the message of the call in progress alone."""
+        self.state.consumed_ok += done
+        effects = self.dispatcher.finish_some(batch, batch.messages[:done], _SUCCESS)
+        self.signals.apply(batch.process_queue, effects)
 
     def _exit_requested(self, batch: Batch, exc: SystemExit) -> None:
         """A handler raised ``SystemExit`` (called ``sys.exit()``): a request to stop.
@@ -374,7 +437,34 @@ class WorkerPool:
         self.hooks.after(hook_ctx)
 
 
+@types.coroutine
+def _resume(coro: Any, step: Any) -> Generator[Any, Any, Any]:
+    """Await ``coro`` from where its first step (``coro.send(None)``), which returned
+    ``step``, left it: what ``await coro`` would have done from the start (PEP 380's
+    ``yield from``). Values and exceptions the event loop sends in go to ``coro``."""
+    while True:
+        try:
+            sent = yield step
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # a cancellation, or what the event loop throws in
+            try:
+                step = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                step = coro.send(sent)
+            except StopIteration as stop:
+                return stop.value
+
+
 WORKER_CODE = WorkerPool._work.__code__
-"""The code of the worker loop, and the name of its local holding the batch it runs:
-the watchdog finds them on a blocked loop's stack."""
+"""The code of the worker loop, and the names of its locals holding the batch it runs
+and the messages of the call in progress: the watchdog finds them on a blocked loop's
+stack (and skips the frame of ``_resume``, :data:`RESUME_CODE`, between a run's
+handler and the loop)."""
 WORKER_BATCH_LOCAL = "batch"
+WORKER_CALL_LOCAL = "call"
+RESUME_CODE = _resume.__code__

@@ -192,3 +192,99 @@ def test_the_default_strategy_missing_from_the_definitions_holds_the_queue() -> 
     assert failure is not None
     assert "returned str 'default'" in failure.detail
     assert pq.try_take_messages(10) is None
+
+
+# -- take_next: a run of one-message calls on one batch ------------------------------
+
+
+def test_take_next_adds_the_next_cached_messages_to_the_batch_until_none_is_left() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
+    pq.put_messages(messages(0, 3), now=1.0)
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    added = [pq.take_next(batch), pq.take_next(batch)]
+    assert [m.queue_offset for m in added if m is not None] == [1, 2]
+    assert pq.take_next(batch) is None
+    assert [m.queue_offset for m in batch] == [0, 1, 2]
+    assert batch.cached_times == [1.0, 1.0, 1.0]
+    stats = pq.statistics()
+    assert (stats.cached_count, stats.pending_count) == (0, 3)
+    pq.erase_messages(batch, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 3
+    assert pq.statistics().pending_count == 0
+
+
+def test_take_next_leaves_what_it_did_not_take_to_other_takes() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
+    pq.put_messages(messages(0, 4))
+    run = pq.try_take_messages(1)
+    assert run is not None
+    other = pq.try_take_messages(1)  # another worker, while the run's call waits
+    assert other is not None and [m.queue_offset for m in other] == [1]
+    message = pq.take_next(run)
+    assert message is not None and message.queue_offset == 2
+    pq.erase_messages(run, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 1  # offset 1 is still in the other call
+    pq.erase_messages(other, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 3
+
+
+def test_take_next_stops_at_the_stage_boundary() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.STAGED, plan=StagePlan.single([2, 2]))
+    pq.put_messages(messages(0, 4))
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    assert pq.take_next(batch) is not None
+    assert pq.take_next(batch) is None  # offset 2 is in the next stage
+    assert [m.queue_offset for m in batch] == [0, 1]
+    assert pq.try_take_messages(1) is None  # its barrier is closed until the run ends
+    pq.erase_messages(batch, EraseStatus.SUCCESS)
+    after = pq.try_take_messages(1)
+    assert after is not None and after.stage_index == 1
+
+
+def test_take_next_gives_nothing_from_a_closed_queue_or_for_a_retry() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
+    pq.put_messages(messages(0, 5))
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    pq.pause()
+    assert pq.take_next(batch) is None
+    pq.unpause()
+    pq.set_lease(10.0)
+    assert pq.take_next(batch, now=10.0) is None  # the lease ended
+    assert pq.take_next(batch, now=9.0) is not None
+    retried = pq.try_take_messages(1)
+    assert retried is not None
+    pq.suspend_messages(retried, retry_at=1.0)
+    pq.resume(retried)
+    again = pq.try_take_messages(1)
+    assert again is retried and again.attempt == 2
+    assert pq.take_next(again) is None  # a retry is called as it was taken
+
+
+def test_take_next_in_an_orderly_queue_keeps_it_exclusive() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.ORDERLY)
+    pq.put_messages(messages(0, 3))
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    assert pq.take_next(batch) is not None
+    assert pq.try_take_messages(1) is None  # the queue's one batch is in flight
+    # a call fails after one success: finish the first, keep the failed one
+    pq.erase_some(batch, batch.messages[:1], EraseStatus.SUCCESS)
+    assert [m.queue_offset for m in batch] == [1]
+    assert pq.committed_offset == 1
+    assert pq.try_take_messages(1) is None
+    pq.erase_messages(batch, EraseStatus.SUCCESS)
+    last = pq.try_take_messages(1)
+    assert last is not None and [m.queue_offset for m in last] == [2]
+
+
+def test_take_next_keeps_times_aligned_when_the_cache_had_none() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
+    pq.put_messages(messages(0, 1), now=2.0)
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    pq.put_messages(messages(1, 1))  # cached without a time
+    assert pq.take_next(batch) is not None
+    assert len(batch.cached_times) == len(batch.messages) == 2

@@ -1,0 +1,211 @@
+"""Runs: a worker calls a fast ``async def`` handler on one message after another of
+the same batch and finishes them together (``consume_message_batch_max_size`` 1, no
+hooks). A run must be invisible: nothing taken that another worker could run, the
+earlier messages finished before a call waits, and a failure, a time-out or
+``sys.exit()`` in the middle of a run settles that call's message alone."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from trio.testing import MockClock
+
+from offsetstore import MemoryOffsetStore, ReadOffsetType
+from stagedconsumer import (
+    ConsumeConcurrentlyContext,
+    ConsumeOrderlyContext,
+    ConsumeOrderlyStatus,
+    ConsumerOptions,
+    MemoryBroker,
+    Message,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    MessageQueue,
+    PushConsumer,
+)
+from stagedconsumer._core import ProcessQueue
+
+pytestmark = pytest.mark.anyio
+
+VIRTUAL = pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}), id="trio-virtual")
+MQ = MessageQueue("t", 0)
+
+
+def broker_with(count: int) -> MemoryBroker:
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    for i in range(count):
+        broker.send("t", b"%d" % i, queue_id=0)
+    return broker
+
+
+async def drain(consumer: PushConsumer, timeout: float = 20) -> None:
+    consumer.subscribe("t")
+    async with consumer:
+        await consumer.wait_caught_up(timeout=timeout)
+
+
+def original_offset(message: Message) -> int:
+    """The offset in ``t`` (a retried message's body holds it)."""
+    return int(message.body)
+
+
+async def test_fast_calls_run_back_to_back_on_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    added: list[int] = []
+    take_next = ProcessQueue.take_next
+
+    def spy(self: ProcessQueue, batch: Any, now: float = float("-inf")) -> Message | None:
+        message = take_next(self, batch, now)
+        if message is not None:
+            added.append(message.queue_offset)
+        return message
+
+    monkeypatch.setattr(ProcessQueue, "take_next", spy)
+    seen: list[int] = []
+
+    class Fast(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            seen.extend(m.queue_offset for m in msgs)
+
+    await drain(PushConsumer("g", broker_with(100), Fast()))
+    assert sorted(seen) == list(range(100))
+    assert len(added) >= 50  # most messages joined a run instead of a batch of their own
+
+
+async def test_a_call_that_waits_leaves_the_next_message_to_another_worker() -> None:
+    # Offset 1 waits for offset 2's call. Had the run of offsets 0 and 1 also taken
+    # offset 2, nobody could call it: offset 1 would time out.
+    released = anyio.Event()
+    outcome: dict[int, str] = {}
+
+    class Waits(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            offset = msgs[0].queue_offset
+            if offset == 1:
+                with anyio.move_on_after(5) as scope:
+                    await released.wait()
+                outcome[1] = "timed out" if scope.cancelled_caught else "released"
+            elif offset == 2:
+                released.set()
+
+    options = ConsumerOptions(consume_thread_max=2)
+    await drain(PushConsumer("g", broker_with(4), Waits(), options=options))
+    assert outcome == {1: "released"}
+
+
+async def test_earlier_messages_of_a_run_are_finished_before_a_call_waits() -> None:
+    committed: dict[int, int] = {}
+
+    class Checks(MessageListenerOrderly):
+        def __init__(self) -> None:
+            self.consumer: PushConsumer | None = None
+
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+        ) -> ConsumeOrderlyStatus:
+            offset = msgs[0].queue_offset
+            if offset % 3 == 2:  # every third call waits, the others do not
+                await anyio.lowlevel.checkpoint()
+                assert self.consumer is not None
+                stats = self.consumer.statistics().queues[MQ]
+                committed[offset] = stats.committed_offset
+            return ConsumeOrderlyStatus.SUCCESS
+
+    listener = Checks()
+    consumer = PushConsumer("g", broker_with(9), listener)
+    listener.consumer = consumer
+    await drain(consumer)
+    # one queue, in order: everything before the waiting call is finished
+    assert committed == {2: 2, 5: 5, 8: 8}
+
+
+async def test_a_failure_in_a_run_retries_that_message_alone() -> None:
+    calls: Counter[int] = Counter()
+
+    class FailsOnce(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            (message,) = msgs
+            calls[original_offset(message)] += 1
+            if original_offset(message) == 3 and message.reconsume_times == 0:
+                context.delay_level_when_next_consume = 1  # retried after 1 s
+                raise RuntimeError("offset 3 fails once")
+
+    options = ConsumerOptions(consume_thread_max=1)
+    store = MemoryOffsetStore()
+    consumer = PushConsumer("g", broker_with(6), FailsOnce(), options=options, offset_store=store)
+    consumer.subscribe("t")
+    async with consumer:
+        await consumer.wait_caught_up(timeout=20)
+        with anyio.fail_after(20):
+            while calls[3] < 2:
+                await anyio.sleep(0.01)
+    assert calls == {0: 1, 1: 1, 2: 1, 3: 2, 4: 1, 5: 1}
+    assert await store.read_offset("g", MQ, ReadOffsetType.READ_FROM_STORE) == 6
+
+
+async def test_an_orderly_failure_in_a_run_suspends_from_that_message() -> None:
+    calls: list[int] = []
+
+    class SuspendsOnce(MessageListenerOrderly):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+        ) -> ConsumeOrderlyStatus:
+            (message,) = msgs
+            calls.append(message.queue_offset)
+            if message.queue_offset == 2 and message.reconsume_times == 0:
+                context.suspend_current_queue_time_millis = 10
+                return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+            return ConsumeOrderlyStatus.SUCCESS
+
+    await drain(PushConsumer("g", broker_with(5), SuspendsOnce()))
+    assert calls == [0, 1, 2, 2, 3, 4]
+
+
+@pytest.mark.parametrize("anyio_backend", [VIRTUAL])
+async def test_a_time_out_in_a_run_retries_that_message_alone() -> None:
+    calls: list[tuple[int, int]] = []
+
+    class Slow(MessageListenerOrderly):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+        ) -> ConsumeOrderlyStatus:
+            (message,) = msgs
+            calls.append((message.queue_offset, message.reconsume_times))
+            if message.queue_offset == 1 and message.reconsume_times == 0:
+                await anyio.sleep(100)  # past consume_timeout
+            return ConsumeOrderlyStatus.SUCCESS
+
+    options = ConsumerOptions(consume_timeout=5)
+    await drain(PushConsumer("g", broker_with(3), Slow(), options=options), timeout=60)
+    assert calls == [(0, 0), (1, 0), (1, 1), (2, 0)]
+
+
+async def test_sys_exit_in_a_run_commits_the_calls_before_it() -> None:
+    store = MemoryOffsetStore()
+
+    class Exits(MessageListenerOrderly):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+        ) -> ConsumeOrderlyStatus:
+            if msgs[0].queue_offset == 2:
+                sys.exit(3)
+            return ConsumeOrderlyStatus.SUCCESS
+
+    consumer = PushConsumer("g", broker_with(4), Exits(), offset_store=store)
+    consumer.subscribe("t")
+    with pytest.raises(SystemExit):
+        async with consumer:
+            await anyio.sleep(10)
+    assert await store.read_offset("g", MQ, ReadOffsetType.READ_FROM_STORE) == 2
