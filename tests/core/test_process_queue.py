@@ -220,9 +220,11 @@ def test_take_next_leaves_what_it_did_not_take_to_other_takes() -> None:
     run = pq.try_take_messages(1)
     assert run is not None
     other = pq.try_take_messages(1)  # another worker, while the run's call waits
-    assert other is not None and [m.queue_offset for m in other] == [1]
+    assert other is not None
+    assert [m.queue_offset for m in other] == [1]
     message = pq.take_next(run)
-    assert message is not None and message.queue_offset == 2
+    assert message is not None
+    assert message.queue_offset == 2
     pq.erase_messages(run, EraseStatus.SUCCESS)
     assert pq.committed_offset == 1  # offset 1 is still in the other call
     pq.erase_messages(other, EraseStatus.SUCCESS)
@@ -240,7 +242,8 @@ def test_take_next_stops_at_the_stage_boundary() -> None:
     assert pq.try_take_messages(1) is None  # its barrier is closed until the run ends
     pq.erase_messages(batch, EraseStatus.SUCCESS)
     after = pq.try_take_messages(1)
-    assert after is not None and after.stage_index == 1
+    assert after is not None
+    assert after.stage_index == 1
 
 
 def test_take_next_gives_nothing_from_a_closed_queue_or_for_a_retry() -> None:
@@ -259,7 +262,8 @@ def test_take_next_gives_nothing_from_a_closed_queue_or_for_a_retry() -> None:
     pq.suspend_messages(retried, retry_at=1.0)
     pq.resume(retried)
     again = pq.try_take_messages(1)
-    assert again is retried and again.attempt == 2
+    assert again is retried
+    assert again.attempt == 2
     assert pq.take_next(again) is None  # a retry is called as it was taken
 
 
@@ -277,7 +281,8 @@ def test_take_next_in_an_orderly_queue_keeps_it_exclusive() -> None:
     assert pq.try_take_messages(1) is None
     pq.erase_messages(batch, EraseStatus.SUCCESS)
     last = pq.try_take_messages(1)
-    assert last is not None and [m.queue_offset for m in last] == [2]
+    assert last is not None
+    assert [m.queue_offset for m in last] == [2]
 
 
 def test_take_next_keeps_times_aligned_when_the_cache_had_none() -> None:
