@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -130,11 +131,11 @@ def per_example(fn: Callable[[], None], examples: int) -> tuple[float, float]:
 def measure(sizes: Sequence[int], examples: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for count in sizes:
-        base_cpu, base_wall = per_example(lambda count=count: baseline(count), examples)
+        base_cpu, base_wall = per_example(partial(baseline, count), examples)
         variants: list[tuple[str, Callable[[], None]]] = [
-            ("baseline", lambda count=count: baseline(count)),
-            ("kit", lambda count=count: kit(count, failures=False)),
-            ("kit+crash", lambda count=count: kit(count, failures=True)),
+            ("baseline", partial(baseline, count)),
+            ("kit", partial(kit, count, failures=False)),
+            ("kit+crash", partial(kit, count, failures=True)),
         ]
         for name, fn in variants:
             cpu, wall = (

@@ -76,11 +76,12 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import redis
 import redis.asyncio as aioredis
+from redis.typing import KeyT, StreamIdT
 from rich.console import Console
 from rich.table import Table
 
@@ -333,15 +334,19 @@ async def run_xreadgroup(url: str, ns: str, recorder: Recorder, batch: int) -> f
 
     start = time.perf_counter()
     try:
-        streams = dict.fromkeys(keys, ">")
+        streams: dict[KeyT, StreamIdT] = dict.fromkeys(keys, ">")
         while not recorder.done.is_set():
-            reply = await client.xreadgroup("g", "c1", streams, count=batch, block=100)
-            for key, entries in reply or ():
+            # RESP2, the client's default protocol: a list of [stream, entries]
+            reply = cast(
+                "list[list[Any]]",
+                await client.xreadgroup("g", "c1", streams, count=batch, block=100),
+            )
+            for stream, entries in reply or ():
                 ids = []
                 for entry_id, fields in entries:
                     await handle(fields)
                     ids.append(entry_id)
-                await client.xack(key, "g", *ids)
+                await client.xack(stream, "g", *ids)
     finally:
         await client.aclose()
     return recorder.last - start
@@ -351,7 +356,8 @@ async def run_faststream(url: str, ns: str, recorder: Recorder, batch: int) -> f
     from faststream.redis import RedisBroker as FastStreamBroker
     from faststream.redis import StreamSub
 
-    broker = FastStreamBroker(url, logger=None)
+    # faststream types ``logger`` as a logger only; None (no logging) is what it documents
+    broker = FastStreamBroker(url, logger=None)  # type: ignore[arg-type]
     timed = recorder.latency
     for key in stream_keys(ns):
 
@@ -402,10 +408,10 @@ async def run_floor(
             import coredis
             from coredis.response._callbacks import NoopCallback
 
-            client = await stack.enter_async_context(
+            core_client = await stack.enter_async_context(
                 coredis.Redis.from_url(url, decode_responses=False, verify_version=False)
             )
-            create, noop = client.create_request, NoopCallback()  # type: ignore[var-annotated]
+            create, noop = core_client.create_request, NoopCallback()  # type: ignore[var-annotated]
 
             def xrange(key: str, start: bytes) -> Any:
                 return create(b"XRANGE", key, start, b"+", b"COUNT", batch, callback=noop)
@@ -415,7 +421,10 @@ async def run_floor(
             stack.push_async_callback(client.aclose)
 
             def xrange(key: str, start: bytes) -> Any:
-                return client.execute_command("XRANGE", key, start, "+", "COUNT", batch)
+                # redis-py leaves ``execute_command`` unannotated
+                return client.execute_command(  # type: ignore[no-untyped-call]
+                    "XRANGE", key, start, "+", "COUNT", batch
+                )
 
         keys = queue_keys(ns)
         offsets = [0] * QUEUES

@@ -242,15 +242,15 @@ class _Sim:
         self.retry_log: _Log | None = None
         self.delayed: list[tuple[float, int, Message]] = []
         self.batch_size = options.consume_message_batch_max_size
-        log = self.log
-        self.costs, self.fails = log.costs, log.fails
-        self.rec_index, self.rec_attempt = log.index.append, log.attempt.append
-        self.rec_stage, self.rec_start = log.call_stage.append, log.call_start.append
-        self.rec_end, self.rec_ok = log.call_end.append, log.call_ok.append
-        self.rec_size = log.call_size.append
+        calls = self.log
+        self.costs, self.fails = calls.costs, calls.fails
+        self.rec_index, self.rec_attempt = calls.index.append, calls.attempt.append
+        self.rec_stage, self.rec_start = calls.call_stage.append, calls.call_start.append
+        self.rec_end, self.rec_ok = calls.call_end.append, calls.call_ok.append
+        self.rec_size = calls.call_size.append
         # at batch size 1 every call has one message (a suspended batch is retried
         # whole): record only what the failure schedule does not imply
-        self.single = log.single = self.batch_size == 1
+        self.single = calls.single = self.batch_size == 1
         self.record_attempts = any(self.fails)
         dispatcher = self.dispatcher
         self.take, self.has_ready, self.finish = (
