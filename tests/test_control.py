@@ -112,6 +112,24 @@ def test_consume_from_timestamp_needs_a_timestamp() -> None:
         ConsumerOptions(consume_from_where=ConsumeFromWhere.CONSUME_FROM_TIMESTAMP)
 
 
+@pytest.mark.parametrize(
+    "where", [ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET]
+)
+def test_a_timestamp_without_consume_from_timestamp_is_refused(where: ConsumeFromWhere) -> None:
+    """Not ignored (RocketMQ ignores it, but has a default for it; here it has none,
+    so a timestamp given was meant to be used)."""
+    with pytest.raises(InvalidOptionError) as info:
+        ConsumerOptions(consume_from_where=where, consume_timestamp=1700000000.0)
+    assert str(info.value) == (
+        "consume_timestamp=1700000000.0 is used only by CONSUME_FROM_TIMESTAMP, but"
+        f" consume_from_where is {where.name}: set"
+        " consume_from_where=ConsumeFromWhere.CONSUME_FROM_TIMESTAMP to start from that"
+        " time, or leave consume_timestamp out"
+    )
+    with pytest.raises(InvalidOptionError, match="CONSUME_FROM_TIMESTAMP"):
+        ConsumerOptions(consume_timestamp=1700000000.0)  # the default consume_from_where
+
+
 # -- seek ------------------------------------------------------------------------------
 
 
