@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import threading
 import time
 import urllib.parse
@@ -62,7 +63,7 @@ from ._exceptions import (
     StoreReadOnlyError,
     StoreUnavailableError,
 )
-from ._types import MessageQueue, QueueProgress, StageKey
+from ._types import MessageQueue, QueueProgress, StageKey, check_offset
 
 __all__ = ("SCHEMA_VERSION", "SqlOffsetStore")
 
@@ -825,18 +826,22 @@ class SqlOffsetStore(StageOffsetStore):
     # -- the durable part -------------------------------------------------------------------
 
     def _rows_to_progress(
-        self, rows: Any, *, unreadable_stages: set[MessageQueue] | None = None
+        self, group: str, rows: Any, *, unreadable_stages: set[MessageQueue] | None = None
     ) -> dict[MessageQueue, QueueProgress]:
-        """Decode rows; a corrupt one raises, unless only its stage offsets are and
-        ``unreadable_stages`` is given: then it has none and its queue goes there."""
+        """Decode rows of ``group``; a corrupt one raises, unless only its stage offsets
+        are and ``unreadable_stages`` is given: then it has none and its queue goes
+        there. When only its stage offsets are corrupt, the error gives the command
+        that repairs the row."""
         result: dict[MessageQueue, QueueProgress] = {}
         for topic, queue_id, consume_offset, stage_text in rows:
             mq = MessageQueue(str(topic), int(queue_id))
+            repair = ""
             try:
                 try:
                     stage_offsets = decode_stage_offsets(stage_text)
                 except (ValueError, TypeError):
                     if unreadable_stages is None:
+                        repair = self._repair_hint(group, mq, consume_offset)
                         raise
                     unreadable_stages.add(mq)
                     stage_offsets = {}
@@ -846,11 +851,33 @@ class SqlOffsetStore(StageOffsetStore):
                 )
             except (ValueError, TypeError) as exc:
                 raise OffsetStoreError(
-                    f"corrupt progress row for {mq} in {self._progress.name} of {self.url}: {exc}",
+                    f"corrupt progress row for {mq} in {self._progress.name} of {self.url}:"
+                    f" {exc}{repair}",
                     retriable=False,
                 ) from exc
             result[mq] = progress
         return result
+
+    def _repair_hint(self, group: str, mq: MessageQueue, consume_offset: Any) -> str:
+        """What to append to the error for a row of ``group`` whose stage offsets cannot
+        be read: the ``stagedconsumer offsets reset`` command that rewrites them (the
+        command keeps the consume offset, so it can repair the row only when that one
+        is readable; otherwise nothing)."""
+        try:
+            if consume_offset is not None:
+                check_offset("consume offset", int(consume_offset))
+        except (ValueError, TypeError):
+            return ""
+        words = ["stagedconsumer", "offsets", "reset", "--store", self.url]
+        if self._table_prefix != "stagedconsumer_":
+            words += ["--table-prefix", self._table_prefix]
+        words += ["--group", group, "--topic", mq.topic, "--queue", str(mq.queue_id)]
+        words.append("--clear-stage-offsets")
+        password = " (with the URL's password put back)" if self._url.password else ""
+        return (
+            "; with the group stopped, repair the row (its consume offset is kept, its"
+            f" stage offsets are dropped) with: {shlex.join(words)}{password}"
+        )
 
     def _select(self, group: str) -> sa.Select[Any]:
         t = self._progress
@@ -867,7 +894,7 @@ class SqlOffsetStore(StageOffsetStore):
         def read() -> QueueProgress | None:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
-            return self._rows_to_progress(rows).get(mq)
+            return self._rows_to_progress(group, rows).get(mq)
 
         return await self._run(f"reading the progress of {mq} ({group})", read, writes=False)
 
@@ -881,7 +908,7 @@ class SqlOffsetStore(StageOffsetStore):
         def read() -> dict[MessageQueue, QueueProgress]:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
-            return self._rows_to_progress(rows)
+            return self._rows_to_progress(group, rows)
 
         return await self._run(f"listing the progress of group {group!r}", read, writes=False)
 
@@ -901,7 +928,7 @@ class SqlOffsetStore(StageOffsetStore):
         def read() -> dict[MessageQueue, QueueProgress]:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
-            return self._rows_to_progress(rows, unreadable_stages=unreadable)
+            return self._rows_to_progress(group, rows, unreadable_stages=unreadable)
 
         progress = await self._run(f"listing the progress of group {group!r}", read, writes=False)
         return progress, frozenset(unreadable)
@@ -1001,7 +1028,7 @@ class SqlOffsetStore(StageOffsetStore):
                             )
                         conn.execute(sa.update(t).where(*where).values(fence=fence))
                         rows = [(mq.topic, mq.queue_id, row.consume_offset, row.stage_offsets)]
-                        return self._rows_to_progress(rows)[mq]
+                        return self._rows_to_progress(group, rows)[mq]
                 except sa_exc.IntegrityError:
                     if attempt:  # a concurrent claim inserted the row first: look again
                         raise

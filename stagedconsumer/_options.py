@@ -139,7 +139,11 @@ class ConsumerOptions:
     )
     """Where a queue with no committed progress starts (retry queues: always first)."""
     consume_timestamp: float | None = attrs.field(default=None, validator=_timestamp)
-    """With ``CONSUME_FROM_TIMESTAMP``: seconds since the epoch (``time.time()``)."""
+    """Where ``CONSUME_FROM_TIMESTAMP`` starts: seconds since the epoch
+    (``time.time()``). Needed with it and refused without it: RocketMQ's
+    ``consumeTimestamp`` has a default (half an hour ago) and is ignored under
+    another ``consume_from_where``, so there giving one by mistake goes unnoticed;
+    here there is no default, so a timestamp given is meant to be used."""
     consume_timeout: float | None = attrs.field(default=900.0, validator=_optional_finite_positive)
     """Seconds a handler call may run (RocketMQ's ``consumeTimeout``, 15 minutes);
     a call still running then is timed out, between this and 1.1 times it: an
@@ -174,6 +178,14 @@ class ConsumerOptions:
         from_timestamp = self.consume_from_where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP
         if from_timestamp and self.consume_timestamp is None:
             raise InvalidOptionError("CONSUME_FROM_TIMESTAMP needs consume_timestamp")
+        if not from_timestamp and self.consume_timestamp is not None:
+            raise InvalidOptionError(
+                f"consume_timestamp={self.consume_timestamp!r} is used only by"
+                " CONSUME_FROM_TIMESTAMP, but consume_from_where is"
+                f" {self.consume_from_where.name}: set"
+                " consume_from_where=ConsumeFromWhere.CONSUME_FROM_TIMESTAMP to start"
+                " from that time, or leave consume_timestamp out"
+            )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ConsumerOptions:

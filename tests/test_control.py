@@ -4,7 +4,7 @@ listeners, lag, and key-ordered consumption."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -112,6 +112,24 @@ def test_consume_from_timestamp_needs_a_timestamp() -> None:
         ConsumerOptions(consume_from_where=ConsumeFromWhere.CONSUME_FROM_TIMESTAMP)
 
 
+@pytest.mark.parametrize(
+    "where", [ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET]
+)
+def test_a_timestamp_without_consume_from_timestamp_is_refused(where: ConsumeFromWhere) -> None:
+    """Not ignored (RocketMQ ignores it, but has a default for it; here it has none,
+    so a timestamp given was meant to be used)."""
+    with pytest.raises(InvalidOptionError) as info:
+        ConsumerOptions(consume_from_where=where, consume_timestamp=1700000000.0)
+    assert str(info.value) == (
+        "consume_timestamp=1700000000.0 is used only by CONSUME_FROM_TIMESTAMP, but"
+        f" consume_from_where is {where.name}: set"
+        " consume_from_where=ConsumeFromWhere.CONSUME_FROM_TIMESTAMP to start from that"
+        " time, or leave consume_timestamp out"
+    )
+    with pytest.raises(InvalidOptionError, match="CONSUME_FROM_TIMESTAMP"):
+        ConsumerOptions(consume_timestamp=1700000000.0)  # the default consume_from_where
+
+
 # -- seek ------------------------------------------------------------------------------
 
 
@@ -162,6 +180,11 @@ async def test_seek_backwards_replays_from_there_with_fresh_stages_and_commits_i
         ),
         ({StageKey("default"): True}, r"stage offset must be an int, got True for stage key"),
         ([(StageKey("default"), 1)], r"stage offsets must be a mapping of StageKey to int"),
+        (
+            {StageKey("default"): 1, StageKey("vip", "shop-1"): 0, StageKey("bulk"): 0},
+            r"unknown strategy id\(s\) 'bulk', 'vip'; the listener's strategies are"
+            r" 'default' \(a stage offset of another strategy would be stored and never used\)",
+        ),
     ],
 )
 async def test_seek_with_bad_stage_offsets_is_refused_before_the_queue_is_touched(
@@ -211,6 +234,67 @@ async def test_seek_with_bad_stage_offsets_is_refused_before_the_queue_is_touche
     assert await store.read_progress("g", Q0, ReadOffsetType.READ_FROM_STORE) == QueueProgress(
         consume_offset=6, stage_offsets={StageKey("default"): 6}
     )
+
+
+class Strategies(MessageListenerStagedConcurrently):
+    """Two strategies, by tag: ``vip`` messages one by one, the rest in stages of 2."""
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return [2]
+
+    def get_stage_definition_strategies(self) -> dict[str, Sequence[int]]:
+        return {"normal": [2], "vip": [1, 1]}
+
+    def compute_strategy(self, msg: Message) -> str | None:
+        return "vip" if msg.tags == "vip" else "normal"
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("make_listener", "strategies"),
+    [(Staged, ["default"]), (Strategies, ["normal", "vip"])],
+)
+async def test_seek_takes_stage_keys_of_the_listeners_strategies_only(
+    make_listener: Callable[[], MessageListenerStagedConcurrently], strategies: list[str]
+) -> None:
+    """A stage offset of a strategy the listener does not have (a typo, or the
+    default strategy of a listener with named ones) would be stored and never used."""
+    broker = broker_with(4, queues=1)
+    store = MemoryOffsetStore()
+    consumer = PushConsumer("g", broker, make_listener(), offset_store=store)
+    consumer.subscribe("t")
+    known = ", ".join(repr(strategy) for strategy in strategies)
+    async with consumer:
+        await consumer.wait_caught_up(timeout=5)
+        before = await store.read_progress("g", Q0, ReadOffsetType.READ_FROM_STORE)
+        with pytest.raises(
+            ConfigurationError,
+            match=f"unknown strategy id\\(s\\) 'vi'; the listener's strategies are {known} ",
+        ):
+            await consumer.seek(Q0, 1, stage_offsets={StageKey("vi", "shop-1"): 3})
+        assert await store.read_progress("g", Q0, ReadOffsetType.READ_FROM_STORE) == before
+        good = {StageKey(strategy, "shop-1"): 1 for strategy in strategies}
+        await consumer.seek(Q0, 1, stage_offsets=good)
+        assert await store.read_progress("g", Q0, ReadOffsetType.READ_FROM_STORE) == QueueProgress(
+            consume_offset=1, stage_offsets=good
+        )
+
+
+async def test_seek_of_a_listener_without_stages_takes_any_stage_key() -> None:
+    """Only a staged listener has strategies to check stage keys against; the others
+    take stage_offsets as they always did."""
+    broker = broker_with(4, queues=1)
+    store = MemoryOffsetStore()
+    consumer = PushConsumer("g", broker, Record(), offset_store=store)
+    consumer.subscribe("t")
+    async with consumer:
+        await consumer.wait_caught_up(timeout=5)
+        await consumer.seek(Q0, 1, stage_offsets={StageKey("anything"): 2})
+        assert await store.read_offset("g", Q0) == 1
 
 
 # -- pause and resume --------------------------------------------------------------------

@@ -494,9 +494,13 @@ class PushConsumer:
         pulled from there.
 
         ``offset`` must be an int in the queue's [min, max] offsets and
-        ``stage_offsets`` a mapping of :class:`~offsetstore.StageKey` to int >= 0;
-        anything else raises :class:`ConfigurationError` (a ``ValueError``) naming the
-        bad entry before the queue is touched: it goes on as it was."""
+        ``stage_offsets`` a mapping of :class:`~offsetstore.StageKey` to int >= 0
+        whose strategy ids, for a staged listener, are among its strategies (the keys
+        of ``get_stage_definition_strategies()``; ``"default"`` for a listener with
+        only ``get_stage_definitions()``); anything else raises
+        :class:`ConfigurationError` (a ``ValueError``) naming the bad entry before
+        the queue is touched: it goes on as it was. (Other listeners have no stage
+        keys: their ``stage_offsets`` are stored as given, unused.)"""
         if not self._state.started or self._state.closed:
             raise ConsumerStateError("seek() needs a running consumer")
         await self._queues.seek(mq, offset, stage_offsets)

@@ -250,11 +250,24 @@ class QueueTable:
 
         Everything is checked before the queue is touched: a bad ``offset`` or
         ``stage_offsets`` entry raises :class:`ConfigurationError` and the queue
-        goes on as it was (nothing dropped, nothing stored)."""
+        goes on as it was (nothing dropped, nothing stored). In staged mode that
+        includes a stage key whose strategy id is not one of the listener's
+        (its offset would be stored and never used)."""
         try:  # QueueProgress checks the entries, as every store write does
             stages = QueueProgress(consume_offset=None, stage_offsets=stage_offsets).stage_offsets
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(f"seek(): bad stage_offsets for {mq}: {exc}") from None
+        plan = self.service.plan
+        if plan is not None:  # staged mode: other modes keep stage offsets as given
+            unknown = sorted({key.strategy_id for key in stages} - set(plan.definitions))
+            if unknown:
+                known = ", ".join(repr(strategy) for strategy in sorted(plan.definitions))
+                raise ConfigurationError(
+                    f"seek(): bad stage_offsets for {mq}: unknown strategy id(s)"
+                    f" {', '.join(repr(strategy) for strategy in unknown)}; the listener's"
+                    f" strategies are {known or 'none'} (a stage offset of another strategy"
+                    " would be stored and never used)"
+                )
         state = self.states.get(mq)
         if state is None:
             raise ConsumerStateError(f"seek(): {mq} is not assigned to this consumer")

@@ -539,7 +539,10 @@ def test_clear_stage_offsets_repairs_a_row_whose_stage_offsets_cannot_be_read(
         engine.dispose()
     show = ["offsets", "show", "--store", store_url, "--group", GROUP]
     assert main(show) == 1
-    assert "corrupt progress row for orders#1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "corrupt progress row for orders#1" in err
+    repair = f"--group {GROUP} --topic orders --queue 1 --clear-stage-offsets"
+    assert repair in " ".join(err.split())  # the command that repairs it
     args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
     assert main([*args, "--queue", "1", "--stage-offset", "default=0", "--yes"]) == 1
     assert "corrupt progress row for orders#1" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sqlite3
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from offsetstore import (
 )
 from offsetstore._sql import SCHEMA_VERSION, decode_stage_offsets, encode_stage_offsets
 from stagedconsumer import MessageQueue
+from stagedconsumer._cli import main
 
 from .conftest import Backend
 
@@ -192,6 +194,68 @@ async def test_corrupt_row_is_a_non_retriable_error(sql_backend: Backend) -> Non
     with pytest.raises(OffsetStoreError, match="corrupt progress row") as info:
         await sql_backend.new_store().read_progress("g", MQ)
     assert info.value.retriable is False
+
+
+async def test_unreadable_stage_offsets_name_the_command_that_repairs_them(
+    sql_backend: Backend,
+) -> None:
+    """A row stored before stage offsets were checked (a negative one, from seek())
+    fails every read; the error gives the ``offsets reset`` command that repairs that
+    row, ready to paste, and the command does."""
+    store = sql_backend.new_store()
+    await store.load()
+    store.update_progress(
+        "g", MQ, QueueProgress(consume_offset=3, stage_offsets={StageKey("s"): 2})
+    )
+    await store.persist("g", MQ)
+    assert isinstance(store, SqlOffsetStore)
+    engine = _engine(sql_backend)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(f"UPDATE {store.progress_table_name} SET stage_offsets = :bad"),
+                {"bad": '[["s",null,-1]]'},
+            )
+    finally:
+        engine.dispose()
+    with pytest.raises(OffsetStoreError, match="corrupt progress row for t#0") as info:
+        await sql_backend.new_store().read_progress("g", MQ)
+    message = str(info.value)
+    assert "bad stage offset entry ['s', None, -1]; with the group stopped, repair" in message
+    command = message.partition(" with: ")[2]
+    assert command == (
+        f"stagedconsumer offsets reset --store {sql_backend.url}"
+        f" --table-prefix {sql_backend.prefix} --group g --topic t --queue 0"
+        " --clear-stage-offsets"
+    )
+    words = shlex.split(command)
+    assert await anyio.to_thread.run_sync(main, [*words[1:], "--yes"]) == 0
+    assert await sql_backend.new_store().read_progress("g", MQ) == QueueProgress(consume_offset=3)
+
+
+async def test_unreadable_consume_offset_names_no_repair_command(sql_backend: Backend) -> None:
+    """``--clear-stage-offsets`` keeps the consume offset, so it cannot repair a row
+    whose consume offset is bad too: the error names no command then."""
+    store = sql_backend.new_store()
+    await store.load()
+    store.update_offset("g", MQ, 3)
+    await store.persist("g", MQ)
+    assert isinstance(store, SqlOffsetStore)
+    engine = _engine(sql_backend)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"UPDATE {store.progress_table_name}"
+                    " SET consume_offset = -1, stage_offsets = :bad"
+                ),
+                {"bad": '[["s",null,-1]]'},
+            )
+    finally:
+        engine.dispose()
+    with pytest.raises(OffsetStoreError, match="corrupt progress row for t#0") as info:
+        await sql_backend.new_store().read_progress("g", MQ)
+    assert "stagedconsumer offsets reset" not in str(info.value)
 
 
 # -- SQLite -----------------------------------------------------------------------------------
