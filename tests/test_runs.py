@@ -209,3 +209,34 @@ async def test_sys_exit_in_a_run_commits_the_calls_before_it() -> None:
         async with consumer:
             await anyio.sleep(10)
     assert await store.read_offset("g", MQ, ReadOffsetType.READ_FROM_STORE) == 2
+
+
+class _Stop(BaseException):
+    """Not an ``Exception``: as a cancellation or ``KeyboardInterrupt``, it is no
+    handler failure and goes through the consumer."""
+
+
+async def test_calls_of_a_run_stay_finished_when_the_next_one_raises_a_base_exception() -> None:
+    # A BaseException in a call's first step ends the consumer; offsets 0 and 1, whose
+    # calls succeeded in the same run, are finished and committed on the way out.
+    store = MemoryOffsetStore()
+
+    class Stops(MessageListenerOrderly):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+        ) -> ConsumeOrderlyStatus:
+            if msgs[0].queue_offset == 2:
+                raise _Stop
+            return ConsumeOrderlyStatus.SUCCESS
+
+    consumer = PushConsumer("g", broker_with(4), Stops(), offset_store=store)
+    consumer.subscribe("t")
+    with pytest.raises(BaseException) as info:  # noqa: PT011 - checked below
+        async with consumer:
+            await anyio.sleep(10)
+    stopped = info.value
+    if isinstance(stopped, BaseExceptionGroup):
+        assert stopped.subgroup(_Stop) is not None
+    else:
+        assert isinstance(stopped, _Stop)
+    assert await store.read_offset("g", MQ, ReadOffsetType.READ_FROM_STORE) == 2

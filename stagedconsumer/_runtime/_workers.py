@@ -309,6 +309,10 @@ class WorkerPool:
                         self._cut(batch, done)
                     self._exit_requested(batch, exc)
                     return
+                except BaseException:  # cancelled in a call's first step: keep what ran
+                    if done:
+                        self._cut(batch, done)
+                    raise
                 finally:
                     state.in_flight -= 1
                 if slot is not None and suspended:
