@@ -1,0 +1,198 @@
+"""End to end over Redis by instruction count: each system's instructions per message
+in ``benchmarks.redis_e2e``'s drain phase, counted by valgrind's callgrind instead of
+timed.
+
+``python -m benchmarks.redis_e2e`` measures CPU time per message. On a shared machine
+that moves by a third from one process to the next for the same code, more than the
+difference between the concurrent mode and the hand-written loop it is compared with.
+Instructions executed do not depend on the machine's load. For each system this
+program runs the drain phase of ``redis_e2e`` (the same fill, consumer, loop and
+options) in its own ``valgrind --tool=callgrind`` process, for ``--messages`` and twice
+as many, with counting on only over what ``redis_e2e`` times (from after the fill to
+the last handler call; ``callgrind_control -i on/off``): per message is the
+difference divided by ``--messages``, so start-up, connecting and the consumer's
+start and stop cancel out.
+
+What instructions count and CPU time would also count: the cyclic garbage collector's
+work (a part of the loop's cost) is in; the kernel's (socket reads and writes, about a
+round trip per 128 entries per stream for everyone) and Redis's own work are out, and
+so are cache misses: a proxy for CPU time, not the same thing.
+
+Needs ``valgrind`` (with ``callgrind_control``) on ``PATH`` and Redis at ``--url``.
+Each valgrind run takes 10 to 60 s at the default size.
+
+    python -m benchmarks.redis_instructions
+    python -m benchmarks.redis_instructions --messages 4000 \
+        --systems 'stagedconsumer concurrent' 'redis-py XREADGROUP + XACK loop'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    # Run as a script, benchmarks/ comes first on sys.path: put the repository root
+    # there instead, so that imports resolve as under ``python -m benchmarks.X``.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+
+LOOP = "redis-py XREADGROUP + XACK loop"
+SYSTEMS = (
+    "stagedconsumer concurrent",
+    "stagedconsumer concurrent, batches of 32",
+    "stagedconsumer staged [100]*k",
+    "stagedconsumer orderly",
+    LOOP,
+    "floor: XRANGE + decode, no consumer",
+    "floor: XRANGE only",
+    "runtime only: concurrent on MemoryBroker",
+)
+_COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+def _counting(on: bool) -> None:
+    """Switch callgrind's instruction counting for this process on or off (it takes
+    effect before ``callgrind_control`` returns)."""
+    subprocess.run(
+        ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
+        capture_output=True,
+        check=True,
+    )
+
+
+class _CountingClock:
+    """``time`` for ``redis_e2e``: the drain phase reads ``process_time()`` once after
+    the fill and once after the last handler call; the first call switches counting
+    on, the second off."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def process_time(self) -> float:
+        self.calls += 1
+        if self.calls <= 2:
+            _counting(self.calls == 1)
+        return time.process_time()
+
+
+def child(system: str, n: int, url: str) -> None:
+    """The drain phase of ``system`` under callgrind, counting what ``redis_e2e`` times."""
+    from benchmarks import redis_e2e
+
+    clock = _CountingClock()
+    setattr(redis_e2e, "time", clock)  # noqa: B010 - the module's clock, replaced
+    args = argparse.Namespace(
+        url=url,
+        cluster_url=None,
+        messages=n,
+        latency_messages=0,
+        rate=5000.0,
+        pull_batch=32,
+        read_batch=128,
+        gc_freeze=False,
+    )
+    anyio.run(redis_e2e.measure_phase, system, args, False, backend="asyncio")
+    if clock.calls < 2:
+        raise RuntimeError(f"{system}: the drain phase did not read the clock twice")
+
+
+def instructions(system: str, n: int, url: str) -> int:
+    """Instructions the drain phase of ``system`` executes for ``n`` messages."""
+    with tempfile.TemporaryDirectory() as directory:
+        result = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={Path(directory) / 'callgrind.out'}",
+                sys.executable,
+                "-m",
+                "benchmarks.redis_instructions",
+                "--child",
+                system,
+                str(n),
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+            check=False,
+        )
+    found = _COLLECTED.search(result.stderr)
+    if result.returncode != 0 or found is None:
+        raise RuntimeError(f"{system} ({n} messages) failed:\n{result.stderr[-3000:]}")
+    return int(found.group(1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        system, size, url = argv[1:4]
+        child(system, int(size), url)
+        return 0
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--messages",
+        type=int,
+        default=8000,
+        help="the smaller run's size, a multiple of 80 (default 8000)",
+    )
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    args = parser.parse_args(argv)
+    missing = [tool for tool in ("valgrind", "callgrind_control") if not shutil.which(tool)]
+    if missing:
+        parser.error(f"needs {' and '.join(missing)} on PATH (the valgrind package)")
+    if args.messages < 80 or args.messages % 80:
+        parser.error("--messages must be a positive multiple of 80 (8 streams, 10 each)")
+
+    n: int = args.messages
+    counts: dict[str, float] = {}
+    console = Console(width=max(Console().width, 120))
+    with console.status("counting") as status:
+        for system in args.systems:
+            status.update(f"{system} (valgrind, {n:,} and {2 * n:,} messages)")
+            counts[system] = (
+                instructions(system, 2 * n, args.url) - instructions(system, n, args.url)
+            ) / n
+    table = Table(
+        title=f"Redis end to end, drain, instructions per message ({n:,} against"
+        f" {2 * n:,} messages, 8 streams, asyncio)"
+    )
+    for column in ("system", "instructions per message", "vs loop"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    loop = counts.get(LOOP)
+    for system, count in counts.items():
+        table.add_row(system, f"{count / 1000:,.1f}k", f"{count / loop:.2f}x" if loop else "")
+    console.print(table)
+    console.print(
+        f"python {platform.python_version()}, valgrind callgrind; 'vs loop': the"
+        " system's instructions per message over the loop's (below 1: fewer)"
+    )
+    from benchmarks._reproduce import print_reproduce
+
+    print_reproduce(console, "redis_instructions", argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
