@@ -114,9 +114,16 @@ async def test_a_handler_that_blocks_after_waiting_is_named_with_its_message(
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
         await consume(SleepyAfterWaiting(), broker_with(8))
-    warnings = block_warnings(caplog)
-    assert len(warnings) == 1, warnings
+    # only reports naming a handler: a long garbage collection in a loaded test
+    # process may be reported too, at whatever function it ran in
+    warnings = [
+        w
+        for w in block_warnings(caplog)
+        if "by the async def handler" in w or "called around the handler" in w
+    ]
+    assert len(warnings) == 1, block_warnings(caplog)
     assert "by the async def handler SleepyAfterWaiting.consume_message" in warnings[0]
+    assert "_resume" not in warnings[0]
     assert "queue t#1, offset 2" in warnings[0]
 
 
