@@ -29,17 +29,10 @@ Each valgrind run takes 10 to 60 s at the default size.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):
     # Run as a script, benchmarks/ comes first on sys.path: put the repository root
@@ -49,6 +42,8 @@ if __package__ in (None, ""):
 import anyio
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks import _callgrind
 
 LOOP = "redis-py XREADGROUP + XACK loop"
 SYSTEMS = (
@@ -61,42 +56,13 @@ SYSTEMS = (
     "floor: XRANGE only",
     "runtime only: concurrent on MemoryBroker",
 )
-_COLLECTED = re.compile(r"Collected : (\d+)")
-
-
-def _counting(on: bool) -> None:
-    """Switch callgrind's instruction counting for this process on or off (it takes
-    effect before ``callgrind_control`` returns)."""
-    subprocess.run(
-        ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
-        capture_output=True,
-        check=True,
-    )
-
-
-class _CountingClock:
-    """``time`` for ``redis_e2e``: the drain phase reads ``process_time()`` once after
-    the fill and once after the last handler call; the first call switches counting
-    on, the second off."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-    def process_time(self) -> float:
-        self.calls += 1
-        if self.calls <= 2:
-            _counting(self.calls == 1)
-        return time.process_time()
 
 
 def child(system: str, n: int, url: str) -> None:
     """The drain phase of ``system`` under callgrind, counting what ``redis_e2e`` times."""
     from benchmarks import redis_e2e
 
-    clock = _CountingClock()
+    clock = _callgrind.CountingClock()
     setattr(redis_e2e, "time", clock)  # noqa: B010 - the module's clock, replaced
     args = argparse.Namespace(
         url=url,
@@ -115,30 +81,9 @@ def child(system: str, n: int, url: str) -> None:
 
 def instructions(system: str, n: int, url: str) -> int:
     """Instructions the drain phase of ``system`` executes for ``n`` messages."""
-    with tempfile.TemporaryDirectory() as directory:
-        result = subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={Path(directory) / 'callgrind.out'}",
-                sys.executable,
-                "-m",
-                "benchmarks.redis_instructions",
-                "--child",
-                system,
-                str(n),
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONHASHSEED": "0"},
-            check=False,
-        )
-    found = _COLLECTED.search(result.stderr)
-    if result.returncode != 0 or found is None:
-        raise RuntimeError(f"{system} ({n} messages) failed:\n{result.stderr[-3000:]}")
-    return int(found.group(1))
+    return _callgrind.instructions(
+        "benchmarks.redis_instructions", [system, str(n), url], f"{system} ({n} messages)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args(argv)
-    missing = [tool for tool in ("valgrind", "callgrind_control") if not shutil.which(tool)]
+    missing = _callgrind.missing_tools()
     if missing:
         parser.error(f"needs {' and '.join(missing)} on PATH (the valgrind package)")
     if args.messages < 80 or args.messages % 80:

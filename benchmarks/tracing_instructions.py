@@ -26,22 +26,23 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import platform
 import random
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):
+    # Run as a script, benchmarks/ comes first on sys.path: put the repository root
+    # there instead, so that imports resolve as under ``python -m benchmarks.X``.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import anyio
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks import _callgrind
 
 HOOK_CASE = "everything, spans sampled 1%"
 TRACE_CASE = "message trace"
@@ -49,34 +50,6 @@ FLOOR_CASE = "SDK floor, spans sampled 1%"
 CASES = (TRACE_CASE, HOOK_CASE, FLOOR_CASE)
 MODES = ("concurrent", "staged", "orderly")
 TARGET = 1.3
-_COLLECTED = re.compile(r"Collected : (\d+)")
-
-
-def _counting(on: bool) -> None:
-    """Switch callgrind's instruction counting for this process on or off (it takes
-    effect before ``callgrind_control`` returns)."""
-    subprocess.run(
-        ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
-        capture_output=True,
-        check=True,
-    )
-
-
-class _CountingClock:
-    """``time`` for :func:`sdk_floor`: its first ``process_time()`` call (the clock
-    starting) switches counting on, its second (the clock stopping) off."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-    def process_time(self) -> float:
-        self.calls += 1
-        if self.calls <= 2:
-            _counting(self.calls == 1)
-        return time.process_time()
 
 
 def child(case: str, mode: str, n: int, queues: int, stage_size: int) -> None:
@@ -87,7 +60,7 @@ def child(case: str, mode: str, n: int, queues: int, stage_size: int) -> None:
     random.seed(7)  # the SDK's random trace ids, hence what the 1% sampler keeps
     broker = bench.traced_fill(n, queues)
     if case == FLOOR_CASE:
-        setattr(bench, "time", _CountingClock())  # noqa: B010 - the module's clock, replaced
+        setattr(bench, "time", _callgrind.CountingClock())  # noqa: B010 - the module's clock, replaced
         bench.sdk_floor(broker, n, staged=mode == "staged", sampled=0.01)
         return
     per_queue = -(-n // queues)
@@ -99,39 +72,18 @@ def child(case: str, mode: str, n: int, queues: int, stage_size: int) -> None:
     hooks, _ = bench.CASES[case]()
     listener = listeners[mode]()
     gc.collect()
-    _counting(True)
+    _callgrind.counting(True)
     anyio.run(run_consumer, broker, listener, bench.OPTIONS, n, hooks, backend="asyncio")
-    _counting(False)
+    _callgrind.counting(False)
 
 
 def instructions(case: str, mode: str, n: int, args: argparse.Namespace) -> int:
     """Instructions the counted part of ``case`` executes for ``n`` messages."""
-    with tempfile.TemporaryDirectory() as directory:
-        result = subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={Path(directory) / 'callgrind.out'}",
-                sys.executable,
-                "-m",
-                "benchmarks.tracing_instructions",
-                "--child",
-                case,
-                mode,
-                str(n),
-                str(args.queues),
-                str(args.stage_size),
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONHASHSEED": "0"},
-            check=False,
-        )
-    found = _COLLECTED.search(result.stderr)
-    if result.returncode != 0 or found is None:
-        raise RuntimeError(f"{case} ({mode}, {n} messages) failed:\n{result.stderr[-3000:]}")
-    return int(found.group(1))
+    return _callgrind.instructions(
+        "benchmarks.tracing_instructions",
+        [case, mode, str(n), str(args.queues), str(args.stage_size)],
+        f"{case} ({mode}, {n} messages)",
+    )
 
 
 def per_message(case: str, mode: str, args: argparse.Namespace) -> float:
@@ -155,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stage-size", type=int, default=100)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args(argv)
-    missing = [tool for tool in ("valgrind", "callgrind_control") if not shutil.which(tool)]
+    missing = _callgrind.missing_tools()
     if missing:
         parser.error(f"needs {' and '.join(missing)} on PATH (the valgrind package)")
     if args.messages < 1:

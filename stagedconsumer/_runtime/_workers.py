@@ -270,7 +270,6 @@ class WorkerPool:
             messages = batch.messages
             run = runs and batch.attempt == 1
             call = [messages[0]] if run else messages  # a run's batch grows
-            take_next = pq.take_next
             done = 0  # messages of the run's earlier calls, not finished yet
             while True:
                 context = context_for(batch, suspend_ms)
@@ -336,7 +335,7 @@ class WorkerPool:
                     and not suspended
                     and streak < _CHECKPOINT_EVERY
                     and not state.stopping
-                    and (message := take_next(batch, clock()) if leased else take_next(batch))
+                    and (message := pq.take_next(batch, clock()) if leased else pq.take_next(batch))
                 ):
                     done += 1
                     call = [message]

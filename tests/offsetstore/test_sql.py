@@ -119,6 +119,16 @@ def _engine(backend: Backend) -> sa.Engine:
     return sa.create_engine(backend.url)
 
 
+def _execute(backend: Backend, statement: str, **params: object) -> None:
+    """Run ``statement`` on the backend's database directly (behind the store's back)."""
+    engine = _engine(backend)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(statement), params)
+    finally:
+        engine.dispose()
+
+
 async def test_load_creates_tables_with_a_schema_version_row(sql_backend: Backend) -> None:
     store = sql_backend.new_store()
     await store.load()
@@ -151,15 +161,9 @@ async def test_newer_schema_version_is_refused(sql_backend: Backend) -> None:
     store = sql_backend.new_store()
     await store.load()
     assert isinstance(store, SqlOffsetStore)
-    engine = _engine(sql_backend)
-    try:
-        with engine.begin() as conn:
-            conn.execute(
-                sa.text(f"UPDATE {store.schema_table_name} SET version = :v"),
-                {"v": SCHEMA_VERSION + 1},
-            )
-    finally:
-        engine.dispose()
+    _execute(
+        sql_backend, f"UPDATE {store.schema_table_name} SET version = :v", v=SCHEMA_VERSION + 1
+    )
     newer = sql_backend.new_store()
     with pytest.raises(StoreConfigurationError, match="newer than") as info:
         await newer.load()
@@ -185,12 +189,7 @@ async def test_corrupt_row_is_a_non_retriable_error(sql_backend: Backend) -> Non
     store.update_offset("g", MQ, 3)
     await store.persist("g", MQ)
     assert isinstance(store, SqlOffsetStore)
-    engine = _engine(sql_backend)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"UPDATE {store.progress_table_name} SET stage_offsets = '{{}}'"))
-    finally:
-        engine.dispose()
+    _execute(sql_backend, f"UPDATE {store.progress_table_name} SET stage_offsets = '{{}}'")
     with pytest.raises(OffsetStoreError, match="corrupt progress row") as info:
         await sql_backend.new_store().read_progress("g", MQ)
     assert info.value.retriable is False
@@ -209,15 +208,8 @@ async def test_unreadable_stage_offsets_name_the_command_that_repairs_them(
     )
     await store.persist("g", MQ)
     assert isinstance(store, SqlOffsetStore)
-    engine = _engine(sql_backend)
-    try:
-        with engine.begin() as conn:
-            conn.execute(
-                sa.text(f"UPDATE {store.progress_table_name} SET stage_offsets = :bad"),
-                {"bad": '[["s",null,-1]]'},
-            )
-    finally:
-        engine.dispose()
+    bad = '[["s",null,-1]]'
+    _execute(sql_backend, f"UPDATE {store.progress_table_name} SET stage_offsets = :bad", bad=bad)
     with pytest.raises(OffsetStoreError, match="corrupt progress row for t#0") as info:
         await sql_backend.new_store().read_progress("g", MQ)
     message = str(info.value)
@@ -241,18 +233,11 @@ async def test_unreadable_consume_offset_names_no_repair_command(sql_backend: Ba
     store.update_offset("g", MQ, 3)
     await store.persist("g", MQ)
     assert isinstance(store, SqlOffsetStore)
-    engine = _engine(sql_backend)
-    try:
-        with engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    f"UPDATE {store.progress_table_name}"
-                    " SET consume_offset = -1, stage_offsets = :bad"
-                ),
-                {"bad": '[["s",null,-1]]'},
-            )
-    finally:
-        engine.dispose()
+    _execute(
+        sql_backend,
+        f"UPDATE {store.progress_table_name} SET consume_offset = -1, stage_offsets = :bad",
+        bad='[["s",null,-1]]',
+    )
     with pytest.raises(OffsetStoreError, match="corrupt progress row for t#0") as info:
         await sql_backend.new_store().read_progress("g", MQ)
     assert "stagedconsumer offsets reset" not in str(info.value)
