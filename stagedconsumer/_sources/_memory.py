@@ -10,6 +10,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 
 import anyio
 import attrs
@@ -26,17 +27,7 @@ from .._message import (
     Message,
     MessageQueue,
     OutgoingMessage,
-    _new_message,
-    _set_body,
-    _set_born_timestamp,
-    _set_keys,
-    _set_msg_id,
-    _set_properties,
-    _set_queue_id,
-    _set_queue_offset,
-    _set_reconsume_times,
-    _set_tags,
-    _set_topic,
+    _MessageFields,
 )
 from .._observability._traceparent import with_traceparent
 from ._gray import PROPERTY_GRAY
@@ -307,8 +298,8 @@ class MemoryBroker(MessageSource):
         """``send(topic, body, keys=keys)`` for the message trace writer, which calls it
         once per batch of trace records (see :meth:`trace_writer`): the same queue
         choice and the same stored fields, except that no ``traceparent`` is added.
-        Built through the slots' setters, as the sender's values are already in their
-        stored form."""
+        Built as ``_MessageFields`` made a ``Message``, as the sender's values are
+        already in their stored form."""
         queues = self._queues_of(topic)
         count = len(queues)
         if count == 1:
@@ -318,17 +309,19 @@ class MemoryBroker(MessageSource):
         else:
             queue_id = next(self._round_robin[topic]) % count
         queue = queues[queue_id]
-        message = _new_message(Message)
-        _set_topic(message, topic)
-        _set_queue_id(message, queue_id)
-        _set_queue_offset(message, len(queue.log))
-        _set_body(message, body)
-        _set_keys(message, keys)
-        _set_tags(message, None)
-        _set_properties(message, EMPTY_PROPERTIES)
-        _set_msg_id(message, self._next_id())
-        _set_born_timestamp(message, time.time())
-        _set_reconsume_times(message, 0)
+        m = _MessageFields()
+        m.topic = topic
+        m.queue_id = queue_id
+        m.queue_offset = len(queue.log)
+        m.body = body
+        m.keys = keys
+        m.tags = None
+        m.properties = EMPTY_PROPERTIES
+        m.msg_id = self._next_id()
+        m.born_timestamp = time.time()
+        m.reconsume_times = 0
+        m.__class__ = Message
+        message = cast(Message, m)
         queue.log.append(message)
         queue.wake()
         return message

@@ -7,7 +7,7 @@ fields as ``<len>:<bytes>`` pairs in one string (:func:`_pack`; the Lua of
 ``_redis_scripts.UNPACK_LUA`` reads them back).
 
 Pure functions, nothing here talks to Redis; their names stay private (as
-``_message``'s slot setters): the broker and its benchmark are their only users.
+``_message``'s ``_MessageFields``): the broker and its benchmark are their only users.
 """
 
 from __future__ import annotations
@@ -15,23 +15,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from .._message import (
     EMPTY_PROPERTIES,
     Message,
     OutgoingMessage,
-    _new_message,
-    _set_body,
-    _set_born_timestamp,
-    _set_keys,
-    _set_msg_id,
-    _set_properties,
-    _set_queue_id,
-    _set_queue_offset,
-    _set_reconsume_times,
-    _set_tags,
-    _set_topic,
+    _freeze_keys,
+    _freeze_properties,
+    _MessageFields,
 )
 
 
@@ -104,12 +96,13 @@ def _entry_offset(entry_id: bytes) -> int:
 def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[Message]:
     """Raw ``XRANGE`` entries (``[id, [field, value, ...]]``) as :class:`Message` objects.
 
-    The hot path of every pull: messages are built through the slots' setters, without
-    attrs' ``__init__`` and its converters (the fields are ours, already in their stored
-    form). Entry ids are ``<offset + 1>-0``; when the first and last id span exactly the
-    number of entries (always, unless some were deleted) the offsets are counted instead
-    of parsed from every id. Entries with only the three fields every message has
-    (``i``, ``b``, ``t``, written in that order) skip the field lookup.
+    The hot path of every pull: messages are built as :class:`_MessageFields` with
+    plain stores, then made ``Message`` objects (see ``_MessageFields``), without
+    attrs' ``__init__`` and its converters (the fields are ours, already in their
+    stored form). Entry ids are ``<offset + 1>-0``; when the first and last id span
+    exactly the number of entries (always, unless some were deleted) the offsets are
+    counted instead of parsed from every id. Entries with only the three fields every
+    message has (``i``, ``b``, ``t``, written in that order) skip the field lookup.
 
     Raises :class:`_ForeignEntry` for an entry the broker did not write: an id that
     is not ``<n>-0`` or fields without ``i``, ``b`` and ``t``. (One with our fields
@@ -120,34 +113,36 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
         return []
     first = _entry_offset(entries[0][0])
     consecutive = _entry_offset(entries[-1][0]) - first == len(entries) - 1
-    out: list[Message] = []
+    out: list[_MessageFields] = []
     append = out.append
-    new = _new_message
+    fields = _MessageFields
+    message_class = Message
     empty = EMPTY_PROPERTIES
     offset = first
     for entry_id, raw in entries:
         if not entry_id.endswith(b"-0"):
             raise _ForeignEntry(entry_id, raw)
-        message = new(Message)
-        _set_topic(message, topic)
-        _set_queue_id(message, queue_id)
-        _set_queue_offset(message, offset if consecutive else _entry_offset(entry_id))
+        m = fields()
+        m.topic = topic
+        m.queue_id = queue_id
+        m.queue_offset = offset if consecutive else _entry_offset(entry_id)
         if len(raw) == 6 and raw[0] == b"i" and raw[2] == b"b" and raw[4] == b"t":
-            _set_body(message, raw[3])
-            _set_keys(message, ())
-            _set_tags(message, None)
-            _set_properties(message, empty)
-            _set_msg_id(message, raw[1].decode())
-            _set_born_timestamp(message, int(raw[5]) / 1000)
-            _set_reconsume_times(message, 0)
+            m.body = raw[3]
+            m.keys = ()
+            m.tags = None
+            m.properties = empty
+            m.msg_id = raw[1].decode()
+            m.born_timestamp = int(raw[5]) / 1000
+            m.reconsume_times = 0
         else:
-            _set_fields(message, entry_id, raw)
-        append(message)
+            _set_fields(m, entry_id, raw)
+        m.__class__ = message_class
+        append(m)
         offset += 1
-    return out
+    return cast("list[Message]", out)  # every one made a Message above
 
 
-def _set_fields(message: Message, entry_id: bytes, raw: Sequence[bytes]) -> None:
+def _set_fields(m: _MessageFields, entry_id: bytes, raw: Sequence[bytes]) -> None:
     """The general case of :func:`_decode_entries`: optional fields present."""
     fields = dict(zip(raw[::2], raw[1::2], strict=True))
     if b"i" not in fields or b"b" not in fields or b"t" not in fields:
@@ -162,13 +157,13 @@ def _set_fields(message: Message, entry_id: bytes, raw: Sequence[bytes]) -> None
     if (p := fields.get(b"p")) is not None:
         properties = MappingProxyType(json.loads(p)) or EMPTY_PROPERTIES
     r = fields.get(b"r")
-    _set_body(message, fields[b"b"])
-    _set_keys(message, keys)
-    _set_tags(message, tags)
-    _set_properties(message, properties)
-    _set_msg_id(message, fields[b"i"].decode())
-    _set_born_timestamp(message, int(fields[b"t"]) / 1000)
-    _set_reconsume_times(message, int(r) if r is not None else 0)
+    m.body = fields[b"b"]
+    m.keys = keys
+    m.tags = tags
+    m.properties = properties
+    m.msg_id = fields[b"i"].decode()
+    m.born_timestamp = int(fields[b"t"]) / 1000
+    m.reconsume_times = int(r) if r is not None else 0
 
 
 # -- streams written by other applications (RedisBroker.attach_stream) ----------------------
@@ -238,22 +233,22 @@ def _decode_attached(
     topic: str, queue_id: int, entries: Sequence[Any], decode: EntryDecoder
 ) -> list[Message]:
     """Raw ``XRANGE`` entries of an attached stream as :class:`Message` objects."""
-    out: list[Message] = []
+    out: list[_MessageFields] = []
     for entry_id, raw in entries:
         offset = _attached_offset(entry_id)
         text_id = entry_id.decode()
         content = decode(text_id, dict(zip(raw[::2], raw[1::2], strict=True)))
-        out.append(
-            Message(
-                topic=topic,
-                queue_id=queue_id,
-                queue_offset=offset,
-                body=content.body,
-                keys=content.keys,
-                tags=content.tags,
-                properties=content.properties,
-                msg_id=text_id,
-                born_timestamp=(offset >> _SEQ_BITS) / 1000,
-            )
-        )
-    return out
+        m = _MessageFields()
+        m.topic = topic
+        m.queue_id = queue_id
+        m.queue_offset = offset
+        m.body = content.body
+        m.keys = _freeze_keys(content.keys)
+        m.tags = content.tags
+        m.properties = _freeze_properties(content.properties)
+        m.msg_id = text_id
+        m.born_timestamp = (offset >> _SEQ_BITS) / 1000
+        m.reconsume_times = 0
+        m.__class__ = Message
+        out.append(m)
+    return cast("list[Message]", out)
