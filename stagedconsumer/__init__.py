@@ -16,6 +16,7 @@ from ._exceptions import HandlerError as HandlerError
 from ._exceptions import InvalidMessageError as InvalidMessageError
 from ._exceptions import InvalidOptionError as InvalidOptionError
 from ._exceptions import InvalidStageDefinitionError as InvalidStageDefinitionError
+from ._exceptions import LeaseEndedError as LeaseEndedError
 from ._exceptions import ListenerTypeError as ListenerTypeError
 from ._exceptions import ProducerStateError as ProducerStateError
 from ._exceptions import SendTimeoutError as SendTimeoutError
@@ -141,6 +142,7 @@ __all__ = (
     "InvalidMessageError",
     "InvalidOptionError",
     "InvalidStageDefinitionError",
+    "LeaseEndedError",
     "ListenerTypeError",
     "MemoryBroker",
     "MemoryBrokerStatistics",

@@ -20,6 +20,10 @@ The tree::
     │                                              ``consume_message_directly`` style helpers,
     │                                              never out of a running consumer
     ├── ConsumerStateError                         consumer method called in the wrong state
+    ├── LeaseEndedError                            a queue's lease ended (or it was released)
+    │                                              between taking a batch and starting its
+    │                                              plain ``def`` handler: the batch went back
+    │                                              uncalled; seen only by consume hooks
     ├── ProducerStateError                         producer method called in the wrong state
     └── WrongThreadError (also RuntimeError)       a call from a thread that must not make
                                                    it: the embedded broker's ``send`` from
@@ -41,6 +45,7 @@ __all__ = (
     "InvalidMessageError",
     "InvalidOptionError",
     "InvalidStageDefinitionError",
+    "LeaseEndedError",
     "ListenerTypeError",
     "ProducerStateError",
     "SourceClosedError",
@@ -117,6 +122,20 @@ class HandlerError(StagedConsumerError):
 
 class ConsumerStateError(StagedConsumerError):
     """A consumer method was called in a state that does not allow it."""
+
+
+class LeaseEndedError(StagedConsumerError):
+    """A batch's handler was not called: its queue's lease ended (or the queue was
+    released) after the batch was taken and before the handler started.
+
+    A plain ``def`` handler starts in a worker thread, a moment after its batch was
+    taken on the event loop; the thread checks the lease again right before the call.
+    When it ended, the batch goes back to its queue untouched (no attempt counted,
+    nothing committed) and is delivered to whoever consumes the queue next. Never
+    raised out of the consumer: consume hooks, which saw the call begin, see it as
+    :attr:`ConsumeMessageContext.exception <stagedconsumer.ConsumeMessageContext.exception>`
+    of a call that did not run (status ``EXCEPTION``, nothing settled).
+    """
 
 
 class ProducerStateError(StagedConsumerError):

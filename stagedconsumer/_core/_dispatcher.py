@@ -3,7 +3,9 @@
 Workers of the shell ask :meth:`Dispatcher.take` for a batch; when it returns
 ``None`` they wait until the shell is told (by ``READY`` in the
 :data:`~._effects.Effects` of :meth:`put_messages`, :meth:`finish`,
-:meth:`settle` or :meth:`handle_timer`) that new work is ready. Suspended batches
+:meth:`settle`, :meth:`untake` or :meth:`handle_timer`) that new work is ready. A
+batch whose handler must not run after all (its queue's lease ended before the
+handler started) goes back with :meth:`untake`. Suspended batches
 and held stage assignments come back through :meth:`handle_timer`, driven by
 :meth:`get_timer` (the aioquic pattern: the shell sleeps until the timer and calls
 ``handle_timer(now)``). Queues take turns round-robin, so one busy queue cannot
@@ -115,6 +117,20 @@ class Dispatcher:
 
     def has_ready(self) -> bool:
         return bool(self._ready)
+
+    def untake(self, batch: Batch) -> Effects:
+        """Give back a taken ``batch`` whose handler was not called, as if it had never
+        been taken (see :meth:`ProcessQueue.untake_messages`); its queue is first in
+        line again."""
+        pq = batch.process_queue
+        effects = pq.untake_messages(batch)
+        if effects & READY:
+            ready = self._ready
+            if pq.in_ready:
+                ready.remove(pq)
+            pq.in_ready = True
+            ready.appendleft(pq)
+        return effects
 
     def finish(self, batch: Batch, status: EraseStatus, now: float | None = None) -> Effects:
         """Finish every message of ``batch``."""

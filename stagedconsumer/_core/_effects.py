@@ -1,11 +1,12 @@
 """Effects: what a core call changed that the shell must act on (sans-I/O).
 
 Every call of the core that changes a queue (:class:`~._dispatcher.Dispatcher`'s
-``put_messages``, ``finish``, ``settle``, ``handle_timer``, ``set_lease``, and the
-:class:`~._process_queue.ProcessQueue` methods under them) returns an ``Effects``
-value: a bit set of the flags below. The shell applies it in one place (wake a
-worker, resume a pull, wake progress waiters, re-arm the timer, report a held
-assignment) instead of re-deriving those outcomes wherever it calls the core.
+``put_messages``, ``finish``, ``settle``, ``untake``, ``handle_timer``,
+``set_lease``, and the :class:`~._process_queue.ProcessQueue` methods under them)
+returns an ``Effects`` value: a bit set of the flags below. The shell applies it in
+one place (wake a worker, resume a pull, wake progress waiters, re-arm the timer,
+report a held assignment) instead of re-deriving those outcomes wherever it calls
+the core.
 
 The flags are plain ``int`` bits, not an ``enum.Flag``: combining enum flags runs
 Python code on every call of the hot path, ints combine in C.

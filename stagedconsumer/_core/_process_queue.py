@@ -324,6 +324,37 @@ def _align_cached_at(lane: _Lane) -> None:
         lane.cached_at.extendleft([0.0] * missing)
 
 
+def _put_back(lane: _Lane, messages: list[Message], times: list[float] | None) -> None:
+    """Put ``messages`` (taken from the head of ``lane``, in offset order) back at its
+    head, with their cached ``times``, keeping the cache in offset order: messages
+    taken after them and given back first are merged in."""
+    cached = lane.cached
+    last = messages[-1].queue_offset
+    if times is None and not lane.cached_at:  # no cached times kept
+        if cached and cached[0].queue_offset < last:
+            front = list(messages)
+            while cached and cached[0].queue_offset < last:
+                front.append(cached.popleft())
+            front.sort(key=_offset_of)
+            cached.extendleft(reversed(front))
+        else:
+            cached.extendleft(reversed(messages))
+        return
+    _align_cached_at(lane)
+    cached_at = lane.cached_at
+    pairs = list(zip(messages, times if times is not None else [0.0] * len(messages), strict=True))
+    if cached and cached[0].queue_offset < last:
+        while cached and cached[0].queue_offset < last:
+            pairs.append((cached.popleft(), cached_at.popleft()))
+        pairs.sort(key=lambda pair: pair[0].queue_offset)
+    cached.extendleft([message for message, _ in reversed(pairs)])
+    cached_at.extendleft([at for _, at in reversed(pairs)])
+
+
+def _offset_of(message: Message) -> int:
+    return message.queue_offset
+
+
 class ProcessQueue:
     """Cached and pending messages of one message queue, and its committed progress.
 
@@ -899,6 +930,43 @@ class ProcessQueue:
     def try_take_fifo_message(self) -> Batch | None:
         """Take the next single message of an exclusive (orderly) lane, or ``None``."""
         return self.try_take_messages(1)
+
+    def untake_messages(self, batch: Batch) -> Effects:
+        """Give back ``batch``, taken and not handed to a handler, as if it had never
+        been taken.
+
+        For the shell, when a queue's lease ended (or it was released) between the
+        take and the start of the handler: the handler must not run, and whoever
+        consumes the queue then gets the messages as they were. The messages go back
+        to the head of their lane's cache in offset order, with their cached times;
+        the lane is first in line again. A retry (a suspended batch taken again) is
+        suspended again and first in line among the retries. Taking changed nothing
+        else, so nothing else changes: no attempt is counted, no ``reconsume_times``
+        raised, the committed offset, stage offsets and flow control stay as they
+        are. Returns ``READY``, or, when the queue was dropped meanwhile (nothing of
+        it is handed out again), ``DRAINED`` if no other batch of it is in a handler.
+        """
+        n = len(batch.messages)
+        if batch.attempt != 1:  # a retry: pending and suspended, as before the take
+            self._suspended_count += n
+            if not self.dropped:
+                self.ready_retries.appendleft(batch)
+                return READY
+        else:
+            lane = batch._lane
+            _put_back(lane, batch.messages, batch._cached_at)
+            batch._epoch.cached += n  # the head epoch: its messages are unfinished
+            lane.in_flight -= 1
+            self._cached_count += n
+            self._pending_count -= n
+            if not self.dropped:
+                ready = self.ready_lanes
+                if lane.in_ready:
+                    ready.remove(lane)  # first in line again, as before the take
+                lane.in_ready = True
+                ready.appendleft(lane)
+                return READY
+        return DRAINED if self._pending_count == self._suspended_count else NOTHING
 
     # -- finishing ---------------------------------------------------------------
 

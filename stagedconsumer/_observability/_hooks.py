@@ -192,7 +192,10 @@ class ConsumeMessageHook(abc.ABC):
     block. Ordering: for one batch, ``consume_message_before`` happens before the
     handler starts and ``consume_message_after`` after the batch was settled
     (finished, sent back, suspended or dead-lettered); calls for different batches
-    interleave freely.
+    interleave freely. A plain ``def`` handler whose queue's lease ended after the
+    hooks' ``before`` and before its thread started is not called: ``after`` still
+    comes, with :class:`~stagedconsumer.LeaseEndedError` as ``context.exception`` and
+    nothing settled (the batch went back to its queue).
     """
 
     @property
@@ -206,7 +209,8 @@ class ConsumeMessageHook(abc.ABC):
 
     @abc.abstractmethod
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
-        """Called after the handler returned or raised and the batch was settled."""
+        """Called after the handler returned or raised and the batch was settled (or
+        was not called and its batch went back: see the class docstring)."""
 
     def messages_pulled(self, context: PullContext) -> None:  # noqa: B027 - optional
         """Called after a pull that cached messages. The default does nothing (and a

@@ -15,7 +15,7 @@ from .._observability._hooks import ConsumeMessageContext, ConsumeMessageHook, P
 from .._observability._send_hooks import SendMessageContext, SendMessageHook
 from ._shapes import overrides
 
-__all__ = ("HookRunner", "SendHookRunner", "loop_clock", "loop_wall_offset")
+__all__ = ("HookRunner", "SendHookRunner", "loop_clock", "loop_wall_offset", "thread_clock")
 
 logger = logging.getLogger("stagedconsumer.hooks")
 
@@ -160,6 +160,23 @@ def loop_clock() -> Callable[[], float]:
 
         return trio.current_time
     return anyio.current_time
+
+
+def thread_clock() -> Callable[[], float]:
+    """:func:`loop_clock`, as a function that other threads may call too (a plain
+    ``def`` handler's thread reads the lease deadline against it). On trio that is the
+    run's clock object (``trio.current_time()`` works only in the loop's thread); on
+    asyncio the loop's ``time()``, ``time.monotonic`` for the standard loops. Call
+    from inside the event loop."""
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return anyio.current_time
+    if library == "trio":
+        import trio
+
+        return trio.lowlevel.current_clock().current_time
+    return loop_clock()
 
 
 def loop_wall_offset(clock: Callable[[], float] = anyio.current_time) -> float:

@@ -14,9 +14,10 @@ decides what to do::
              commit would be refused if the new owner already claimed the queue.
 
 A queue's batches are handed to handlers only while its lease lasts (the
-dispatcher checks the lease deadline before every batch), so a member paused longer
-than its lease (SIGSTOP, a long GC pause) starts no handler on a queue it may have
-lost, even before it notices.
+dispatcher checks the lease deadline before every batch, and a plain ``def``
+handler's thread checks it again right before the call, giving the batch back
+uncalled if it ended), so a member paused longer than its lease (SIGSTOP, a long GC
+pause) starts no handler on a queue it may have lost, even before it notices.
 """
 
 from __future__ import annotations
@@ -162,7 +163,11 @@ class GroupMembership:
         for queue in self.queues:  # renewed leases: batches may be handed out longer
             deadline = ownership.deadline(queue.mq)
             if deadline is not None:
-                self.dispatcher.set_lease(queue.pq, deadline)
+                # READY when the lease had lapsed with work held back (skipped by a
+                # take, or a batch given back uncalled): wake a worker for it.
+                effects = self.dispatcher.set_lease(queue.pq, deadline)
+                if effects:
+                    self.queues.signals.apply(queue.pq, effects)
         await self._take(outcome.take)
         return outcome.pending
 

@@ -17,11 +17,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._core import READY, Batch, Dispatcher, EraseStatus
+from .._core import READY, Batch, Dispatcher, EraseStatus, ProcessQueue
+from .._exceptions import LeaseEndedError
 from .._listeners import is_async_callable
 from .._message import Message
 from .._observability._hooks import ConsumeMessageContext, ConsumeReturnType
-from ._hooks import HookRunner, loop_clock
+from ._hooks import HookRunner, loop_clock, thread_clock
 from ._services import ConsumeService
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
@@ -36,6 +37,9 @@ _CHECKPOINT_EVERY = 64
 _NEVER_AGAIN = 365 * 24 * 3600.0
 """Seconds a batch whose handler called ``sys.exit()`` waits: the consumer stops first."""
 _SUCCESS = EraseStatus.SUCCESS
+_GIVEN_BACK: Any = object()
+"""What a handler thread returns instead of calling the handler: the queue's lease
+ended before the call (see :func:`_call_while_leased`)."""
 _READY = READY
 _NOT_READY = ~READY
 
@@ -61,7 +65,11 @@ class WorkerPool:
     ``async def`` handlers run in the worker task; plain ``def`` handlers in a daemon
     worker thread, at most ``workers`` at once (see :class:`ThreadRunner`). With
     ``leased`` set (queues owned through group locks), a batch is handed out only
-    while its queue's lease lasts.
+    while its queue's lease lasts, and a plain ``def`` handler's thread checks it once
+    more right before the call: a batch whose lease ended in between (the process
+    was paused, say) goes back to its queue uncalled (:meth:`Dispatcher.untake`).
+    An ``async def`` handler starts in the same step of the event loop as its take,
+    with nothing awaited in between, so its take's check is as late as that one.
     """
 
     def __init__(
@@ -145,6 +153,23 @@ class WorkerPool:
 
     async def _call_sync(self, messages: Sequence[Message], context: Any) -> Any:
         result = await self._threads.run_sync(self.consume, messages, context)
+        if inspect.isawaitable(result):  # a plain def that returned an awaitable
+            result = await result
+        return result
+
+    async def _call_leased(
+        self,
+        messages: Sequence[Message],
+        context: Any,
+        pq: ProcessQueue,
+        clock: Callable[[], float],
+    ) -> Any:
+        """:meth:`_call_sync` on a leased queue: :data:`_GIVEN_BACK`, without calling
+        the handler, when the thread finds the lease ended (see
+        :func:`_call_while_leased`)."""
+        result = await self._threads.run_sync(
+            _call_while_leased, self.consume, pq, clock, messages, context
+        )
         if inspect.isawaitable(result):  # a plain def that returned an awaitable
             result = await result
         return result
@@ -253,6 +278,8 @@ class WorkerPool:
         context_for, ok, partial_ack = service.context_for, service.success, service.partial_ack
         batch_max, consume, is_async = self.batch_size, self.consume, self.is_async
         call_sync, hooks, leased = self._call_sync, self.hooks, self.leased
+        call_leased = self._call_leased
+        lease_clock = thread_clock() if leased and not is_async else None
         runs = is_async and batch_max == 1 and hooks is None
         suspend_ms = service.options.suspend_current_queue_time_millis
         hook_ctx: ConsumeMessageContext | None = None
@@ -299,8 +326,10 @@ class WorkerPool:
                             result = await _resume(coro, step)
                     elif is_async:
                         result = await consume(call, context)
-                    else:
+                    elif lease_clock is None:
                         result = await call_sync(call, context)
+                    else:
+                        result = await call_leased(call, context, pq, lease_clock)
                 except Exception as exc:  # a failing handler never stops the consumer
                     error = exc
                 except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
@@ -325,6 +354,9 @@ class WorkerPool:
                     or (result is not None and result is not ok)
                     or (partial_ack and context.ack_index < len(call) - 1)
                 ):
+                    if result is _GIVEN_BACK:  # not called: the lease ended before
+                        error, result = self._give_back(batch), None
+                        break
                     if done:
                         self._cut(batch, done)
                     await self._settle(batch, context, error, result, hook_ctx)
@@ -355,6 +387,24 @@ class WorkerPool:
             if streak >= _CHECKPOINT_EVERY:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
+
+    def _give_back(self, batch: Batch) -> LeaseEndedError:
+        """The queue's lease ended (or the queue was released) before the handler's
+        thread started the call, which it did not make: the batch goes back to its
+        queue as if it had never been taken (:meth:`Dispatcher.untake`): not finished,
+        not settled, no attempt counted; whoever consumes the queue next gets it.
+        Returns what the hooks, which saw the call begin, see as its exception."""
+        pq = batch.process_queue
+        messages = batch.messages
+        mq = pq.message_queue
+        ended = f"{mq} was released" if pq.dropped else f"the lease of {mq} ended"
+        what = (
+            f"{ended} before the handler started on offsets {messages[0].queue_offset}.."
+            f"{messages[-1].queue_offset}: not called, the batch went back to the queue"
+        )
+        self.signals.apply(pq, self.dispatcher.untake(batch))
+        logger.info("group %s: %s", self.state.group, what)
+        return LeaseEndedError(what)
 
     def _cut(self, batch: Batch, done: int) -> None:
         """Finish the first ``done`` messages of a run's batch (their calls succeeded),
@@ -438,6 +488,27 @@ class WorkerPool:
         else:
             hook_ctx.status = ConsumeReturnType.FAILED
         self.hooks.after(hook_ctx)
+
+
+def _call_while_leased(
+    consume: Callable[..., Any],
+    pq: ProcessQueue,
+    clock: Callable[[], float],
+    messages: Sequence[Message],
+    context: Any,
+) -> Any:
+    """In a handler thread: ``consume(messages, context)`` if ``pq`` is still consumed
+    here, else :data:`_GIVEN_BACK` without calling it.
+
+    The batch was taken on the event loop, its lease checked there; the thread starts
+    the call a moment later, and a pause of the whole process in between (SIGSTOP, a
+    long GC pause) would start it after the lease ended, when another member may own
+    the queue. So the lease is checked again here, on the clock the take used
+    (:func:`thread_clock`), as late as it can be. Only two attributes are read; the
+    queue is changed in the event loop's thread alone."""
+    if pq.dropped or pq.lease_deadline <= clock():
+        return _GIVEN_BACK
+    return consume(messages, context)
 
 
 @types.coroutine

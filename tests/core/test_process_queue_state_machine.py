@@ -19,6 +19,9 @@ step the machine checks the contract of design.md section 3:
 - a paused or dropped queue hands out nothing, and an unpaused one goes on;
 - every message is taken once (retries of a suspended batch are the same batch),
   counts, bytes, span and flow control exact, suspended batches never double-count;
+- a batch given back (``untake``) is as if it had never been taken: its messages
+  are cached again at the head of their lane (a retry is a retry again), taken
+  again in the same order, with no attempt counted;
 - liveness: whenever the model says a batch may be taken, ``take`` returns one.
 """
 
@@ -37,6 +40,8 @@ from hypothesis.stateful import (
 
 from stagedconsumer import Message, MessageQueue
 from stagedconsumer._core import (
+    DRAINED,
+    READY,
     TAIL_STAGE,
     Batch,
     ConsumeMode,
@@ -168,6 +173,8 @@ class MBatch:
     state: str = "running"  # running | suspended | retry
     retry_at: float = 0.0
     attempt: int = 1
+    given_back: bool = False
+    """A retry taken and given back (untake): its next take is no new attempt."""
 
 
 class ProcessQueueMachine(RuleBasedStateMachine):
@@ -372,13 +379,15 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         if retried is not None:
             assert retried.state == "retry", f"batch taken again while {retried.state}"
             retried.state = "running"
-            retried.attempt += 1
+            again = 0 if retried.given_back else 1  # given back: taken as it was
+            retried.given_back = False
+            retried.attempt += again
             assert batch.attempt == retried.attempt
             assert [m.queue_offset for m in batch.messages] == [
                 m.message.queue_offset for m in retried.msgs
             ]
             for mm, message in zip(retried.msgs, batch.messages, strict=True):
-                assert message.reconsume_times == mm.message.reconsume_times + 1
+                assert message.reconsume_times == mm.message.reconsume_times + again
                 mm.message = message
             return
         assert not any(b.state == "retry" and b.queue is q for b in self.batches), (
@@ -439,6 +448,25 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         ]
         if not b.msgs:
             self.batches.remove(b)
+
+    @precondition(lambda self: any(b.state == "running" for b in self.batches))
+    @rule(data=st.data())
+    def untake(self, data: st.DataObject) -> None:
+        """Give a batch back (its handler never ran): its messages are cached again,
+        or, a retry, it is a retry again; nothing counts as an attempt."""
+        b = data.draw(st.sampled_from(self.running()))
+        effects = self.dispatcher.untake(b.batch)
+        dropped = b.queue.pq.dropped
+        assert bool(effects & READY) == (not dropped)
+        if b.batch.attempt == 1:
+            for m in b.msgs:
+                m.state = "cached"
+            self.batches.remove(b)
+        else:
+            b.state = "dead" if dropped else "retry"
+            b.given_back = True
+        if dropped:
+            assert bool(effects & DRAINED) == (b.queue.pq.in_handlers == 0)
 
     @precondition(lambda self: any(b.state == "running" for b in self.batches))
     @rule(data=st.data(), delay=st.sampled_from([0.0, 0.5, 1.0, 2.0]))
