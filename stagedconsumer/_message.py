@@ -51,8 +51,9 @@ class _MessageFields:
     ``fields.__class__ = Message`` (allowed: the two share one layout). The caller must
     pass values already in their stored form (``keys`` a tuple, ``properties`` a
     read-only mapping such as :data:`EMPTY_PROPERTIES` or a ``MappingProxyType``) and
-    set every slot: attrs' ``__init__`` and its converters do not run. About a sixth of
-    the cost of a ``Message(...)`` call.
+    set every slot: attrs' ``__init__`` and its converters do not run. About a quarter
+    of the instructions of setting the slots one ``__set__`` call at a time (the
+    setters below): 2.0k against 7.9k per message under callgrind.
     """
 
     __slots__ = (
