@@ -76,6 +76,8 @@ _DEADLOCK_RETRIES: Final = 3
 _SNAPSHOT_CHUNK: Final = 500
 _WRITE_CHUNK: Final = 200
 _GIL_PAUSE: Final = 0.001
+_CREATE_ATTEMPTS: Final = 3
+"""Tries at creating the tables when stores race to: one per table, and one more."""
 _T = TypeVar("_T")
 
 _DRIVER_HINTS: Final = {
@@ -684,8 +686,12 @@ class SqlOffsetStore(StageOffsetStore):
     def _setup_locked(self) -> None:
         engine = self._engine
         if self._create_tables:
-            # Several processes may race to create the tables: whoever loses sees them.
-            for attempt in range(3):
+            # Several processes may race to create the tables: a store that loses the
+            # race for one table (created between its check and its CREATE) tries
+            # again, skipping what exists by then. The winner may still be creating the
+            # other table, so the tables' existence is judged only after the last
+            # attempt: one per table, and one that finds both there.
+            for attempt in range(_CREATE_ATTEMPTS):
                 try:
                     with self._write_transaction() as conn:
                         self._metadata.create_all(conn, checkfirst=True)
@@ -695,7 +701,11 @@ class SqlOffsetStore(StageOffsetStore):
                     sa_exc.IntegrityError,
                     sa_exc.OperationalError,
                 ) as exc:
-                    if attempt == 2 or _is_read_only(exc) or not self._tables_exist():
+                    if _is_read_only(exc):
+                        raise
+                    if attempt == _CREATE_ATTEMPTS - 1:
+                        if self._tables_exist():
+                            break
                         raise
         elif (missing := self._missing_sqlite_file()) is not None:
             # Checked before connecting: connecting would create the file, empty.

@@ -89,7 +89,9 @@ class Backend:
         return store
 
     async def close(self) -> None:
-        for store in self._opened:
+        """Close every store made so far (a test may close them early, and make more)."""
+        opened, self._opened = self._opened, []
+        for store in opened:
             await store.aclose()
 
 
