@@ -137,6 +137,17 @@ class _EndsBeforeTheThread(ThreadRunner):
             self._returned.set()
 
 
+def _lease_ender(window: Window, consumer: PushConsumer) -> Callable[[], None]:
+    """What the seam runs before the hand-off: every queue's lease ends now."""
+
+    def end_the_lease() -> None:
+        window.open = True
+        for queue in consumer._queues:
+            consumer._dispatcher.set_lease(queue.pq, anyio.current_time())
+
+    return end_the_lease
+
+
 def _seam(monkeypatch: pytest.MonkeyPatch, end: Callable[[], None]) -> anyio.Event:
     returned = anyio.Event()
     monkeypatch.setattr(
@@ -169,12 +180,7 @@ async def test_a_batch_whose_lease_ended_before_its_thread_started_goes_back_unc
     window = Window()
     consumer = _consumer(LISTENERS[kind](window))
 
-    def end_the_lease() -> None:
-        window.open = True
-        for queue in consumer._queues:
-            consumer._dispatcher.set_lease(queue.pq, anyio.current_time())
-
-    returned = _seam(monkeypatch, end_the_lease)
+    returned = _seam(monkeypatch, _lease_ender(window, consumer))
     async with consumer:
         with anyio.fail_after(5):
             await returned.wait()
@@ -251,12 +257,7 @@ async def test_hooks_see_a_call_given_back_end_with_lease_ended_error(
     hook = Recorder()
     consumer.register_consume_message_hook(hook)
 
-    def end_the_lease() -> None:
-        window.open = True
-        for queue in consumer._queues:
-            consumer._dispatcher.set_lease(queue.pq, anyio.current_time())
-
-    returned = _seam(monkeypatch, end_the_lease)
+    returned = _seam(monkeypatch, _lease_ender(window, consumer))
     async with consumer:
         with anyio.fail_after(5):
             await returned.wait()
