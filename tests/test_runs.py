@@ -58,15 +58,14 @@ def original_offset(message: Message) -> int:
 
 async def test_fast_calls_run_back_to_back_on_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     added: list[int] = []
-    take_next = ProcessQueue.take_next
+    take_more = ProcessQueue.take_more
 
-    def spy(self: ProcessQueue, batch: Any, now: float = float("-inf")) -> Message | None:
-        message = take_next(self, batch, now)
-        if message is not None:
-            added.append(message.queue_offset)
-        return message
+    def spy(self: ProcessQueue, batch: Any, max_count: int, now: float = float("-inf")) -> int:
+        got = take_more(self, batch, max_count, now)
+        added.extend(m.queue_offset for m in batch.messages[len(batch.messages) - got :])
+        return got
 
-    monkeypatch.setattr(ProcessQueue, "take_next", spy)
+    monkeypatch.setattr(ProcessQueue, "take_more", spy)
     seen: list[int] = []
 
     class Fast(MessageListenerConcurrently):
@@ -101,6 +100,37 @@ async def test_a_call_that_waits_leaves_the_next_message_to_another_worker() -> 
     options = ConsumerOptions(consume_thread_max=2)
     await drain(PushConsumer("g", broker_with(4), Waits(), options=options))
     assert outcome == {1: "released"}
+
+
+@pytest.mark.parametrize(("waiter", "awaited"), [(4, 5), (4, 7), (9, 12), (20, 27)])
+async def test_a_call_that_waits_gives_back_what_its_run_took_ahead(
+    waiter: int, awaited: int
+) -> None:
+    # A run takes messages ahead of its calls (1, 2, 4, ... at a time). The call on
+    # ``waiter`` waits for the call on ``awaited``, which its run may have taken ahead:
+    # had that not gone back to the queue as the call began to wait, nobody could
+    # call it and the waiting call would time out.
+    released = anyio.Event()
+    outcome: dict[int, str] = {}
+    seen: Counter[int] = Counter()
+
+    class Waits(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            offset = msgs[0].queue_offset
+            seen[offset] += 1
+            if offset == waiter:
+                with anyio.move_on_after(5) as scope:
+                    await released.wait()
+                outcome[waiter] = "timed out" if scope.cancelled_caught else "released"
+            elif offset == awaited:
+                released.set()
+
+    options = ConsumerOptions(consume_thread_max=2)
+    await drain(PushConsumer("g", broker_with(40), Waits(), options=options))
+    assert outcome == {waiter: "released"}
+    assert seen == Counter(range(40))  # every message called once
 
 
 async def test_earlier_messages_of_a_run_are_finished_before_a_call_waits() -> None:

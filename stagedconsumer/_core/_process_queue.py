@@ -927,6 +927,62 @@ class ProcessQueue:
             batch._cached_at.append(at)
         return message
 
+    def take_more(self, batch: Batch, max_count: int, now: float = _NO_LEASE) -> int:
+        """:meth:`take_next` for up to ``max_count`` messages at once: add the next
+        cached messages of ``batch``'s lane and stage to ``batch`` and return how many
+        (0 when the queue gives nothing now, or ``batch`` is a retry).
+
+        For the shell's runs, which take messages ahead of the calls they make: what a
+        run took and did not call goes back with :meth:`untake_rest` before anything
+        else can see the queue.
+        """
+        epoch = batch._epoch
+        n = epoch.cached
+        if not n or self.open_until <= now or batch.attempt != 1:
+            return 0
+        if n > max_count:
+            n = max_count
+        lane = batch._lane
+        cached = lane.cached
+        if n == 1:
+            batch.messages.append(cached.popleft())
+        else:
+            batch.messages += [cached.popleft() for _ in range(n)]
+        epoch.cached -= n
+        self._cached_count -= n
+        self._pending_count += n
+        cached_at = lane.cached_at
+        times = batch._cached_at
+        if cached_at:
+            taken = [cached_at.popleft() for _ in range(n)]
+            if times is not None:
+                times += taken
+        elif times is not None:
+            times += [0.0] * n
+        return n
+
+    def untake_rest(self, batch: Batch, keep: int) -> None:
+        """Give back the messages of ``batch`` from index ``keep`` on, taken by
+        :meth:`take_next` or :meth:`take_more` and not handed to a handler, as if they
+        had never been taken: they go back to the head of their lane's cache, with
+        their cached times; the counts are as before the take. The lane's readiness
+        is untouched (taking them did not change it)."""
+        messages = batch.messages
+        n = len(messages) - keep
+        if n <= 0:
+            return
+        rest = messages[keep:]
+        del messages[keep:]
+        times = batch._cached_at
+        rest_times = None
+        if times is not None:
+            rest_times = times[keep:]
+            del times[keep:]
+        _put_back(batch._lane, rest, rest_times)
+        batch._epoch.cached += n
+        self._cached_count += n
+        self._pending_count -= n
+
     def try_take_fifo_message(self) -> Batch | None:
         """Take the next single message of an exclusive (orderly) lane, or ``None``."""
         return self.try_take_messages(1)
@@ -1036,22 +1092,29 @@ class ProcessQueue:
         n = len(messages)
         order = self._order
         finished = self._finished
+        head = 0  # how many of the order's first offsets are the messages'
         if n == 1:
             message = messages[0]
             self._cached_bytes -= len(message.body)
             offset = message.queue_offset
             if order[0] != offset:
                 finished.add(offset)
-                at_head = False
             else:
-                at_head = True
+                head = 1
         else:
             size = 0
-            for message in messages:
-                size += len(message.body)
-                finished.add(message.queue_offset)
+            if order[0] == messages[0].queue_offset and order[n - 1] == messages[-1].queue_offset:
+                # The messages (in offset order, all pending) are the order's first n
+                # (a run, a queue's only worker): they leave without entering the set.
+                for message in messages:
+                    size += len(message.body)
+                head = n
+            else:
+                for message in messages:
+                    size += len(message.body)
+                    finished.add(message.queue_offset)
             self._cached_bytes -= size
-            at_head = bool(order) and order[0] in finished
+        at_head = head > 0 or (bool(order) and order[0] in finished)
         epoch.unfinished -= n
         self._pending_count -= n
         epochs = lane.epochs
@@ -1065,13 +1128,16 @@ class ProcessQueue:
             # is popped without entering the set.
             order_lanes = self._order_lanes
             if order_lanes is None:
-                if n == 1:
+                if head == 1:
                     order.popleft()
+                else:
+                    for _ in range(head):
+                        order.popleft()
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
             else:
                 order_stages = self._order_stages
-                if n == 1:
+                for _ in range(head):
                     order.popleft()
                     order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
                 while order and order[0] in finished:

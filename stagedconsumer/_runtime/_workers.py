@@ -18,6 +18,7 @@ import anyio
 import anyio.abc
 
 from .._core import READY, Batch, Dispatcher, EraseStatus, ProcessQueue
+from .._core._process_queue import _NO_LEASE
 from .._exceptions import LeaseEndedError
 from .._listeners import is_async_callable
 from .._message import Message
@@ -273,6 +274,7 @@ class WorkerPool:
             self.service,
         )
         take, finish, has_ready = dispatcher.take, dispatcher.finish, dispatcher.has_ready
+        take_more = ProcessQueue.take_more
         apply, work = signals.apply, signals.work
         idle = work.idle
         context_for, ok, partial_ack = service.context_for, service.success, service.partial_ack
@@ -294,84 +296,102 @@ class WorkerPool:
             if idle and has_ready():
                 idle.popleft().set()
             pq = batch.process_queue
-            messages = batch.messages
             run = runs and batch.attempt == 1
-            call = [messages[0]] if run else messages  # a run's batch grows
+            call = [batch.messages[0]] if run else batch.messages  # a run's batch grows
             done = 0  # messages of the run's earlier calls, not finished yet
-            while True:
-                context = context_for(batch, suspend_ms)
-                error: Exception | None = None
-                result: Any = None
-                suspended = True
-                if hooks is not None:
-                    hook_ctx = self._hook_context(batch, clock)
-                    hooks.before(hook_ctx)
-                state.in_flight += 1
-                if slot is not None and not run:
-                    slot.call = (batch, context, hook_ctx)
-                try:
-                    if run:
+            context = context_for(batch, suspend_ms)
+            error: Exception | None = None
+            result: Any = None
+            suspended = True
+            if hooks is not None:
+                hook_ctx = self._hook_context(batch, clock)
+                hooks.before(hook_ctx)
+            state.in_flight += 1
+            if slot is not None and not run:
+                slot.call = (batch, context, hook_ctx)
+            try:
+                if run:
+                    # The run: one call per message, the next one made as long as a
+                    # call returns success without having suspended. Messages are
+                    # taken ahead (1, 2, 4, ... at a time); those not called go back
+                    # before the worker lets anything else run (:meth:`_end_run`).
+                    taken = 1
+                    ahead = 1
+                    while True:
                         coro = consume(call, context)
                         try:
                             step = coro.send(None)
                         except StopIteration as stop:
                             result = stop.value
-                            suspended = False
                         else:  # it waits: what the run finished before is finished now
-                            if done:
-                                self._cut(batch, done)
+                            if taken > 1:
+                                self._end_run(batch, done)
                                 done = 0
                             if slot is not None:  # only a call that waits can time out
                                 slot.call = (batch, context, hook_ctx)
                             result = await _resume(coro, step)
-                    elif is_async:
-                        result = await consume(call, context)
-                    elif lease_clock is None:
-                        result = await call_sync(call, context)
-                    else:
-                        result = await call_leased(call, context, pq, lease_clock)
-                except Exception as exc:  # a failing handler never stops the consumer
-                    error = exc
-                except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
-                    if done:
-                        self._cut(batch, done)
-                    self._exit_requested(batch, exc)
+                            break
+                        streak += 1
+                        suspended = False
+                        if (
+                            (result is not None and result is not ok)
+                            or (partial_ack and context.ack_index < 0)
+                            or streak >= _CHECKPOINT_EVERY
+                            or state.stopping
+                        ):
+                            break
+                        now = clock() if leased else _NO_LEASE
+                        if done + 1 == taken:
+                            got = take_more(pq, batch, min(ahead, _CHECKPOINT_EVERY - streak), now)
+                            if not got:
+                                break
+                            taken += got
+                            ahead += ahead
+                        elif pq.open_until <= now:  # paused, released or the lease ended
+                            break
+                        done += 1
+                        call = [batch.messages[done]]
+                        context = context_for(batch, suspend_ms)
+                        suspended = True
+                elif is_async:
+                    result = await consume(call, context)
+                elif lease_clock is None:
+                    result = await call_sync(call, context)
+                else:
+                    result = await call_leased(call, context, pq, lease_clock)
+            except Exception as exc:  # a failing handler never stops the consumer
+                error = exc
+            except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
+                self._end_run(batch, done)
+                self._exit_requested(batch, exc)
+                return
+            except BaseException:  # cancelled in a call's first step: keep what ran
+                self._end_run(batch, done)
+                raise
+            finally:
+                state.in_flight -= 1
+            if run and len(batch.messages) > done + 1:  # taken ahead, not called
+                pq.untake_rest(batch, done + 1)
+            if slot is not None and suspended:
+                if slot.timed_out:  # timed out as it returned: the result is ignored
                     return
-                except BaseException:  # cancelled in a call's first step: keep what ran
-                    if done:
-                        self._cut(batch, done)
-                    raise
-                finally:
-                    state.in_flight -= 1
-                if slot is not None and suspended:
-                    if slot.timed_out:  # timed out as it returned: the result is ignored
-                        return
-                    slot.call = None
-                if hook_ctx is not None:
-                    hook_ctx.end_time = clock()
-                if (
-                    error is not None
-                    or (result is not None and result is not ok)
-                    or (partial_ack and context.ack_index < len(call) - 1)
-                ):
-                    if result is _GIVEN_BACK:  # not called: the lease ended before
-                        error, result = self._give_back(batch), None
-                        break
+                slot.call = None
+            if hook_ctx is not None:
+                hook_ctx.end_time = clock()
+            if (
+                error is not None
+                or (result is not None and result is not ok)
+                or (partial_ack and context.ack_index < len(call) - 1)
+            ):
+                if result is _GIVEN_BACK:  # not called: the lease ended before
+                    error, result = self._give_back(batch), None
+                else:
                     if done:
                         self._cut(batch, done)
                     await self._settle(batch, context, error, result, hook_ctx)
-                    break
-                streak += 1
-                if (
-                    run
-                    and not suspended
-                    and streak < _CHECKPOINT_EVERY
-                    and not state.stopping
-                    and (message := pq.take_next(batch, clock()) if leased else pq.take_next(batch))
-                ):
-                    done += 1
-                    call = [message]
-                    continue
+            else:
+                if suspended:  # a run counts its calls as they return
+                    streak += 1
                 state.consumed_ok += len(batch.messages)
                 if hook_ctx is None:
                     effects = finish(batch, _SUCCESS)  # this worker takes what it freed
@@ -380,7 +400,6 @@ class WorkerPool:
                     effects = finish(batch, _SUCCESS, hook_ctx.end_time)
                 if effects > _READY:  # READY alone: this worker takes the next batch itself
                     apply(pq, effects & _NOT_READY)
-                break
             if hook_ctx is not None:
                 self._hooks_after(hook_ctx, error, result)
                 hook_ctx = None
@@ -405,6 +424,14 @@ class WorkerPool:
         self.signals.apply(pq, self.dispatcher.untake(batch))
         logger.info("group %s: %s", self.state.group, what)
         return LeaseEndedError(what)
+
+    def _end_run(self, batch: Batch, done: int) -> None:
+        """A run stops at its call in progress (``batch.messages[done]``): what it took
+        ahead goes back, the calls before are finished."""
+        if len(batch.messages) > done + 1:
+            batch.process_queue.untake_rest(batch, done + 1)
+        if done:
+            self._cut(batch, done)
 
     def _cut(self, batch: Batch, done: int) -> None:
         """Finish the first ``done`` messages of a run's batch (their calls succeeded),

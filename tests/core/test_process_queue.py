@@ -285,6 +285,86 @@ def test_take_next_in_an_orderly_queue_keeps_it_exclusive() -> None:
     assert [m.queue_offset for m in last] == [2]
 
 
+def test_take_more_adds_up_to_max_count_and_stops_at_the_stage_boundary() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.STAGED, plan=StagePlan.single([5, 3]))
+    pq.put_messages(messages(0, 8), now=1.0)
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    assert pq.take_more(batch, 2) == 2
+    assert pq.take_more(batch, 10) == 2  # offsets 3 and 4: offset 5 is the next stage
+    assert pq.take_more(batch, 10) == 0
+    assert [m.queue_offset for m in batch] == [0, 1, 2, 3, 4]
+    assert batch.cached_times == [1.0] * 5
+    stats = pq.statistics()
+    assert (stats.cached_count, stats.pending_count) == (3, 5)
+    pq.erase_messages(batch, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 5
+
+
+def test_take_more_gives_nothing_from_a_closed_queue_or_for_a_retry() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
+    pq.put_messages(messages(0, 6))
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    pq.pause()
+    assert pq.take_more(batch, 3) == 0
+    pq.unpause()
+    pq.set_lease(10.0)
+    assert pq.take_more(batch, 3, now=10.0) == 0  # the lease ended
+    assert pq.take_more(batch, 3, now=9.0) == 3
+    retried = pq.try_take_messages(1)
+    assert retried is not None
+    pq.suspend_messages(retried, retry_at=1.0)
+    pq.resume(retried)
+    again = pq.try_take_messages(1)
+    assert again is retried
+    assert pq.take_more(again, 3) == 0  # a retry is called as it was taken
+
+
+def test_untake_rest_gives_back_what_was_taken_ahead_first_in_line() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
+    pq.put_messages(messages(0, 3), now=1.0)
+    pq.put_messages(messages(3, 3), now=2.0)
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    assert pq.take_more(batch, 4) == 4
+    before = pq.statistics()
+    pq.untake_rest(batch, 2)  # offsets 0 and 1 called, 2 to 4 not
+    assert [m.queue_offset for m in batch] == [0, 1]
+    assert batch.cached_times == [1.0, 1.0]
+    stats = pq.statistics()
+    assert stats.cached_count == before.cached_count + 3
+    assert stats.pending_count == before.pending_count - 3
+    pq.untake_rest(batch, 2)  # nothing more to give back
+    assert [m.queue_offset for m in batch] == [0, 1]
+    other = pq.try_take_messages(10)  # another worker gets them, in offset order
+    assert other is not None
+    assert [m.queue_offset for m in other] == [2, 3, 4, 5]
+    assert other.cached_times == [1.0, 2.0, 2.0, 2.0]
+    pq.erase_messages(other, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 0  # offsets 0 and 1 still in the run's batch
+    pq.erase_messages(batch, EraseStatus.SUCCESS)
+    assert pq.committed_offset == 6
+    assert pq.statistics().pending_count == 0
+
+
+def test_untake_rest_in_an_orderly_queue_keeps_the_order() -> None:
+    pq = ProcessQueue(MQ, ConsumeMode.ORDERLY)
+    pq.put_messages(messages(0, 5))
+    batch = pq.try_take_messages(1)
+    assert batch is not None
+    assert pq.take_more(batch, 4) == 4
+    pq.untake_rest(batch, 1)
+    assert pq.try_take_messages(1) is None  # the queue's one batch is still in flight
+    pq.erase_messages(batch, EraseStatus.SUCCESS)
+    taken = []
+    while (next_batch := pq.try_take_messages(1)) is not None:
+        taken += [m.queue_offset for m in next_batch]
+        pq.erase_messages(next_batch, EraseStatus.SUCCESS)
+    assert taken == [1, 2, 3, 4]
+    assert pq.committed_offset == 5
+
+
 def test_take_next_keeps_times_aligned_when_the_cache_had_none() -> None:
     pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
     pq.put_messages(messages(0, 1), now=2.0)
