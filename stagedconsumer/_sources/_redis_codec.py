@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from itertools import repeat
 from types import MappingProxyType
 from typing import Any, cast
 
@@ -95,9 +94,9 @@ def _entry_offset(entry_id: bytes) -> int:
     return int(entry_id[:-2]) - 1
 
 
-_PLAIN_NAMES = (b"i", b"b", b"t")
+_entry_id = operator.itemgetter(0)
+_PLAIN_NAMES = [b"i", b"b", b"t"]
 """The names of an entry's fields when it has only those every message has."""
-_plain_names = operator.itemgetter(0, 2, 4)
 
 
 def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[Message]:
@@ -121,27 +120,26 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
     """
     if not entries:
         return []
-    ids, raws = zip(*entries, strict=True)
-    if not all(map(bytes.endswith, ids, repeat(b"-0"))):
+    # Every id ends with "-0": as many "-0 " as ids in them joined (an id has one "-").
+    if (b" ".join(map(_entry_id, entries)) + b" ").count(b"-0 ") != len(entries):
         for entry_id, raw in entries:
             if not entry_id.endswith(b"-0"):
                 raise _ForeignEntry(entry_id, raw)
-    first = _entry_offset(ids[0])
-    consecutive = _entry_offset(ids[-1]) - first == len(ids) - 1
+    first = _entry_offset(entries[0][0])
+    consecutive = _entry_offset(entries[-1][0]) - first == len(entries) - 1
     out: list[_MessageFields] = []
     append = out.append
     fields = _MessageFields
     message_class = Message
     empty = EMPTY_PROPERTIES
+    plain_names = _PLAIN_NAMES
     offset = first
-    if (
-        consecutive
-        and all(map(operator.eq, map(len, raws), repeat(6)))
-        and all(map(operator.eq, map(_plain_names, raws), repeat(_PLAIN_NAMES)))
-    ):
+    if consecutive:
         last_t = b""
         born = 0.0
-        for raw in raws:
+        for _, raw in entries:
+            if raw[::2] != plain_names:
+                break  # optional fields, or a foreign entry: the general loop below
             m = fields()
             m.topic = topic
             m.queue_id = queue_id
@@ -160,8 +158,9 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
             m.__class__ = message_class
             append(m)
             offset += 1
-        return cast("list[Message]", out)  # every one made a Message above
-    for entry_id, raw in entries:
+        else:
+            return cast("list[Message]", out)  # every one made a Message above
+    for entry_id, raw in entries[len(out) :]:
         m = fields()
         m.topic = topic
         m.queue_id = queue_id
