@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from opentelemetry.metrics import CallbackOptions
+from opentelemetry.util.types import AttributeValue
 
 from stagedconsumer._observability._otel_common import Counts
 
 
-def observed(counts: Counts) -> list[tuple[int, dict[str, object]]]:
+def observed(counts: Counts) -> list[tuple[float, dict[str, object]]]:
     return sorted(
         ((obs.value, dict(obs.attributes or {})) for obs in counts.observe(CallbackOptions())),
         key=lambda item: sorted(item[1].items()),
@@ -16,8 +17,8 @@ def observed(counts: Counts) -> list[tuple[int, dict[str, object]]]:
 
 def test_counts_add_up_per_attribute_set() -> None:
     counts = Counts()
-    queue0 = {"messaging.destination.partition.id": "0"}
-    queue1 = {"messaging.destination.partition.id": "1"}
+    queue0: dict[str, AttributeValue] = {"messaging.destination.partition.id": "0"}
+    queue1: dict[str, AttributeValue] = {"messaging.destination.partition.id": "1"}
     for _ in range(3):
         counts.add(1, queue0)
     counts.add(5, queue1)
