@@ -103,11 +103,14 @@ class Counts:
     exports exactly as a counter): one dict update per call instead of an SDK
     measurement."""
 
-    __slots__ = ("_counts",)
+    __slots__ = ("_attributes", "_counts")
 
     def __init__(self) -> None:
-        # Keyed by the identity of a cached attribute dict, or its items when fresh.
-        self._counts: dict[object, tuple[dict[str, AttributeValue], int]] = {}
+        # Keyed by the identity of a cached attribute dict, or its items when fresh:
+        # the count (an int, updated in place of a new object per call) and the
+        # attributes it is observed with.
+        self._counts: dict[object, int] = {}
+        self._attributes: dict[object, dict[str, AttributeValue]] = {}
 
     def add(self, amount: int, attributes: dict[str, AttributeValue]) -> None:
         """Add ``amount`` for ``attributes``: a dict built once and reused (counted by
@@ -115,12 +118,19 @@ class Counts:
         key: object = (
             id(attributes) if ERROR_TYPE not in attributes else tuple(sorted(attributes.items()))
         )
-        current = self._counts.get(key)
-        self._counts[key] = (attributes, amount + (current[1] if current else 0))
+        counts = self._counts
+        current = counts.get(key)
+        if current is None:
+            # The attributes first: a collection that sees the count sees them too.
+            self._attributes[key] = attributes
+            counts[key] = amount
+        else:
+            counts[key] = current + amount
 
     def observe(self, options: CallbackOptions) -> Iterable[Observation]:
         del options
-        return [Observation(count, attrs) for attrs, count in list(self._counts.values())]
+        attributes = self._attributes
+        return [Observation(count, attributes[key]) for key, count in list(self._counts.items())]
 
 
 _checked_propagator: tuple[TextMapPropagator | None, bool] = (None, True)

@@ -308,6 +308,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # Attribute sets that repeat from call to call, built once (see _process_attrs).
         self._metric_attrs_cache: dict[tuple[str, int], dict[str, AttributeValue]] = {}
         self._process_static: dict[tuple[object, ...], tuple[str, dict[str, AttributeValue]]] = {}
+        self._receive_static: dict[tuple[str, int], dict[str, AttributeValue]] = {}
         self._consumer: ConsumerView | None = None
         self._gauges_created = False
         self._max_offsets: dict[MessageQueue, int] = {}
@@ -403,7 +404,13 @@ class OpenTelemetryHook(ConsumeMessageHook):
         if not self.spans:
             return
         topic = messages[0].topic
-        attributes = self._base("receive", "receive", topic, context.consumer_group, mq.queue_id)
+        key = (topic, mq.queue_id)
+        static = self._receive_static.get(key)
+        if static is None:
+            static = self._receive_static[key] = self._base(
+                "receive", "receive", topic, context.consumer_group, mq.queue_id
+            )
+        attributes = static.copy()
         if len(messages) == 1:
             attributes[MESSAGE_ID] = _message_id(messages[0])
         else:
@@ -446,8 +453,11 @@ class OpenTelemetryHook(ConsumeMessageHook):
         if received is None:
             received = self._received[mq] = {}
         if links is None:
+            # One entry shared by the pull's messages: one object per pull, not per
+            # message, stays alive until they are handled.
+            entry = (parent, _PENDING, recorded, parent_span)
             for message in messages:
-                received[message.queue_offset] = (parent, _PENDING, recorded, parent_span)
+                received[message.queue_offset] = entry
         else:
             for message, link in zip(messages, links):  # noqa: B905 - same length
                 received[message.queue_offset] = (parent, link, recorded, parent_span)
@@ -484,7 +494,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
                 if entry[0] is not None and not otel_context.get_current()
                 else trace.set_span_in_context(entry[3])
             )
-            context.props[self._props_key] = (None, otel_context.attach(current), current)
+            context.props[self._props_key] = (None, otel_context.attach(current), current, received)
             return
         name, static = self._process_attrs(context, first.topic)
         attributes = static.copy()
@@ -526,7 +536,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # context switch a handler's own spans need).
         current = trace.set_span_in_context(span)
         token = otel_context.attach(current)
-        context.props[self._props_key] = (span, token, current)
+        context.props[self._props_key] = (span, token, current, received)
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
         state = context.props.pop(self._props_key, None)
@@ -540,11 +550,12 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # Measurements are made in the process span's context, so that a recorded
         # span becomes their exemplar (the SDK's default, trace-based exemplar filter).
         measured_in = _EMPTY
+        received = self._received.get(mq) if state is None else state[3]
         if state is not None and state[0] is None:
             measured_in = state[2]  # a process span not made (sampled out)
             otel_context.detach(state[1])
         elif state is not None:
-            span, token, measured_in = state
+            span, token, measured_in, _ = state
             try:
                 if error_type is not None:
                     span.set_attribute("error.type", error_type)
@@ -560,7 +571,6 @@ class OpenTelemetryHook(ConsumeMessageHook):
             finally:
                 otel_context.detach(token)
         # Forget the messages that will not be handled again here.
-        received = self._received.get(mq)
         if received and (not settled or SettleOutcome.SUSPEND not in settled):
             if len(messages) == 1:
                 received.pop(messages[0].queue_offset, None)

@@ -630,3 +630,36 @@ async def test_buffered_measurements_are_recorded_without_a_collection(otel: Ote
     assert not hook._pending  # handed to the SDK when the consumer stopped
     assert histogram_counts(otel)["messaging.process.duration"] == 600
     assert histogram_counts(otel)["consumed"] == 600
+
+
+async def test_an_unsampled_pull_keeps_one_entry_for_its_messages(otel: Otel) -> None:
+    broker, _, _ = produce(otel, 0)
+    for i in range(5):
+        broker.send("t", str(i).encode(), queue_id=0)
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0)))
+    hook = OpenTelemetryHook(tracer_provider=provider, meter_provider=otel.meter_provider)
+    listener = CurrentSpans()
+    consumer = PushConsumer("g", broker, listener)
+    consumer.subscribe("t")
+    consumer.register_consume_message_hook(hook)
+    seen: list[dict[int, Any]] = []
+    pulled = hook.messages_pulled
+
+    def recording(context: Any) -> None:
+        pulled(context)
+        seen.append(dict(hook._received[context.message_queue]))
+
+    hook.messages_pulled = recording  # type: ignore[method-assign]
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+    [entries] = seen  # one pull brought all five
+    assert sorted(entries) == [0, 1, 2, 3, 4]
+    # The pull's messages share one entry (their receive span's context): one object
+    # per pull stays alive until they are handled, not one per message.
+    assert len({id(entry) for entry in entries.values()}) == 1
+    assert not any(hook._received.values())  # every one forgotten once handled
+    # Each handler call still ran under that receive span.
+    [receive] = {span.get_span_context().span_id for span in listener.current}
+    [entry] = {id(e): e for e in entries.values()}.values()
+    assert entry[3].get_span_context().span_id == receive
+    provider.shutdown()
