@@ -308,7 +308,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # Attribute sets that repeat from call to call, built once (see _process_attrs).
         self._metric_attrs_cache: dict[tuple[str, int], dict[str, AttributeValue]] = {}
         self._process_static: dict[tuple[object, ...], tuple[str, dict[str, AttributeValue]]] = {}
-        self._receive_static: dict[tuple[str, int], dict[str, AttributeValue]] = {}
+        self._receive_static: dict[tuple[str, str, int], dict[str, AttributeValue]] = {}
         self._consumer: ConsumerView | None = None
         self._gauges_created = False
         self._max_offsets: dict[MessageQueue, int] = {}
@@ -404,7 +404,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         if not self.spans:
             return
         topic = messages[0].topic
-        key = (topic, mq.queue_id)
+        key = (topic, context.consumer_group, mq.queue_id)  # a hook may serve several groups
         static = self._receive_static.get(key)
         if static is None:
             static = self._receive_static[key] = self._base(
