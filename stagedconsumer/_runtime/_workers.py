@@ -252,16 +252,20 @@ class WorkerPool:
 
         With an ``async def`` handler, one message per call
         (``consume_message_batch_max_size`` 1) and no hooks, a worker runs a *run*:
-        when a call returns without having suspended, the worker adds the next cached
-        message of the same stage to the batch (see :meth:`ProcessQueue.take_next`) and
-        calls the handler on it, and so on; the run's messages are finished together,
-        so a message costs what taking it costs instead of a batch of its own.
+        when a call returns without having suspended, the worker calls the handler on
+        the next cached message of the same stage, added to the batch, and so on; the
+        run's messages are finished together, so a message costs what taking it costs
+        instead of a batch of its own. Messages are taken ahead of the calls, 1, 2, 4,
+        ... at a time as the run goes on (:meth:`ProcessQueue.take_more`; a queue that
+        was paused, released or whose lease ended is checked before every call).
 
         A run is invisible to everything else: a call that did not suspend let no
         other task run, and before a call suspends (its first step yields to the event
-        loop) the run's earlier messages are finished. So a handler that waits on I/O
-        has every message finished as it ends, as without runs, and its next message
-        taken by whichever worker is free. A run ends after a call that suspended, a
+        loop) the run's earlier messages are finished and what it took ahead and did
+        not call goes back to the head of the queue (:meth:`_end_run`). So a handler
+        that waits on I/O has every message finished as it ends, as without runs, and
+        its next message taken by whichever worker is free. A run ends after a call
+        that suspended, a
         failure (the calls before it are finished, the failed message settled alone,
         see :meth:`_cut`), when the queue gives nothing more (paused, lease ended,
         stage all taken), the consumer stops or the worker is due to yield

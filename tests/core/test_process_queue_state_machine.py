@@ -469,6 +469,36 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             assert bool(effects & DRAINED) == (b.queue.pq.in_handlers == 0)
 
     @precondition(lambda self: any(b.state == "running" for b in self.batches))
+    @rule(data=st.data(), max_count=st.integers(1, 5))
+    def take_ahead_and_give_back(self, data: st.DataObject, max_count: int) -> None:
+        """A run takes the next messages of its lane and stage ahead of its calls
+        (``take_more``), then gives back those it did not call (``untake_rest``):
+        they are cached again, first in line, as if never taken."""
+        b = data.draw(st.sampled_from(self.running()))
+        q = b.queue
+        before = len(b.batch.messages)
+        expected: list[MMsg] = []
+        if not (q.pq.paused or q.pq.dropped or b.batch.attempt != 1):
+            epoch = b.msgs[0].epoch
+            expected = [m for m in q.cached_of(b.lane) if m.epoch == epoch][:max_count]
+        got = q.pq.take_more(b.batch, max_count)
+        assert got == len(expected)
+        assert [m.queue_offset for m in b.batch.messages[before:]] == [
+            m.message.queue_offset for m in expected
+        ]
+        for m in expected:
+            m.state = "pending"
+        b.msgs += expected
+        keep = data.draw(st.integers(before, len(b.msgs)))
+        q.pq.untake_rest(b.batch, keep)
+        for m in b.msgs[keep:]:
+            m.state = "cached"
+        del b.msgs[keep:]
+        assert [m.queue_offset for m in b.batch.messages] == [
+            m.message.queue_offset for m in b.msgs
+        ]
+
+    @precondition(lambda self: any(b.state == "running" for b in self.batches))
     @rule(data=st.data(), delay=st.sampled_from([0.0, 0.5, 1.0, 2.0]))
     def suspend(self, data: st.DataObject, delay: float) -> None:
         b = data.draw(st.sampled_from(self.running()))
