@@ -336,27 +336,28 @@ class WorkerPool:
                             result = await _resume(coro, step)
                             break
                         streak += 1
-                        suspended = False
                         if (
                             (result is not None and result is not ok)
                             or (partial_ack and context.ack_index < 0)
                             or streak >= _CHECKPOINT_EVERY
                             or state.stopping
                         ):
+                            suspended = False
                             break
                         now = clock() if leased else _NO_LEASE
                         if done + 1 == taken:
                             got = take_more(pq, batch, min(ahead, _CHECKPOINT_EVERY - streak), now)
                             if not got:
+                                suspended = False
                                 break
                             taken += got
                             ahead += ahead
                         elif pq.open_until <= now:  # paused, released or the lease ended
+                            suspended = False
                             break
                         done += 1
                         call = [batch.messages[done]]
                         context = context_for(batch, suspend_ms)
-                        suspended = True
                 elif is_async:
                     result = await consume(call, context)
                 elif lease_clock is None:
