@@ -907,10 +907,10 @@ class ProcessQueue:
         paused, dropped or past its lease at ``now``, as for :meth:`Dispatcher.take`;
         or ``batch`` is a retry).
 
-        For handler calls of one message each that run back to back on one batch (the
-        shell's runs), finished together: each message costs what taking it costs,
-        not a batch of its own. The lane's readiness is untouched: the messages left
-        stay where any worker can take them.
+        For handler calls of one message each that run back to back on one batch,
+        finished together: each message costs what taking it costs, not a batch of its
+        own (the shell's runs take several at once, :meth:`take_more`). The lane's
+        readiness is untouched: the messages left stay where any worker can take them.
         """
         epoch = batch._epoch
         if not epoch.cached or self.open_until <= now or batch.attempt != 1:
