@@ -8,6 +8,7 @@ and metrics, and that caching allocates no object per message.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 
@@ -15,6 +16,7 @@ from offsetstore import StageKey
 from stagedconsumer import Message, MessageQueue
 from stagedconsumer._core import (
     HELD,
+    Batch,
     ConsumeMode,
     EraseStatus,
     ProcessQueue,
@@ -246,17 +248,30 @@ def test_take_next_stops_at_the_stage_boundary() -> None:
     assert after.stage_index == 1
 
 
-def test_take_next_gives_nothing_from_a_closed_queue_or_for_a_retry() -> None:
+def _take_next(pq: ProcessQueue, batch: Batch, now: float) -> int:
+    return 0 if pq.take_next(batch, now) is None else 1
+
+
+def _take_more(pq: ProcessQueue, batch: Batch, now: float) -> int:
+    return pq.take_more(batch, 3, now)
+
+
+@pytest.mark.parametrize(
+    ("take", "takes"), [(_take_next, 1), (_take_more, 3)], ids=["next", "more"]
+)
+def test_taking_ahead_gives_nothing_from_a_closed_queue_or_for_a_retry(
+    take: Callable[[ProcessQueue, Batch, float], int], takes: int
+) -> None:
     pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
-    pq.put_messages(messages(0, 5))
+    pq.put_messages(messages(0, 6))
     batch = pq.try_take_messages(1)
     assert batch is not None
     pq.pause()
-    assert pq.take_next(batch) is None
+    assert take(pq, batch, float("-inf")) == 0
     pq.unpause()
     pq.set_lease(10.0)
-    assert pq.take_next(batch, now=10.0) is None  # the lease ended
-    assert pq.take_next(batch, now=9.0) is not None
+    assert take(pq, batch, 10.0) == 0  # the lease ended
+    assert take(pq, batch, 9.0) == takes
     retried = pq.try_take_messages(1)
     assert retried is not None
     pq.suspend_messages(retried, retry_at=1.0)
@@ -264,7 +279,7 @@ def test_take_next_gives_nothing_from_a_closed_queue_or_for_a_retry() -> None:
     again = pq.try_take_messages(1)
     assert again is retried
     assert again.attempt == 2
-    assert pq.take_next(again) is None  # a retry is called as it was taken
+    assert take(pq, again, float("-inf")) == 0  # a retry is called as it was taken
 
 
 def test_take_next_in_an_orderly_queue_keeps_it_exclusive() -> None:
@@ -299,26 +314,6 @@ def test_take_more_adds_up_to_max_count_and_stops_at_the_stage_boundary() -> Non
     assert (stats.cached_count, stats.pending_count) == (3, 5)
     pq.erase_messages(batch, EraseStatus.SUCCESS)
     assert pq.committed_offset == 5
-
-
-def test_take_more_gives_nothing_from_a_closed_queue_or_for_a_retry() -> None:
-    pq = ProcessQueue(MQ, ConsumeMode.CONCURRENT)
-    pq.put_messages(messages(0, 6))
-    batch = pq.try_take_messages(1)
-    assert batch is not None
-    pq.pause()
-    assert pq.take_more(batch, 3) == 0
-    pq.unpause()
-    pq.set_lease(10.0)
-    assert pq.take_more(batch, 3, now=10.0) == 0  # the lease ended
-    assert pq.take_more(batch, 3, now=9.0) == 3
-    retried = pq.try_take_messages(1)
-    assert retried is not None
-    pq.suspend_messages(retried, retry_at=1.0)
-    pq.resume(retried)
-    again = pq.try_take_messages(1)
-    assert again is retried
-    assert pq.take_more(again, 3) == 0  # a retry is called as it was taken
 
 
 def test_untake_rest_gives_back_what_was_taken_ahead_first_in_line() -> None:
