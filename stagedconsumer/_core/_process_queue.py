@@ -912,25 +912,15 @@ class ProcessQueue:
         own (the shell's runs take several at once, :meth:`take_more`). The lane's
         readiness is untouched: the messages left stay where any worker can take them.
         """
-        epoch = batch._epoch
-        if not epoch.cached or self.open_until <= now or batch.attempt != 1:
-            return None
-        lane = batch._lane
-        message = lane.cached.popleft()
-        epoch.cached -= 1
-        self._cached_count -= 1
-        self._pending_count += 1
-        batch.messages.append(message)
-        cached_at = lane.cached_at
-        at = cached_at.popleft() if cached_at else 0.0
-        if batch._cached_at is not None:
-            batch._cached_at.append(at)
-        return message
+        if self.take_more(batch, 1, now):
+            return batch.messages[-1]
+        return None
 
     def take_more(self, batch: Batch, max_count: int, now: float = _NO_LEASE) -> int:
-        """:meth:`take_next` for up to ``max_count`` messages at once: add the next
-        cached messages of ``batch``'s lane and stage to ``batch`` and return how many
-        (0 when the queue gives nothing now, or ``batch`` is a retry).
+        """Add up to ``max_count`` next cached messages of ``batch``'s lane and stage
+        to ``batch`` and return how many: 0 when there is none, the queue gives nothing
+        now (paused, dropped or past its lease at ``now``, as for
+        :meth:`Dispatcher.take`) or ``batch`` is a retry.
 
         For the shell's runs, which take messages ahead of the calls they make: what a
         run took and did not call goes back with :meth:`untake_rest` before anything
@@ -1093,6 +1083,7 @@ class ProcessQueue:
         order = self._order
         finished = self._finished
         head = 0  # how many of the order's first offsets are the messages'
+        at_head = False
         if n == 1:
             message = messages[0]
             self._cached_bytes -= len(message.body)
@@ -1101,6 +1092,7 @@ class ProcessQueue:
                 finished.add(offset)
             else:
                 head = 1
+                at_head = True
         else:
             size = 0
             if order[0] == messages[0].queue_offset and order[n - 1] == messages[-1].queue_offset:
@@ -1109,12 +1101,13 @@ class ProcessQueue:
                 for message in messages:
                     size += len(message.body)
                 head = n
+                at_head = True
             else:
                 for message in messages:
                     size += len(message.body)
                     finished.add(message.queue_offset)
+                at_head = order[0] in finished
             self._cached_bytes -= size
-        at_head = head > 0 or (bool(order) and order[0] in finished)
         epoch.unfinished -= n
         self._pending_count -= n
         epochs = lane.epochs

@@ -265,11 +265,10 @@ class WorkerPool:
         not call goes back to the head of the queue (:meth:`_end_run`). So a handler
         that waits on I/O has every message finished as it ends, as without runs, and
         its next message taken by whichever worker is free. A run ends after a call
-        that suspended, a
-        failure (the calls before it are finished, the failed message settled alone,
-        see :meth:`_cut`), when the queue gives nothing more (paused, lease ended,
-        stage all taken), the consumer stops or the worker is due to yield
-        (``_CHECKPOINT_EVERY`` calls).
+        that suspended, a failure (the calls before it are finished, the failed
+        message settled alone, see :meth:`_cut`), when the queue gives nothing more
+        (paused, lease ended, stage all taken), the consumer stops or the worker is due
+        to yield (``_CHECKPOINT_EVERY`` calls).
         """
         state, dispatcher, signals, service = (
             self.state,

@@ -107,11 +107,11 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
     attrs' ``__init__`` and its converters (the fields are ours, already in their
     stored form). Entry ids are ``<offset + 1>-0``; when the first and last id span
     exactly the number of entries (always, unless some were deleted) the offsets are
-    counted instead of parsed from every id. The checks run over all entries at once
-    (in C, ``map`` over the ids and field lists); when every entry has only the three
-    fields every message has (``i``, ``b``, ``t``, written in that order) the loop
-    reads them by position, and parses a born time only when it differs from the
-    entry before's (a producer's batch shares one).
+    counted instead of parsed from every id. The ids are checked all at once (joined,
+    their ``-0`` endings counted). Entries with only the three fields every message
+    has (``i``, ``b``, ``t``, written in that order: one slice compare) are read by
+    position, and a born time is parsed only when it differs from the entry before's
+    (a producer's batch shares one).
 
     Raises :class:`_ForeignEntry` for an entry the broker did not write: an id that
     is not ``<n>-0`` or fields without ``i``, ``b`` and ``t``. (One with our fields
@@ -134,16 +134,14 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
     empty = EMPTY_PROPERTIES
     plain_names = _PLAIN_NAMES
     offset = first
-    if consecutive:
-        last_t = b""
-        born = 0.0
-        for _, raw in entries:
-            if raw[::2] != plain_names:
-                break  # optional fields, or a foreign entry: the general loop below
-            m = fields()
-            m.topic = topic
-            m.queue_id = queue_id
-            m.queue_offset = offset
+    last_t = b""
+    born = 0.0
+    for entry_id, raw in entries:
+        m = fields()
+        m.topic = topic
+        m.queue_id = queue_id
+        m.queue_offset = offset if consecutive else _entry_offset(entry_id)
+        if raw[::2] == plain_names:
             m.body = raw[3]
             m.keys = ()
             m.tags = None
@@ -154,24 +152,6 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
                 last_t = t
                 born = int(t) / 1000
             m.born_timestamp = born
-            m.reconsume_times = 0
-            m.__class__ = message_class
-            append(m)
-            offset += 1
-        else:
-            return cast("list[Message]", out)  # every one made a Message above
-    for entry_id, raw in entries[len(out) :]:
-        m = fields()
-        m.topic = topic
-        m.queue_id = queue_id
-        m.queue_offset = offset if consecutive else _entry_offset(entry_id)
-        if len(raw) == 6 and raw[0] == b"i" and raw[2] == b"b" and raw[4] == b"t":
-            m.body = raw[3]
-            m.keys = ()
-            m.tags = None
-            m.properties = empty
-            m.msg_id = raw[1].decode()
-            m.born_timestamp = int(raw[5]) / 1000
             m.reconsume_times = 0
         else:
             _set_fields(m, entry_id, raw)
