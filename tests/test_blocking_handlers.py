@@ -113,7 +113,7 @@ async def test_an_async_handler_that_blocks_is_named_once_with_its_queue_and_adv
 
 
 class SleepyAfterWaiting(MessageListenerConcurrently):
-    """Blocks the loop after its call waited once (the loop resumes it from there)."""
+    """Blocks the loop after its call waited once (resumed through the run's driver)."""
 
     async def consume_message(
         self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
@@ -131,7 +131,7 @@ async def test_a_handler_that_blocks_after_waiting_is_named_with_its_message(
     warnings = block_warnings(caplog)
     assert len(warnings) == 1, warnings
     assert "by the async def handler SleepyAfterWaiting.consume_message" in warnings[0]
-    assert "_resume" not in warnings[0]
+    assert "_drive" not in warnings[0]
     assert "queue t#1, offset 2" in warnings[0]
 
 

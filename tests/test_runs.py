@@ -79,6 +79,36 @@ async def test_fast_calls_run_back_to_back_on_one_batch(monkeypatch: pytest.Monk
     assert len(added) >= 50  # most messages joined a run instead of a batch of their own
 
 
+async def test_a_run_lets_other_tasks_run_every_64_calls() -> None:
+    # Calls that never wait run back to back; the worker still yields to the event
+    # loop every 64 of them, so a run never holds the loop for a whole backlog.
+    ticks = 0
+    at_tick: Counter[int] = Counter()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    class Fast(MessageListenerConcurrently):
+        async def consume_message(
+            self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+        ) -> None:
+            at_tick[ticks] += len(msgs)
+
+    options = ConsumerOptions(consume_thread_max=1, pull_batch_size=500)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await drain(PushConsumer("g", broker_with(500), Fast(), options=options))
+        tg.cancel_scope.cancel()
+    assert sum(at_tick.values()) == 500
+    # Runs of 64 calls, then the loop's turn. Trio picks the order of the tasks
+    # ready in each of its batches at random, so the ticker may run before the
+    # worker in one batch and after it in the next: two runs between two ticks.
+    assert 64 <= max(at_tick.values()) <= 2 * 64
+
+
 async def test_a_call_that_waits_leaves_the_next_message_to_another_worker() -> None:
     # Offset 1 waits for offset 2's call. Had the run of offsets 0 and 1 also taken
     # offset 2, nobody could call it: offset 1 would time out.

@@ -44,6 +44,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import repeat, starmap
 from types import MappingProxyType
 from typing import Final
 
@@ -870,7 +871,10 @@ class ProcessQueue:
                 continue
             if n > max_count:
                 n = max_count
-            messages = [cached.popleft()] if n == 1 else [cached.popleft() for _ in range(n)]
+            if n == 1:
+                messages = [cached.popleft()]
+            else:
+                messages = list(starmap(cached.popleft, repeat((), n)))
             epoch.cached -= n
             lane.in_flight += 1
             if epoch.cached and not lane.exclusive:
@@ -885,7 +889,7 @@ class ProcessQueue:
             elif n == 1:
                 times = [cached_at.popleft()]
             else:
-                times = [cached_at.popleft() for _ in range(n)]
+                times = list(starmap(cached_at.popleft, repeat((), n)))
             key = lane.key
             if key is None:
                 return Batch(self, messages, epoch.stage_index, None, None, lane, epoch, times)
@@ -918,8 +922,8 @@ class ProcessQueue:
 
     def take_more(self, batch: Batch, max_count: int, now: float = _NO_LEASE) -> int:
         """Add up to ``max_count`` next cached messages of ``batch``'s lane and stage
-        to ``batch`` and return how many: 0 when there is none, the queue gives nothing
-        now (paused, dropped or past its lease at ``now``, as for
+        to ``batch`` and return how many: 0 when there is none, ``max_count`` is 0, the
+        queue gives nothing now (paused, dropped or past its lease at ``now``, as for
         :meth:`Dispatcher.take`) or ``batch`` is a retry.
 
         For the shell's runs, which take messages ahead of the calls they make: what a
@@ -937,14 +941,14 @@ class ProcessQueue:
         if n == 1:
             batch.messages.append(cached.popleft())
         else:
-            batch.messages += [cached.popleft() for _ in range(n)]
+            batch.messages += starmap(cached.popleft, repeat((), n))
         epoch.cached -= n
         self._cached_count -= n
         self._pending_count += n
         cached_at = lane.cached_at
         times = batch._cached_at
         if cached_at:
-            taken = [cached_at.popleft() for _ in range(n)]
+            taken = list(starmap(cached_at.popleft, repeat((), n)))
             if times is not None:
                 times += taken
         elif times is not None:
@@ -1124,8 +1128,7 @@ class ProcessQueue:
                 if head == 1:
                     order.popleft()
                 else:
-                    for _ in range(head):
-                        order.popleft()
+                    deque(starmap(order.popleft, repeat((), head)), 0)  # pop head of them
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
             else:

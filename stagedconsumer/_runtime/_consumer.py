@@ -42,7 +42,7 @@ from ._shapes import check_hook, check_queue_listener
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
 from ._watchdog import LoopWatchdog
-from ._workers import RESUME_CODE, WORKER_BATCH_LOCAL, WORKER_CALL_LOCAL, WORKER_CODE, WorkerPool
+from ._workers import WORKER_BATCH_LOCAL, WORKER_CALL_LOCAL, WORKER_CODE, WorkerPool
 
 __all__ = ("PushConsumer",)
 
@@ -659,6 +659,5 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
             worker_code=WORKER_CODE,
             batch_local=WORKER_BATCH_LOCAL,
             call_local=WORKER_CALL_LOCAL,
-            skip_code=RESUME_CODE,
             handler_code=getattr(getattr(consume, "__func__", consume), "__code__", None),
         )

@@ -78,9 +78,7 @@ class LoopWatchdog:
 
     ``worker_code`` is the code of the worker loop that calls handlers,
     ``batch_local`` the name of its local holding the current batch and
-    ``call_local`` of its local holding the messages of the call in progress;
-    frames of ``skip_code`` between a handler and the worker loop are not the
-    handler's (the loop's stepping of a handler that suspended).
+    ``call_local`` of its local holding the messages of the call in progress.
     """
 
     def __init__(
@@ -91,7 +89,6 @@ class LoopWatchdog:
         worker_code: CodeType,
         batch_local: str,
         call_local: str,
-        skip_code: CodeType | None,
         handler_code: CodeType | None,
     ) -> None:
         self.group = group
@@ -99,7 +96,6 @@ class LoopWatchdog:
         self.worker_code = worker_code
         self.batch_local = batch_local
         self.call_local = call_local
-        self.skip_code = skip_code
         self.handler_code = handler_code
         self.blocks = 0
         """Blocks of ``threshold`` or more seen (each one, reported or not)."""
@@ -183,10 +179,9 @@ class LoopWatchdog:
             return None  # the loop waits for events: late because the machine was busy
         frame: FrameType | None = innermost
         callee: FrameType | None = None
-        worker, skip = self.worker_code, self.skip_code
+        worker = self.worker_code
         while frame is not None and frame.f_code is not worker:
-            if frame.f_code is not skip:
-                callee = frame
+            callee = frame
             frame = frame.f_back
         code = innermost.f_code
         where = f"{code.co_filename}:{innermost.f_lineno} in {code.co_name}"

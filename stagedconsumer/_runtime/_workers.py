@@ -11,7 +11,7 @@ import inspect
 import logging
 import time
 import types
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -60,6 +60,22 @@ class _Slot:
         self.timed_out = False
 
 
+class _Run:
+    """A worker's run in progress (see :meth:`WorkerPool._work`), seen by
+    :func:`_drive`, which ends it when one of its calls suspends."""
+
+    __slots__ = ("batch", "context", "done", "slot")
+
+    def __init__(self, slot: _Slot | None) -> None:
+        self.batch: Batch | None = None
+        """The run's batch while a run is on, else None."""
+        self.context: Any = None
+        """The context of the call in progress."""
+        self.done = 0
+        """Messages of the run's earlier calls, not finished yet."""
+        self.slot = slot
+
+
 class WorkerPool:
     """Runs the listener on batches from the dispatcher, ``workers`` at a time.
 
@@ -96,6 +112,8 @@ class WorkerPool:
         self.batch_size = batch_size
         self.hooks = hooks
         self.leased = leased
+        self.runs = self.is_async and batch_size == 1 and hooks is None
+        """Whether workers run runs (see :meth:`_work`)."""
         self._threads = ThreadRunner(workers)
         self._scope: anyio.CancelScope | None = None
         self.consume_timeout = service.options.consume_timeout
@@ -181,21 +199,29 @@ class WorkerPool:
         With a consume timeout, the loop runs in a cancel scope that the scanner
         (:meth:`_watch_timeouts`) cancels when a handler call runs too long; the
         call is then settled as a failure and the loop starts again."""
-        if self.consume_timeout is None:
-            await self._work(None)
+        slot = None if self.consume_timeout is None else _Slot()
+        if slot is None:
+            await self._loop(slot)
             return
-        slot = _Slot()
         self._slots.append(slot)
         while True:
             slot.timed_out = False
             with anyio.CancelScope() as scope:
                 slot.scope = scope
-                await self._work(slot)
+                await self._loop(slot)
             if not slot.timed_out:  # the consumer stops
                 return
             call, slot.call = slot.call, None
             assert call is not None
             await self._timed_out(*call)
+
+    async def _loop(self, slot: _Slot | None) -> None:
+        """The worker loop; with runs, driven by :func:`_drive`."""
+        if self.runs:
+            run = _Run(slot)
+            await _drive(self, self._work(slot, run), run)
+        else:
+            await self._work(slot, None)
 
     async def _watch_timeouts(self, timeout: float) -> None:
         """Every tenth of ``timeout``: time out the handler calls that the previous
@@ -247,7 +273,7 @@ class WorkerPool:
         if hook_ctx is not None:
             self._hooks_after(hook_ctx, error, None, timed_out=True)
 
-    async def _work(self, slot: _Slot | None) -> None:
+    async def _work(self, slot: _Slot | None, cur: _Run | None) -> None:
         """The worker loop (see :meth:`_worker`).
 
         With an ``async def`` handler, one message per call
@@ -260,9 +286,12 @@ class WorkerPool:
         was paused, released or whose lease ended is checked before every call).
 
         A run is invisible to everything else: a call that did not suspend let no
-        other task run, and before a call suspends (its first step yields to the event
-        loop) the run's earlier messages are finished and what it took ahead and did
-        not call goes back to the head of the queue (:meth:`_end_run`). So a handler
+        other task run, and before a call suspends (yields to the event loop) the
+        run's earlier messages are finished and what it took ahead and did not call
+        goes back to the head of the queue (:meth:`_end_run`): the loop runs under
+        :func:`_drive`, which does that between the call's yield and the event loop,
+        so the calls of a run are plain awaits. ``cur`` holds the run for it (None
+        when the worker runs no runs). So a handler
         that waits on I/O has every message finished as it ends, as without runs, and
         its next message taken by whichever worker is free. A run ends after a call
         that suspended, a failure (the calls before it are finished, the failed
@@ -285,7 +314,6 @@ class WorkerPool:
         call_sync, hooks, leased = self._call_sync, self.hooks, self.leased
         call_leased = self._call_leased
         lease_clock = thread_clock() if leased and not is_async else None
-        runs = is_async and batch_max == 1 and hooks is None
         suspend_ms = service.options.suspend_current_queue_time_millis
         hook_ctx: ConsumeMessageContext | None = None
         clock = loop_clock() if hooks is not None or leased else anyio.current_time
@@ -299,7 +327,7 @@ class WorkerPool:
             if idle and has_ready():
                 idle.popleft().set()
             pq = batch.process_queue
-            run = runs and batch.attempt == 1
+            run = cur is not None and batch.attempt == 1
             call = [batch.messages[0]] if run else batch.messages  # a run's batch grows
             done = 0  # messages of the run's earlier calls, not finished yet
             context = context_for(batch, suspend_ms)
@@ -316,35 +344,32 @@ class WorkerPool:
                 if run:
                     # The run: one call per message, the next one made as long as a
                     # call returns success without having suspended. Messages are
-                    # taken ahead (1, 2, 4, ... at a time); those not called go back
-                    # before the worker lets anything else run (:meth:`_end_run`).
+                    # taken ahead (1, 2, 4, ... at a time); if a call suspends,
+                    # _drive ends the run (_end_run) before anything else runs.
+                    assert cur is not None
+                    messages = batch.messages  # grows in place as the run takes more
                     taken = 1
                     ahead = 1
+                    now = _NO_LEASE
+                    cur.batch, cur.done = batch, 0
                     while True:
-                        coro = consume(call, context)
-                        try:
-                            step = coro.send(None)
-                        except StopIteration as stop:
-                            result = stop.value
-                        else:  # it waits: what the run finished before is finished now
-                            if taken > 1:
-                                self._end_run(batch, done)
-                                done = 0
-                            if slot is not None:  # only a call that waits can time out
-                                slot.call = (batch, context, hook_ctx)
-                            result = await _resume(coro, step)
+                        cur.context = context
+                        result = await consume(call, context)
+                        if cur.batch is not batch:  # it waited: _drive ended the run
                             break
                         streak += 1
                         if (
                             (result is not None and result is not ok)
                             or (partial_ack and context.ack_index < 0)
-                            or streak >= _CHECKPOINT_EVERY
                             or state.stopping
                         ):
                             suspended = False
                             break
-                        now = clock() if leased else _NO_LEASE
+                        if leased:
+                            now = clock()
                         if done + 1 == taken:
+                            # At most up to the checkpoint (none once there), so the
+                            # run ends at it.
                             got = take_more(pq, batch, min(ahead, _CHECKPOINT_EVERY - streak), now)
                             if not got:
                                 suspended = False
@@ -355,7 +380,8 @@ class WorkerPool:
                             suspended = False
                             break
                         done += 1
-                        call = [batch.messages[done]]
+                        cur.done = done
+                        call = [messages[done]]
                         context = context_for(batch, suspend_ms)
                 elif is_async:
                     result = await consume(call, context)
@@ -366,14 +392,20 @@ class WorkerPool:
             except Exception as exc:  # a failing handler never stops the consumer
                 error = exc
             except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
-                self._end_run(batch, done)
+                if cur is not None and cur.batch is not None:
+                    self._end_run(batch, cur.done)
                 self._exit_requested(batch, exc)
                 return
             except BaseException:  # cancelled in a call's first step: keep what ran
-                self._end_run(batch, done)
+                if cur is not None and cur.batch is not None:
+                    self._end_run(batch, cur.done)
                 raise
             finally:
                 state.in_flight -= 1
+                if run:  # over (if a call waited, _drive ended it: nothing left to do)
+                    assert cur is not None
+                    done = cur.done
+                    cur.batch = None
             if run and len(batch.messages) > done + 1:  # taken ahead, not called
                 pq.untake_rest(batch, done + 1)
             if slot is not None and suspended:
@@ -543,33 +575,48 @@ def _call_while_leased(
 
 
 @types.coroutine
-def _resume(coro: Any, step: Any) -> Generator[Any, Any, Any]:
-    """Await ``coro`` from where its first step (``coro.send(None)``), which returned
-    ``step``, left it: what ``await coro`` would have done from the start (PEP 380's
-    ``yield from``). Values and exceptions the event loop sends in go to ``coro``."""
+def _drive(
+    pool: WorkerPool, work: Coroutine[Any, Any, None], run: _Run
+) -> Generator[Any, Any, None]:
+    """Run the worker loop ``work`` as ``await work`` would (PEP 380's ``yield from``:
+    values and exceptions the event loop sends in go to ``work``), and each time it
+    yields to the event loop in the middle of a run (one of the run's calls waits),
+    end the run first: what the run took ahead and did not call goes back to the
+    queue, the calls before are finished (:meth:`WorkerPool._end_run`), and the
+    consume-timeout scanner sees the call. Nothing else runs in between, so the run
+    was invisible to every other task. Costs nothing per call that does not wait."""
+    send, throw = work.send, work.throw
+    sent: Any = None
+    error: BaseException | None = None
     while True:
         try:
+            step = send(sent) if error is None else throw(error)
+        except StopIteration:
+            return
+        batch = run.batch
+        if batch is not None:  # a run's call waits
+            run.batch = None
+            try:
+                pool._end_run(batch, run.done)
+            except BaseException:
+                work.close()
+                raise
+            run.done = 0
+            if run.slot is not None:  # only a call that waits can time out
+                run.slot.call = (batch, run.context, None)
+        try:
             sent = yield step
+            error = None
         except GeneratorExit:
-            coro.close()
+            work.close()
             raise
         except BaseException as exc:  # a cancellation, or what the event loop throws in
-            try:
-                step = coro.throw(exc)
-            except StopIteration as stop:
-                return stop.value
-        else:
-            try:
-                step = coro.send(sent)
-            except StopIteration as stop:
-                return stop.value
+            error = exc
 
 
 WORKER_CODE = WorkerPool._work.__code__
 """The code of the worker loop, and the names of its locals holding the batch it runs
 and the messages of the call in progress: the watchdog finds them on a blocked loop's
-stack (and skips the frame of ``_resume``, :data:`RESUME_CODE`, between a run's
-handler and the loop)."""
+stack."""
 WORKER_BATCH_LOCAL = "batch"
 WORKER_CALL_LOCAL = "call"
-RESUME_CODE = _resume.__code__

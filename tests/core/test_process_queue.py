@@ -305,6 +305,8 @@ def test_take_more_adds_up_to_max_count_and_stops_at_the_stage_boundary() -> Non
     pq.put_messages(messages(0, 8), now=1.0)
     batch = pq.try_take_messages(1)
     assert batch is not None
+    assert pq.take_more(batch, 0) == 0  # a run at its checkpoint takes none
+    assert [m.queue_offset for m in batch] == [0]
     assert pq.take_more(batch, 2) == 2
     assert pq.take_more(batch, 10) == 2  # offsets 3 and 4: offset 5 is the next stage
     assert pq.take_more(batch, 10) == 0

@@ -469,7 +469,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             assert bool(effects & DRAINED) == (b.queue.pq.in_handlers == 0)
 
     @precondition(lambda self: any(b.state == "running" for b in self.batches))
-    @rule(data=st.data(), max_count=st.integers(1, 5))
+    @rule(data=st.data(), max_count=st.integers(0, 5))
     def take_ahead_and_give_back(self, data: st.DataObject, max_count: int) -> None:
         """A run takes the next messages of its lane and stage ahead of its calls
         (``take_more``), then gives back those it did not call (``untake_rest``):
