@@ -654,8 +654,12 @@ class ProcessQueue:
             for message in messages:
                 size_total += len(message.body)
             cached.extend(messages)
-            order.extend([message.queue_offset for message in messages])
+            first = messages[0].queue_offset
             highest = messages[-1].queue_offset
+            if highest - first == len(messages) - 1:  # consecutive (offsets ascend)
+                order.extend(range(first, highest + 1))
+            else:
+                order.extend([message.queue_offset for message in messages])
         else:
             for message in messages:
                 offset = message.queue_offset

@@ -358,10 +358,10 @@ class WorkerPool:
                         if cur.batch is not batch:  # it waited: _drive ended the run
                             break
                         streak += 1
-                        if (
-                            (result is not None and result is not ok)
-                            or (partial_ack and context.ack_index < 0)
-                            or state.stopping
+                        # (Nothing else ran since the run began, so the consumer is not
+                        # stopping: the shutdown sets that flag in a task of its own.)
+                        if (result is not None and result is not ok) or (
+                            partial_ack and context.ack_index < 0
                         ):
                             suspended = False
                             break
