@@ -14,6 +14,12 @@ time is the steadier of the two. With ``--repeat``, each is the best of the runs
     python -m benchmarks.overhead                    # 200,000 messages, 8 queues
     python -m benchmarks.overhead --messages 1000000 --memory
     python -m benchmarks.overhead --modes concurrent,staged --repeat 1
+    python -m benchmarks.overhead --handler checkpoint   # every call waits once
+
+``--handler checkpoint`` makes every handler call (and the baseline's) wait once on
+the event loop (``anyio.lowlevel.checkpoint()``; ``asyncio.sleep(0)`` in the baseline):
+the cost of the runtime for handlers that do I/O on every message, where no call
+joins a run.
     python benchmarks/overhead.py                    # the same, as a script
 """
 
@@ -39,6 +45,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import anyio
+import anyio.lowlevel
 from rich.console import Console
 from rich.table import Table
 
@@ -89,6 +96,34 @@ class NoopStaged(MessageListenerStagedConcurrently):
         return None
 
 
+class CheckpointConcurrently(MessageListenerConcurrently):
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+class CheckpointOrderly(MessageListenerOrderly):
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+class CheckpointStaged(NoopStaged):
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+HANDLERS = {
+    "noop": (NoopConcurrently, NoopStaged, NoopOrderly),
+    "checkpoint": (CheckpointConcurrently, CheckpointStaged, CheckpointOrderly),
+}
+"""What ``--handler`` chooses: the listener classes per mode."""
+
+
 def fill(messages: int, queues: int) -> MemoryBroker:
     broker = MemoryBroker()
     broker.create_topic(TOPIC, queues)
@@ -98,13 +133,15 @@ def fill(messages: int, queues: int) -> MemoryBroker:
     return broker
 
 
-async def baseline(messages: list[Message]) -> float:
-    """One task per message under a semaphore of 20, as written by hand."""
+async def baseline(messages: list[Message], wait: bool = False) -> float:
+    """One task per message under a semaphore of 20, as written by hand (``wait``: the
+    handler waits once on the event loop)."""
     semaphore = asyncio.Semaphore(20)
 
     async def handle(message: Message) -> None:
         async with semaphore:
-            return None
+            if wait:
+                await asyncio.sleep(0)
 
     start = time.perf_counter()
     async with asyncio.TaskGroup() as tg:
@@ -176,16 +213,17 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     for _ in range(args.repeat):
         gc.collect()
         cpu = time.process_time()
-        elapsed = asyncio.run(baseline(all_messages))
+        elapsed = asyncio.run(baseline(all_messages, wait=args.handler == "checkpoint"))
         record("baseline: task per message + Semaphore(20)", elapsed, time.process_time() - cpu)
+        concurrent, staged, orderly = HANDLERS[args.handler]
         cases: list[tuple[str, str, Any]] = [
-            ("concurrent", "concurrent", NoopConcurrently()),
+            ("concurrent", "concurrent", concurrent()),
             (
                 "staged",
                 f"staged [{args.stage_size}]*k",
-                NoopStaged(args.stage_size, -(-per_queue // args.stage_size)),
+                staged(args.stage_size, -(-per_queue // args.stage_size)),
             ),
-            ("orderly", f"orderly, {queues} queues", NoopOrderly()),
+            ("orderly", f"orderly, {queues} queues", orderly()),
         ]
         for mode, name, listener in cases:
             if mode not in args.modes:
@@ -245,6 +283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="MODE[,MODE...]",
         help=f"modes to run, of {','.join(MODES)} (default: all; the baseline always runs)",
     )
+    parser.add_argument(
+        "--handler",
+        choices=sorted(HANDLERS),
+        default="noop",
+        help="noop (default), or checkpoint: every call waits once on the event loop",
+    )
     parser.add_argument("--json", type=Path, help="also write results as JSON here")
     args = parser.parse_args(argv)
 
@@ -254,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = next(r for name, r in rows.items() if name.startswith("baseline"))
     concurrent = rows.get("concurrent")
     table = Table(
-        title=f"No-op handler throughput, {args.messages:,} messages,"
+        title=f"{'No-op' if args.handler == 'noop' else 'Checkpoint-per-call'} handler"
+        f" throughput, {args.messages:,} messages,"
         f" {args.queues} queues, {args.backend}"
     )
     table.add_column("mode")

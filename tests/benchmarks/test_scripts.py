@@ -43,18 +43,27 @@ RUNS = {
     # every case of each, small: a benchmark that reuses its backlog across cases and
     # repeats must consume all of it every time (it raises otherwise)
     "overhead": ["--messages", "1600", "--repeat", "2"],
+    "overhead --handler checkpoint": [
+        "--messages",
+        "1600",
+        "--repeat",
+        "1",
+        "--handler",
+        "checkpoint",
+    ],
     "memory": ["--messages", "1600"],
 }
 
 
 @pytest.mark.parametrize("name", RUNS)
 def test_benchmark_runs_every_case(name: str) -> None:
+    module = name.split()[0]
     result = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", *RUNS[name]],
+        [sys.executable, "-m", f"benchmarks.{module}", *RUNS[name]],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"reproduce: python -m benchmarks.{name}" in result.stdout.replace("\n", " ")
+    assert f"reproduce: python -m benchmarks.{module}" in result.stdout.replace("\n", " ")
