@@ -396,8 +396,8 @@ class WorkerPool:
                     self._end_run(batch, cur.done)
                 self._exit_requested(batch, exc)
                 return
-            except BaseException:  # cancelled in a call's first step: keep what ran
-                if cur is not None and cur.batch is not None:
+            except BaseException:  # cancelled, say: keep what ran
+                if cur is not None and cur.batch is not None:  # (a call waited: run ended)
                     self._end_run(batch, cur.done)
                 raise
             finally:
