@@ -1132,7 +1132,7 @@ class ProcessQueue:
                 if head == 1:
                     order.popleft()
                 else:
-                    deque(starmap(order.popleft, repeat((), head)), 0)  # pop head of them
+                    deque(starmap(order.popleft, repeat((), head)), 0)  # pops `head`, in C
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
             else:
