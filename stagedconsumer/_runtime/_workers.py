@@ -291,13 +291,15 @@ class WorkerPool:
         goes back to the head of the queue (:meth:`_end_run`): the loop runs under
         :func:`_drive`, which does that between the call's yield and the event loop,
         so the calls of a run are plain awaits. ``cur`` holds the run for it (None
-        when the worker runs no runs). So a handler
-        that waits on I/O has every message finished as it ends, as without runs, and
-        its next message taken by whichever worker is free. A run ends after a call
-        that suspended, a failure (the calls before it are finished, the failed
-        message settled alone, see :meth:`_cut`), when the queue gives nothing more
-        (paused, lease ended, stage all taken), the consumer stops or the worker is due
-        to yield (``_CHECKPOINT_EVERY`` calls).
+        when the worker runs no runs). So a handler that waits on I/O has every
+        message finished as it ends, as without runs, and its next message taken by
+        whichever worker is free. A run ends after a call that suspended, a failure
+        (the calls before it are finished, the failed message settled alone, see
+        :meth:`_cut`), when the queue gives nothing more (paused, lease ended, stage
+        all taken) or when the worker is due to yield (``_CHECKPOINT_EVERY`` calls:
+        what a run takes is capped there). The consumer's stopping needs no check in
+        between: the shutdown that sets it runs in another task, which cannot run
+        before the run's calls suspend or the run ends.
         """
         state, dispatcher, signals, service = (
             self.state,
