@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +35,14 @@ def counting(on: bool) -> None:
     )
 
 
-class CountingClock:
+class SwitchingClock:
     """A ``time`` module for a benchmark that times a part with two
-    ``process_time()`` calls: the first switches counting on, the second off."""
+    ``process_time()`` calls: the first calls ``switch(True)``, the second
+    ``switch(False)`` (what they switch on and off is the caller's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, switch: Callable[[bool], None]) -> None:
         self.calls = 0
+        self.switch = switch
         # The module's other functions as plain attributes: found without the failed
         # lookup (an ``AttributeError`` made and dropped) that ``__getattr__`` follows,
         # which would count about 2,000 instructions per call.
@@ -54,8 +56,15 @@ class CountingClock:
     def process_time(self) -> float:
         self.calls += 1
         if self.calls <= 2:
-            counting(self.calls == 1)
+            self.switch(self.calls == 1)
         return time.process_time()
+
+
+class CountingClock(SwitchingClock):
+    """A :class:`SwitchingClock` that switches callgrind's counting on and off."""
+
+    def __init__(self) -> None:
+        super().__init__(counting)
 
 
 def instructions(module: str, child_args: Sequence[str], what: str) -> int:

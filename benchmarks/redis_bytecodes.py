@@ -20,9 +20,7 @@ Tracing slows the run by about a hundred times, so keep ``--messages`` small.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +35,8 @@ if __package__ in (None, ""):
 import anyio
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks._callgrind import SwitchingClock
 
 SYSTEMS = (
     "stagedconsumer concurrent",
@@ -70,48 +70,16 @@ class _OpcodeCounter:
         return self.trace
 
 
-class TracingClock:
-    """A ``time`` module for ``redis_e2e``: its first ``process_time()`` call switches
-    the opcode tracer on, the second off."""
-
-    def __init__(self, counter: _OpcodeCounter) -> None:
-        self.calls = 0
-        self.counter = counter
-        for name in dir(time):
-            if not name.startswith("_") and name != "process_time":
-                setattr(self, name, getattr(time, name))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-    def process_time(self) -> float:
-        self.calls += 1
-        if self.calls == 1:
-            sys.settrace(self.counter.trace)
-        elif self.calls == 2:
-            sys.settrace(None)
-        return time.process_time()
-
-
 def count(system: str, n: int, url: str) -> Counter[Key]:
     """Bytecodes per function in the drain phase of ``system`` for ``n`` messages."""
     from benchmarks import redis_e2e
 
     counter = _OpcodeCounter()
-    clock = TracingClock(counter)
+    clock = SwitchingClock(lambda on: sys.settrace(counter.trace if on else None))
     saved = vars(redis_e2e)["time"]
     setattr(redis_e2e, "time", clock)  # noqa: B010 - the module's clock, replaced
     try:
-        args = argparse.Namespace(
-            url=url,
-            cluster_url=None,
-            messages=n,
-            latency_messages=0,
-            rate=5000.0,
-            pull_batch=32,
-            read_batch=128,
-            gc_freeze=False,
-        )
+        args = redis_e2e.drain_args(url, n)
         anyio.run(redis_e2e.measure_phase, system, args, False, backend="asyncio")
     finally:
         sys.settrace(None)
@@ -123,16 +91,9 @@ def count(system: str, n: int, url: str) -> Counter[Key]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument(
-        "--messages",
-        type=int,
-        default=4000,
-        help="the smaller run's size, a multiple of 80 (default 4000)",
-    )
+    from benchmarks.redis_e2e import drain_messages, drain_parser
+
+    parser = drain_parser(__doc__, 4000)
     parser.add_argument("--top", type=int, default=12, help="functions shown per system")
     parser.add_argument(
         "--systems",
@@ -141,9 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=["stagedconsumer concurrent", "redis-py XREADGROUP + XACK loop"],
     )
     args = parser.parse_args(argv)
-    if args.messages < 80 or args.messages % 80:
-        parser.error("--messages must be a positive multiple of 80 (8 streams, 10 each)")
-    n: int = args.messages
+    n = drain_messages(parser, args)
     console = Console(width=max(Console().width, 100))
     for system in args.systems:
         with console.status(f"{system}: tracing {n:,} and {2 * n:,} messages"):

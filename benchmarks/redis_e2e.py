@@ -465,6 +465,48 @@ def _kind(name: str) -> str:
     return "raw"
 
 
+def drain_parser(description: str | None, default_messages: int) -> argparse.ArgumentParser:
+    """The command line of a program that counts drain phases (``redis_instructions``,
+    ``redis_bytecodes``): ``--url`` and ``--messages``, the smaller run's size (see
+    :func:`drain_messages`)."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--messages",
+        type=int,
+        default=default_messages,
+        help=f"the smaller run's size, a multiple of 80 (default {default_messages})",
+    )
+    return parser
+
+
+def drain_messages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--messages`` of a :func:`drain_parser` command line, checked: a positive
+    multiple of 80, so that every one of the 8 streams gets 10 or more."""
+    n: int = args.messages
+    if n < 80 or n % 80:
+        parser.error("--messages must be a positive multiple of 80 (8 streams, 10 each)")
+    return n
+
+
+def drain_args(url: str, messages: int) -> argparse.Namespace:
+    """The options of a drain phase of ``messages`` against Redis at ``url``, as the
+    command line's defaults give them (for programs that run :func:`measure_phase`
+    themselves: ``redis_instructions``, ``redis_bytecodes``)."""
+    return argparse.Namespace(
+        url=url,
+        cluster_url=None,
+        messages=messages,
+        latency_messages=0,
+        rate=5000.0,
+        pull_batch=32,
+        read_batch=128,
+        gc_freeze=False,
+    )
+
+
 async def measure_phase(name: str, args: argparse.Namespace, latency: bool) -> dict[str, Any]:
     """One drain or latency phase of one system, in a fresh namespace."""
     cluster = "cluster" in name

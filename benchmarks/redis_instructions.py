@@ -28,7 +28,6 @@ Each valgrind run takes 10 to 60 s at the default size.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 from collections.abc import Sequence
@@ -64,16 +63,7 @@ def child(system: str, n: int, url: str) -> None:
 
     clock = _callgrind.CountingClock()
     setattr(redis_e2e, "time", clock)  # noqa: B010 - the module's clock, replaced
-    args = argparse.Namespace(
-        url=url,
-        cluster_url=None,
-        messages=n,
-        latency_messages=0,
-        rate=5000.0,
-        pull_batch=32,
-        read_batch=128,
-        gc_freeze=False,
-    )
+    args = redis_e2e.drain_args(url, n)
     anyio.run(redis_e2e.measure_phase, system, args, False, backend="asyncio")
     if clock.calls < 2:
         raise RuntimeError(f"{system}: the drain phase did not read the clock twice")
@@ -92,25 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         system, size, url = argv[1:4]
         child(system, int(size), url)
         return 0
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument(
-        "--messages",
-        type=int,
-        default=8000,
-        help="the smaller run's size, a multiple of 80 (default 8000)",
-    )
+    from benchmarks.redis_e2e import drain_messages, drain_parser
+
+    parser = drain_parser(__doc__, 8000)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args(argv)
     missing = _callgrind.missing_tools()
     if missing:
         parser.error(f"needs {' and '.join(missing)} on PATH (the valgrind package)")
-    if args.messages < 80 or args.messages % 80:
-        parser.error("--messages must be a positive multiple of 80 (8 streams, 10 each)")
-
-    n: int = args.messages
+    n = drain_messages(parser, args)
     counts: dict[str, float] = {}
     console = Console(width=max(Console().width, 120))
     with console.status("counting") as status:
