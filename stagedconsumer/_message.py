@@ -136,6 +136,52 @@ class Message(_MessageFields):
     def __hash__(self) -> int:
         return hash((self.topic, self.queue_id, self.queue_offset, self.msg_id))
 
+    def __reduce__(self) -> tuple[Callable[..., Message], tuple[Any, ...]]:
+        """Pickling (and ``copy``): every field, the properties as a plain dict (a
+        read-only mapping does not pickle), frozen again when the copy is built."""
+        return (
+            _rebuild,
+            (
+                self.topic,
+                self.queue_id,
+                self.queue_offset,
+                self.body,
+                self.keys,
+                self.tags,
+                dict(self.properties),
+                self.msg_id,
+                self.born_timestamp,
+                self.reconsume_times,
+            ),
+        )
+
+
+def _rebuild(
+    topic: str,
+    queue_id: int,
+    queue_offset: int,
+    body: bytes,
+    keys: tuple[str, ...],
+    tags: str | None,
+    properties: dict[str, str],
+    msg_id: str,
+    born_timestamp: float,
+    reconsume_times: int,
+) -> Message:
+    """A :class:`Message` from what its ``__reduce__`` gave (for ``pickle``)."""
+    return Message(
+        topic=topic,
+        queue_id=queue_id,
+        queue_offset=queue_offset,
+        body=body,
+        keys=keys,
+        tags=tags,
+        properties=properties,
+        msg_id=msg_id,
+        born_timestamp=born_timestamp,
+        reconsume_times=reconsume_times,
+    )
+
 
 def _slot_setters(*names: str) -> tuple[Callable[[Message, Any], None], ...]:
     """The ``__set__`` of ``Message``'s slots ``names``, for decoders on a hot path.

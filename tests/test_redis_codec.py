@@ -5,6 +5,8 @@ functions, no Redis."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -95,6 +97,55 @@ def test_decoded_messages_are_frozen_hashable_and_weakly_referable() -> None:
     assert type(retried) is Message
     assert retried.reconsume_times == 1
     assert retried.msg_id == "a"
+
+
+FULL = Message(
+    topic="t",
+    queue_id=2,
+    queue_offset=41,
+    body=b"x",
+    keys=("k1", "k2"),
+    tags="tagA",
+    properties={"a": "1", "b": "2"},
+    msg_id="m1",
+    born_timestamp=1.0,
+    reconsume_times=4,
+)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        FULL,
+        Message(topic="t", queue_id=0, queue_offset=0, body=b""),
+        _decode_entries(
+            "t",
+            2,
+            [
+                _entry(
+                    41,
+                    _encode_fields(
+                        "m1", b"x", 1_000, ("k1", "k2"), "tagA", {"a": "1", "b": "2"}, 4
+                    ),
+                )
+            ],
+        )[0],
+    ],
+    ids=["every field", "defaults", "decoded"],
+)
+def test_messages_pickle_and_copy_field_for_field(message: Message) -> None:
+    # Messages go to process pools and queues between processes: pickle must keep
+    # every field (the read-only properties included, which pickle alone refuses).
+    for copied in (
+        pickle.loads(pickle.dumps(message)),
+        pickle.loads(pickle.dumps(message, protocol=2)),
+        copy.deepcopy(message),
+    ):
+        _same(copied, message)
+        assert isinstance(copied.properties, MappingProxyType)
+        with pytest.raises(TypeError):
+            copied.properties["a"] = "changed"  # type: ignore[index]
+        assert hash(copied) == hash(message)
 
 
 def test_offsets_come_from_the_ids_when_entries_were_deleted_between() -> None:
