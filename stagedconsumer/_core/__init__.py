@@ -24,6 +24,7 @@ from ._ownership import OwnershipState as OwnershipState
 from ._ownership import QueueOwnership as QueueOwnership
 from ._ownership import QueueOwnershipStatistics as QueueOwnershipStatistics
 from ._process_queue import DEFAULT_STRATEGY as DEFAULT_STRATEGY
+from ._process_queue import NO_LEASE as NO_LEASE
 from ._process_queue import AssignmentFailure as AssignmentFailure
 from ._process_queue import Batch as Batch
 from ._process_queue import ConsumeMode as ConsumeMode
@@ -48,6 +49,7 @@ __all__ = (
     "DELAY_LEVELS",
     "DRAINED",
     "HELD",
+    "NO_LEASE",
     "NOTHING",
     "READY",
     "ROOM",

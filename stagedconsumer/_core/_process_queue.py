@@ -92,7 +92,7 @@ class EraseStatus(enum.Enum):
 _NEVER: Final = 1 << 62
 """An offset no queue reaches: nobody waits."""
 _FOREVER: Final = float("inf")
-_NO_LEASE: Final = float("-inf")
+NO_LEASE: Final = float("-inf")
 """``now`` of a take on queues without leases: only a closed queue gives nothing."""
 
 DEFAULT_STRATEGY: Final = "default"
@@ -909,7 +909,7 @@ class ProcessQueue:
             )
         return None
 
-    def take_next(self, batch: Batch, now: float = _NO_LEASE) -> Message | None:
+    def take_next(self, batch: Batch, now: float = NO_LEASE) -> Message | None:
         """Add the next cached message of ``batch``'s lane and stage to ``batch`` and
         return it, or ``None`` when there is none (or the queue gives nothing now:
         paused, dropped or past its lease at ``now``, as for :meth:`Dispatcher.take`;
@@ -924,7 +924,7 @@ class ProcessQueue:
             return batch.messages[-1]
         return None
 
-    def take_more(self, batch: Batch, max_count: int, now: float = _NO_LEASE) -> int:
+    def take_more(self, batch: Batch, max_count: int, now: float = NO_LEASE) -> int:
         """Add up to ``max_count`` next cached messages of ``batch``'s lane and stage
         to ``batch`` and return how many: 0 when there is none, ``max_count`` is 0, the
         queue gives nothing now (paused, dropped or past its lease at ``now``, as for

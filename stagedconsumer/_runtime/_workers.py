@@ -17,8 +17,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._core import READY, Batch, Dispatcher, EraseStatus, ProcessQueue
-from .._core._process_queue import _NO_LEASE
+from .._core import NO_LEASE, READY, Batch, Dispatcher, EraseStatus, ProcessQueue
 from .._exceptions import LeaseEndedError
 from .._listeners import is_async_callable
 from .._message import Message
@@ -352,7 +351,7 @@ class WorkerPool:
                     messages = batch.messages  # grows in place as the run takes more
                     taken = 1
                     ahead = 1
-                    now = _NO_LEASE
+                    now = NO_LEASE
                     cur.batch, cur.done = batch, 0
                     while True:
                         cur.context = context
