@@ -59,24 +59,26 @@ def test_plain_entries_decode_to_the_messages_the_constructor_makes() -> None:
         )
 
 
+FULL_FIELDS = _encode_fields("m1", b"x", 1_000, ("k1", "k2"), "tagA", {"a": "1", "b": "2"}, 4)
+"""A stored entry's fields with every optional one, and the message it decodes to
+(at offset 41 of queue 0 of ``t``)."""
+FULL = Message(
+    topic="t",
+    queue_id=0,
+    queue_offset=41,
+    body=b"x",
+    keys=("k1", "k2"),
+    tags="tagA",
+    properties={"a": "1", "b": "2"},
+    msg_id="m1",
+    born_timestamp=1.0,
+    reconsume_times=4,
+)
+
+
 def test_entries_with_every_optional_field_decode_field_for_field() -> None:
-    fields = _encode_fields("m1", b"x", 1_000, ("k1", "k2"), "tagA", {"a": "1", "b": "2"}, 4)
-    (got,) = _decode_entries("t", 0, [_entry(41, fields)])
-    _same(
-        got,
-        Message(
-            topic="t",
-            queue_id=0,
-            queue_offset=41,
-            body=b"x",
-            keys=("k1", "k2"),
-            tags="tagA",
-            properties={"a": "1", "b": "2"},
-            msg_id="m1",
-            born_timestamp=1.0,
-            reconsume_times=4,
-        ),
-    )
+    (got,) = _decode_entries("t", 0, [_entry(41, FULL_FIELDS)])
+    _same(got, FULL)
     assert isinstance(got.properties, MappingProxyType)
 
 
@@ -99,37 +101,12 @@ def test_decoded_messages_are_frozen_hashable_and_weakly_referable() -> None:
     assert retried.msg_id == "a"
 
 
-FULL = Message(
-    topic="t",
-    queue_id=2,
-    queue_offset=41,
-    body=b"x",
-    keys=("k1", "k2"),
-    tags="tagA",
-    properties={"a": "1", "b": "2"},
-    msg_id="m1",
-    born_timestamp=1.0,
-    reconsume_times=4,
-)
-
-
 @pytest.mark.parametrize(
     "message",
     [
         FULL,
         Message(topic="t", queue_id=0, queue_offset=0, body=b""),
-        _decode_entries(
-            "t",
-            2,
-            [
-                _entry(
-                    41,
-                    _encode_fields(
-                        "m1", b"x", 1_000, ("k1", "k2"), "tagA", {"a": "1", "b": "2"}, 4
-                    ),
-                )
-            ],
-        )[0],
+        _decode_entries("t", 0, [_entry(41, FULL_FIELDS)])[0],
     ],
     ids=["every field", "defaults", "decoded"],
 )
