@@ -1131,7 +1131,7 @@ class ProcessQueue:
             if order_lanes is None:
                 if head == 1:
                     order.popleft()
-                else:
+                elif head:
                     deque(starmap(order.popleft, repeat((), head)), 0)  # pops `head`, in C
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
