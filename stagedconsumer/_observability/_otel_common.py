@@ -7,6 +7,7 @@ This module imports OpenTelemetry; the rest of the package does not.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from opentelemetry import metrics as otel_metrics
@@ -101,16 +102,27 @@ def error_type_of(exc: BaseException) -> str:
 class Counts:
     """Monotonic counts per attribute set, observed by an asynchronous counter (which
     exports exactly as a counter): one dict update per call instead of an SDK
-    measurement."""
+    measurement.
 
-    __slots__ = ("_attributes", "_counts")
+    A dict of attributes built once and reused is counted by identity:
+    :meth:`key_of` registers it, and ``counts.by_key[key] += amount`` then counts
+    (the cheapest update, for a hot path). :meth:`add` takes any attributes."""
+
+    __slots__ = ("_attributes", "by_key")
 
     def __init__(self) -> None:
         # Keyed by the identity of a cached attribute dict, or its items when fresh:
-        # the count (an int, updated in place of a new object per call) and the
-        # attributes it is observed with.
-        self._counts: dict[object, int] = {}
+        # the count, and the attributes it is observed with (registered before the
+        # count appears, so that a collection that sees a count sees them too).
+        self.by_key: defaultdict[object, int] = defaultdict(int)
         self._attributes: dict[object, dict[str, AttributeValue]] = {}
+
+    def key_of(self, attributes: dict[str, AttributeValue]) -> object:
+        """The key of ``attributes``, a dict built once and never changed (it is kept
+        alive here, so its identity stays its own), for ``by_key[key] += amount``."""
+        key = id(attributes)
+        self._attributes[key] = attributes
+        return key
 
     def add(self, amount: int, attributes: dict[str, AttributeValue]) -> None:
         """Add ``amount`` for ``attributes``: a dict built once and reused (counted by
@@ -118,19 +130,14 @@ class Counts:
         key: object = (
             id(attributes) if ERROR_TYPE not in attributes else tuple(sorted(attributes.items()))
         )
-        counts = self._counts
-        current = counts.get(key)
-        if current is None:
-            # The attributes first: a collection that sees the count sees them too.
+        if key not in self._attributes:
             self._attributes[key] = attributes
-            counts[key] = amount
-        else:
-            counts[key] = current + amount
+        self.by_key[key] += amount
 
     def observe(self, options: CallbackOptions) -> Iterable[Observation]:
         del options
         attributes = self._attributes
-        return [Observation(count, attributes[key]) for key, count in list(self._counts.items())]
+        return [Observation(count, attributes[key]) for key, count in list(self.by_key.items())]
 
 
 _checked_propagator: tuple[TextMapPropagator | None, bool] = (None, True)

@@ -31,6 +31,8 @@ import errno
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -125,6 +127,22 @@ _Received = tuple[otel_context.Context | None, Link | _Pending | None, bool, Spa
 ``_PENDING``), whether the parent (its receive span) is recorded, and the parent as
 a non-recording span."""
 
+
+class _Queue:
+    """What the hook keeps per queue: its cached messages (by queue offset) as
+    received, and the metric attributes of the queue's own topic, built once, with
+    their key in the consumed-messages counts."""
+
+    __slots__ = ("attributes", "consumed", "received", "topic")
+
+    def __init__(self, topic: str, attributes: dict[str, AttributeValue], consumed: object) -> None:
+        self.topic = topic
+        self.attributes = attributes
+        self.consumed = consumed
+        self.received: dict[int, _Received] = {}
+
+
+_QUEUE_OFFSET = attrgetter("queue_offset")
 
 _PendingMeasurement = tuple[
     float,
@@ -306,16 +324,18 @@ class OpenTelemetryHook(ConsumeMessageHook):
         self._meter = meter
         self._props_key = f"{_PROPS_KEY}.{id(self):x}"
         # Attribute sets that repeat from call to call, built once (see _process_attrs).
-        self._metric_attrs_cache: dict[tuple[str, int], dict[str, AttributeValue]] = {}
+        self._metric_attrs_cache: dict[
+            tuple[str, int], tuple[dict[str, AttributeValue], object]
+        ] = {}
         self._process_static: dict[tuple[object, ...], tuple[str, dict[str, AttributeValue]]] = {}
         self._receive_static: dict[tuple[str, str, int], dict[str, AttributeValue]] = {}
         self._consumer: ConsumerView | None = None
         self._gauges_created = False
         self._max_offsets: dict[MessageQueue, int] = {}
-        # Per queue and cached message (by queue offset): the context that parents
-        # its process span (its receive span's) and the link to its creation
-        # context, both made once when the message is received.
-        self._received: dict[MessageQueue, dict[int, _Received]] = {}
+        # Per queue (see _Queue), and in it per cached message (by queue offset):
+        # the context that parents its process span (its receive span's) and the
+        # link to its creation context, both made once when the message is received.
+        self._queues: dict[MessageQueue, _Queue] = {}
         # With a sampler that ignores links, a span that is not recorded costs no
         # link work: it is created without links, and they are added only if it
         # records. Any other sampler sees every link at creation (the API's
@@ -353,20 +373,36 @@ class OpenTelemetryHook(ConsumeMessageHook):
             "messaging.destination.partition.id": str(queue_id),
         }
 
-    def _metric_attrs(self, topic: str, group: str, queue_id: int) -> dict[str, AttributeValue]:
-        """Metric attributes of a queue, built once (do not mutate the result). One
-        hook serves one consumer, so ``group`` is the same on every call."""
+    def _metric_attrs(
+        self, topic: str, group: str, queue_id: int
+    ) -> tuple[dict[str, AttributeValue], object]:
+        """Metric attributes of a topic's queue, built once (do not mutate them), and
+        their key in the consumed-messages counts. One hook serves one consumer, so
+        ``group`` is the same on every call."""
         key = (topic, queue_id)
         cached = self._metric_attrs_cache.get(key)
         if cached is None:
-            cached = self._metric_attrs_cache[key] = {
+            attributes: dict[str, AttributeValue] = {
                 "messaging.system": self.messaging_system,
                 "messaging.operation.name": "process",
                 "messaging.destination.name": topic,
                 "messaging.consumer.group.name": group,
                 "messaging.destination.partition.id": str(queue_id),
             }
+            cached = self._metric_attrs_cache[key] = (
+                attributes,
+                self._consumed_counts.key_of(attributes),
+            )
         return cached
+
+    def _queue(self, mq: MessageQueue, group: str) -> _Queue:
+        """The state of ``mq``, made on first use."""
+        queue = self._queues.get(mq)
+        if queue is None:
+            queue = self._queues[mq] = _Queue(
+                mq.topic, *self._metric_attrs(mq.topic, group, mq.queue_id)
+            )
+        return queue
 
     def _process_attrs(
         self, context: ConsumeMessageContext, topic: str
@@ -449,22 +485,21 @@ class OpenTelemetryHook(ConsumeMessageHook):
         parent_span = NonRecordingSpan(span_context)
         parent = trace.set_span_in_context(parent_span, _EMPTY) if span_context.is_valid else None
         recorded = span.is_recording() or span_context.trace_flags.sampled
-        received = self._received.get(mq)
-        if received is None:
-            received = self._received[mq] = {}
+        received = self._queue(mq, context.consumer_group).received
         if links is None:
             # One entry shared by the pull's messages: one object per pull, not per
             # message, stays alive until they are handled.
-            entry = (parent, _PENDING, recorded, parent_span)
-            for message in messages:
-                received[message.queue_offset] = entry
+            received.update(
+                zip(map(_QUEUE_OFFSET, messages), repeat((parent, _PENDING, recorded, parent_span)))
+            )
         else:
             for message, link in zip(messages, links):  # noqa: B905 - same length
                 received[message.queue_offset] = (parent, link, recorded, parent_span)
 
     def _links(self, mq: MessageQueue, messages: Sequence[Message]) -> list[Link]:
         """The creation links of ``messages``: made when they were received, or now."""
-        received = self._received.get(mq)
+        queue = self._queues.get(mq)
+        received = queue.received if queue is not None else None
         links: list[Link] = []
         for message in messages:
             entry = received.get(message.queue_offset) if received else None
@@ -480,11 +515,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
     def consume_message_before(self, context: ConsumeMessageContext) -> None:
         if not self.spans:
             return
-        messages = context.messages
-        mq = context.message_queue
-        first = messages[0]
-        received = self._received.get(mq)
-        entry = received.get(first.queue_offset) if received else None
+        queue = self._queues.get(context.message_queue)
+        entry = queue.received.get(context.messages[0].queue_offset) if queue is not None else None
         if entry is not None and not entry[2] and self._skip_unsampled:
             # The sampler would drop this span (see __init__): not made. The receive
             # span's context is current instead (made once per pull, used as it is
@@ -494,8 +526,17 @@ class OpenTelemetryHook(ConsumeMessageHook):
                 if entry[0] is not None and not otel_context.get_current()
                 else trace.set_span_in_context(entry[3])
             )
-            context.props[self._props_key] = (None, otel_context.attach(current), current, received)
+            context.props[self._props_key] = (None, otel_context.attach(current), current, queue)
             return
+        self._start_process_span(context, queue, entry)
+
+    def _start_process_span(
+        self, context: ConsumeMessageContext, queue: _Queue | None, entry: _Received | None
+    ) -> None:
+        """Starts the process span of ``context``'s call, current while it runs."""
+        messages = context.messages
+        mq = context.message_queue
+        first = messages[0]
         name, static = self._process_attrs(context, first.topic)
         attributes = static.copy()
         if len(messages) == 1:
@@ -536,42 +577,30 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # context switch a handler's own spans need).
         current = trace.set_span_in_context(span)
         token = otel_context.attach(current)
-        context.props[self._props_key] = (span, token, current, received)
+        context.props[self._props_key] = (span, token, current, queue)
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
         state = context.props.pop(self._props_key, None)
         messages = context.messages
-        mq = context.message_queue
         settled = context.settled
-        topic = messages[0].topic if messages else mq.topic
-        error_type: str | None = None
-        if not context.success:
-            error_type = _error_type(context)
+        error_type = None if context.success else _error_type(context)
         # Measurements are made in the process span's context, so that a recorded
         # span becomes their exemplar (the SDK's default, trace-based exemplar filter).
-        measured_in = _EMPTY
-        received = self._received.get(mq) if state is None else state[3]
-        if state is not None and state[0] is None:
-            measured_in = state[2]  # a process span not made (sampled out)
-            otel_context.detach(state[1])
-        elif state is not None:
-            span, token, measured_in, _ = state
-            try:
-                if error_type is not None:
-                    span.set_attribute("error.type", error_type)
-                    span.set_status(Status(StatusCode.ERROR, error_type))
-                    if context.exception is not None:
-                        span.record_exception(context.exception)
-                if settled:
-                    now_ns = time.time_ns()
-                    parent = trace.set_span_in_context(span, _EMPTY)
-                    for outcome, settled_messages in settled.items():
-                        self._settle_span(context, outcome, settled_messages, parent, topic, now_ns)
-                span.end(end_time=ns(context.end_time + context.wall_offset))
-            finally:
+        if state is None:  # spans off
+            measured_in = _EMPTY
+            queue = self._queues.get(context.message_queue)
+        else:
+            span, token, measured_in, queue = state
+            if span is None:  # a process span not made (sampled out)
                 otel_context.detach(token)
+            else:
+                try:
+                    self._end_process_span(context, span, error_type)
+                finally:
+                    otel_context.detach(token)
         # Forget the messages that will not be handled again here.
-        if received and (not settled or SettleOutcome.SUSPEND not in settled):
+        if queue is not None and (not settled or SettleOutcome.SUSPEND not in settled):
+            received = queue.received
             if len(messages) == 1:
                 received.pop(messages[0].queue_offset, None)
             else:
@@ -579,17 +608,25 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     received.pop(message.queue_offset, None)
         if not self.metrics:
             return
-        queue_attrs = self._metric_attrs_cache.get((topic, mq.queue_id))
-        if queue_attrs is None:
-            queue_attrs = self._metric_attrs(topic, context.consumer_group, mq.queue_id)
-        metric_attrs = queue_attrs
-        if error_type is not None:
-            metric_attrs = {**queue_attrs, "error.type": error_type}
+        topic = messages[0].topic if messages else context.message_queue.topic
+        if queue is not None and queue.topic == topic:
+            queue_attrs = queue.attributes
+            consumed = queue.consumed
+        else:  # spans off, or a retry queue's message (its own topic)
+            queue_attrs, consumed = self._metric_attrs(
+                topic, context.consumer_group, context.message_queue.queue_id
+            )
         # Per handler call, as semconv defines them: one duration per process
         # operation, and the consumed count (an asynchronous counter kept here).
         # The histogram measurements of this call go to the SDK in bulk (see
         # _record_pending): the duration per call, and per message (our own
         # histograms) how long each waited for its call and for its stage's barrier.
+        if error_type is None:
+            metric_attrs = queue_attrs
+            self._consumed_counts.by_key[consumed] += len(messages)
+        else:
+            metric_attrs = {**queue_attrs, "error.type": error_type}
+            self._consumed_counts.add(len(messages), metric_attrs)
         start = context.start_time
         duration = context.end_time - start
         wait = self.wait_metrics
@@ -607,7 +644,6 @@ class OpenTelemetryHook(ConsumeMessageHook):
         )
         if len(pending) >= _RECORD_EVERY:
             self._record_pending()
-        self._consumed_counts.add(len(messages), metric_attrs)
         if settled:
             dead = settled.get(SettleOutcome.DLQ)
             if dead:
@@ -617,6 +653,25 @@ class OpenTelemetryHook(ConsumeMessageHook):
             )
             if retried:
                 self._retried_counts.add(retried, queue_attrs)
+
+    def _end_process_span(
+        self, context: ConsumeMessageContext, span: Span, error_type: str | None
+    ) -> None:
+        """Ends the process span of ``context``'s call, after its settle spans."""
+        if error_type is not None:
+            span.set_attribute("error.type", error_type)
+            span.set_status(Status(StatusCode.ERROR, error_type))
+            if context.exception is not None:
+                span.record_exception(context.exception)
+        settled = context.settled
+        if settled:
+            messages = context.messages
+            topic = messages[0].topic if messages else context.message_queue.topic
+            now_ns = time.time_ns()
+            parent = trace.set_span_in_context(span, _EMPTY)
+            for outcome, settled_messages in settled.items():
+                self._settle_span(context, outcome, settled_messages, parent, topic, now_ns)
+        span.end(end_time=ns(context.end_time + context.wall_offset))
 
     def _record_pending(self) -> None:
         """Hand the buffered histogram measurements to the SDK.
@@ -750,7 +805,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
     async def aclose(self) -> None:
         self._record_pending()
         self._consumer = None
-        self._received.clear()
+        self._queues.clear()
 
 
 @attrs.define(eq=False)

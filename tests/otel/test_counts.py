@@ -38,3 +38,13 @@ def test_counts_with_an_error_type_are_keyed_by_value() -> None:
         (2, {"messaging.destination.partition.id": "0", "error.type": "KeyError"}),
         (4, {"messaging.destination.partition.id": "0", "error.type": "ValueError"}),
     ]
+
+
+def test_a_registered_attribute_set_counts_by_its_key_and_through_add() -> None:
+    counts = Counts()
+    queue0: dict[str, AttributeValue] = {"messaging.destination.partition.id": "0"}
+    key = counts.key_of(queue0)
+    assert observed(counts) == []  # registered, nothing counted yet
+    counts.by_key[key] += 3
+    counts.add(2, queue0)  # the same dict: the same count
+    assert observed(counts) == [(5, queue0)]

@@ -338,7 +338,7 @@ async def test_spans_or_metrics_can_be_turned_off(otel: Otel, spans: bool, metri
     assert len(otel.spans("process")) == (2 if spans else 0)
     assert len(otel.spans("receive")) == (1 if spans else 0)
     assert ("messaging.process.duration" in otel.metrics()) is metrics
-    assert not hook._received  # nothing left behind either way
+    assert not hook._queues  # nothing left behind either way
 
 
 async def test_sync_handler_runs_inside_the_process_span(otel: Otel) -> None:
@@ -647,17 +647,20 @@ async def test_an_unsampled_pull_keeps_one_entry_for_its_messages(otel: Otel) ->
 
     def recording(context: Any) -> None:
         pulled(context)
-        seen.append(dict(hook._received[context.message_queue]))
+        seen.append(dict(hook._queues[context.message_queue].received))
 
     hook.messages_pulled = recording  # type: ignore[method-assign]
     async with consumer:
         await consumer.wait_caught_up(timeout=10)
+        # Every one forgotten once handled (while the consumer still runs).
+        assert hook._queues
+        assert not any(queue.received for queue in hook._queues.values())
+    assert not hook._queues  # and the rest when it stops
     [entries] = seen  # one pull brought all five
     assert sorted(entries) == [0, 1, 2, 3, 4]
     # The pull's messages share one entry (their receive span's context): one object
     # per pull stays alive until they are handled, not one per message.
     assert len({id(entry) for entry in entries.values()}) == 1
-    assert not any(hook._received.values())  # every one forgotten once handled
     # Each handler call still ran under that receive span.
     [receive] = {span.get_span_context().span_id for span in listener.current}
     [entry] = {id(e): e for e in entries.values()}.values()
