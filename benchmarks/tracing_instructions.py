@@ -43,13 +43,12 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import _callgrind
+from benchmarks.tracing_overhead import SAMPLED_CASE as HOOK_CASE
+from benchmarks.tracing_overhead import SAMPLED_FLOOR as FLOOR_CASE
+from benchmarks.tracing_overhead import TARGET, TRACE_CASE
 
-HOOK_CASE = "everything, spans sampled 1%"
-TRACE_CASE = "message trace"
-FLOOR_CASE = "SDK floor, spans sampled 1%"
 CASES = (TRACE_CASE, HOOK_CASE, FLOOR_CASE)
 MODES = ("concurrent", "staged", "orderly")
-TARGET = 1.3
 
 
 def child(case: str, mode: str, n: int, queues: int, stage_size: int) -> None:
