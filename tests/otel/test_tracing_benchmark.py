@@ -91,8 +91,11 @@ def test_the_consumer_table_has_every_case_and_floor_of_every_mode(tmp_path: Pat
     assert all(row["cpu"] > 0 for row in rows)
     [target] = [line for line in result.stdout.splitlines() if "x SDK floor" in line]
     assert "1% sampled <= 1.3 x SDK floor" in target
-    assert "best of 2 (" in target
-    # Per mode, the ratio from the best runs and its range over the two rounds.
+    assert "medians of 2 rounds (" in target
+    # Per mode, the ratio from the medians, then from the best runs and its range
+    # over the two rounds.
+    assert target.count(" µs = ") == 3
+    assert target.count("(best runs ") == 3
     assert target.count(", rounds ") == 3
 
 
