@@ -27,11 +27,12 @@ This module imports OpenTelemetry; the rest of the package does not.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import repeat
+from itertools import repeat, starmap
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -144,19 +145,9 @@ class _Queue:
 
 _QUEUE_OFFSET = attrgetter("queue_offset")
 
-_PendingMeasurement = tuple[
-    float,
-    dict[str, AttributeValue],
-    dict[str, AttributeValue],
-    otel_context.Context,
-    float,
-    Sequence[float],
-    float | None,
-]
-"""The histogram measurements of one handler call, not recorded yet: its duration,
-the attributes of the duration and of the wait histograms, the context to measure
-in, the call's start, the messages' cached times (empty without wait metrics), and
-when the stage's barrier opened (``None`` unless staged with wait metrics)."""
+_Measurement = tuple[float, dict[str, AttributeValue], otel_context.Context]
+"""A histogram measurement not recorded yet: the value, its attributes and the
+context to measure in, the arguments of ``Histogram.record`` in order."""
 
 _RECORD_EVERY = 256
 """Handler calls whose histogram measurements are buffered before they go to the
@@ -291,8 +282,12 @@ class OpenTelemetryHook(ConsumeMessageHook):
         self._consumed_counts = Counts()
         self._dlq_counts = Counts()
         self._retried_counts = Counts()
-        # Histogram measurements waiting to be recorded in bulk (see _record_pending).
-        self._pending: deque[_PendingMeasurement] = deque()
+        # Histogram measurements waiting to be recorded in bulk (see _record_pending),
+        # per histogram: process duration (one per call), await time and barrier wait
+        # (one per message).
+        self._pending: deque[_Measurement] = deque()
+        self._pending_await: deque[_Measurement] = deque()
+        self._pending_barrier: deque[_Measurement] = deque()
         meter.create_observable_counter(
             "messaging.client.consumed.messages",
             [self._observe_consumed],
@@ -516,7 +511,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
         if not self.spans:
             return
         queue = self._queues.get(context.message_queue)
-        entry = queue.received.get(context.messages[0].queue_offset) if queue is not None else None
+        # The first message's entry is taken now (put back if the call is suspended);
+        # the others' are dropped after the call.
+        entry = queue.received.pop(context.messages[0].queue_offset, None) if queue else None
         if entry is not None and not entry[2] and self._skip_unsampled:
             # The sampler would drop this span (see __init__): not made. The receive
             # span's context is current instead (made once per pull, used as it is
@@ -526,7 +523,13 @@ class OpenTelemetryHook(ConsumeMessageHook):
                 if entry[0] is not None and not otel_context.get_current()
                 else trace.set_span_in_context(entry[3])
             )
-            context.props[self._props_key] = (None, otel_context.attach(current), current, queue)
+            context.props[self._props_key] = (
+                None,
+                otel_context.attach(current),
+                current,
+                queue,
+                entry,
+            )
             return
         self._start_process_span(context, queue, entry)
 
@@ -577,7 +580,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # context switch a handler's own spans need).
         current = trace.set_span_in_context(span)
         token = otel_context.attach(current)
-        context.props[self._props_key] = (span, token, current, queue)
+        context.props[self._props_key] = (span, token, current, queue, entry)
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
         state = context.props.pop(self._props_key, None)
@@ -590,7 +593,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
             measured_in = _EMPTY
             queue = self._queues.get(context.message_queue)
         else:
-            span, token, measured_in, queue = state
+            span, token, measured_in, queue, entry = state
             if span is None:  # a process span not made (sampled out)
                 otel_context.detach(token)
             else:
@@ -598,12 +601,13 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     self._end_process_span(context, span, error_type)
                 finally:
                     otel_context.detach(token)
-        # Forget the messages that will not be handled again here.
-        if queue is not None and (not settled or SettleOutcome.SUSPEND not in settled):
-            received = queue.received
-            if len(messages) == 1:
-                received.pop(messages[0].queue_offset, None)
-            else:
+            # Forget the messages that will not be handled again here (the first
+            # one's entry was taken before the call); a suspended call's are kept.
+            if settled and SettleOutcome.SUSPEND in settled:
+                if entry is not None and queue is not None:
+                    queue.received.setdefault(messages[0].queue_offset, entry)
+            elif len(messages) > 1 and queue is not None:
+                received = queue.received
                 for message in messages:
                     received.pop(message.queue_offset, None)
         if not self.metrics:
@@ -629,19 +633,30 @@ class OpenTelemetryHook(ConsumeMessageHook):
             self._consumed_counts.add(len(messages), metric_attrs)
         start = context.start_time
         duration = context.end_time - start
-        wait = self.wait_metrics
         pending = self._pending
-        pending.append(
-            (
-                duration if duration > 0.0 else 0.0,
-                metric_attrs,
-                queue_attrs,
-                measured_in,
-                start,
-                context.cached_times if wait else (),
-                context.runnable_at if wait and context.mode == "staged" else None,
-            )
-        )
+        pending.append((duration if duration > 0.0 else 0.0, metric_attrs, measured_in))
+        if self.wait_metrics:
+            cached_times = context.cached_times
+            if len(cached_times) == 1:
+                cached = cached_times[0]
+                self._pending_await.append(
+                    (start - cached if start > cached else 0.0, queue_attrs, measured_in)
+                )
+            else:
+                self._pending_await.extend(
+                    [
+                        (start - cached if start > cached else 0.0, queue_attrs, measured_in)
+                        for cached in cached_times
+                    ]
+                )
+            if context.mode == "staged":
+                opened = context.runnable_at
+                self._pending_barrier.extend(
+                    [
+                        (opened - cached if opened > cached else 0.0, queue_attrs, measured_in)
+                        for cached in cached_times
+                    ]
+                )
         if len(pending) >= _RECORD_EVERY:
             self._record_pending()
         if settled:
@@ -679,28 +694,20 @@ class OpenTelemetryHook(ConsumeMessageHook):
         Called every ``_RECORD_EVERY`` handler calls from the worker, before every
         metric collection from the collecting thread (the consumed-messages
         counter's callback: the SDK runs callbacks before it reads the histograms),
-        and when the consumer stops; ``popleft`` hands each measurement out once,
-        whichever thread drains.
+        and when the consumer stops. Each buffer is drained by ``popleft`` into
+        ``Histogram.record`` in C (``starmap``, consumed by a zero-length deque), so
+        the only Python code per measurement is the SDK's; ``popleft`` hands each
+        measurement out once, whichever thread drains, and the ``IndexError`` of an
+        empty buffer ends the drain (one the SDK raised would end it too, and leave
+        the rest for the next).
         """
-        pending = self._pending
-        record_duration = self._process_duration.record
-        record_await = self._await.record
-        record_barrier = self._barrier.record
-        while pending:
-            try:
-                seconds, attributes, queue_attrs, measured_in, start, cached_times, opened = (
-                    pending.popleft()
-                )
-            except IndexError:  # drained by the other thread meanwhile
-                return
-            record_duration(seconds, attributes, measured_in)
-            for cached in cached_times:
-                record_await(start - cached if start > cached else 0.0, queue_attrs, measured_in)
-            if opened is not None:
-                for cached in cached_times:
-                    record_barrier(
-                        opened - cached if opened > cached else 0.0, queue_attrs, measured_in
-                    )
+        for pending, record in (
+            (self._pending, self._process_duration.record),
+            (self._pending_await, self._await.record),
+            (self._pending_barrier, self._barrier.record),
+        ):
+            with contextlib.suppress(IndexError):  # drained
+                deque(starmap(record, iter(pending.popleft, None)), maxlen=0)
 
     def _observe_consumed(self, options: CallbackOptions) -> Iterable[Observation]:
         self._record_pending()  # a collection starts: the histograms get what is buffered

@@ -191,6 +191,13 @@ async def test_batch_process_span_has_per_link_ids(otel: Otel) -> None:
     assert [dict(link.attributes or {}) for link in process.links] == [
         {"messaging.message.id": m.msg_id} for m in sent
     ]
+    # One duration for the call, an await time per message of it.
+    metrics = otel.metrics()
+    [duration] = metrics["messaging.process.duration"]
+    [awaited] = metrics["stagedconsumer.consumer.await.duration"]
+    assert isinstance(duration, HistogramDataPoint)
+    assert isinstance(awaited, HistogramDataPoint)
+    assert (duration.count, awaited.count) == (1, 3)
 
 
 async def test_concurrent_failure_goes_to_dlq_with_settle_span(otel: Otel) -> None:
@@ -263,6 +270,13 @@ async def test_orderly_failure_is_suspended_and_retried(otel: Otel) -> None:
     assert_required(suspend, "suspend", "settle")
     assert processes[2].attributes["stagedconsumer.attempt"] == 2  # type: ignore[index]
     assert ids([processes[2].links[0].context]) == ids([creation[1]])
+    # The retry runs under the receive span that brought the message, as the failed
+    # call did: a suspended message is still known to the hook.
+    [receive] = otel.spans("receive")
+    assert processes[1].parent is not None
+    assert processes[2].parent is not None
+    assert processes[1].parent.span_id == receive.context.span_id
+    assert processes[2].parent.span_id == receive.context.span_id
     [retried] = otel.metrics()["stagedconsumer.consumer.retried.messages"]
     assert retried.value == 1  # type: ignore[attr-defined]
 
