@@ -637,11 +637,16 @@ class OpenTelemetryHook(ConsumeMessageHook):
         pending.append((duration if duration > 0.0 else 0.0, metric_attrs, measured_in))
         if self.wait_metrics:
             cached_times = context.cached_times
+            opened = context.runnable_at if context.mode == "staged" else None
             if len(cached_times) == 1:
                 cached = cached_times[0]
                 self._pending_await.append(
                     (start - cached if start > cached else 0.0, queue_attrs, measured_in)
                 )
+                if opened is not None:
+                    self._pending_barrier.append(
+                        (opened - cached if opened > cached else 0.0, queue_attrs, measured_in)
+                    )
             else:
                 self._pending_await.extend(
                     [
@@ -649,14 +654,13 @@ class OpenTelemetryHook(ConsumeMessageHook):
                         for cached in cached_times
                     ]
                 )
-            if context.mode == "staged":
-                opened = context.runnable_at
-                self._pending_barrier.extend(
-                    [
-                        (opened - cached if opened > cached else 0.0, queue_attrs, measured_in)
-                        for cached in cached_times
-                    ]
-                )
+                if opened is not None:
+                    self._pending_barrier.extend(
+                        [
+                            (opened - cached if opened > cached else 0.0, queue_attrs, measured_in)
+                            for cached in cached_times
+                        ]
+                    )
         if len(pending) >= _RECORD_EVERY:
             self._record_pending()
         if settled:

@@ -305,6 +305,24 @@ async def test_staged_spans_carry_the_stage_and_barrier_wait_is_measured(otel: O
     assert barrier.max >= 0.005  # the tail waited for stage 0 and stage 1 (10 ms each)
 
 
+async def test_staged_batches_measure_each_message_and_one_duration_per_call(
+    otel: Otel,
+) -> None:
+    broker, _, _ = produce(otel, 5)
+    await consume(otel, broker, Staged(), consume_message_batch_max_size=2)
+    calls = len(otel.spans("process"))
+    assert calls < 5  # some calls held two messages
+    metrics = otel.metrics()
+    [duration] = metrics["messaging.process.duration"]
+    [awaited] = metrics["stagedconsumer.consumer.await.duration"]
+    [barrier] = metrics["stagedconsumer.consumer.barrier_wait.duration"]
+    assert isinstance(duration, HistogramDataPoint)
+    assert isinstance(awaited, HistogramDataPoint)
+    assert isinstance(barrier, HistogramDataPoint)
+    assert (duration.count, awaited.count, barrier.count) == (calls, 5, 5)
+    assert barrier.max >= 0.005  # the later stages waited for the earlier ones
+
+
 async def test_gauges_report_cache_and_lag_while_running(otel: Otel) -> None:
     gate = anyio.Event()
 
