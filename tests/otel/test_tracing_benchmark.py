@@ -130,3 +130,30 @@ def test_the_instruction_count_needs_valgrind(tmp_path: Path) -> None:
     result = run_module("benchmarks.tracing_instructions", path=str(tmp_path))  # nothing there
     assert result.returncode == 2
     assert "needs valgrind and callgrind_control on PATH" in result.stderr
+
+
+def test_the_target_verdict_takes_medians_and_shows_the_best_runs_beside_them() -> None:
+    from benchmarks.tracing_overhead import (
+        SAMPLED_CASE,
+        SAMPLED_FLOOR,
+        TRACE_CASE,
+        best,
+        sampled_target,
+    )
+
+    # CPU seconds per round for a million messages (so seconds read as µs per
+    # message): one short message-trace run missed the load the others met.
+    cpu = {TRACE_CASE: [10.0, 10.0, 6.0], SAMPLED_CASE: [22.0, 22.0, 22.0]}
+    cpu[SAMPLED_FLOOR] = [10.0, 10.0, 10.0]
+    raw = [
+        {"mode": "m", "case": case, "cpu": seconds, "round": round_index}
+        for case, runs in cpu.items()
+        for round_index, seconds in enumerate(runs)
+    ]
+    line = sampled_target(best(raw), raw, 1_000_000)
+    # Medians: (22 - 10) / 10; the best runs: (22 - 6) / 10, which alone would miss.
+    assert ": met, medians of 3 rounds (" in line
+    assert "m: +12.0 µs vs floor 10.0 µs = 1.20x (best runs 1.60x, rounds 1.20-1.60x)" in line
+    # Everything at 30 in every round: (30 - 10) / 10, over the threshold.
+    raw = [{**row, "cpu": 30.0} if row["case"] == SAMPLED_CASE else row for row in raw]
+    assert ": NOT met, medians of 3 rounds (" in sampled_target(best(raw), raw, 1_000_000)
