@@ -638,7 +638,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
         if self.wait_metrics:
             cached_times = context.cached_times
             opened = context.runnable_at if context.mode == "staged" else None
-            if len(cached_times) == 1:
+            if len(cached_times) == 1:  # inline: ConsumeMessageContext.await_times of one
                 cached = cached_times[0]
                 self._pending_await.append(
                     (start - cached if start > cached else 0.0, queue_attrs, measured_in)
@@ -647,20 +647,14 @@ class OpenTelemetryHook(ConsumeMessageHook):
                     self._pending_barrier.append(
                         (opened - cached if opened > cached else 0.0, queue_attrs, measured_in)
                     )
-            else:
+            else:  # the context's own per-message waits, paired in C (repeat: endless)
+                attrs, measured = repeat(queue_attrs), repeat(measured_in)
                 self._pending_await.extend(
-                    [
-                        (start - cached if start > cached else 0.0, queue_attrs, measured_in)
-                        for cached in cached_times
-                    ]
+                    zip(context.await_times(), attrs, measured, strict=False)
                 )
                 if opened is not None:
-                    self._pending_barrier.extend(
-                        [
-                            (opened - cached if opened > cached else 0.0, queue_attrs, measured_in)
-                            for cached in cached_times
-                        ]
-                    )
+                    waits = context.barrier_waits()
+                    self._pending_barrier.extend(zip(waits, attrs, measured, strict=False))
         if len(pending) >= _RECORD_EVERY:
             self._record_pending()
         if settled:
