@@ -49,9 +49,9 @@ def plain_text(text: str) -> str:
 
 
 def _registrars() -> list[Registrar]:
-    from . import _demo, _group, _offsets, _trace
+    from . import _demo, _group, _offsets, _run, _trace
 
-    return [_demo.register, _group.register, _offsets.register, _trace.register]
+    return [_demo.register, _group.register, _offsets.register, _run.register, _trace.register]
 
 
 class _Parser(argparse.ArgumentParser):
