@@ -97,7 +97,9 @@ def test_a_second_sigterm_exits_at_once_naming_what_it_abandons(
 def test_sigint_leaves_gracefully_and_json_lines_carry_the_fields(
     tmp_path: Path, processes: list[RunProcess]
 ) -> None:
-    run = RunProcess(tmp_path, "tests.run_apps:several", "--log-format", "json", "--backend", "trio")
+    run = RunProcess(
+        tmp_path, "tests.run_apps:several", "--log-format", "json", "--backend", "trio"
+    )
     processes.append(run)
     run.wait_for("running tests.run_apps:several")
     run.signal(signal.SIGINT)
