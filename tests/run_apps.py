@@ -8,15 +8,18 @@ Each factory reads its settings from ``STAGEDCONSUMER_TEST_RUN`` (JSON):
   seen while it drains).
 - ``stuck``: one message whose plain-``def`` handler blocks for ten minutes.
 - ``several``: a producer and a consumer, from a plain function.
+- ``lifespan``: an ``@asynccontextmanager`` function yielding a producer and a consumer.
+- ``main``: an ``async def`` that runs its consumer itself until cancelled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +96,23 @@ def returns_nothing() -> None:
 
 
 NOT_RUNNABLE = 42
+
+
+@contextlib.asynccontextmanager
+async def lifespan() -> AsyncIterator[list[object]]:
+    """Set-up and tear-down around the consumers it yields (not started: the run
+    starts them after the set-up and stops them before the tear-down)."""
+    logger.warning("set up")
+    consumer = _consumer(Gated(Path(os.devnull)), messages=3)
+    try:
+        yield [Producer(consumer.source, group="p"), consumer]
+    finally:
+        logger.warning("torn down (consumer closed: %s)", consumer._state.closed)
+
+
+async def main() -> None:
+    """A program's own ``main``: it runs its consumer itself until it is cancelled."""
+    consumer = _consumer(Gated(Path(os.devnull)), messages=3)
+    async with consumer:
+        logger.warning("main running")
+        await anyio.sleep_forever()

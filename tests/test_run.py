@@ -160,3 +160,30 @@ def test_workers_that_cannot_load_the_target_are_not_restarted() -> None:
     assert "has no attribute 'no_such_app'" in result.stderr
     assert "could not load its target" in result.stderr
     assert "starting it again" not in result.stderr
+
+
+def test_an_asynccontextmanager_app_is_set_up_before_and_torn_down_after_its_consumers(
+    tmp_path: Path, processes: list[RunProcess]
+) -> None:
+    run = RunProcess(tmp_path, "tests.run_apps:lifespan")
+    processes.append(run)
+    run.wait_for("running tests.run_apps:lifespan")
+    run.signal(signal.SIGTERM)
+    assert run.wait() == 0, run.log()
+    log = run.log()
+    order = ["set up", "running tests.run_apps:lifespan", "leaving gracefully", "torn down"]
+    assert [log.index(text) for text in order] == sorted(log.index(text) for text in order)
+    assert "running tests.run_apps:lifespan (started in" in log
+    assert "tests.run_apps.lifespan(), producer p, consumer g" in log
+    assert "torn down (consumer closed: True)" in log  # the consumer left first
+
+
+def test_a_main_that_runs_its_consumers_itself_is_cancelled_and_they_leave_gracefully(
+    tmp_path: Path, processes: list[RunProcess]
+) -> None:
+    run = RunProcess(tmp_path, "tests.run_apps:main", "--backend", "trio")
+    processes.append(run)
+    run.wait_for("main running")
+    run.signal(signal.SIGTERM)
+    assert run.wait() == 0, run.log()
+    assert "tests.run_apps:main had not finished entering): cancelling that" in run.log()

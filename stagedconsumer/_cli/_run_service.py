@@ -108,7 +108,13 @@ class _Runner:
         if status.phase == "stopping":
             return
         if status.phase == "starting":
-            logger.warning("%s while starting: leaving what started", why, extra=extra)
+            logger.warning(
+                "%s while starting (%s had not finished entering): cancelling that; what"
+                " it entered leaves gracefully",
+                why,
+                self.where,
+                extra=extra,
+            )
             self.run_scope.cancel()
         else:
             logger.warning(
@@ -120,8 +126,11 @@ class _Runner:
         status.phase = "stopping"
         self.stop.set()
 
-    async def watch_signals(self) -> None:
+    async def watch_signals(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+            task_status.started()
             async for signum in received:
                 name = signal.Signals(signum).name
                 self.signals += 1
@@ -140,13 +149,19 @@ class _Runner:
                 sys.stdout.flush()
                 os._exit(code)
 
-    async def _watch(self, scope: anyio.CancelScope) -> None:
+    async def _watch(
+        self,
+        scope: anyio.CancelScope,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         with scope:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self.watch_signals)
+                await tg.start(self.watch_signals)  # before the target's code runs
                 parent = os.environ.get(PARENT_ENV)
                 if parent is not None:
                     tg.start_soon(self.watch_parent, int(parent))
+                task_status.started()
 
     async def watch_parent(self, parent: int) -> None:
         # nothing signals a parent's death to a child portably: look once a second
@@ -224,7 +239,7 @@ class _Runner:
         shutdown_http = anyio.Event()
         watching = anyio.CancelScope()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._watch, watching)
+            await tg.start(self._watch, watching)
             sock = self.settings.http
             if sock is not None:
                 try:

@@ -139,9 +139,12 @@ def _unit_of(value: object) -> Unit | None:
         if unit is not None:
             return unit
     if _is_context(value):  # any object with __aenter__ and __aexit__, as `async with` takes
-        return Unit(
-            name=type(value).__name__, context=cast("AbstractAsyncContextManager[Any]", value)
-        )
+        func = getattr(value, "func", None)  # what an @asynccontextmanager function returned
+        if func is not None and hasattr(value, "gen"):
+            name = f"{func.__module__}.{func.__qualname__}()"
+        else:
+            name = type(value).__name__
+        return Unit(name=name, context=cast("AbstractAsyncContextManager[Any]", value))
     return None
 
 
