@@ -102,6 +102,10 @@ def _run(args: argparse.Namespace) -> int:
             address = parse_address(args.http)
         except ValueError as exc:
             return _error(str(exc))
+        try:
+            import hypercorn  # noqa: F401
+        except ImportError:
+            return _error("--http needs Hypercorn: pip install 'stagedconsumer[run]'")
     if args.workers > 1:
         from ._supervise import supervise
 

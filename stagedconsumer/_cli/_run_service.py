@@ -172,7 +172,7 @@ class _Runner:
     async def run_units(self) -> None:
         status = self.status
         metrics = self.metrics
-        before: dict[int, tuple[list[MessageQueue], int]] = {}
+        before: dict[int, tuple[list[MessageQueue], int, int]] = {}
         with self.run_scope:
             async with AsyncExitStack() as stack:
                 started = time.monotonic()
@@ -196,17 +196,26 @@ class _Runner:
                 status.phase = "stopping"
                 for index, unit in enumerate(status.units):
                     if unit.consumer is not None and not unit.consumer._state.closed:
+                        stats = unit.consumer.statistics()
                         before[index] = (
                             unit.consumer.assigned_queues,
-                            unit.consumer.statistics().in_flight,
+                            stats.in_flight,
+                            stats.commit_errors,
                         )
                 leaving = time.monotonic()
         status.phase = "stopping"
-        for index, (queues, in_flight) in before.items():
-            await self._left(status.units[index], queues, in_flight, time.monotonic() - leaving)
+        for index, (queues, in_flight, commit_errors) in before.items():
+            await self._left(
+                status.units[index], queues, in_flight, commit_errors, time.monotonic() - leaving
+            )
 
     async def _left(
-        self, unit: Unit, queues: list[MessageQueue], in_flight: int, seconds: float
+        self,
+        unit: Unit,
+        queues: list[MessageQueue],
+        in_flight: int,
+        commit_errors: int,
+        seconds: float,
     ) -> None:
         consumer = unit.consumer
         assert consumer is not None
@@ -218,14 +227,21 @@ class _Runner:
             )
             if offset is not None:
                 committed.append(f"{mq.topic}#{mq.queue_id} at {offset}")
+        if stats.commit_errors > commit_errors:
+            progress = (
+                "the last commit failed (logged above): the group resumes from the progress"
+                " committed before it"
+            )
+        else:
+            progress = "progress committed: " + (", ".join(committed) or "none")
         logger.info(
             "%s left in %.2f s: %d handler call(s) were in flight, %d abandoned at"
-            " shutdown_timeout; progress committed: %s",
+            " shutdown_timeout; %s",
             unit.name,
             seconds,
             in_flight,
             stats.abandoned_calls,
-            ", ".join(committed) or "none",
+            progress,
             extra={
                 "group": consumer.group,
                 "client_id": consumer.client_id,
@@ -266,6 +282,9 @@ class _Runner:
             except Exception:
                 logger.exception("%s stopped by a failure", self.where)
                 return 1
+            except SystemExit as exc:  # a handler's sys.exit(), after the graceful exit
+                logger.warning("%s: sys.exit(%r) in the application", self.where, exc.code)
+                return exc.code if isinstance(exc.code, int) else 1
             finally:
                 if self.metrics is not None:
                     self.metrics.close()
