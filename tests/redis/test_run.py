@@ -4,11 +4,13 @@ The application is tests/redis/run_app.py (a staged listener logging each handle
 call's start and end, fsynced; a SqlOffsetStore). A SIGTERM in the middle of a run
 must leave with exit status 0 and progress committed exactly up to what finished, so
 that the next run replays nothing; ``--workers 3`` must split the queues and survive
-a worker killed with SIGKILL (started again, nothing lost).
+a worker killed with SIGKILL (started again, nothing lost); ``/readyz`` must name a
+broker that stopped answering.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,9 +26,10 @@ import pytest
 from offsetstore import SqlOffsetStore
 from stagedconsumer._sources._redis_broker import RedisBroker
 from stagedconsumer.testing import assert_at_least_once
-from tests._run_process import RunProcess
+from tests._run_process import RunProcess, get
 
 from ._events import Event, _message, call_log, check_stages_and_barrier, read_events
+from ._server import RedisServer
 from ._workers import lock_owners
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
@@ -231,3 +234,45 @@ async def test_workers_split_the_queues_and_a_killed_worker_is_started_again(
     check_stages_and_barrier(events, queues=queues, per_queue=per_queue)
     sent = [_message(q, o) for q in range(queues) for o in range(per_queue)]
     assert_at_least_once(call_log(events), sent)
+
+
+async def test_readyz_names_a_broker_that_stopped_answering(
+    config: dict[str, Any],
+    redis_server: RedisServer,
+    tmp_path: Path,
+    processes: list[RunProcess],
+    anyio_backend: str,
+) -> None:
+    config["redis_url"] = redis_server.url
+    async with RedisBroker(redis_server.url, namespace=config["namespace"]) as broker:
+        await _fill(broker, queues=2, per_queue=10)
+    run = RunProcess(
+        tmp_path,
+        "tests.redis.run_app:make",
+        "--backend",
+        anyio_backend,
+        "--http",
+        "0",
+        config=config,
+    )
+    processes.append(run)
+    port = run.http_port()
+    run.wait_for("running tests.redis.run_app:make")
+    deadline = time.monotonic() + 60
+    while (reply := get(port, "/readyz"))[0] != 200:  # until both queues are held
+        assert time.monotonic() < deadline, reply
+        await anyio.sleep(0.1)
+    (consumer,) = json.loads(reply[1])["consumers"]
+    assert consumer["broker"] == consumer["store"] == "ok"
+
+    redis_server.kill()
+    code, body = get(port, "/readyz")
+    assert code == 503, body
+    (consumer,) = json.loads(body)["consumers"]
+    assert consumer["store"] == "ok"
+    assert consumer["broker"] != "ok"
+    assert any(problem.startswith("broker: ") for problem in consumer["problems"])
+    assert get(port, "/healthz") == (200, "ok\n")  # alive: it retries on its own
+
+    run.signal(signal.SIGTERM)
+    assert run.wait() == 0, run.log()
