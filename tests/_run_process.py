@@ -46,15 +46,23 @@ class RunProcess:
     def log(self) -> str:
         return self.stderr_path.read_text()
 
-    def wait_for(self, pattern: str, *, count: int = 1, timeout: float = 60) -> re.Match[str]:
+    def wait_for(
+        self, pattern: str, *, count: int = 1, timeout: float = 60, exited: bool = False
+    ) -> re.Match[str]:
         """The ``count``-th match of the regular expression ``pattern`` in the log,
-        once it is there (a bound for a hung process only: the log decides)."""
+        once it is there (a bound for a hung process only: the log decides). Fails
+        early when the process exits first, unless ``exited`` (the log is written by
+        its children too)."""
         deadline = time.monotonic() + timeout
         while True:
             matches = list(re.finditer(pattern, self.log()))
             if len(matches) >= count:
                 return matches[count - 1]
-            if self.proc.poll() is not None and len(list(re.finditer(pattern, self.log()))) < count:
+            if (
+                not exited
+                and self.proc.poll() is not None
+                and len(list(re.finditer(pattern, self.log()))) < count
+            ):
                 raise AssertionError(
                     f"exited ({self.proc.returncode}) before logging {pattern!r}:\n{self.log()}"
                 )

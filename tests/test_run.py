@@ -6,7 +6,10 @@ Over Redis and PostgreSQL (a SIGTERM mid-run, workers): tests/redis/test_run.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from stagedconsumer._cli._run_logging import JsonFormatter
+from stagedconsumer._cli._serve_http import parse_address
 from tests._run_process import ROOT, RunProcess, get
 
 
@@ -187,3 +192,73 @@ def test_a_main_that_runs_its_consumers_itself_is_cancelled_and_they_leave_grace
     run.signal(signal.SIGTERM)
     assert run.wait() == 0, run.log()
     assert "tests.run_apps:main had not finished entering): cancelling that" in run.log()
+
+
+def test_workers_leave_gracefully_when_their_supervisor_is_killed(
+    tmp_path: Path, processes: list[RunProcess]
+) -> None:
+    run = RunProcess(tmp_path, "tests.run_apps:several", "--workers", "2")
+    processes.append(run)
+    pids = [int(run.wait_for(rf"worker {i} started \(pid (\d+)\)").group(1)) for i in range(2)]
+    try:
+        run.wait_for(r"running tests.run_apps:several", count=2)
+        run.kill()  # SIGKILL: nothing is passed on
+        went = r"the supervisor \(pid \d+\) went away: leaving gracefully"
+        run.wait_for(went, count=2, exited=True)
+        run.wait_for(r"everything left; exiting", count=2, exited=True)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_run_help_and_a_bad_http_address() -> None:
+    assert "--workers N" in _run("--help").stdout
+    result = _run("tests.run_apps:several", "--http", "localhost:http")
+    assert result.returncode == 2
+    assert "--http 'localhost:http': expected HOST:PORT or PORT" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        ("8080", ("127.0.0.1", 8080)),
+        (":8080", ("127.0.0.1", 8080)),
+        ("0.0.0.0:9000", ("0.0.0.0", 9000)),
+        ("[::1]:9000", ("::1", 9000)),
+    ],
+)
+def test_http_addresses(text: str, address: tuple[str, int]) -> None:
+    assert parse_address(text) == address
+
+
+def test_http_port_out_of_range() -> None:
+    with pytest.raises(ValueError, match="port 70000 is out of range"):
+        parse_address("70000")
+
+
+def test_json_lines_carry_extra_fields_and_the_traceback() -> None:
+    formatter = JsonFormatter(worker="3")
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        record = logging.LogRecord(
+            "stagedconsumer",
+            logging.ERROR,
+            __file__,
+            1,
+            "group %s:\nfailed",
+            ("g",),
+            sys.exc_info(),
+        )
+    record.group = "g"
+    line = formatter.format(record)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert entry["message"] == "group g:\nfailed"
+    assert entry["level"] == "ERROR"
+    assert entry["logger"] == "stagedconsumer"
+    assert entry["worker"] == 3
+    assert entry["group"] == "g"
+    assert "RuntimeError: boom" in entry["exception"]
+    assert {"args", "msg", "exc_info", "levelno"}.isdisjoint(entry)
