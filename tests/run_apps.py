@@ -116,3 +116,11 @@ async def main() -> None:
     async with consumer:
         logger.warning("main running")
         await anyio.sleep_forever()
+
+
+def with_a_stray_item() -> list[object]:
+    return [_consumer(Gated(Path(os.devnull))), "orders"]
+
+
+def nothing_to_run() -> list[object]:
+    return []

@@ -149,6 +149,14 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
             "tests.run_apps:returns_nothing",
             "tests.run_apps:returns_nothing returned None; a factory must return",
         ),
+        (
+            "tests.run_apps:with_a_stray_item",
+            "what tests.run_apps:with_a_stray_item() returned[1] is a builtins.str; expected",
+        ),
+        (
+            "tests.run_apps:nothing_to_run",
+            "what tests.run_apps:nothing_to_run() returned is empty: nothing to run",
+        ),
     ],
 )
 def test_a_bad_target_exits_2_naming_what_was_not_found(target: str, message: str) -> None:

@@ -149,8 +149,10 @@ def _unit_of(value: object) -> Unit | None:
 
 
 def _runnable(value: object) -> bool:
+    """Whether ``value`` is meant to be run: a unit, or a list with one (whose other
+    items then get an error naming them)."""
     if isinstance(value, list | tuple):
-        return bool(value) and all(_runnable(item) for item in value)
+        return any(_runnable(item) for item in value)
     return _unit_of(value) is not None
 
 
@@ -173,7 +175,7 @@ async def enter_target(
         result = target()
         if inspect.isawaitable(result):
             result = await result
-        if not _runnable(result):
+        if not _runnable(result) and not (isinstance(result, list | tuple) and not result):
             raise TargetError(
                 f"{where} returned {_type_name(result)}; a factory must return {SHAPES}"
             )
