@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -270,3 +271,30 @@ def test_json_lines_carry_extra_fields_and_the_traceback() -> None:
     assert entry["group"] == "g"
     assert "RuntimeError: boom" in entry["exception"]
     assert {"args", "msg", "exc_info", "levelno"}.isdisjoint(entry)
+
+
+def test_a_second_signal_to_the_supervisor_makes_the_workers_exit_at_once(
+    tmp_path: Path, processes: list[RunProcess]
+) -> None:
+    run = RunProcess(tmp_path, "tests.run_apps:stuck", "--workers", "2")
+    processes.append(run)
+    run.wait_for("handler started", count=2)
+    run.signal(signal.SIGTERM)
+    run.wait_for("passing SIGTERM on to 2 worker")
+    run.wait_for("leaving gracefully", count=2)
+    run.signal(signal.SIGINT)
+    assert run.wait() == 128 + signal.SIGTERM, run.log()
+    log = run.log()
+    assert "received SIGINT again: passing it on; the workers exit at once" in log
+    assert log.count("received SIGTERM again: exiting at once with status 143") == 2
+    assert log.count("exited with status 143") == 2
+
+
+def test_an_http_port_in_use_is_an_error_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("tests.run_apps:several", "--http", str(port))
+    assert result.returncode == 2
+    assert f"--http: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
