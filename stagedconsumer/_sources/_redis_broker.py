@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import os
 import time
@@ -86,7 +87,13 @@ class RedisBrokerStatistics:
     """Queue count of the topics this broker has used."""
     connection_errors: int
     """Redis calls that failed on the connection (each retried or reported)."""
+    bad_retries: int = 0
+    """Members of a group's delay set that were not packed messages (written there by
+    something else), moved aside to ``<namespace>:delay-bad:{%RETRY%<group>:<n>}``
+    instead of blocking the retries behind them; each logged once (WARNING)."""
 
+
+logger = logging.getLogger("stagedconsumer.redis")
 
 _T = TypeVar("_T")
 _MAX_BLOCK = 5.0
@@ -254,6 +261,7 @@ class RedisBroker(MessageSource):
         self._coordinator = RedisCoordinator(
             connection, group_options or GroupOptions(), namespace=namespace
         )
+        self._bad_retries = 0
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -266,6 +274,9 @@ class RedisBroker(MessageSource):
     def _delay_key(self, group: str, queue_id: int = 0) -> str:
         # the retry queue's hash tag: RELEASE_LUA moves from here into that queue
         return f"{self.namespace}:delay:{{{RETRY_PREFIX}{group}:{queue_id}}}"
+
+    def _bad_delay_key(self, group: str, queue_id: int = 0) -> str:
+        return f"{self.namespace}:delay-bad:{{{RETRY_PREFIX}{group}:{queue_id}}}"
 
     @property
     def _topics_key(self) -> str:
@@ -570,7 +581,13 @@ class RedisBroker(MessageSource):
         seq = self._seq_key(topic, queue_id)
         release_keys: list[str] | None = None
         if topic.startswith(RETRY_PREFIX):
-            release_keys = [self._delay_key(topic[len(RETRY_PREFIX) :], queue_id), seq, stream]
+            group = topic[len(RETRY_PREFIX) :]
+            release_keys = [
+                self._delay_key(group, queue_id),
+                seq,
+                stream,
+                self._bad_delay_key(group, queue_id),
+            ]
         deadline = time.monotonic() + timeout if timeout > 0 else 0.0
         what = f"pulling {mq} at {offset}"
         start = b"%d-0" % (offset + 1)
@@ -582,7 +599,10 @@ class RedisBroker(MessageSource):
                 release = functools.partial(
                     self._release_script, keys=release_keys, args=[_RELEASE_BATCH]
                 )
-                wait_ms = int(await self._connection.call(what, release))
+                released = await self._connection.call(what, release)
+                wait_ms = int(released[0])
+                if len(released) > 1:
+                    self._moved_bad_retries(release_keys, released[1:])
             entries = await connection.call(
                 what, lambda: connection.execute("XRANGE", stream, start, "+", "COUNT", count)
             )
@@ -623,6 +643,20 @@ class RedisBroker(MessageSource):
             return self._serve(topic, queue_id, messages, max_offset, max_count)
         max_offset = int(await connection.call(what, lambda: connection.execute("GET", seq)) or 0)
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
+
+    def _moved_bad_retries(self, keys: Sequence[str], members: Sequence[Any]) -> None:
+        """Log (once each: the script moved them out of the delay set) and count the
+        members of a delay set that were not packed messages."""
+        for member in members:
+            raw = member if isinstance(member, bytes) else str(member).encode()
+            self._bad_retries += 1
+            logger.warning(
+                "%s holds a member that is not a retry the broker wrote (%d bytes, not"
+                " <len>:<bytes> field pairs); moved it to %s, the retries behind it go on",
+                keys[0],
+                len(raw),
+                keys[3],
+            )
 
     def _serve(
         self,
@@ -999,6 +1033,7 @@ class RedisBroker(MessageSource):
             namespace=self.namespace,
             topics=dict(self._topic_cache),
             connection_errors=self.connection_errors,
+            bad_retries=self._bad_retries,
         )
 
     async def delete_namespace(self) -> int:

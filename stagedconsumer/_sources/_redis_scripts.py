@@ -6,6 +6,8 @@ Key layout (``ns`` is the namespace, ``sc`` by default)::
     ns:q:{<topic>:<queue_id>}          stream the queue's log
     ns:seq:{<topic>:<queue_id>}        string the number of messages ever sent to the queue
     ns:delay:{%RETRY%<group>:0}        zset   retries not yet due (score: due time, ms)
+    ns:delay-bad:{%RETRY%<group>:0}    list   members of the delay set that were no
+                                              packed message (the last 1,000)
     ns:members:{<group>}               zset   live members (score: expiry, ms)
     ns:lock:{<group>}:<topic>:<qid>    hash   owner, epoch; expires (PEXPIRE) unless renewed
     ns:epoch:{<group>}:<topic>:<qid>   string last epoch handed out for that queue
@@ -124,47 +126,63 @@ local function unpack_fields(s)
   local len_s = #s
   while pos <= len_s do
     local colon = string.find(s, ':', pos, true)
+    if not colon then return nil end
     local len = tonumber(string.sub(s, pos, colon - 1))
+    if not len or len < 0 or len % 1 ~= 0 or colon + len > len_s then return nil end
     out[#out + 1] = string.sub(s, colon + 1, colon + len)
     pos = colon + 1 + len
   end
+  if #out == 0 or #out % 2 ~= 0 then return nil end
   return out
 end
-local function release_due(zset, seq, stream, limit)
+local function release_due(zset, seq, stream, bad, limit)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local due = redis.call('ZRANGEBYSCORE', zset, '-inf', now, 'LIMIT', 0, limit)
+  local out = {-1}
   for _, member in ipairs(due) do
-    local off = tonumber(redis.call('GET', seq) or '0') + 1
-    redis.call('XADD', stream, off .. '-0', unpack(unpack_fields(member)))
-    redis.call('SET', seq, off)
+    local fields = unpack_fields(member)
+    if fields then
+      local off = tonumber(redis.call('GET', seq) or '0') + 1
+      redis.call('XADD', stream, off .. '-0', unpack(fields))
+      redis.call('SET', seq, off)
+    else
+      redis.call('RPUSH', bad, member)
+      redis.call('LTRIM', bad, -1000, -1)
+      out[#out + 1] = member
+    end
     redis.call('ZREM', zset, member)
   end
   local nxt = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
-  if nxt[2] then return tonumber(nxt[2]) - now end
-  return -1
+  if nxt[2] then out[1] = tonumber(nxt[2]) - now end
+  return out
 end
 """
 """A library, not a script: the Lua functions :data:`RELEASE_LUA` is built on.
 
 ``unpack_fields(s)`` turns a packed message (``<len>:<bytes>`` pairs, see
-:func:`._redis_codec._pack`) back into a flat field list. ``release_due(zset, seq,
-stream, limit)`` moves up to ``limit`` members of ``zset`` that are due into
-``stream`` with the next offsets of ``seq`` and removes them from the set, and
-returns the ms until the next member is due (-1: none left).
+:func:`._redis_codec._pack`) back into a flat field list, or ``nil`` when ``s`` is
+not one (a length that is not a number or runs past the end, an odd or empty field
+list). ``release_due(zset, seq, stream, bad, limit)`` moves up to ``limit`` members
+of ``zset`` that are due into ``stream`` with the next offsets of ``seq`` and
+removes them from the set; a due member that does not unpack (written by something
+else than the broker) is moved to the list ``bad`` instead (its last 1,000 kept), so
+it never blocks the retries behind it. Returns ``{ms until the next member is due
+(-1: none left), bad members moved...}``.
 """
 
 RELEASE_LUA = (
     UNPACK_LUA
     + """
-return release_due(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]))
+return release_due(KEYS[1], KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[1]))
 """
 )
 """Release the due retries of a group into its ``%RETRY%<group>`` queue.
 
-KEYS: the group's ``delay`` zset, the retry queue's ``seq`` counter, its stream.
-ARGV: how many to release at most. Returns the ms until the next retry is due (-1:
-none left). Atomic: a retry is never lost between the set and the stream, and never
+KEYS: the group's ``delay`` zset, the retry queue's ``seq`` counter, its stream, the
+``bad`` list that takes members that are not packed messages. ARGV: how many to
+release at most. Returns ``{ms until the next retry is due (-1: none left), bad
+members moved...}``. Atomic: a retry is never lost between the set and the stream, and never
 appended twice.
 """
 
