@@ -804,8 +804,10 @@ class RedisBroker(MessageSource):
             await self.send_to_dlq(group, message)
             return SendBackResult.DLQ
         properties = origin_properties(message)
+        # RocketMQ: the retry is a new stored copy (a new offsetMsgId) of the same
+        # message (its msgId, the producer's UNIQ_KEY, is copied over).
         retried = attrs.evolve(
-            message, reconsume_times=message.reconsume_times + 1, msg_id=self._next_id()
+            message, reconsume_times=message.reconsume_times + 1, offset_msg_id=self._next_id()
         )
         packed = _pack(_message_fields(retried, properties))
         delay_ms = round(retry_delay_seconds(message.reconsume_times, delay_level) * 1000)
@@ -818,8 +820,8 @@ class RedisBroker(MessageSource):
         return SendBackResult.RETRY
 
     async def send_to_dlq(self, group: str, message: Message) -> None:
-        fields = _message_fields(message, origin_properties(message))
-        await self._append(dlq_topic(group), 0, [fields])
+        copy = attrs.evolve(message, offset_msg_id=self._next_id())
+        await self._append(dlq_topic(group), 0, [_message_fields(copy, origin_properties(message))])
 
     # -- streams written by other applications ---------------------------------------------
 

@@ -2,9 +2,10 @@
 
 Entry fields: ``i`` message id, ``b`` body, ``t`` born timestamp (ms since the
 epoch), and only when set: ``k`` keys (JSON list), ``g`` tags, ``p`` properties (JSON
-object), ``r`` reconsume times. A message waiting to be retried is stored packed, its
-fields as ``<len>:<bytes>`` pairs in one string (:func:`_pack`; the Lua of
-``_redis_scripts.UNPACK_LUA`` reads them back).
+object), ``r`` reconsume times, ``o`` the id of the stored copy when it is not the
+message id (a retry's or a dead-letter copy's ``offset_msg_id``). A message waiting
+to be retried is stored packed, its fields as ``<len>:<bytes>`` pairs in one string
+(:func:`_pack`; the Lua of ``_redis_scripts.UNPACK_LUA`` reads them back).
 
 Pure functions, nothing here talks to Redis; their names stay private (as
 ``_message``'s ``_MessageFields``): the broker and its benchmark are their only users.
@@ -51,6 +52,7 @@ def _encode_fields(
     tags: str | None,
     properties: Mapping[str, str] | None,
     reconsume_times: int,
+    offset_msg_id: str | None = None,
 ) -> list[bytes]:
     fields = [b"i", msg_id.encode(), b"b", body, b"t", b"%d" % born_ms]
     if keys:
@@ -61,6 +63,8 @@ def _encode_fields(
         fields += [b"p", json.dumps(dict(properties), sort_keys=True).encode()]
     if reconsume_times:
         fields += [b"r", b"%d" % reconsume_times]
+    if offset_msg_id is not None and offset_msg_id != msg_id:
+        fields += [b"o", offset_msg_id.encode()]
     return fields
 
 
@@ -73,6 +77,7 @@ def _message_fields(message: Message, properties: Mapping[str, str]) -> list[byt
         message.tags,
         properties,
         message.reconsume_times,
+        message.offset_msg_id,
     )
 
 
@@ -146,7 +151,7 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
             m.keys = ()
             m.tags = None
             m.properties = empty
-            m.msg_id = raw[1].decode()
+            m.msg_id = m.offset_msg_id = raw[1].decode()
             t = raw[5]
             if t != last_t:
                 last_t = t
@@ -181,6 +186,8 @@ def _set_fields(m: _MessageFields, entry_id: bytes, raw: Sequence[bytes]) -> Non
     m.tags = tags
     m.properties = properties
     m.msg_id = fields[b"i"].decode()
+    o = fields.get(b"o")
+    m.offset_msg_id = o.decode() if o is not None else m.msg_id
     m.born_timestamp = int(fields[b"t"]) / 1000
     m.reconsume_times = int(r) if r is not None else 0
 
@@ -265,7 +272,7 @@ def _decode_attached(
         m.keys = _freeze_keys(content.keys)
         m.tags = content.tags
         m.properties = _freeze_properties(content.properties)
-        m.msg_id = text_id
+        m.msg_id = m.offset_msg_id = text_id
         m.born_timestamp = (offset >> _SEQ_BITS) / 1000
         m.reconsume_times = 0
         m.__class__ = Message

@@ -27,7 +27,9 @@ async def test_a_garbage_member_of_the_delay_set_is_moved_aside_and_the_retries_
     inspect.zadd(delay, {b"garbage": 0, b"99:short": 1, b"1:i1:x1:b": 2})
     await broker.send_back("g", original, delay_level=1)
     inspect.zadd(delay, {b"secret-garbage-after": 3})
-    inspect.zadd(delay, {next(iter(inspect.zrange(delay, -1, -1))): 0})  # the retry: due now
+    [retry_member] = inspect.zrange(delay, -1, -1)
+    assert isinstance(retry_member, bytes)
+    inspect.zadd(delay, {retry_member: 0})  # the retry: due now
     retry = MessageQueue("%RETRY%g", 0)
     with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
         [retried] = (await broker.pull(retry, 0, 10)).messages

@@ -307,7 +307,8 @@ async def test_retry_waits_its_delay_level_then_appears_in_the_retry_queue(
     assert retried.reconsume_times == 1
     assert retried.properties[PROPERTY_RETRY_TOPIC] == "t"
     assert retried.properties[PROPERTY_ORIGIN_MESSAGE_ID] == original.msg_id
-    assert retried.msg_id != original.msg_id
+    assert retried.msg_id == original.msg_id
+    assert retried.offset_msg_id != original.offset_msg_id == original.msg_id
     assert await broker.delayed_count("g") == 0
     # Released once: pulling again does not append it twice.
     assert await broker.max_offset(retry_mq) == 1
