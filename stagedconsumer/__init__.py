@@ -95,6 +95,7 @@ from ._sources._source import MessageSource as MessageSource
 from ._sources._source import PullResult as PullResult
 from ._sources._source import SendBackResult as SendBackResult
 from ._sources._source import TraceWriter as TraceWriter
+from ._sources._source import UndecodableEntry as UndecodableEntry
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -191,6 +192,7 @@ __all__ = (
     "TraceSink",
     "TraceType",
     "TraceWriter",
+    "UndecodableEntry",
     "UnknownTopicError",
     "WrongThreadError",
     "decode_trace_data",

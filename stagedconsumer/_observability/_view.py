@@ -59,6 +59,10 @@ class ConsumerStatistics:
     timed_out_calls: int = 0
     """Handler calls that ran longer than ``consume_timeout`` (cancelled, or
     abandoned for a plain ``def`` handler) and were retried as failures."""
+    undecodable_entries: int = 0
+    """Entries of a queue that could not be decoded into a message (poison entries:
+    the broker's fields, corrupt), moved to the group's dead-letter queue with their
+    fields as stored; each logged once (ERROR)."""
 
     @property
     def paused_queues(self) -> list[MessageQueue]:

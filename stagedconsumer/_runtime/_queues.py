@@ -336,6 +336,7 @@ class QueueTable:
             abandoned_calls=state.abandoned_calls,
             listener_errors=state.listener_errors,
             timed_out_calls=state.timed_out_calls,
+            undecodable_entries=state.undecodable_entries,
             queues={mq: self.states[mq].pq.statistics() for mq in self.sorted()},
         )
 

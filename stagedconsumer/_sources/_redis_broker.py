@@ -26,7 +26,7 @@ import urllib.parse
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 
@@ -47,11 +47,14 @@ from ._redis_codec import (
     _attached_offset,
     _decode_attached,
     _decode_entries,
+    _decode_one,
     _encode_fields,
     _entry_offset,
+    _field_sizes,
     _ForeignEntry,
     _message_fields,
     _pack,
+    _poison_message,
     default_entry_decoder,
 )
 from ._redis_connection import RedisConnection, RedisScript
@@ -65,10 +68,14 @@ from ._redis_scripts import (
 )
 from ._source import (
     DLQ_PREFIX,
+    PROPERTY_DECODE_ERROR,
+    PROPERTY_POISON_ENTRY_ID,
+    PROPERTY_POISON_STREAM,
     RETRY_PREFIX,
     MessageSource,
     PullResult,
     SendBackResult,
+    UndecodableEntry,
     dlq_topic,
     is_spent,
     origin_properties,
@@ -187,6 +194,21 @@ class RedisBroker(MessageSource):
     asynchronous in Redis Cluster: a write a master acknowledged just before it
     crashed can be missing on the replica that replaces it.
 
+    **Corrupt entries** never stop a consumer for good. An entry with the
+    broker's fields that cannot be decoded (a *poison entry*: a born time that is
+    not a number, a message id that is not UTF-8, keys or properties that are not
+    JSON of strings) is returned by :meth:`pull` as an
+    :class:`~stagedconsumer.UndecodableEntry` beside the messages around it, and a
+    consumer moves it to its group's dead-letter queue with its fields as stored,
+    logs it once and counts it (``undecodable_entries``). With
+    ``poison_entries="stop"`` the queue stops at it instead (pulls raise
+    :class:`~stagedconsumer.SourceError` naming the stream, the entry and the
+    error, and the consumer retries with backoff until someone repairs or deletes
+    it). An entry the broker did not write (a *foreign* entry, another
+    application's ``XADD *``) always stops the queue there, after the messages
+    before it are delivered; errors and logs name its fields and their sizes, never
+    its values.
+
     ``read_ahead`` (default 128): every ``XRANGE`` of a pull reads at least this many
     entries, and the next pulls of that queue take the surplus without a round trip
     (the consumer pulls ``pull_batch_size``, 32, at a time). Round trips dominate the
@@ -211,6 +233,7 @@ class RedisBroker(MessageSource):
         read_ahead: int = 128,
         connect_timeout: float = 5.0,
         cluster: bool = False,
+        poison_entries: Literal["dead-letter", "stop"] = "dead-letter",
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(
@@ -242,6 +265,13 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
         self.cluster = cluster
         """Whether ``url`` is a node of a Redis Cluster (see the class documentation)."""
+        if poison_entries not in ("dead-letter", "stop"):
+            raise ConfigurationError(
+                f"poison_entries must be 'dead-letter' or 'stop', got {poison_entries!r}"
+            )
+        self.poison_entries: Literal["dead-letter", "stop"] = poison_entries
+        """What a pull does at an entry with the broker's fields that cannot be decoded
+        (see the class documentation)."""
         connection = RedisConnection(
             url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, cluster=cluster
         )
@@ -621,8 +651,8 @@ class RedisBroker(MessageSource):
         if entries:
             try:
                 messages = _decode_entries(topic, queue_id, entries)
-            except _ForeignEntry as exc:
-                raise _foreign_error(stream, exc) from None
+            except Exception:  # a foreign or a poison entry: one by one
+                return await self._pull_entry_by_entry(mq, stream, entries, max_count)
             end = messages[-1].queue_offset + 1
             if messages[0].queue_offset == offset and end - offset == len(messages):
                 # Consecutive from ``offset`` on: ``end`` is the max offset when the
@@ -634,15 +664,102 @@ class RedisBroker(MessageSource):
                 await connection.call(what, lambda: connection.execute("GET", seq)) or 0
             )
             if end > max_offset:
-                entry = next(m for m in messages if m.queue_offset >= max_offset)
-                raise _foreign_error(
-                    stream,
-                    _ForeignEntry(b"%d-0" % (entry.queue_offset + 1)),
-                    f"past the queue's last offset {max_offset}",
+                return await self._pull_entry_by_entry(
+                    mq, stream, entries, max_count, max_offset=max_offset
                 )
             return self._serve(topic, queue_id, messages, max_offset, max_count)
         max_offset = int(await connection.call(what, lambda: connection.execute("GET", seq)) or 0)
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
+
+    async def _pull_entry_by_entry(
+        self,
+        mq: MessageQueue,
+        stream: str,
+        entries: Sequence[Any],
+        max_count: int,
+        *,
+        max_offset: int | None = None,
+    ) -> PullResult:
+        """:meth:`pull` when an entry did not decode: the entries one at a time.
+
+        Every message up to the first foreign entry (one the broker did not write, or
+        past the queue's counter) is returned, and every poison entry among them as
+        :class:`UndecodableEntry` (or, with ``poison_entries="stop"``, the pull stops
+        at the first). A pull that starts at the entry it stops at raises
+        :class:`SourceError` (not retriable) naming the stream and the entry, its
+        field names and sizes, not its values."""
+        topic, queue_id = mq.topic, mq.queue_id
+        if max_offset is None:
+            seq = self._seq_key(topic, queue_id)
+            execute = self._connection.execute
+            max_offset = int(
+                await self._connection.call(f"pulling {mq}", functools.partial(execute, "GET", seq))
+                or 0
+            )
+        messages: list[Message] = []
+        undecodable: list[UndecodableEntry] = []
+        stop: SourceError | None = None
+        for entry in entries:
+            if len(messages) + len(undecodable) >= max_count:
+                break
+            entry_id, raw = entry
+            try:
+                message = _decode_one(topic, queue_id, entry)
+            except _ForeignEntry as exc:
+                stop = _foreign_error(stream, exc)
+                break
+            except Exception as exc:
+                poison = self._undecodable(mq, stream, entry_id, raw, exc)
+                if self.poison_entries == "stop":
+                    stop = SourceError(
+                        f"stream {stream}: entry {entry_id.decode()}"
+                        f" at offset {poison.offset} of {mq} cannot be decoded"
+                        f"{_field_sizes(raw)}: {poison.error}; stopped there"
+                        " (poison_entries='stop'; 'dead-letter' moves it to the group's DLQ)",
+                        retriable=False,
+                    )
+                    break
+                undecodable.append(poison)
+                continue
+            if message.queue_offset >= max_offset:
+                stop = _foreign_error(
+                    stream,
+                    _ForeignEntry(entry_id, raw),
+                    f"past the queue's last offset {max_offset}",
+                )
+                break
+            messages.append(message)
+        if not messages and not undecodable:
+            assert stop is not None
+            raise stop
+        last = max(
+            messages[-1].queue_offset if messages else -1,
+            undecodable[-1].offset if undecodable else -1,
+        )
+        return PullResult(
+            messages=messages,
+            next_offset=last + 1,
+            max_offset=max_offset,
+            undecodable=undecodable,
+        )
+
+    @staticmethod
+    def _undecodable(
+        mq: MessageQueue, stream: str, entry_id: bytes, raw: Sequence[bytes], exc: Exception
+    ) -> UndecodableEntry:
+        offset = _entry_offset(entry_id)
+        error = f"{type(exc).__name__}: {exc}"[:1000]
+        properties = {
+            PROPERTY_DECODE_ERROR: error,
+            PROPERTY_POISON_STREAM: stream,
+            PROPERTY_POISON_ENTRY_ID: entry_id.decode(),
+        }
+        return UndecodableEntry(
+            offset=offset,
+            error=error,
+            message=_poison_message(mq.topic, mq.queue_id, offset, raw, properties),
+            fields=tuple(zip(raw[::2], raw[1::2], strict=False)),
+        )
 
     def _moved_bad_retries(self, keys: Sequence[str], members: Sequence[Any]) -> None:
         """Log (once each: the script moved them out of the delay set) and count the
@@ -822,6 +939,16 @@ class RedisBroker(MessageSource):
     async def send_to_dlq(self, group: str, message: Message) -> None:
         copy = attrs.evolve(message, offset_msg_id=self._next_id())
         await self._append(dlq_topic(group), 0, [_message_fields(copy, origin_properties(message))])
+
+    async def send_undecodable_to_dlq(self, group: str, entry: UndecodableEntry) -> None:
+        """The poison entry's message, with its raw fields kept in the dead-letter
+        entry as ``raw:<name>`` fields (``XRANGE`` shows them; a pull ignores them)."""
+        message = entry.message
+        copy = attrs.evolve(message, offset_msg_id=self._next_id())
+        fields = _message_fields(copy, origin_properties(message))
+        for name, value in entry.fields:
+            fields += [b"raw:" + name, value]
+        await self._append(dlq_topic(group), 0, [fields])
 
     # -- streams written by other applications ---------------------------------------------
 
@@ -1013,7 +1140,7 @@ class RedisBroker(MessageSource):
         while True:
             pulled = await self.pull(MessageQueue(topic, queue_id), offset, 1000)
             result.extend(pulled.messages)
-            if not pulled.messages:
+            if not pulled.messages and not pulled.undecodable:
                 return result
             offset = pulled.next_offset
 
