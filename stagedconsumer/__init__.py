@@ -100,6 +100,7 @@ from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from ._sources._redis_broker import RedisBroker as RedisBroker
+    from ._sources._redis_broker import StreamRetention as StreamRetention
 
 
 def __getattr__(name: str) -> Any:
@@ -109,6 +110,10 @@ def __getattr__(name: str) -> Any:
         from ._sources._redis_broker import RedisBroker
 
         return RedisBroker
+    if name == "StreamRetention":
+        from ._sources._redis_broker import StreamRetention
+
+        return StreamRetention
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -182,6 +187,7 @@ __all__ = (
     "SourceClosedError",
     "SourceError",
     "SourceTraceSink",
+    "StreamRetention",
     "StageDefinition",
     "StageKey",
     "StagedConsumerError",

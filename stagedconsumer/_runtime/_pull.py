@@ -17,6 +17,7 @@ from .._options import ConsumerOptions
 from .._sources._source import (
     PROPERTY_RETRY_TOPIC,
     MessageSource,
+    PullResult,
     UndecodableEntry,
     dlq_topic,
 )
@@ -61,7 +62,11 @@ class PullService:
         options: ConsumerOptions,
         hooks: HookRunner | None,
         past_end: Callable[[QueueState, int, int], Awaitable[int]] | None = None,
+        offset_moved: Callable[[QueueState, int, PullResult], Awaitable[int]] | None = None,
     ) -> None:
+        self.offset_moved = offset_moved
+        """Called when a pull finds its offset no longer stored (``offset_moved``):
+        returns the offset to go on from."""
         self.state = state
         self.past_end = past_end
         """Called when a pull finds the queue's end below the loop's offset (the
@@ -261,6 +266,11 @@ class PullService:
                                 max_offset=result.max_offset,
                             )
                         )
+                elif result.offset_moved and self.offset_moved is not None:
+                    # The source no longer stores ``offset`` (retention trimmed it):
+                    # never go on silently.
+                    offset = await self.offset_moved(state, offset, result)
+                    continue
                 elif result.next_offset < offset and self.past_end is not None:
                     # Past the queue's end (OFFSET_OVERFLOW_BADLY): never follow the
                     # source back silently, the process queue would drop what comes.

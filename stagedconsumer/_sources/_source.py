@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
@@ -117,6 +117,10 @@ class PullResult:
     next_offset: int
     max_offset: int
     undecodable: Sequence[UndecodableEntry] = ()
+    offset_moved: bool = False
+    """The requested offset is no longer stored (retention removed the entries from
+    it on; RocketMQ's ``PULL_OFFSET_MOVED``): nothing is returned, and
+    ``next_offset`` is the first offset still stored."""
 
 
 class SendBackResult(enum.Enum):
@@ -195,6 +199,13 @@ class MessageSource(abc.ABC):
     @abc.abstractmethod
     async def send_to_dlq(self, group: str, message: Message) -> None:
         """Move a message to the group's dead-letter queue ``%DLQ%<group>``."""
+
+    async def hold_offsets(self, group: str, offsets: Mapping[MessageQueue, int]) -> None:
+        """``group`` has committed these offsets of the queues it holds: a source with
+        retention keeps every entry from there on while the group is live. Called
+        by consumers every ``persist_consumer_offset_interval``; the default does
+        nothing."""
+        del group, offsets
 
     async def send_undecodable_to_dlq(self, group: str, entry: UndecodableEntry) -> None:
         """Store a poison entry's :attr:`~UndecodableEntry.message` in the group's
