@@ -95,10 +95,12 @@ from ._sources._source import MessageSource as MessageSource
 from ._sources._source import PullResult as PullResult
 from ._sources._source import SendBackResult as SendBackResult
 from ._sources._source import TraceWriter as TraceWriter
+from ._sources._source import UndecodableEntry as UndecodableEntry
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from ._sources._redis_broker import RedisBroker as RedisBroker
+    from ._sources._redis_broker import StreamRetention as StreamRetention
 
 
 def __getattr__(name: str) -> Any:
@@ -108,6 +110,10 @@ def __getattr__(name: str) -> Any:
         from ._sources._redis_broker import RedisBroker
 
         return RedisBroker
+    if name == "StreamRetention":
+        from ._sources._redis_broker import StreamRetention
+
+        return StreamRetention
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -181,6 +187,7 @@ __all__ = (
     "SourceClosedError",
     "SourceError",
     "SourceTraceSink",
+    "StreamRetention",
     "StageDefinition",
     "StageKey",
     "StagedConsumerError",
@@ -191,6 +198,7 @@ __all__ = (
     "TraceSink",
     "TraceType",
     "TraceWriter",
+    "UndecodableEntry",
     "UnknownTopicError",
     "WrongThreadError",
     "decode_trace_data",

@@ -62,6 +62,7 @@ class _MessageFields:
         "born_timestamp",
         "keys",
         "msg_id",
+        "offset_msg_id",
         "properties",
         "queue_id",
         "queue_offset",
@@ -80,6 +81,11 @@ class _MessageFields:
     msg_id: str
     born_timestamp: float
     reconsume_times: int
+    offset_msg_id: str
+
+
+def _same_as_msg_id(message: Message) -> str:
+    return message.msg_id
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -91,17 +97,28 @@ class Message(_MessageFields):
     queue. ``reconsume_times`` counts how often it was handed to a listener before
     and failed.
 
-    A retried message of a concurrent consumer is the one exception, as in
-    RocketMQ: after a failure it is sent to the group's retry topic
-    ``%RETRY%<group>`` as a *new* message (a new ``msg_id``, ``reconsume_times``
-    one higher) and pulled from there. Its ``topic`` is restored to the topic it was
-    first sent to, but ``queue_id`` and ``queue_offset`` are those of the retry
-    queue, which is also the context's ``message_queue`` (``%RETRY%<group>#<id>``).
-    Where it was first stored (queue and offset) is not kept. Its properties tell
-    it apart: ``RETRY_TOPIC`` holds the original topic and ``ORIGIN_MESSAGE_ID`` the
-    ``msg_id`` of its first delivery; a message never retried has neither (or test
+    ``msg_id`` is the message's id from its producer on, as RocketMQ's
+    ``getMsgId()`` (the ``UNIQ_KEY`` the producer sets): the same for every
+    delivery of the message, retries through the retry queue and its dead-letter
+    copy included, so it is what to deduplicate by and what a trace query finds
+    every attempt by. ``offset_msg_id`` is the id of this stored copy (RocketMQ's
+    ``offsetMsgId``): the same as ``msg_id`` where the message was first stored,
+    a new one for each copy the broker stores in the retry queue or the dead-letter
+    queue.
+
+    A retried message of a concurrent consumer is the one exception to
+    "``queue_offset`` is its position", as in RocketMQ: after a failure it is
+    stored in the group's retry topic ``%RETRY%<group>`` as a new copy (a new
+    ``offset_msg_id``, the same ``msg_id``, ``reconsume_times`` one higher) and
+    pulled from there. Its ``topic`` is restored to the topic it was first sent
+    to, but ``queue_id`` and ``queue_offset`` are those of the retry queue, which
+    is also the context's ``message_queue`` (``%RETRY%<group>#<id>``). Where it
+    was first stored (queue and offset) is not kept. Its properties tell it apart:
+    ``RETRY_TOPIC`` holds the original topic and ``ORIGIN_MESSAGE_ID`` its
+    ``msg_id`` (kept for code written when a retry got a new ``msg_id``); a
+    message never retried has neither (or test
     ``context.message_queue.topic.startswith("%RETRY%")``). Orderly and staged
-    consumers retry in place: the same message, position and ``msg_id``, with
+    consumers retry in place: the same message, position and ids, with
     ``reconsume_times`` one higher (so does a concurrent consumer when the broker
     cannot take the message back).
 
@@ -121,6 +138,9 @@ class Message(_MessageFields):
     msg_id: str = ""
     born_timestamp: float = 0.0
     reconsume_times: int = 0
+    offset_msg_id: str = attrs.field(default=attrs.Factory(_same_as_msg_id, takes_self=True))
+    """The id of this stored copy (RocketMQ's ``offsetMsgId``); by default
+    ``msg_id``."""
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Message):
@@ -152,6 +172,7 @@ class Message(_MessageFields):
                 self.msg_id,
                 self.born_timestamp,
                 self.reconsume_times,
+                self.offset_msg_id,
             ),
         )
 
@@ -167,6 +188,7 @@ def _rebuild(
     msg_id: str,
     born_timestamp: float,
     reconsume_times: int,
+    offset_msg_id: str | None = None,
 ) -> Message:
     """A :class:`Message` from what its ``__reduce__`` gave (for ``pickle``)."""
     return Message(
@@ -180,6 +202,7 @@ def _rebuild(
         msg_id=msg_id,
         born_timestamp=born_timestamp,
         reconsume_times=reconsume_times,
+        offset_msg_id=msg_id if offset_msg_id is None else offset_msg_id,
     )
 
 
@@ -211,6 +234,7 @@ _new_message = object.__new__
     _set_msg_id,
     _set_born_timestamp,
     _set_reconsume_times,
+    _set_offset_msg_id,
 ) = _slot_setters(
     "topic",
     "queue_id",
@@ -222,6 +246,7 @@ _new_message = object.__new__
     "msg_id",
     "born_timestamp",
     "reconsume_times",
+    "offset_msg_id",
 )
 
 

@@ -345,7 +345,8 @@ async def test_concurrent_failure_goes_through_the_retry_queue_then_dlq() -> Non
 async def test_a_retried_message_has_its_topic_and_the_retry_queue_s_position() -> None:
     """What the Message docstring and the README say of a retried message (RocketMQ's
     behaviour): topic restored, queue id and offset of the retry queue, which is the
-    context's message queue; the first delivery's id in ORIGIN_MESSAGE_ID."""
+    context's message queue; the same msg_id (RocketMQ's getMsgId(), the producer's
+    UNIQ_KEY), also in ORIGIN_MESSAGE_ID, and a new offset_msg_id."""
     broker = broker_with(4, queues=2)  # b"3" is t#1 at offset 1
     seen: list[tuple[Message, MessageQueue]] = []
 
@@ -371,7 +372,8 @@ async def test_a_retried_message_has_its_topic_and_the_retry_queue_s_position() 
     assert (retried.topic, retried.queue_id, retried.queue_offset) == ("t", 0, 0)
     assert retried_mq == MessageQueue("%RETRY%g", 0)
     assert retried.reconsume_times == 1
-    assert retried.msg_id != first.msg_id
+    assert retried.msg_id == first.msg_id
+    assert retried.offset_msg_id != first.offset_msg_id == first.msg_id
     assert retried.properties["ORIGIN_MESSAGE_ID"] == first.msg_id
     assert retried.properties["RETRY_TOPIC"] == "t"
     assert "RETRY_TOPIC" not in first.properties

@@ -55,6 +55,7 @@ from stagedconsumer._message import (
     _set_born_timestamp,
     _set_keys,
     _set_msg_id,
+    _set_offset_msg_id,
     _set_properties,
     _set_queue_id,
     _set_queue_offset,
@@ -164,6 +165,7 @@ class Prepared:
             (_set_tags, [tags[i] for i in order]),
             (_set_properties, itertools.repeat(EMPTY_PROPERTIES)),
             (_set_msg_id, itertools.repeat("")),
+            (_set_offset_msg_id, itertools.repeat("")),
             (_set_born_timestamp, itertools.repeat(0.0)),
             (_set_reconsume_times, itertools.repeat(0)),
         ]

@@ -9,8 +9,8 @@ the message waited in the broker before the consumer cached it, how long its sta
 barrier held it, how long it then waited in the cache for a worker, when the handler
 started, how long it ran, and how a failure was settled.
 
-A message retried through the retry queue (concurrent mode) is a new message there,
-traced under the id of its first delivery (``ORIGIN_MESSAGE_ID``): its attempts are
+A message retried through the retry queue (concurrent mode) is a new copy there with
+the same ``msg_id`` (and ``ORIGIN_MESSAGE_ID``), traced under it: its attempts are
 rows of the same table.
 """
 

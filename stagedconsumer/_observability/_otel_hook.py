@@ -102,6 +102,7 @@ def _creation_link(message: Message) -> Link | None:
 
 
 def _message_id(message: Message) -> str:
+    # msg_id is kept across retries; ORIGIN_MESSAGE_ID for retries stored while it was not
     return message.properties.get(PROPERTY_ORIGIN_MESSAGE_ID) or message.msg_id
 
 

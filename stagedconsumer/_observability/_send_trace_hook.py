@@ -88,7 +88,9 @@ class SendMessageTraceHook(DispatchingTraceHook, SendMessageHook):
     but delayed and transactional ones, which this producer does not make; selector
     sends included), ``offsetMsgId`` where the source stored the message,
     ``queueId:queueOffset`` (RocketMQ: the broker's id of the stored copy, made of
-    its address and commit-log offset; our brokers have no second id). Then
+    its address and commit-log offset; our brokers' id of a stored copy,
+    ``Message.offset_msg_id``, is the ``msgId`` itself for the copy a send stores,
+    so the record gives where it is instead). Then
     ``clientHost`` (``client_host``, default this host's name), and ours: queue id,
     queue offset, send attempts. A batch gets one record per message (RocketMQ
     writes one for the whole batch, with the joined ids).

@@ -3,10 +3,11 @@
 
 Its encoders write the layout of :func:`~._trace_codec.encode_trace_context`
 straight from the hook context (``tests/trace/test_trace_fast_path.py`` holds them
-to it byte for byte). A retried message (concurrent mode: a new message in the retry
-queue) is traced under the id of its first delivery (property
-``ORIGIN_MESSAGE_ID``), as RocketMQ traces retries under the message's unique key;
-its record's queue position (``topic``, ``queueId``, ``queueOffset``) is where it
+to it byte for byte). A retried message (concurrent mode: a new copy in the retry
+queue) keeps its ``msg_id``, the id its records carry, as RocketMQ traces retries
+under the message's unique key (property ``ORIGIN_MESSAGE_ID`` is read first, so a
+retry stored while retries got a new ``msg_id`` is still traced under its first
+delivery's); its record's queue position (``topic``, ``queueId``, ``queueOffset``) is where it
 was pulled from, the retry queue ``%RETRY%<group>`` (the consumer gives the message
 back its first topic, ``RETRY_TOPIC``).
 """

@@ -59,6 +59,14 @@ class ConsumerStatistics:
     timed_out_calls: int = 0
     """Handler calls that ran longer than ``consume_timeout`` (cancelled, or
     abandoned for a plain ``def`` handler) and were retried as failures."""
+    undecodable_entries: int = 0
+    """Entries of a queue that could not be decoded into a message (poison entries:
+    the broker's fields, corrupt), moved to the group's dead-letter queue with their
+    fields as stored; each logged once (ERROR)."""
+    trimmed_offsets: int = 0
+    """Times a queue's offset was no longer stored when pulled: the broker's retention
+    (``StreamRetention``) removed entries this group had not consumed. Each logged
+    (WARNING); the queue went on where ``consume_from_where`` says."""
 
     @property
     def paused_queues(self) -> list[MessageQueue]:

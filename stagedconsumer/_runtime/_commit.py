@@ -71,7 +71,11 @@ class ProgressCommitter:
         interval: float,
         fences: Callable[[], Mapping[MessageQueue, int]] | None = None,
         on_fenced: Callable[[Mapping[MessageQueue, int]], None] | None = None,
+        hold: Callable[[Mapping[MessageQueue, int]], Awaitable[None]] | None = None,
     ) -> None:
+        self.hold = hold
+        """Told the committed offsets of every held queue after each periodic commit
+        (the source's retention keeps what they have not passed)."""
         self.state = state
         self.store = store
         self.queues = queues
@@ -108,6 +112,46 @@ class ProgressCommitter:
             else:
                 backoff.reset()
                 delay = self.interval
+                if self.hold is not None:
+                    await self._hold()
+
+    async def hold_one(self, state: QueueState) -> None:
+        """Tell the source where ``state``'s queue starts, as soon as it is loaded (a
+        failure is logged; the periodic report follows)."""
+        if self.hold is None:
+            return
+        try:
+            await self.hold({state.mq: state.pq.committed_offset})
+        except Exception as exc:
+            logger.warning(
+                "group %s: telling the source the committed offset of %s failed (%s)",
+                self.state.group,
+                state.mq,
+                exc,
+            )
+
+    async def _hold(self) -> None:
+        """Tell the source the stored offsets of every held queue (a failure is logged
+        and waits for the next interval: retention then keeps a group's entries for
+        ``group_ttl`` after its last report)."""
+        assert self.hold is not None
+        offsets: dict[MessageQueue, int] = {}
+        for state in list(self.queues):
+            persisted = state.persisted
+            if persisted is not None and persisted.consume_offset is not None:
+                offsets[state.mq] = persisted.consume_offset
+            else:
+                offsets[state.mq] = state.pq.committed_offset
+        if not offsets:
+            return
+        try:
+            await self.hold(offsets)
+        except Exception as exc:  # never stops consuming; retried next interval
+            logger.warning(
+                "group %s: telling the source the committed offsets failed (%s)",
+                self.state.group,
+                exc,
+            )
 
     async def commit(
         self, states: Sequence[QueueState], fences: Mapping[MessageQueue, int] | None = None

@@ -10,6 +10,7 @@ How a message flows (see ``architecture.md``)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
@@ -629,6 +630,9 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         interval=options.persist_consumer_offset_interval,
         fences=membership.ownership.fences if membership is not None else None,
         on_fenced=membership.on_fenced if membership is not None else None,
+        hold=functools.partial(consumer.source.hold_offsets, consumer.group)
+        if type(consumer.source).hold_offsets is not MessageSource.hold_offsets
+        else None,
     )
     consumer._pulls = consumer._queues.pulls = PullService(
         state=state,
@@ -638,6 +642,7 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         options=options,
         hooks=consumer._hooks,
         past_end=consumer._queues.on_past_end,
+        offset_moved=consumer._queues.on_offset_moved,
     )
     consumer._workers = WorkerPool(
         state=state,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import anyio.abc
@@ -11,10 +11,16 @@ import attrs
 
 from .._core import Backoff, Dispatcher, ProcessQueue
 from .._exceptions import SourceError
-from .._message import Message
+from .._message import Message, MessageQueue
 from .._observability._hooks import PullContext
 from .._options import ConsumerOptions
-from .._sources._source import PROPERTY_RETRY_TOPIC, MessageSource
+from .._sources._source import (
+    PROPERTY_RETRY_TOPIC,
+    MessageSource,
+    PullResult,
+    UndecodableEntry,
+    dlq_topic,
+)
 from ._hooks import HookRunner, loop_clock, loop_wall_offset
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
@@ -56,7 +62,11 @@ class PullService:
         options: ConsumerOptions,
         hooks: HookRunner | None,
         past_end: Callable[[QueueState, int, int], Awaitable[int]] | None = None,
+        offset_moved: Callable[[QueueState, int, PullResult], Awaitable[int]] | None = None,
     ) -> None:
+        self.offset_moved = offset_moved
+        """Called when a pull finds its offset no longer stored (``offset_moved``):
+        returns the offset to go on from."""
         self.state = state
         self.past_end = past_end
         """Called when a pull finds the queue's end below the loop's offset (the
@@ -133,6 +143,26 @@ class PullService:
             for state in [*self._paused.values(), *self._user_paused.values()]:
                 await self._refresh_max_offset(state)
 
+    async def _dead_letter(self, mq: MessageQueue, entries: Sequence[UndecodableEntry]) -> None:
+        """Send the poison entries a pull returned to the group's dead-letter queue,
+        each logged (ERROR) and counted once: after this the pull loop moves past
+        them. Raises :class:`SourceError` when one could not be stored (the pull is
+        repeated; those already stored may be stored again)."""
+        group = self.state.group
+        for entry in entries:
+            await self.source.send_undecodable_to_dlq(group, entry)
+            self.state.undecodable_entries += 1
+            logger.error(
+                "group %s: the entry at offset %d of %s cannot be decoded (%s); moved it to"
+                " %s with its fields as stored (properties DECODE_ERROR, POISON_STREAM,"
+                " POISON_ENTRY_ID) and went on",
+                group,
+                entry.offset,
+                mq,
+                entry.error,
+                dlq_topic(group),
+            )
+
     async def _pull_loop(self, state: QueueState) -> None:
         source = self.source
         mq = state.mq
@@ -188,8 +218,34 @@ class PullService:
                     backoff.reset()
                 pq.max_offset = result.max_offset
                 messages = result.messages
+                undecodable = result.undecodable
+                if undecodable:
+                    try:
+                        await self._dead_letter(mq, undecodable)
+                    except SourceError as exc:
+                        self.state.pull_errors += 1
+                        delay = backoff.failed()
+                        logger.warning(
+                            "group %s: moving undecodable entries of %s to %s failed (%s);"
+                            " pulling again in %.1f s",
+                            self.state.group,
+                            mq,
+                            dlq_topic(self.state.group),
+                            exc,
+                            delay,
+                        )
+                        await anyio.sleep(delay)
+                        continue
+                    if not messages:
+                        effects = dispatcher.put_messages(
+                            pq, (), highest_offset=undecodable[-1].offset, now=clock()
+                        )
+                        if effects:
+                            apply(pq, effects)
                 if messages:
                     highest = messages[-1].queue_offset
+                    if undecodable and undecodable[-1].offset > highest:
+                        highest = undecodable[-1].offset
                     if state.is_retry:
                         messages = [_restore_retry_topic(m) for m in messages]
                     elif not accept_all:
@@ -210,6 +266,11 @@ class PullService:
                                 max_offset=result.max_offset,
                             )
                         )
+                elif result.offset_moved and self.offset_moved is not None:
+                    # The source no longer stores ``offset`` (retention trimmed it):
+                    # never go on silently.
+                    offset = await self.offset_moved(state, offset, result)
+                    continue
                 elif result.next_offset < offset and self.past_end is not None:
                     # Past the queue's end (OFFSET_OVERFLOW_BADLY): never follow the
                     # source back silently, the process queue would drop what comes.

@@ -11,14 +11,14 @@ import anyio
 from offsetstore import QueueProgress, StageKey, StageOffsetStore
 
 from .._core import Dispatcher
-from .._exceptions import ConfigurationError, ConsumerStateError
+from .._exceptions import ConfigurationError, ConsumerStateError, SourceError
 from .._filter import TagFilter
 from .._listeners import MessageQueueListener
 from .._message import MessageQueue
 from .._observability._hooks import ConsumeMessageHook
 from .._observability._view import ConsumerStatistics
 from .._options import ConsumeFromWhere, ConsumerOptions
-from .._sources._source import RETRY_PREFIX, MessageSource
+from .._sources._source import RETRY_PREFIX, MessageSource, PullResult
 from ._commit import ProgressCommitter
 from ._hooks import HookRunner
 from ._pull import PullService
@@ -107,6 +107,8 @@ class QueueTable:
             state.persisted = QueueProgress(consume_offset=start, stage_offsets=stage_offsets)
         # else: nothing stored yet; the first commit stores where consumption started,
         # so that the queue's next owner resumes there instead of asking the source.
+        if self.committer is not None:
+            await self.committer.hold_one(state)  # retention keeps it from here on
         return state
 
     async def _start_without_progress(self, mq: MessageQueue) -> int:
@@ -168,6 +170,52 @@ class QueueTable:
         pq.move_to(max_offset)
         state.persisted = progress
         return max_offset
+
+    async def on_offset_moved(self, state: QueueState, offset: int, result: PullResult) -> int:
+        """The pull loop of ``state`` found ``offset`` no longer stored: the source's
+        retention removed the entries up to ``result.next_offset`` (the first one
+        stored) before this group consumed them. Logged (WARNING) and counted
+        (``trimmed_offsets``); the queue goes on where ``consume_from_where`` says,
+        as for a queue without progress, but never before the first stored offset:
+        ``CONSUME_FROM_FIRST_OFFSET`` (and retry queues) from the first stored,
+        ``CONSUME_FROM_LAST_OFFSET`` from the max offset, ``CONSUME_FROM_TIMESTAMP``
+        from the first message born at ``consume_timestamp`` or later."""
+        mq = state.mq
+        first, max_offset = result.next_offset, result.max_offset
+        where = self.options.consume_from_where
+        target = first
+        try:
+            if not state.is_retry and where is ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET:
+                target = max(max_offset, first)
+            elif not state.is_retry and where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP:
+                timestamp = self.options.consume_timestamp
+                assert timestamp is not None  # checked by ConsumerOptions
+                target = max(await self.source.offset_for_timestamp(mq, timestamp), first)
+        except SourceError as exc:
+            logger.warning(
+                "group %s: finding where %s goes on failed (%s); from its first offset %d",
+                self.group,
+                mq,
+                exc,
+                first,
+            )
+        self.state.trimmed_offsets += 1
+        logger.warning(
+            "group %s: offset %d of %s is no longer stored: the broker removed its entries"
+            " up to offset %d (retention: max age or length reached) before this group"
+            " consumed them, %d messages; going on from offset %d (%s)",
+            self.group,
+            offset,
+            mq,
+            first,
+            first - offset,
+            target,
+            "retry queue" if state.is_retry else where.name,
+        )
+        pq = state.pq
+        if not pq.unfinished_count and not pq.dropped and target > pq.committed_offset:
+            pq.move_to(target)  # committed (increasing) by the next commit
+        return target
 
     def start(self, state: QueueState) -> None:
         """Consume ``state``'s queue: register it and start its pull loop (paused if
@@ -336,6 +384,8 @@ class QueueTable:
             abandoned_calls=state.abandoned_calls,
             listener_errors=state.listener_errors,
             timed_out_calls=state.timed_out_calls,
+            undecodable_entries=state.undecodable_entries,
+            trimmed_offsets=state.trimmed_offsets,
             queues={mq: self.states[mq].pq.statistics() for mq in self.sorted()},
         )
 

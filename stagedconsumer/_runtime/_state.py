@@ -44,6 +44,10 @@ class ConsumerState:
     """Exceptions of message queue listeners (logged and ignored)."""
     timed_out_calls: int = 0
     """Handler calls that ran longer than ``consume_timeout``."""
+    undecodable_entries: int = 0
+    """Poison entries moved to the group's dead-letter queue."""
+    trimmed_offsets: int = 0
+    """Pulls that found their offset no longer stored (retention trimmed it)."""
     started: bool = False
     stopping: bool = False
     """Shutdown began: workers take no new batch, loops wind down."""

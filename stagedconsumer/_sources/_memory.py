@@ -317,7 +317,7 @@ class MemoryBroker(MessageSource):
         m.keys = keys
         m.tags = None
         m.properties = EMPTY_PROPERTIES
-        m.msg_id = self._next_id()
+        m.msg_id = m.offset_msg_id = self._next_id()
         m.born_timestamp = time.time()
         m.reconsume_times = 0
         m.__class__ = Message
@@ -417,11 +417,13 @@ class MemoryBroker(MessageSource):
         if is_spent(message, delay_level=delay_level, max_reconsume_times=max_reconsume_times):
             await self.send_to_dlq(group, message)
             return SendBackResult.DLQ
+        # RocketMQ: the retry is a new stored copy (a new offsetMsgId) of the same
+        # message (its msgId, the producer's UNIQ_KEY, is copied over).
         retried = attrs.evolve(
             message,
             properties=origin_properties(message),
             reconsume_times=message.reconsume_times + 1,
-            msg_id=self._next_id(),
+            offset_msg_id=self._next_id(),
         )
         due = self._now() + retry_delay_seconds(message.reconsume_times, delay_level)
         topic = retry_topic(group)
@@ -432,7 +434,12 @@ class MemoryBroker(MessageSource):
         return SendBackResult.RETRY
 
     async def send_to_dlq(self, group: str, message: Message) -> None:
-        self._append(dlq_topic(group), attrs.evolve(message, properties=origin_properties(message)))
+        self._append(
+            dlq_topic(group),
+            attrs.evolve(
+                message, properties=origin_properties(message), offset_msg_id=self._next_id()
+            ),
+        )
 
     def group_coordinator(self) -> GroupCoordinator | None:
         """The in-process coordinator of this broker's consumer groups (``None``

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import os
 import time
@@ -25,7 +26,7 @@ import urllib.parse
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 
@@ -46,17 +47,21 @@ from ._redis_codec import (
     _attached_offset,
     _decode_attached,
     _decode_entries,
+    _decode_one,
     _encode_fields,
     _entry_offset,
+    _field_sizes,
     _ForeignEntry,
     _message_fields,
     _pack,
+    _poison_message,
     default_entry_decoder,
 )
 from ._redis_connection import RedisConnection, RedisScript
 from ._redis_coordinator import RedisCoordinator
 from ._redis_scripts import (
     DELAY_LUA,
+    FLOOR_LUA,
     MIN_OFFSET_LUA,
     OFFSET_FOR_TIME_LUA,
     RELEASE_LUA,
@@ -64,17 +69,21 @@ from ._redis_scripts import (
 )
 from ._source import (
     DLQ_PREFIX,
+    PROPERTY_DECODE_ERROR,
+    PROPERTY_POISON_ENTRY_ID,
+    PROPERTY_POISON_STREAM,
     RETRY_PREFIX,
     MessageSource,
     PullResult,
     SendBackResult,
+    UndecodableEntry,
     dlq_topic,
     is_spent,
     origin_properties,
     retry_topic,
 )
 
-__all__ = ("RedisBroker", "RedisBrokerStatistics")
+__all__ = ("RedisBroker", "RedisBrokerStatistics", "StreamRetention")
 
 
 @attrs.frozen(kw_only=True)
@@ -86,7 +95,80 @@ class RedisBrokerStatistics:
     """Queue count of the topics this broker has used."""
     connection_errors: int
     """Redis calls that failed on the connection (each retried or reported)."""
+    forced_trims: int = 0
+    """Entries a live consumer group had not committed that this broker's sends
+    trimmed because a queue reached ``StreamRetention.hard_max_length``
+    (approximate; each trim logged as a WARNING)."""
+    bad_retries: int = 0
+    """Members of a group's delay set that were not packed messages (written there by
+    something else), moved aside to ``<namespace>:delay-bad:{%RETRY%<group>:<n>}``
+    instead of blocking the retries behind them; each logged once (WARNING)."""
 
+
+logger = logging.getLogger("stagedconsumer.redis")
+
+
+@attrs.frozen(kw_only=True)
+class StreamRetention:
+    """How long a :class:`RedisBroker` keeps the entries of the streams it writes
+    (every topic's queues, retry and dead-letter queues, the message trace topic),
+    as RocketMQ's ``fileReservedTime`` and Kafka's ``retention.ms`` /
+    ``retention.bytes``.
+
+    - ``max_age`` (seconds, default 72 hours as RocketMQ's ``fileReservedTime``):
+      entries stored longer ago than this (the Redis server's clock) are removed.
+    - ``max_length`` (entries per queue, default none): entries beyond the newest
+      ``max_length`` are removed.
+    - Neither removes an entry a *live* consumer group has not committed: consumers
+      report their committed offsets of the queues they hold every
+      ``persist_consumer_offset_interval`` (a group stays live ``group_ttl``
+      seconds, default 10 minutes, after its last report).
+    - ``hard_max_length`` (entries per queue, default none): entries beyond the
+      newest ``hard_max_length`` are removed even when a live group has not
+      committed them; the broker that trims them logs a WARNING and counts them
+      (``RedisBrokerStatistics.forced_trims``), and the group's consumer reports
+      its offset as trimmed.
+
+    Applied on write, cheaply: every ``check_every`` appends to a queue (and, with a
+    ``max_age``, when a 64th of it passed since the last check) the send's Lua script
+    trims the stream with ``XTRIM MINID ~``. Redis removes whole stream nodes only,
+    so a stream keeps up to about ``check_every`` plus 100 entries more than the
+    limits say, never fewer. Streams attached with
+    :meth:`RedisBroker.attach_stream` (written by other applications) are never
+    trimmed.
+    """
+
+    max_age: float | None = 72 * 3600.0
+    max_length: int | None = None
+    hard_max_length: int | None = None
+    group_ttl: float = 600.0
+    check_every: int = 100
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_age is not None:
+            _check_seconds("max_age", self.max_age)
+        for name in ("max_length", "hard_max_length"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
+        _check_seconds("group_ttl", self.group_ttl)
+        every = self.check_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigurationError(f"check_every must be a positive int, got {every!r}")
+
+    def script_args(self) -> list[int]:
+        """The retention as the Lua scripts take it (0: no limit)."""
+        return [
+            self.max_length or 0,
+            round(self.max_age * 1000) if self.max_age is not None else 0,
+            self.hard_max_length or 0,
+            self.check_every,
+        ]
+
+
+_NO_RETENTION = [0, 0, 0, 1]
 
 _T = TypeVar("_T")
 _MAX_BLOCK = 5.0
@@ -137,6 +219,9 @@ RETRY_QUEUE_COUNT = 2
 topic's gray queue) for retries of gray traffic."""
 
 
+_DEFAULT_RETENTION = StreamRetention()
+
+
 class RedisBroker(MessageSource):
     """Topics of N queues on Redis Streams: producer, message source and group coordinator.
 
@@ -180,6 +265,30 @@ class RedisBroker(MessageSource):
     asynchronous in Redis Cluster: a write a master acknowledged just before it
     crashed can be missing on the replica that replaces it.
 
+    **Retention** (``retention``, a :class:`StreamRetention`): by default every
+    stream the broker writes (topics' queues, retry and dead-letter queues, the
+    message trace topic) keeps its entries 72 hours (RocketMQ's
+    ``fileReservedTime``), trimmed on write with ``XTRIM MINID ~``, never past what
+    a live consumer group has not committed (unless ``hard_max_length`` is
+    reached); a consumer whose offset was trimmed away logs a WARNING, counts it
+    (``trimmed_offsets``) and goes on per ``consume_from_where``. ``None`` keeps
+    everything. Attached streams are never trimmed.
+
+    **Corrupt entries** never stop a consumer for good. An entry with the
+    broker's fields that cannot be decoded (a *poison entry*: a born time that is
+    not a number, a message id that is not UTF-8, keys or properties that are not
+    JSON of strings) is returned by :meth:`pull` as an
+    :class:`~stagedconsumer.UndecodableEntry` beside the messages around it, and a
+    consumer moves it to its group's dead-letter queue with its fields as stored,
+    logs it once and counts it (``undecodable_entries``). With
+    ``poison_entries="stop"`` the queue stops at it instead (pulls raise
+    :class:`~stagedconsumer.SourceError` naming the stream, the entry and the
+    error, and the consumer retries with backoff until someone repairs or deletes
+    it). An entry the broker did not write (a *foreign* entry, another
+    application's ``XADD *``) always stops the queue there, after the messages
+    before it are delivered; errors and logs name its fields and their sizes, never
+    its values.
+
     ``read_ahead`` (default 128): every ``XRANGE`` of a pull reads at least this many
     entries, and the next pulls of that queue take the surplus without a round trip
     (the consumer pulls ``pull_batch_size``, 32, at a time). Round trips dominate the
@@ -204,6 +313,8 @@ class RedisBroker(MessageSource):
         read_ahead: int = 128,
         connect_timeout: float = 5.0,
         cluster: bool = False,
+        poison_entries: Literal["dead-letter", "stop"] = "dead-letter",
+        retention: StreamRetention | None = _DEFAULT_RETENTION,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(
@@ -235,6 +346,22 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
         self.cluster = cluster
         """Whether ``url`` is a node of a Redis Cluster (see the class documentation)."""
+        if poison_entries not in ("dead-letter", "stop"):
+            raise ConfigurationError(
+                f"poison_entries must be 'dead-letter' or 'stop', got {poison_entries!r}"
+            )
+        if retention is not None and not isinstance(retention, StreamRetention):
+            raise ConfigurationError(
+                f"retention must be StreamRetention or None, got {type(retention).__name__}"
+            )
+        self.retention = retention
+        """How long the streams this broker writes keep their entries (``None``: for
+        ever; see :class:`StreamRetention`)."""
+        self._retention_args = retention.script_args() if retention else _NO_RETENTION
+        self._forced_trims = 0
+        self.poison_entries: Literal["dead-letter", "stop"] = poison_entries
+        """What a pull does at an entry with the broker's fields that cannot be decoded
+        (see the class documentation)."""
         connection = RedisConnection(
             url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, cluster=cluster
         )
@@ -243,6 +370,7 @@ class RedisBroker(MessageSource):
         self._connection = connection
         self._send_script = RedisScript(connection, SEND_LUA)
         self._release_script = RedisScript(connection, RELEASE_LUA)
+        self._floor_script = RedisScript(connection, FLOOR_LUA)
         self._delay_script = RedisScript(connection, DELAY_LUA)
         self._min_offset_script = RedisScript(connection, MIN_OFFSET_LUA)
         self._offset_for_time_script = RedisScript(connection, OFFSET_FOR_TIME_LUA)
@@ -254,6 +382,7 @@ class RedisBroker(MessageSource):
         self._coordinator = RedisCoordinator(
             connection, group_options or GroupOptions(), namespace=namespace
         )
+        self._bad_retries = 0
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -263,9 +392,18 @@ class RedisBroker(MessageSource):
     def _seq_key(self, topic: str, queue_id: int) -> str:
         return f"{self.namespace}:seq:{{{topic}:{queue_id}}}"
 
+    def _times_key(self, topic: str, queue_id: int) -> str:
+        return f"{self.namespace}:times:{{{topic}:{queue_id}}}"
+
+    def _floors_key(self, topic: str, queue_id: int) -> str:
+        return f"{self.namespace}:floors:{{{topic}:{queue_id}}}"
+
     def _delay_key(self, group: str, queue_id: int = 0) -> str:
         # the retry queue's hash tag: RELEASE_LUA moves from here into that queue
         return f"{self.namespace}:delay:{{{RETRY_PREFIX}{group}:{queue_id}}}"
+
+    def _bad_delay_key(self, group: str, queue_id: int = 0) -> str:
+        return f"{self.namespace}:delay-bad:{{{RETRY_PREFIX}{group}:{queue_id}}}"
 
     @property
     def _topics_key(self) -> str:
@@ -411,16 +549,45 @@ class RedisBroker(MessageSource):
             )
         return queue_id
 
-    async def _append(self, topic: str, queue_id: int, encoded: Sequence[list[bytes]]) -> int:
-        args: list[bytes | int] = [len(encoded)]
+    def _send_call(
+        self, topic: str, queue_id: int, encoded: Sequence[list[bytes]]
+    ) -> Callable[[], Awaitable[Any]]:
+        args: list[bytes | int] = [*self._retention_args, len(encoded)]
         for fields in encoded:
             args.append(len(fields))
             args.extend(fields)
-        keys = [self._seq_key(topic, queue_id), self._stream_key(topic, queue_id)]
-        first = await self._retrying(
-            f"sending to {topic}#{queue_id}", lambda: self._send_script(keys=keys, args=args)
+        keys = [
+            self._seq_key(topic, queue_id),
+            self._stream_key(topic, queue_id),
+            self._times_key(topic, queue_id),
+            self._floors_key(topic, queue_id),
+        ]
+        return functools.partial(self._send_script, keys=keys, args=args)
+
+    def _sent(self, topic: str, queue_id: int, reply: Sequence[Any]) -> int:
+        """The first offset of a send's reply; logs and counts a forced trim."""
+        forced = int(reply[1])
+        if forced:
+            self._trimmed_live(MessageQueue(topic, queue_id), forced, int(reply[2]))
+        return int(reply[0])
+
+    def _trimmed_live(self, mq: MessageQueue, forced: int, cut: int) -> None:
+        self._forced_trims += forced
+        logger.warning(
+            "%s reached its hard max length (%s entries): trimmed it to offset %d, about"
+            " %d entries a live consumer group had not committed (its consumer reports"
+            " the offset as trimmed and goes on per consume_from_where)",
+            mq,
+            self.retention.hard_max_length if self.retention else None,
+            cut,
+            forced,
         )
-        return int(first)
+
+    async def _append(self, topic: str, queue_id: int, encoded: Sequence[list[bytes]]) -> int:
+        reply = await self._retrying(
+            f"sending to {topic}#{queue_id}", self._send_call(topic, queue_id, encoded)
+        )
+        return self._sent(topic, queue_id, reply)
 
     async def send(
         self,
@@ -479,16 +646,10 @@ class RedisBroker(MessageSource):
             _encode_fields(msg_id, m.body, born_ms, m.keys, m.tags, m.properties, 0)
             for msg_id, m in zip(ids, messages, strict=True)
         ]
-        args: list[bytes | int] = [len(encoded)]
-        for fields in encoded:
-            args.append(len(fields))
-            args.extend(fields)
-        keys = [self._seq_key(topic, queue_id), self._stream_key(topic, queue_id)]
-        first = int(
-            await self._connection.call(
-                f"sending to {mq}", lambda: self._send_script(keys=keys, args=args)
-            )
+        reply = await self._connection.call(
+            f"sending to {mq}", self._send_call(topic, queue_id, encoded)
         )
+        first = self._sent(topic, queue_id, reply)
         return [
             Message(
                 topic=topic,
@@ -570,7 +731,15 @@ class RedisBroker(MessageSource):
         seq = self._seq_key(topic, queue_id)
         release_keys: list[str] | None = None
         if topic.startswith(RETRY_PREFIX):
-            release_keys = [self._delay_key(topic[len(RETRY_PREFIX) :], queue_id), seq, stream]
+            group = topic[len(RETRY_PREFIX) :]
+            release_keys = [
+                self._delay_key(group, queue_id),
+                seq,
+                stream,
+                self._bad_delay_key(group, queue_id),
+                self._times_key(topic, queue_id),
+                self._floors_key(topic, queue_id),
+            ]
         deadline = time.monotonic() + timeout if timeout > 0 else 0.0
         what = f"pulling {mq} at {offset}"
         start = b"%d-0" % (offset + 1)
@@ -580,9 +749,16 @@ class RedisBroker(MessageSource):
             wait_ms = -1
             if release_keys is not None:
                 release = functools.partial(
-                    self._release_script, keys=release_keys, args=[_RELEASE_BATCH]
+                    self._release_script,
+                    keys=release_keys,
+                    args=[_RELEASE_BATCH, *self._retention_args],
                 )
-                wait_ms = int(await self._connection.call(what, release))
+                released = await self._connection.call(what, release)
+                wait_ms = int(released[0])
+                if int(released[1]):
+                    self._trimmed_live(mq, int(released[1]), int(released[2]))
+                if len(released) > 3:
+                    self._moved_bad_retries(release_keys, released[3:])
             entries = await connection.call(
                 what, lambda: connection.execute("XRANGE", stream, start, "+", "COUNT", count)
             )
@@ -601,8 +777,8 @@ class RedisBroker(MessageSource):
         if entries:
             try:
                 messages = _decode_entries(topic, queue_id, entries)
-            except _ForeignEntry as exc:
-                raise _foreign_error(stream, exc) from None
+            except Exception:  # a foreign or a poison entry: one by one
+                return await self._pull_entry_by_entry(mq, stream, entries, max_count)
             end = messages[-1].queue_offset + 1
             if messages[0].queue_offset == offset and end - offset == len(messages):
                 # Consecutive from ``offset`` on: ``end`` is the max offset when the
@@ -614,15 +790,155 @@ class RedisBroker(MessageSource):
                 await connection.call(what, lambda: connection.execute("GET", seq)) or 0
             )
             if end > max_offset:
-                entry = next(m for m in messages if m.queue_offset >= max_offset)
-                raise _foreign_error(
-                    stream,
-                    _ForeignEntry(b"%d-0" % (entry.queue_offset + 1)),
-                    f"past the queue's last offset {max_offset}",
+                return await self._pull_entry_by_entry(
+                    mq, stream, entries, max_count, max_offset=max_offset
+                )
+            first = messages[0].queue_offset
+            if first > offset and await self._first_stored(mq, stream) >= first:
+                # Not a hole (XDEL) after stored entries: the head of the stream up
+                # to ``first`` was trimmed (retention): the consumer decides.
+                self._keep(topic, queue_id, first, messages, max_offset)
+                return PullResult(
+                    messages=[], next_offset=first, max_offset=max_offset, offset_moved=True
                 )
             return self._serve(topic, queue_id, messages, max_offset, max_count)
         max_offset = int(await connection.call(what, lambda: connection.execute("GET", seq)) or 0)
+        if offset < max_offset and not await connection.call(
+            what, lambda: connection.execute("XRANGE", stream, start, "+", "COUNT", 1)
+        ):
+            # Sent below the counter (read after the XRANGE: a send in between would
+            # show now) but no longer stored: trimmed up to the end.
+            return PullResult(
+                messages=[], next_offset=max_offset, max_offset=max_offset, offset_moved=True
+            )
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
+
+    async def _pull_entry_by_entry(
+        self,
+        mq: MessageQueue,
+        stream: str,
+        entries: Sequence[Any],
+        max_count: int,
+        *,
+        max_offset: int | None = None,
+    ) -> PullResult:
+        """:meth:`pull` when an entry did not decode: the entries one at a time.
+
+        Every message up to the first foreign entry (one the broker did not write, or
+        past the queue's counter) is returned, and every poison entry among them as
+        :class:`UndecodableEntry` (or, with ``poison_entries="stop"``, the pull stops
+        at the first). A pull that starts at the entry it stops at raises
+        :class:`SourceError` (not retriable) naming the stream and the entry, its
+        field names and sizes, not its values."""
+        topic, queue_id = mq.topic, mq.queue_id
+        if max_offset is None:
+            seq = self._seq_key(topic, queue_id)
+            execute = self._connection.execute
+            max_offset = int(
+                await self._connection.call(f"pulling {mq}", functools.partial(execute, "GET", seq))
+                or 0
+            )
+        messages: list[Message] = []
+        undecodable: list[UndecodableEntry] = []
+        stop: SourceError | None = None
+        for entry in entries:
+            if len(messages) + len(undecodable) >= max_count:
+                break
+            entry_id, raw = entry
+            try:
+                message = _decode_one(topic, queue_id, entry)
+            except _ForeignEntry as exc:
+                stop = _foreign_error(stream, exc)
+                break
+            except Exception as exc:
+                poison = self._undecodable(mq, stream, entry_id, raw, exc)
+                if self.poison_entries == "stop":
+                    stop = SourceError(
+                        f"stream {stream}: entry {entry_id.decode()}"
+                        f" at offset {poison.offset} of {mq} cannot be decoded"
+                        f"{_field_sizes(raw)}: {poison.error}; stopped there"
+                        " (poison_entries='stop'; 'dead-letter' moves it to the group's DLQ)",
+                        retriable=False,
+                    )
+                    break
+                undecodable.append(poison)
+                continue
+            if message.queue_offset >= max_offset:
+                stop = _foreign_error(
+                    stream,
+                    _ForeignEntry(entry_id, raw),
+                    f"past the queue's last offset {max_offset}",
+                )
+                break
+            messages.append(message)
+        if not messages and not undecodable:
+            assert stop is not None
+            raise stop
+        last = max(
+            messages[-1].queue_offset if messages else -1,
+            undecodable[-1].offset if undecodable else -1,
+        )
+        return PullResult(
+            messages=messages,
+            next_offset=last + 1,
+            max_offset=max_offset,
+            undecodable=undecodable,
+        )
+
+    @staticmethod
+    def _undecodable(
+        mq: MessageQueue, stream: str, entry_id: bytes, raw: Sequence[bytes], exc: Exception
+    ) -> UndecodableEntry:
+        offset = _entry_offset(entry_id)
+        error = f"{type(exc).__name__}: {exc}"[:1000]
+        properties = {
+            PROPERTY_DECODE_ERROR: error,
+            PROPERTY_POISON_STREAM: stream,
+            PROPERTY_POISON_ENTRY_ID: entry_id.decode(),
+        }
+        return UndecodableEntry(
+            offset=offset,
+            error=error,
+            message=_poison_message(mq.topic, mq.queue_id, offset, raw, properties),
+            fields=tuple(zip(raw[::2], raw[1::2], strict=False)),
+        )
+
+    def _moved_bad_retries(self, keys: Sequence[str], members: Sequence[Any]) -> None:
+        """Log (once each: the script moved them out of the delay set) and count the
+        members of a delay set that were not packed messages."""
+        for member in members:
+            raw = member if isinstance(member, bytes) else str(member).encode()
+            self._bad_retries += 1
+            logger.warning(
+                "%s holds a member that is not a retry the broker wrote (%d bytes, not"
+                " <len>:<bytes> field pairs); moved it to %s, the retries behind it go on",
+                keys[0],
+                len(raw),
+                keys[3],
+            )
+
+    async def _first_stored(self, mq: MessageQueue, stream: str) -> int:
+        """The offset of the first entry of ``stream`` (-1: none, or not ours)."""
+        first = await self._connection.call(
+            f"pulling {mq}",
+            functools.partial(self._connection.execute, "XRANGE", stream, "-", "+", "COUNT", 1),
+        )
+        if not first:
+            return -1
+        raw = first[0][0]
+        try:
+            return _entry_offset(raw if isinstance(raw, bytes) else str(raw).encode())
+        except (_ForeignEntry, ValueError):
+            return -1
+
+    def _keep(
+        self, topic: str, queue_id: int, offset: int, messages: list[Message], max_offset: int
+    ) -> None:
+        """Buffer ``messages`` (from ``offset`` on) for the next pull from ``offset``."""
+        buffered = self._buffered
+        if len(buffered) >= _MAX_BUFFERED:
+            del buffered[next(iter(buffered))]  # the oldest
+        buffered[topic, queue_id, offset] = (messages, max_offset)
 
     def _serve(
         self,
@@ -770,8 +1086,10 @@ class RedisBroker(MessageSource):
             await self.send_to_dlq(group, message)
             return SendBackResult.DLQ
         properties = origin_properties(message)
+        # RocketMQ: the retry is a new stored copy (a new offsetMsgId) of the same
+        # message (its msgId, the producer's UNIQ_KEY, is copied over).
         retried = attrs.evolve(
-            message, reconsume_times=message.reconsume_times + 1, msg_id=self._next_id()
+            message, reconsume_times=message.reconsume_times + 1, offset_msg_id=self._next_id()
         )
         packed = _pack(_message_fields(retried, properties))
         delay_ms = round(retry_delay_seconds(message.reconsume_times, delay_level) * 1000)
@@ -783,8 +1101,33 @@ class RedisBroker(MessageSource):
         )
         return SendBackResult.RETRY
 
+    async def hold_offsets(self, group: str, offsets: Mapping[MessageQueue, int]) -> None:
+        """Record ``group``'s committed offsets of these queues: retention keeps every
+        entry from there on while the record is live (``StreamRetention.group_ttl``,
+        renewed by each call), unless a queue reaches its hard max length. Attached
+        topics are skipped (never trimmed)."""
+        ttl = round((self.retention.group_ttl if self.retention else 600.0) * 1000)
+        for mq, offset in offsets.items():
+            if mq.topic in self._attached:
+                continue
+            key = self._floors_key(mq.topic, mq.queue_id)
+            await self._connection.call(
+                f"recording the committed offset of {mq}",
+                functools.partial(self._floor_script, keys=[key], args=[group, offset, ttl]),
+            )
+
     async def send_to_dlq(self, group: str, message: Message) -> None:
-        fields = _message_fields(message, origin_properties(message))
+        copy = attrs.evolve(message, offset_msg_id=self._next_id())
+        await self._append(dlq_topic(group), 0, [_message_fields(copy, origin_properties(message))])
+
+    async def send_undecodable_to_dlq(self, group: str, entry: UndecodableEntry) -> None:
+        """The poison entry's message, with its raw fields kept in the dead-letter
+        entry as ``raw:<name>`` fields (``XRANGE`` shows them; a pull ignores them)."""
+        message = entry.message
+        copy = attrs.evolve(message, offset_msg_id=self._next_id())
+        fields = _message_fields(copy, origin_properties(message))
+        for name, value in entry.fields:
+            fields += [b"raw:" + name, value]
         await self._append(dlq_topic(group), 0, [fields])
 
     # -- streams written by other applications ---------------------------------------------
@@ -977,7 +1320,7 @@ class RedisBroker(MessageSource):
         while True:
             pulled = await self.pull(MessageQueue(topic, queue_id), offset, 1000)
             result.extend(pulled.messages)
-            if not pulled.messages:
+            if not pulled.messages and not pulled.undecodable:
                 return result
             offset = pulled.next_offset
 
@@ -999,6 +1342,8 @@ class RedisBroker(MessageSource):
             namespace=self.namespace,
             topics=dict(self._topic_cache),
             connection_errors=self.connection_errors,
+            forced_trims=self._forced_trims,
+            bad_retries=self._bad_retries,
         )
 
     async def delete_namespace(self) -> int:

@@ -2,9 +2,10 @@
 
 Entry fields: ``i`` message id, ``b`` body, ``t`` born timestamp (ms since the
 epoch), and only when set: ``k`` keys (JSON list), ``g`` tags, ``p`` properties (JSON
-object), ``r`` reconsume times. A message waiting to be retried is stored packed, its
-fields as ``<len>:<bytes>`` pairs in one string (:func:`_pack`; the Lua of
-``_redis_scripts.UNPACK_LUA`` reads them back).
+object), ``r`` reconsume times, ``o`` the id of the stored copy when it is not the
+message id (a retry's or a dead-letter copy's ``offset_msg_id``). A message waiting
+to be retried is stored packed, its fields as ``<len>:<bytes>`` pairs in one string
+(:func:`_pack`; the Lua of ``_redis_scripts.UNPACK_LUA`` reads them back).
 
 Pure functions, nothing here talks to Redis; their names stay private (as
 ``_message``'s ``_MessageFields``): the broker and its benchmark are their only users.
@@ -51,6 +52,7 @@ def _encode_fields(
     tags: str | None,
     properties: Mapping[str, str] | None,
     reconsume_times: int,
+    offset_msg_id: str | None = None,
 ) -> list[bytes]:
     fields = [b"i", msg_id.encode(), b"b", body, b"t", b"%d" % born_ms]
     if keys:
@@ -61,6 +63,8 @@ def _encode_fields(
         fields += [b"p", json.dumps(dict(properties), sort_keys=True).encode()]
     if reconsume_times:
         fields += [b"r", b"%d" % reconsume_times]
+    if offset_msg_id is not None and offset_msg_id != msg_id:
+        fields += [b"o", offset_msg_id.encode()]
     return fields
 
 
@@ -73,6 +77,7 @@ def _message_fields(message: Message, properties: Mapping[str, str]) -> list[byt
         message.tags,
         properties,
         message.reconsume_times,
+        message.offset_msg_id,
     )
 
 
@@ -83,9 +88,21 @@ class _ForeignEntry(Exception):
     """
 
     def __init__(self, entry_id: bytes, raw: Sequence[bytes] = ()) -> None:
-        shown = [bytes(f[:40]) for f in raw[:8]]
-        super().__init__(f"entry {entry_id.decode(errors='replace')} (fields {shown})")
+        super().__init__(f"entry {entry_id.decode(errors='replace')}{_field_sizes(raw)}")
         self.entry_id = entry_id
+
+
+def _field_sizes(raw: Sequence[bytes]) -> str:
+    """`` (fields name: N bytes, ...)``: an entry's field names and value sizes, never
+    its values (they may hold personal data), for logs and errors."""
+    if not raw:
+        return ""
+    shown = [
+        f"{bytes(name[:40]).decode(errors='replace')!r}: {len(value)} bytes"
+        for name, value in zip(raw[:16:2], raw[1:16:2], strict=False)
+    ]
+    more = f", {(len(raw) - 16) // 2} more" if len(raw) > 16 else ""
+    return f" (fields {', '.join(shown)}{more})"
 
 
 def _entry_offset(entry_id: bytes) -> int:
@@ -146,7 +163,7 @@ def _decode_entries(topic: str, queue_id: int, entries: Sequence[Any]) -> list[M
             m.keys = ()
             m.tags = None
             m.properties = empty
-            m.msg_id = raw[1].decode()
+            m.msg_id = m.offset_msg_id = raw[1].decode()
             t = raw[5]
             if t != last_t:
                 last_t = t
@@ -170,19 +187,72 @@ def _set_fields(m: _MessageFields, entry_id: bytes, raw: Sequence[bytes]) -> Non
     tags: str | None = None
     properties: Mapping[str, str] = EMPTY_PROPERTIES
     if (k := fields.get(b"k")) is not None:
-        keys = tuple(json.loads(k))
+        loaded = json.loads(k)
+        if not isinstance(loaded, list) or not all(isinstance(key, str) for key in loaded):
+            raise TypeError(f"keys (field k) are not a JSON list of strings: {_shape(loaded)}")
+        keys = tuple(loaded)
     if (g := fields.get(b"g")) is not None:
         tags = g.decode()
     if (p := fields.get(b"p")) is not None:
-        properties = MappingProxyType(json.loads(p)) or EMPTY_PROPERTIES
+        loaded = json.loads(p)
+        if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
+            raise TypeError(
+                f"properties (field p) are not a JSON object of strings: {_shape(loaded)}"
+            )
+        properties = MappingProxyType(loaded) or EMPTY_PROPERTIES
     r = fields.get(b"r")
     m.body = fields[b"b"]
     m.keys = keys
     m.tags = tags
     m.properties = properties
     m.msg_id = fields[b"i"].decode()
+    o = fields.get(b"o")
+    m.offset_msg_id = o.decode() if o is not None else m.msg_id
     m.born_timestamp = int(fields[b"t"]) / 1000
     m.reconsume_times = int(r) if r is not None else 0
+
+
+def _shape(value: object) -> str:
+    """What a decoded JSON value is, without its content."""
+    if isinstance(value, list):
+        return f"a list of {', '.join(sorted({type(v).__name__ for v in value})) or 'nothing'}"
+    if isinstance(value, dict):
+        kinds = sorted({type(v).__name__ for v in value.values()})
+        return f"an object of {', '.join(kinds) or 'nothing'}"
+    return f"a {type(value).__name__}"
+
+
+def _decode_one(topic: str, queue_id: int, entry: Any) -> Message:
+    """One raw entry as a :class:`Message`; raises :class:`_ForeignEntry` for an entry
+    the broker did not write, and ``ValueError``, ``UnicodeDecodeError`` (a
+    ``ValueError``), ``TypeError`` for one with the broker's fields, corrupt."""
+    raw = entry[1]
+    if len(raw) % 2:
+        raise ValueError(f"odd number of field names and values ({len(raw)})")
+    return _decode_entries(topic, queue_id, [entry])[0]
+
+
+def _poison_message(
+    topic: str,
+    queue_id: int,
+    offset: int,
+    raw: Sequence[bytes],
+    properties: Mapping[str, str],
+) -> Message:
+    """The dead-letter copy of a poison entry: what can be read of it (its body as
+    stored, its message id with undecodable bytes replaced) and ``properties``."""
+    fields = dict(zip(raw[::2], raw[1::2], strict=False))
+    msg_id = fields.get(b"i", b"").decode(errors="replace")
+    born = fields.get(b"t", b"")
+    return Message(
+        topic=topic,
+        queue_id=queue_id,
+        queue_offset=offset,
+        body=bytes(fields.get(b"b", b"")),
+        properties=properties,
+        msg_id=msg_id,
+        born_timestamp=int(born) / 1000 if born.isdigit() else 0.0,
+    )
 
 
 # -- streams written by other applications (RedisBroker.attach_stream) ----------------------
@@ -265,7 +335,7 @@ def _decode_attached(
         m.keys = _freeze_keys(content.keys)
         m.tags = content.tags
         m.properties = _freeze_properties(content.properties)
-        m.msg_id = text_id
+        m.msg_id = m.offset_msg_id = text_id
         m.born_timestamp = (offset >> _SEQ_BITS) / 1000
         m.reconsume_times = 0
         m.__class__ = Message

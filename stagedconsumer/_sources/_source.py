@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 __all__ = (
     "DLQ_PREFIX",
+    "PROPERTY_DECODE_ERROR",
+    "PROPERTY_POISON_ENTRY_ID",
+    "PROPERTY_POISON_STREAM",
     "PROPERTY_ORIGIN_MESSAGE_ID",
     "PROPERTY_RETRY_TOPIC",
     "RETRY_PREFIX",
@@ -24,6 +27,7 @@ __all__ = (
     "PullResult",
     "SendBackResult",
     "TraceWriter",
+    "UndecodableEntry",
     "dlq_topic",
     "is_spent",
     "origin_properties",
@@ -35,7 +39,15 @@ DLQ_PREFIX = "%DLQ%"
 PROPERTY_RETRY_TOPIC = "RETRY_TOPIC"
 """Property of a retried message: the topic it was first sent to."""
 PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
-"""Property of a retried or dead-lettered message: the id of the first delivery."""
+"""Property of a retried or dead-lettered message: its ``msg_id`` (which retries
+keep; once the id of the first delivery when a retry got a new one)."""
+PROPERTY_DECODE_ERROR = "DECODE_ERROR"
+"""Property of the dead-letter copy of an entry that could not be decoded (a poison
+entry): why, as ``<exception type>: <message>``."""
+PROPERTY_POISON_STREAM = "POISON_STREAM"
+"""Property of the dead-letter copy of a poison entry: the stream (Redis key) it was in."""
+PROPERTY_POISON_ENTRY_ID = "POISON_ENTRY_ID"
+"""Property of the dead-letter copy of a poison entry: its stream entry id."""
 
 TraceWriter = Callable[[str, bytes, tuple[str, ...]], object]
 """``writer(topic, body, keys)``: stores one trace message before returning (see
@@ -69,18 +81,46 @@ def dlq_topic(group: str) -> str:
 
 
 @attrs.frozen(kw_only=True)
+class UndecodableEntry:
+    """An entry of a queue that a source could not decode into a message (a *poison
+    entry*: its fields are in the source's format but corrupt), returned by a pull in
+    its place (:attr:`PullResult.undecodable`) so that the messages around it are
+    delivered. A consumer sends :attr:`message` to its group's dead-letter queue
+    (:meth:`MessageSource.send_undecodable_to_dlq`) and moves past it."""
+
+    offset: int
+    """Its offset in the queue."""
+    error: str
+    """Why it could not be decoded: ``<exception type>: <message>``."""
+    message: Message
+    """What the dead-letter queue gets: its topic, queue and offset, the body as
+    stored (empty when it has none), its message id as far as it can be read, and the
+    properties ``DECODE_ERROR`` (:attr:`error`), ``POISON_STREAM`` and
+    ``POISON_ENTRY_ID`` (where it was stored)."""
+    fields: tuple[tuple[bytes, bytes], ...] = ()
+    """The entry's fields and values as stored (kept in the dead-letter entry)."""
+
+
+@attrs.frozen(kw_only=True)
 class PullResult:
     """What one pull returned.
 
     ``messages`` are consecutive in offset order starting at or after the requested
     offset; ``next_offset`` is where the next pull starts (past the last message
     returned, or moved forward when the requested offset no longer exists);
-    ``max_offset`` is the queue's next offset to be written.
+    ``max_offset`` is the queue's next offset to be written. ``undecodable`` are the
+    entries among them that could not be decoded (poison entries), in offset order;
+    ``next_offset`` is past them too.
     """
 
     messages: Sequence[Message]
     next_offset: int
     max_offset: int
+    undecodable: Sequence[UndecodableEntry] = ()
+    offset_moved: bool = False
+    """The requested offset is no longer stored (retention removed the entries from
+    it on; RocketMQ's ``PULL_OFFSET_MOVED``): nothing is returned, and
+    ``next_offset`` is the first offset still stored."""
 
 
 class SendBackResult(enum.Enum):
@@ -159,6 +199,19 @@ class MessageSource(abc.ABC):
     @abc.abstractmethod
     async def send_to_dlq(self, group: str, message: Message) -> None:
         """Move a message to the group's dead-letter queue ``%DLQ%<group>``."""
+
+    async def hold_offsets(self, group: str, offsets: Mapping[MessageQueue, int]) -> None:
+        """``group`` has committed these offsets of the queues it holds: a source with
+        retention keeps every entry from there on while the group is live. Called
+        by consumers every ``persist_consumer_offset_interval``; the default does
+        nothing."""
+        del group, offsets
+
+    async def send_undecodable_to_dlq(self, group: str, entry: UndecodableEntry) -> None:
+        """Store a poison entry's :attr:`~UndecodableEntry.message` in the group's
+        dead-letter queue (a source that can keeps the raw fields with it). The
+        default: :meth:`send_to_dlq`."""
+        await self.send_to_dlq(group, entry.message)
 
     async def offset_for_timestamp(self, mq: MessageQueue, timestamp: float) -> int:
         """The offset of the first message of ``mq`` born at or after ``timestamp``

@@ -42,8 +42,9 @@ __all__ = ("CallLog", "DeadLetter", "HandlerCall", "Outcome", "RecordingListener
 
 
 def origin_id(message: Message) -> str:
-    """The id of the message as first sent: a retry from ``%RETRY%<group>`` (concurrent
-    mode) is a new message carrying its origin's id in ``ORIGIN_MESSAGE_ID``."""
+    """The id of the message as first sent: its ``msg_id``, which a retry from
+    ``%RETRY%<group>`` (concurrent mode) keeps; ``ORIGIN_MESSAGE_ID`` first, for retries
+    stored while they got a new ``msg_id``."""
     return message.properties.get(PROPERTY_ORIGIN_MESSAGE_ID, message.msg_id)
 
 

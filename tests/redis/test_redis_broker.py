@@ -307,7 +307,8 @@ async def test_retry_waits_its_delay_level_then_appears_in_the_retry_queue(
     assert retried.reconsume_times == 1
     assert retried.properties[PROPERTY_RETRY_TOPIC] == "t"
     assert retried.properties[PROPERTY_ORIGIN_MESSAGE_ID] == original.msg_id
-    assert retried.msg_id != original.msg_id
+    assert retried.msg_id == original.msg_id
+    assert retried.offset_msg_id != original.offset_msg_id == original.msg_id
     assert await broker.delayed_count("g") == 0
     # Released once: pulling again does not append it twice.
     assert await broker.max_offset(retry_mq) == 1
@@ -536,8 +537,9 @@ async def test_a_foreign_entry_is_named_by_pulls_and_refused_by_send(
     mq = MessageQueue("t", 0)
     broker.read_ahead = 0  # what comes before the foreign entry is still served
     assert [m.queue_offset for m in (await broker.pull(mq, 0, 2)).messages] == [0, 1]
+    assert [m.queue_offset for m in (await broker.pull(mq, 2, 10)).messages] == [2]
     with pytest.raises(SourceError, match=f"stream {stream} holds a foreign entry {foreign}"):
-        await broker.pull(mq, 2, 10)
+        await broker.pull(mq, 3, 10)
     with pytest.raises(SourceError, match=f"FOREIGN stream {stream} holds entry {foreign}") as sent:
         await broker.send("t", b"mine", queue_id=0)
     assert not sent.value.retriable
@@ -553,10 +555,11 @@ async def test_a_foreign_entry_with_our_fields_past_the_counter_is_detected(
     stream = await _send_three(broker)
     foreign = entry_id(inspect.xadd(stream, {"i": "someone", "b": "else", "t": "0"}))
     mq = MessageQueue("t", 0)
-    for offset in (0, 3):  # read with ours, and alone
-        with pytest.raises(SourceError, match="past the queue's last offset 3") as pulled:
-            await broker.pull(mq, offset, 10)
-        assert foreign.decode() in str(pulled.value)
+    # Read with ours: they are served, the queue stops at the foreign entry.
+    assert [m.queue_offset for m in (await broker.pull(mq, 0, 10)).messages] == [0, 1, 2]
+    with pytest.raises(SourceError, match="past the queue's last offset 3") as pulled:
+        await broker.pull(mq, 3, 10)
+    assert foreign.decode() in str(pulled.value)
 
 
 async def test_a_foreign_entry_id_with_a_sequence_part_is_detected(
@@ -564,8 +567,11 @@ async def test_a_foreign_entry_id_with_a_sequence_part_is_detected(
 ) -> None:
     stream = await _send_three(broker)
     inspect.xadd(stream, {"i": "x", "b": "y", "t": "0"}, id="3-1")
-    with pytest.raises(SourceError, match="holds a foreign entry 3-1"):
-        await broker.pull(MessageQueue("t", 0), 0, 10)
+    mq = MessageQueue("t", 0)
+    # The messages before it are served; it sits between offsets 2 and 3, so a pull
+    # from 3 on never reads it, but no message can be sent after it.
+    assert [m.queue_offset for m in (await broker.pull(mq, 0, 10)).messages] == [0, 1, 2]
+    assert (await broker.pull(mq, 3, 10)).messages == []
     with pytest.raises(SourceError, match="holds entry 3-1"):
         await broker.send("t", b"mine", queue_id=0)
     assert inspect.get(f"{broker.namespace}:seq:{{t:0}}") == b"3"
