@@ -32,7 +32,6 @@ def test_each_message_adds_the_same_bytecodes_to_its_handler_and_decoding() -> N
     assert sys.gettrace() is previous
 
 
-
 def test_the_program_prints_a_table_per_system() -> None:
     url = require_redis()
     result = subprocess.run(
