@@ -79,8 +79,11 @@ class PullResult:
     """
 
     messages: Sequence[Message]
+    """The messages pulled, consecutive, in offset order."""
     next_offset: int
+    """Where the next pull of the queue starts."""
     max_offset: int
+    """The queue's next offset to be written (its end)."""
 
 
 class SendBackResult(enum.Enum):
