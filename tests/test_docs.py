@@ -171,8 +171,7 @@ def test_the_classes_users_touch_most_document_every_member() -> None:
         f"{name}.{member}"
         for name in FULLY_DOCUMENTED
         for member, obj in objects[name].members.items()
-        if not member.startswith("_")
-        and not (obj.final_target if obj.is_alias else obj).docstring
+        if not member.startswith("_") and not (obj.final_target if obj.is_alias else obj).docstring
     ]
     assert undocumented == []
 
