@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 MARKER = "<!-- cli-help -->"
-WIDTH = "88"
+WIDTH = "74"  # lines of at most 72 characters: the width of the page's code blocks
 
 
 def _commands(
