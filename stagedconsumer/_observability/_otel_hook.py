@@ -820,6 +820,7 @@ class PrometheusEndpoint:
     meter_provider: Any
     """An SDK ``MeterProvider``: pass it to :class:`OpenTelemetryHook`."""
     port: int
+    """The port it serves on (the free one picked for ``serve_prometheus(0)``)."""
     _server: Any
     _thread: Any
     _reader: Any
