@@ -52,7 +52,7 @@ from stagedconsumer import (
 TOPIC = "backlog"
 
 COLUMNS = ("mode", "at 10%", "at 50%", "at 100%", "peak", "seconds")
-"""The table's columns (the README's table has the same)."""
+"""The table's columns (the table of docs/performance.md has the same)."""
 
 
 class NoopKeyOrdered(NoopOrderly):

@@ -75,14 +75,18 @@ def count(system: str, n: int, url: str) -> Counter[Key]:
     from benchmarks import redis_e2e
 
     counter = _OpcodeCounter()
-    clock = SwitchingClock(lambda on: sys.settrace(counter.trace if on else None))
+    # The tracer already installed (coverage's, under ``pytest --cov``) is put back
+    # whenever counting is off and at the end: clearing it would stop coverage for
+    # everything this process runs afterwards.
+    previous = sys.gettrace()
+    clock = SwitchingClock(lambda on: sys.settrace(counter.trace if on else previous))
     saved = vars(redis_e2e)["time"]
     setattr(redis_e2e, "time", clock)  # noqa: B010 - the module's clock, replaced
     try:
         args = redis_e2e.drain_args(url, n)
         anyio.run(redis_e2e.measure_phase, system, args, False, backend="asyncio")
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
         setattr(redis_e2e, "time", saved)  # noqa: B010
     if clock.calls < 2:
         raise RuntimeError(f"{system}: the drain phase did not read the clock twice")

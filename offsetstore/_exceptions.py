@@ -40,6 +40,7 @@ class OffsetStoreError(Exception):
     def __init__(self, message: str, *, retriable: bool) -> None:
         super().__init__(message)
         self.retriable = retriable
+        """Whether trying again later can succeed (a database that is restarting)."""
 
 
 class StoreConfigurationError(OffsetStoreError, ValueError):
@@ -91,3 +92,4 @@ class StoreFencedError(OffsetStoreError):
     def __init__(self, message: str, *, queues: Iterable[MessageQueue] = ()) -> None:
         super().__init__(message, retriable=False)
         self.queues: frozenset[MessageQueue] = frozenset(queues)
+        """The queues whose write was refused: their writer no longer owns them."""

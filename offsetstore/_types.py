@@ -24,7 +24,9 @@ class MessageQueue:
     """One partition of a topic: an ordered log addressed by integer queue offsets."""
 
     topic: str
+    """The topic the queue belongs to."""
     queue_id: int
+    """Its number within the topic, from 0."""
 
     def __str__(self) -> str:
         return f"{self.topic}#{self.queue_id}"
@@ -39,9 +41,13 @@ class StageKey:
     """
 
     strategy_id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    """The stage strategy: ``"default"`` for a listener with only
+    ``get_stage_definitions()``, else what ``compute_strategy`` returned."""
     group_id: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
     )
+    """What ``compute_group`` returned (an independent stage sequence within the
+    queue), or ``None``."""
 
     def __str__(self) -> str:
         return self.strategy_id if self.group_id is None else f"{self.strategy_id}/{self.group_id}"
@@ -129,7 +135,9 @@ class QueueProgress:
     """
 
     consume_offset: int | None = attrs.field(validator=_check_consume_offset)
+    """Where consumption resumes: every message below it finished."""
     stage_offsets: Mapping[StageKey, int] = attrs.field(factory=dict, converter=_freeze)
+    """Per stage key, the stage offset at ``consume_offset``."""
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, QueueProgress):

@@ -97,6 +97,7 @@ class SourceError(StagedConsumerError):
     def __init__(self, message: str, *, retriable: bool = True) -> None:
         super().__init__(message)
         self.retriable = retriable
+        """Whether trying again later can succeed (a lost connection)."""
 
 
 class SourceClosedError(SourceError):

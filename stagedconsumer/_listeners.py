@@ -41,14 +41,19 @@ class ConsumeConcurrentlyStatus(enum.Enum):
     """What a concurrent listener may return (``None`` means success)."""
 
     CONSUME_SUCCESS = "CONSUME_SUCCESS"
+    """The batch succeeded (as returning ``None`` does)."""
     RECONSUME_LATER = "RECONSUME_LATER"
+    """The batch failed: retry it through the retry queue (as raising does)."""
 
 
 class ConsumeOrderlyStatus(enum.Enum):
     """What an orderly or staged listener may return (``None`` means success)."""
 
     SUCCESS = "SUCCESS"
+    """The batch succeeded (as returning ``None`` does)."""
     SUSPEND_CURRENT_QUEUE_A_MOMENT = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
+    """The batch failed: retry it in place after
+    ``suspend_current_queue_time_millis`` (as raising does)."""
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -63,8 +68,15 @@ class ConsumeConcurrentlyContext:
     """
 
     message_queue: MessageQueue
+    """The queue the messages were pulled from (a queue of ``%RETRY%<group>`` for
+    a retried message)."""
     delay_level_when_next_consume: int = 0
+    """The retry delay level of a failed message: 0 grows with
+    ``reconsume_times``, a positive value picks a level, a negative one sends it to the
+    dead-letter queue."""
     ack_index: int = 2**31 - 1
+    """On success, messages ``0..ack_index`` count as consumed and the rest as
+    failed."""
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -76,7 +88,10 @@ class ConsumeOrderlyContext:
     """
 
     message_queue: MessageQueue
+    """The queue the batch was pulled from."""
     suspend_current_queue_time_millis: int = 1000
+    """How long the queue waits before a failed batch is
+    retried."""
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -89,10 +104,17 @@ class ConsumeStagedConcurrentlyContext:
     """
 
     message_queue: MessageQueue
+    """The queue the batch was pulled from."""
     stage_index: int
+    """The batch's stage: 0, 1, ... for the stage definitions, -1 (``TAIL_STAGE``)
+    past the last one."""
     strategy_id: str | None
+    """The stage strategy of the batch's stage key (``None``: no stage)."""
     group_id: str | None
+    """The group of the batch's stage key (what ``compute_group`` returned)."""
     suspend_current_queue_time_millis: int = 1000
+    """How long the queue waits before a failed batch is
+    retried (its stage waits too)."""
 
 
 _new = object.__new__

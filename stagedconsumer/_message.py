@@ -127,17 +127,30 @@ class Message(_MessageFields):
     """
 
     topic: str
+    """The topic the message was sent to (for a retried message too)."""
     queue_id: int
+    """The queue it was pulled from (for a message retried through the retry queue,
+    the retry queue's)."""
     queue_offset: int
+    """Its position in that queue."""
     body: bytes
+    """The payload, as sent."""
     keys: tuple[str, ...] = attrs.field(default=(), converter=_freeze_keys)
+    """Business keys (``keys=`` of the send); the first picks the queue and, in
+    key-ordered consumption, the key."""
     tags: str | None = None
+    """The tag a subscription's filter (``"TagA || TagB"``) matches, or ``None``."""
     properties: Mapping[str, str] = attrs.field(
         default=EMPTY_PROPERTIES, converter=_freeze_properties
     )
+    """User and system properties, a read-only mapping of str to str."""
     msg_id: str = ""
+    """The message's id (RocketMQ's ``getMsgId()``): given when it is first stored and
+    kept across retries and dead-lettering, so it serves as an idempotency key."""
     born_timestamp: float = 0.0
+    """When it was sent, in seconds since the epoch."""
     reconsume_times: int = 0
+    """How often it was handed to a listener before and failed."""
     offset_msg_id: str = attrs.field(default=attrs.Factory(_same_as_msg_id, takes_self=True))
     """The id of this stored copy (RocketMQ's ``offsetMsgId``); by default
     ``msg_id``."""
@@ -330,9 +343,13 @@ class SendStatus(enum.Enum):
     message or raise, so a result is always ``SEND_OK``)."""
 
     SEND_OK = "SEND_OK"
+    """Stored."""
     FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"
+    """RocketMQ's: stored, but not flushed to disk in time (never returned here)."""
     FLUSH_SLAVE_TIMEOUT = "FLUSH_SLAVE_TIMEOUT"
+    """RocketMQ's: stored, but not replicated in time (never returned here)."""
     SLAVE_NOT_AVAILABLE = "SLAVE_NOT_AVAILABLE"
+    """RocketMQ's: stored, no replica available (never returned here)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -340,14 +357,19 @@ class SendResult:
     """Where a sent message was stored."""
 
     msg_id: str
+    """The stored message's id."""
     message_queue: MessageQueue
+    """The queue it was stored in."""
     queue_offset: int
+    """Its offset in that queue."""
     status: SendStatus = SendStatus.SEND_OK
+    """Always ``SEND_OK``: the brokers here store a message or raise."""
     message: Message | None = attrs.field(default=None, repr=False, eq=False)
     """The message as stored (what a consumer of the queue will get)."""
 
     @classmethod
     def of(cls, message: Message) -> SendResult:
+        """The result of storing ``message``."""
         return cls(
             msg_id=message.msg_id,
             message_queue=MessageQueue(message.topic, message.queue_id),

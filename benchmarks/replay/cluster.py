@@ -2,7 +2,7 @@
 
 Started from the launcher that the ``pyspark`` package ships
 (``$SPARK_HOME/bin/spark-class``, ``SPARK_HOME`` being the installed package's
-directory), exactly as the README's cluster instructions do by hand::
+directory), exactly as the instructions of docs/how-to/replay-benchmarks.md do by hand::
 
     $SPARK_HOME/bin/spark-class org.apache.spark.deploy.master.Master \\
         --host 127.0.0.1 --port PORT --webui-port UI_PORT

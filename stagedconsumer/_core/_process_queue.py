@@ -278,9 +278,10 @@ class Batch:
 
 @attrs.frozen(kw_only=True)
 class ProcessQueueStatistics:
-    """A snapshot of one :class:`ProcessQueue`."""
+    """A snapshot of one queue of a consumer (``statistics().queues[queue]``)."""
 
     message_queue: MessageQueue
+    """The queue."""
     cached_count: int
     """Messages pulled and not yet taken by a handler."""
     pending_count: int
@@ -290,10 +291,16 @@ class ProcessQueueStatistics:
     cached_bytes: int
     """Body bytes of cached and pending messages."""
     committed_offset: int
+    """The lowest offset not finished: what a commit stores."""
     highest_offset: int
+    """The highest offset pulled so far."""
     span: int
+    """How far the unfinished messages reach, counted in messages (concurrent mode's
+    flow control stops pulling at ``consume_concurrently_max_span``)."""
     stage_offsets: Mapping[StageKey, int]
+    """Per stage key, its stage offset at the committed offset."""
     dropped: bool
+    """Whether the queue was released: nothing more is taken from it."""
     held_count: int = 0
     """Messages held because a stage callback failed on the first of them."""
     max_offset: int | None = None

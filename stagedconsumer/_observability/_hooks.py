@@ -72,14 +72,19 @@ class ConsumeMessageContext:
     """
 
     consumer_group: str
+    """The consumer's group."""
     message_queue: MessageQueue
+    """The queue the batch was pulled from."""
     messages: Sequence[Message]
+    """The batch handed to the handler."""
     mode: str
     """``"concurrent"``, ``"orderly"`` or ``"staged"``."""
     stage_index: int
     """Stage of the batch (``-1``: tail stage, or no stage in concurrent/orderly mode)."""
     strategy_id: str | None
+    """The stage strategy of the batch's stage key (staged mode), else ``None``."""
     group_id: str | None
+    """The group of the batch's stage key (staged mode), else ``None``."""
     attempt: int
     """Delivery attempt: ``reconsume_times + 1`` of the first message (1 on the first
     call; counts local retries and retries through the retry queue alike)."""
@@ -94,14 +99,20 @@ class ConsumeMessageContext:
     end_time: float = 0.0
     """When the handler call returned or raised (set before ``consume_message_after``)."""
     success: bool = False
+    """Whether the call succeeded (set before ``consume_message_after``)."""
     status: ConsumeReturnType | None = None
+    """How the call ended, RocketMQ's ``ConsumeReturnType`` (``SUCCESS``, ``FAILED``,
+    ``EXCEPTION``, ``TIME_OUT``, ...), set before ``consume_message_after``."""
     exception: BaseException | None = None
+    """The exception the handler raised, if it raised."""
     result: object = None
     """What the handler returned."""
     settled: dict[SettleOutcome, list[Message]] = attrs.Factory(dict)
     """After a failure: which messages were handed to the retry queue, suspended for
     a local retry, or dead-lettered."""
     props: dict[str, Any] = attrs.Factory(dict)
+    """Scratch space for a hook, from ``consume_message_before`` to
+    ``consume_message_after``; use your own key."""
 
     @classmethod
     def _of_call(

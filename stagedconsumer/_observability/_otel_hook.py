@@ -13,7 +13,7 @@ Follows the messaging semantic conventions v1.44 (status: development):
   children of the process span, for the messages of a failed call handed to the
   retry queue, suspended for a local retry, or moved to the dead-letter queue.
 
-Metrics (names as OpenTelemetry instruments; see the README for the Prometheus
+Metrics (names as OpenTelemetry instruments; docs/how-to/opentelemetry.md has the Prometheus
 names): ``messaging.process.duration`` and ``messaging.client.consumed.messages``
 (semconv; duration buckets ``0.005 .. 10`` s), plus
 ``stagedconsumer.consumer.await.duration`` (cached to handler start, per message),
@@ -821,6 +821,7 @@ class PrometheusEndpoint:
     meter_provider: Any
     """An SDK ``MeterProvider``: pass it to :class:`OpenTelemetryHook`."""
     port: int
+    """The port it serves on (the free one picked for ``serve_prometheus(0)``)."""
     _server: Any
     _thread: Any
     _reader: Any

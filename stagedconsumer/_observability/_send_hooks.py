@@ -46,7 +46,9 @@ class SendMessageContext:
     """
 
     producer_group: str
+    """The producer's group."""
     topic: str
+    """The topic sent to."""
     messages: Sequence[OutgoingMessage]
     """The messages of the call, in order (one for ``send``). Their ``properties``
     may be changed in ``send_message_before``: they are sent as they are then."""
@@ -65,9 +67,12 @@ class SendMessageContext:
     exception: BaseException | None = None
     """What the call raised (``None``: it succeeded)."""
     props: dict[str, Any] = attrs.Factory(dict)
+    """Scratch space for a hook, from ``send_message_before`` to
+    ``send_message_after``; use your own key."""
 
     @property
     def success(self) -> bool:
+        """Whether the call stored its messages: it raised nothing and has ``results``."""
         return self.exception is None and bool(self.results)
 
     @property

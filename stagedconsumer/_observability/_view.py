@@ -26,7 +26,10 @@ class ConsumerStatistics:
     """A snapshot of a :class:`~stagedconsumer.PushConsumer`."""
 
     group: str
+    """The consumer group."""
     mode: str
+    """The consumption mode: ``"concurrent"``, ``"orderly"``, ``"key_ordered"`` or
+    ``"staged"``."""
     consumed_ok: int
     """Messages whose handler succeeded."""
     consumed_failed: int
@@ -38,11 +41,13 @@ class ConsumerStatistics:
     in_flight: int
     """Handler calls running now."""
     pull_errors: int
+    """Failed pulls (retried with backoff)."""
     commit_errors: int
     """Failed attempts to persist progress (retried with backoff)."""
     commits: int
     """Successful persists of progress."""
     queues: Mapping[MessageQueue, ProcessQueueStatistics]
+    """Per assigned queue, its own snapshot."""
     hook_errors: int = 0
     """Exceptions raised by consume hooks (logged and ignored)."""
     trace_records_dropped: int = 0
@@ -87,10 +92,12 @@ class ConsumerStatistics:
 
     @property
     def cached_count(self) -> int:
+        """Messages pulled and not yet taken by a handler, over every assigned queue."""
         return sum(q.cached_count for q in self.queues.values())
 
     @property
     def pending_count(self) -> int:
+        """Messages taken by a handler and not finished, over every assigned queue."""
         return sum(q.pending_count for q in self.queues.values())
 
 

@@ -116,12 +116,20 @@ class PushConsumer:
                 " (use ConsumerOptions(**values) or ConsumerOptions.from_mapping())"
             )
         self.group = group
+        """The consumer group: members of one group share the queues and the progress."""
         self.source = source
+        """The broker it pulls from (``MemoryBroker``, ``RedisBroker``, any
+        ``MessageSource``)."""
         self.listener = listener
+        """The listener whose ``consume_message`` handles the messages; its class picks
+        the mode."""
         self.options = options
+        """The ``ConsumerOptions`` it runs with."""
         self.offset_store: StageOffsetStore = (
             offset_store if offset_store is not None else default_offset_store(source)
         )
+        """Where its progress is committed (the default store of its source when none
+        was given)."""
         self._default_store = offset_store is None
         self._state = ConsumerState(group=group, mode="")
         self._service = ConsumeService.for_listener(listener, group, source, self._state, options)
@@ -165,6 +173,7 @@ class PushConsumer:
 
     @property
     def mode(self) -> ConsumeMode:
+        """The consumption mode its listener picked: concurrent, orderly or staged."""
         return self._service.mode
 
     def register_consume_message_hook(self, hook: ConsumeMessageHook) -> None:
@@ -545,6 +554,7 @@ class PushConsumer:
 
     @property
     def assigned_queues(self) -> list[MessageQueue]:
+        """The queues this consumer owns now, sorted (in a group, its share)."""
         return self._queues.sorted()
 
     def statistics(self) -> ConsumerStatistics:

@@ -80,8 +80,11 @@ class Producer:
                 f"options must be ProducerOptions, got {type(options).__name__}"
             )
         self.source = source
+        """The broker it sends to."""
         self.group = group
+        """The producer group, reported to hooks and in message trace."""
         self.options = options
+        """The ``ProducerOptions`` it runs with."""
         self._hook_list: list[SendMessageHook] = []
         self._hooks = SendHookRunner(())
         self._round_robin: dict[str, itertools.count[int]] = {}

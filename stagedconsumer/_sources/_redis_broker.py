@@ -340,8 +340,12 @@ class RedisBroker(MessageSource):
         pull asks for."""
         self._buffered: dict[tuple[str, int, int], tuple[list[Message], int]] = {}
         self.url = url
+        """The Redis URL it connects to (any node's, with ``cluster=True``)."""
         self.namespace = namespace
+        """The prefix of the keys of the broker's own topics, groups and retries
+        (``"sc"`` by default): brokers with different namespaces share one Redis."""
         self.send_timeout = send_timeout
+        """How long ``send`` retries a lost connection on its queue, in seconds."""
         if not isinstance(cluster, bool):
             raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
         self.cluster = cluster

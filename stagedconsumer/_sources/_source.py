@@ -114,9 +114,14 @@ class PullResult:
     """
 
     messages: Sequence[Message]
+    """The messages pulled, consecutive, in offset order."""
     next_offset: int
+    """Where the next pull of the queue starts."""
     max_offset: int
+    """The queue's next offset to be written (its end)."""
     undecodable: Sequence[UndecodableEntry] = ()
+    """Entries in the pulled range that are in the broker's format but could not be
+    decoded (poison entries), in offset order, beside the messages around them."""
     offset_moved: bool = False
     """The requested offset is no longer stored (retention removed the entries from
     it on; RocketMQ's ``PULL_OFFSET_MOVED``): nothing is returned, and

@@ -50,7 +50,9 @@ class Violation:
     """One broken guarantee: ``rule`` names it, ``explanation`` tells the story."""
 
     rule: str
+    """A short name of the broken guarantee (``"wrong-key"``, ...)."""
     explanation: str
+    """What happened, naming the calls and messages involved."""
     calls: tuple[HandlerCall, ...] = ()
     """The handler calls involved (the offending one first)."""
 

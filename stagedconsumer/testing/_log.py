@@ -86,18 +86,27 @@ class HandlerCall:
     """Which incarnation of the consumer made the call: 0, then 1 after the first
     crash and restart, and so on."""
     queue: MessageQueue
+    """The queue of the call's messages."""
     messages: tuple[Message, ...]
+    """The messages of the call, in offset order."""
     stage_index: int | None
     """``context.stage_index`` (staged listeners; ``-1`` is the tail), else ``None``."""
     strategy_id: str | None
+    """``context.strategy_id`` (staged listeners), else ``None``."""
     group_id: str | None
+    """``context.group_id`` (staged listeners), else ``None``."""
     attempt: int
     """1 for a first delivery, ``n + 1`` for the ``n``-th retry (``reconsume_times + 1``)."""
     start: float
+    """When the call started, on the event loop's clock."""
     start_seq: int
+    """The number of the call's start event in its log."""
     end: float = math.nan
+    """When the call ended, on the event loop's clock (``nan`` while it runs)."""
     end_seq: int = -1
+    """The number of the call's end event in its log (``-1`` while it runs)."""
     outcome: Outcome = Outcome.RUNNING
+    """How the call ended (``RUNNING`` until it does)."""
     error: str | None = None
     """``repr`` of the exception a failed call raised."""
     acked: int = 0
@@ -106,14 +115,17 @@ class HandlerCall:
 
     @property
     def offsets(self) -> tuple[int, ...]:
+        """The queue offsets of ``messages``."""
         return tuple(m.queue_offset for m in self.messages)
 
     @property
     def ended(self) -> bool:
+        """Whether the call has ended."""
         return self.end_seq >= 0
 
     @property
     def succeeded(self) -> bool:
+        """Whether the call ended in success."""
         return self.outcome is Outcome.SUCCESS
 
     @property
@@ -123,6 +135,8 @@ class HandlerCall:
 
     @property
     def cancelled(self) -> bool:
+        """Whether the call was cancelled (a consume timeout, a crash, a shutdown that
+        stopped waiting)."""
         return self.outcome is Outcome.CANCELLED
 
     @property

@@ -51,16 +51,23 @@ class MessageSpec:
     the hash of the first key, else round-robin)."""
 
     topic: str
+    """The topic to send to."""
     queue_id: int | None
+    """The queue to send to, or ``None``: the broker picks it."""
     body: bytes = b""
+    """The message body."""
     keys: tuple[str, ...] = ()
+    """The message's keys (the first one picks its queue when ``queue_id`` is ``None``)."""
     tags: str | None = None
+    """The message's tag, or ``None``."""
     properties: Mapping[str, str] = attrs.field(factory=dict)
+    """The message's user properties."""
 
     @classmethod
     def of(
         cls, topic: str, message: OutgoingMessage, *, queue_id: int | None = None
     ) -> MessageSpec:
+        """The spec of sending ``message`` to ``topic`` (and ``queue_id``)."""
         return cls(
             topic=topic,
             queue_id=queue_id,

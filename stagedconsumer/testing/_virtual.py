@@ -71,6 +71,7 @@ class VirtualRun:
     """What :func:`run_virtual` observed."""
 
     log: CallLog
+    """Every handler call the consumer made, in order (a ``CallLog``)."""
     sent: tuple[Message, ...]
     """The messages as the broker stored them (queue ids and offsets), in ``messages`` order."""
     makespan: float
@@ -82,7 +83,9 @@ class VirtualRun:
     completed: bool
     """Every sent message finished before ``timeout`` (virtual seconds)."""
     broker: MemoryBroker
+    """The ``MemoryBroker`` the run sent to and consumed from."""
     store: MemoryOffsetStore
+    """The ``MemoryOffsetStore`` holding the run's committed progress."""
 
     @property
     def wall_ms_per_1000_messages(self) -> float:

@@ -112,7 +112,7 @@ def test_standalone_cluster_run_equals_the_local_run(spark: SparkSession, tmp_pa
 def test_readme_starts_the_cluster_as_the_test_does() -> None:
     from benchmarks.replay import cluster
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "how-to" / "replay-benchmarks.md").read_text(encoding="utf-8")
     section = text[text.index("**On a Spark standalone cluster.**") :]
     block = section[section.index("```bash") : section.index("```", section.index("```bash") + 7)]
     source = Path(cluster.__file__).read_text(encoding="utf-8")

@@ -139,7 +139,7 @@ def test_the_readme_shows_addr_for_a_local_only_endpoint() -> None:
     """The default stays prometheus_client's every-interface address; the README
     shows the ``addr=`` that keeps the endpoint on this machine, and it does."""
     assert inspect.signature(serve_prometheus).parameters["addr"].default == "0.0.0.0"
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs/how-to/opentelemetry.md").read_text()
     shown = re.search(r'serve_prometheus\(9464, addr="([^"]+)"\)', readme)
     assert shown is not None, "the README's Prometheus fragment does not show addr="
     assert shown.group(1) == "127.0.0.1"

@@ -284,10 +284,9 @@ async def test_offset_for_timestamp_on_attached_and_own_streams(
 
 
 def _readme_blocks() -> tuple[str, str]:
-    """The shell and Python blocks of the README's 'Streams written by other
-    applications' section."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### Streams written by other applications", 1)[1]
+    """The shell and Python blocks of the page 'Streams written by other
+    applications' (docs/how-to/attach-streams.md)."""
+    section = (Path(__file__).resolve().parents[2] / "docs/how-to/attach-streams.md").read_text()
     shell = re.search(r"```sh\n(.*?)```", section, re.S)
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert shell is not None

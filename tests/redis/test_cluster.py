@@ -311,14 +311,13 @@ async def test_processes_consume_through_a_master_killed_mid_run(
     assert len({e.pid for e in events}) >= 2  # shared by the processes
 
 
-# -- the README's cluster example and the operator commands ----------------------------------
+# -- the documented cluster example and the operator commands ----------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _readme_cluster_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Redis Cluster") :]
+    section = (ROOT / "docs" / "how-to" / "redis-cluster.md").read_text()
     start = section.index("```python\n") + len("```python\n")
     return section[start : section.index("```", start)]
 

@@ -1,6 +1,6 @@
-"""The README's worked example: the rewards property passes on the correct listener
-and finds the planted bug, within hypothesis's default budget, with the output the
-README shows."""
+"""The worked example of docs/how-to/property-testing.md: the rewards property passes
+on the correct listener and finds the planted bug, within hypothesis's default budget,
+with the output the page shows."""
 
 from __future__ import annotations
 
@@ -9,15 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "## Property-testing your listener: `stagedconsumer.testing`"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "property-testing.md"
 
 
 def section() -> str:
-    text = README.read_text()
-    start = text.index(SECTION)
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    return PAGE.read_text()
 
 
 def test_the_rewards_example_finds_the_planted_bug(tmp_path: Path) -> None:
