@@ -54,9 +54,13 @@ _default_stores: weakref.WeakKeyDictionary[MessageSource, MemoryOffsetStore] = (
 )
 
 
-def default_offset_store(source: MessageSource) -> MemoryOffsetStore:
-    """The store of consumers given none: one per source object, so that the members
-    of a group on one embedded broker hand queues over at the committed offsets."""
+def default_offset_store(source: MessageSource) -> StageOffsetStore:
+    """The store of consumers given none: the source's own (Kafka's commits), else
+    one per source object, so that the members of a group on one embedded broker hand
+    queues over at the committed offsets."""
+    own = source.default_offset_store()
+    if own is not None:
+        return own
     store = _default_stores.get(source)
     if store is None:
         store = _default_stores[source] = MemoryOffsetStore()
@@ -121,7 +125,7 @@ class PushConsumer:
         self.offset_store: StageOffsetStore = (
             offset_store if offset_store is not None else default_offset_store(source)
         )
-        self._default_store = offset_store is None
+        self._default_store = offset_store is None and source.default_offset_store() is None
         self._state = ConsumerState(group=group, mode="")
         self._service = ConsumeService.for_listener(listener, group, source, self._state, options)
         self._state.mode = self._service.mode.value
