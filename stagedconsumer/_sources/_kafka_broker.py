@@ -57,6 +57,10 @@ class KafkaBrokerStatistics:
     metadata_overflows: int
     """Stage keys left out of offset commits whose metadata would have passed
     ``metadata_limit`` bytes (their stage assignment is not kept)."""
+    metadata_missing: int
+    """Commits read back without this project's metadata: made by another Kafka
+    client, or by a broker that does not keep commit metadata (Tansu 0.6 does not):
+    their stage offsets are unknown."""
 
 
 def _require_asyncio(what: str) -> None:
@@ -144,6 +148,7 @@ class KafkaBroker(MessageSource):
         self.pulls = 0
         self.seeks = 0
         self.metadata_overflows = 0
+        self.metadata_missing = 0
 
     # -- clients ----------------------------------------------------------------------
 
@@ -358,9 +363,13 @@ class KafkaBroker(MessageSource):
         _, fetcher, _ = await self._clients()
         tp = self._tp(mq)
         try:
-            return int((await fetcher.end_offsets([tp]))[tp])
+            end = int((await fetcher.end_offsets([tp]))[tp])
         except Exception as exc:
             raise _kafka_error(exc) from exc
+        # Never below the high watermark a fetch saw: Tansu 0.6 answers ListOffsets
+        # too low for partitions written in multi-record batches by librdkafka.
+        high = fetcher.highwater(tp) if tp in self._assigned else None
+        return max(end, high) if high is not None else end
 
     async def min_offset(self, mq: MessageQueue) -> int:
         _, fetcher, _ = await self._clients()
@@ -492,5 +501,8 @@ class KafkaBroker(MessageSource):
 
     def statistics(self) -> KafkaBrokerStatistics:
         return KafkaBrokerStatistics(
-            pulls=self.pulls, seeks=self.seeks, metadata_overflows=self.metadata_overflows
+            pulls=self.pulls,
+            seeks=self.seeks,
+            metadata_overflows=self.metadata_overflows,
+            metadata_missing=self.metadata_missing,
         )

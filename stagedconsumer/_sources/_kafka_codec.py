@@ -186,7 +186,7 @@ def encode_metadata(
     are left out until it fits (they restart from 0 on the next owner: stage
     assignment for them is not kept)."""
     if not stage_offsets:
-        return "", 0
+        return _METADATA_JSON + "{}", 0
     items = sorted(
         ((_key_text(key), offset) for key, offset in stage_offsets.items()),
         key=lambda item: (-item[1], item[0]),

@@ -51,6 +51,7 @@ __all__ = ("KafkaCoordinator", "KafkaOffsetStore")
 
 logger = logging.getLogger("stagedconsumer")
 
+_NEVER_MS = 7 * 24 * 3600 * 1000
 _REVOKE_MARGIN = 0.8
 """Share of the rebalance timeout a revocation waits for its partitions to drain."""
 
@@ -98,7 +99,9 @@ class _Member:
                     session_timeout_ms=int(broker.session_timeout * 1000),
                     heartbeat_interval_ms=int(broker.heartbeat_interval * 1000),
                     rebalance_timeout_ms=int(broker.rebalance_timeout * 1000),
-                    max_poll_interval_ms=int(broker.rebalance_timeout * 1000),
+                    # this consumer never polls (the broker's fetcher reads): aiokafka
+                    # must not take it for a stuck one and leave the group
+                    max_poll_interval_ms=_NEVER_MS,
                 )
             )
             self.consumer.subscribe(sorted(wanted), listener=_Listener(self))
@@ -144,10 +147,19 @@ class _Member:
 
     async def on_assigned(self, tps: Sequence[Any]) -> None:
         names = self.coordinator.broker.names
+        if tps:
+            self.consumer.pause(*tps)  # the member does not fetch: the broker's fetcher does
+        # The epoch of an assignment is the group generation it was made in: strictly
+        # increasing over the partition's successive owners, in every process, so it
+        # also fences a store shared by the group (SqlOffsetStore).
+        generation = getattr(getattr(self.consumer, "_coordinator", None), "generation", None)
         for tp in tps:
             mq = MessageQueue(names.ours(tp.topic), tp.partition)
             if mq not in self.assigned:
-                self.assigned[mq] = next(self.coordinator.epochs)
+                if isinstance(generation, int) and generation >= 0:
+                    self.assigned[mq] = generation + 1  # Tansu starts at 0, Kafka at 1
+                else:
+                    self.assigned[mq] = next(self.coordinator.epochs)
         self.notify()
 
     def unlocked(self, queues: Sequence[MessageQueue]) -> None:
@@ -333,6 +345,10 @@ class KafkaOffsetStore(StageOffsetStore):
     def _progress(self, found: Any) -> QueueProgress | None:
         if found is None or found.offset is None or found.offset < 0:
             return None
+        if not found.metadata:
+            # every commit of this store carries metadata: none means another client
+            # committed, or the broker does not keep commit metadata (Tansu 0.6)
+            self.broker.metadata_missing += 1
         return QueueProgress(
             consume_offset=int(found.offset), stage_offsets=decode_metadata(found.metadata)
         )
