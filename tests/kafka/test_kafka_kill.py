@@ -1,0 +1,97 @@
+"""Three consumer processes in one Kafka consumer group, one SIGKILLed mid-stream:
+Kafka's session timeout ends its membership, its partitions move to the others at
+the progress it committed, nothing is lost and stages and their barrier hold."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stagedconsumer import Producer
+from tests.kafka._server import TansuServer
+from tests.kafka.conftest import new_broker
+from tests.redis._events import check_stages_and_barrier, read_events
+
+pytestmark = [pytest.mark.anyio, pytest.mark.kafka, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+QUEUES = 6
+PER_QUEUE = 150
+
+
+def _wait(condition: object, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+async def test_a_killed_member_loses_nothing_and_stages_hold(
+    tansu: TansuServer, name: str, tmp_path: Path
+) -> None:
+    async with new_broker(tansu) as broker:
+        await broker.create_topic(name, QUEUES)
+        async with Producer(broker) as producer:
+            for q in range(QUEUES):
+                for i in range(PER_QUEUE):
+                    await producer.send(name, b"%d" % i, queue_id=q)
+    config = {
+        "bootstrap": tansu.bootstrap,
+        "topic": name,
+        "group": name,
+        "store_url": f"sqlite:///{tmp_path / 'progress.db'}",
+        "cost": 0.01,
+    }
+    logs = [tmp_path / f"events-{i}.log" for i in range(3)]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for i, log in enumerate(logs):
+            with open(tmp_path / f"stderr-{i}.log", "w") as stderr:
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "tests.kafka.group_worker",
+                            json.dumps(dict(config, log=str(log))),
+                        ],
+                        cwd=ROOT,
+                        stdout=subprocess.PIPE,
+                        stderr=stderr,
+                        text=True,
+                    )  # fmt: skip
+                )
+        for proc in procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("READY"), "a worker did not start"
+        # the victim is consuming (Kafka gave it partitions) and the others too
+        _wait(lambda: all(log.exists() and log.stat().st_size for log in logs), "3 consuming")
+        procs[0].kill()
+        procs[0].wait()
+        done = QUEUES * PER_QUEUE
+
+        def finished() -> int:
+            return len({(e.queue, e.offset) for e in read_events(logs) if e.kind == "E"})
+
+        _wait(lambda: finished() >= done, f"{done} messages finished")
+        for proc in procs[1:]:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs[1:]:
+            assert proc.wait(60) == 0, (tmp_path / "stderr-1.log").read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    events = read_events(logs)
+    assert {e.pid for e in events if e.kind == "E"} >= {procs[0].pid}
+    check_stages_and_barrier(events, queues=QUEUES, per_queue=PER_QUEUE)
