@@ -63,6 +63,28 @@ class KafkaBrokerStatistics:
     their stage offsets are unknown."""
 
 
+class _Ahead:
+    """Messages fetched ahead for one partition, served to the pulls that follow."""
+
+    __slots__ = ("messages", "offset")
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages = messages
+        self.offset = -1
+        """The offset the next pull must ask for to be served from here."""
+
+    def take(self, offset: int, max_count: int, high: int | None) -> PullResult:
+        messages = self.messages
+        taken, self.messages = messages[:max_count], messages[max_count:]
+        next_offset = taken[-1].queue_offset + 1 if taken else offset
+        self.offset = next_offset
+        return PullResult(
+            messages=taken,
+            next_offset=next_offset,
+            max_offset=max(high if high is not None else 0, next_offset),
+        )
+
+
 def _require_asyncio(what: str) -> None:
     try:
         library = sniffio.current_async_library()
@@ -103,6 +125,11 @@ class KafkaBroker(MessageSource):
       ``max.poll.interval.ms``, the rebalance timeout of the JoinGroup request).
     - ``metadata_limit``: the longest commit metadata written (Kafka's
       ``offset.metadata.max.bytes``, 4096 by default).
+    - ``read_ahead`` (default 500): a pull that calls into the client takes up to
+      this many records of its partition; the pulls that follow on from it are
+      served from them. Each consumed partition holds up to ``read_ahead - 1``
+      messages beyond the consumer's own ``pull_threshold_for_queue``; aiokafka's
+      fetch buffer (``max_partition_fetch_bytes``, 1 MiB) comes on top.
     """
 
     groups_span_processes: ClassVar[bool] = True
@@ -119,6 +146,7 @@ class KafkaBroker(MessageSource):
         heartbeat_interval: float = 1.0,
         rebalance_timeout: float = 60.0,
         metadata_limit: int = 4096,
+        read_ahead: int = 500,
     ) -> None:
         if isinstance(bootstrap_servers, str):
             bootstrap_servers = [bootstrap_servers]
@@ -134,12 +162,16 @@ class KafkaBroker(MessageSource):
         self.heartbeat_interval = heartbeat_interval
         self.rebalance_timeout = rebalance_timeout
         self.metadata_limit = metadata_limit
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+            raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
+        self.read_ahead = read_ahead
         self._admin: Any = None
         self._fetcher: Any = None
         self._producer: Any = None
         self._starting: anyio.Lock | None = None
         self._locks: dict[Any, anyio.Lock] = {}
         self._positions: dict[Any, int] = {}
+        self._ahead: dict[Any, _Ahead] = {}
         self._assigned: set[Any] = set()
         self._topics: dict[str, tuple[float, int]] = {}
         self._coordinator: KafkaCoordinator | None = None
@@ -277,6 +309,47 @@ class KafkaBroker(MessageSource):
     async def pull(
         self, mq: MessageQueue, offset: int, max_count: int, *, timeout: float = 0.0
     ) -> PullResult:
+        """Up to ``max_count`` messages from ``offset``. A fetch takes up to
+        ``read_ahead`` records; the pulls that follow on from it are served from what
+        it took, without a call into the client."""
+        tp = self._tp(mq)
+        offset = max(offset, 0)
+        ahead = self._ahead.get(tp)
+        if ahead is not None and ahead.offset == offset and self._fetcher is not None:
+            result = ahead.take(offset, max_count, self._fetcher.highwater(tp))
+            if not ahead.messages:
+                del self._ahead[tp]
+            return result
+        _, fetcher, _ = await self._clients()
+        async with self._lock(tp):
+            self.pulls += 1
+            ahead = self._ahead.pop(tp, None)
+            if ahead is not None and ahead.offset == offset:  # filled while we waited
+                result = ahead.take(offset, max_count, fetcher.highwater(tp))
+                if ahead.messages:
+                    self._ahead[tp] = ahead
+                return result
+            is_retry = mq.topic.startswith(RETRY_PREFIX)
+            count = max_count if is_retry else max(max_count, self.read_ahead)
+            records, high = await self._fetch(fetcher, tp, offset, count, timeout)
+            if records is None:  # offset out of range: high is where to go on
+                return PullResult(messages=(), next_offset=high, max_offset=high)
+            if records and is_retry:
+                records = await self._due(tp, records, timeout)
+            if not records:
+                return PullResult(messages=(), next_offset=offset, max_offset=max(high, offset))
+            messages = decode_records(mq.topic, mq.queue_id, tp.topic, records)
+            ahead = _Ahead(messages)
+            result = ahead.take(offset, max_count, high)
+            if ahead.messages:
+                self._ahead[tp] = ahead
+            return result
+
+    async def _fetch(
+        self, fetcher: Any, tp: Any, offset: int, count: int, timeout: float
+    ) -> tuple[list[Any] | None, int]:
+        """Up to ``count`` records of ``tp`` from ``offset`` and the high watermark;
+        ``(None, next offset)`` when ``offset`` is out of range."""
         from aiokafka.errors import (
             IllegalStateError,
             KafkaError,
@@ -284,57 +357,35 @@ class KafkaBroker(MessageSource):
             OffsetOutOfRangeError,
         )
 
-        _, fetcher, _ = await self._clients()
-        tp = self._tp(mq)
-        offset = max(offset, 0)
-        async with self._lock(tp):
-            self.pulls += 1
+        try:
+            if tp not in self._assigned:
+                self._assign(fetcher, tp)
+            if self._positions.get(tp) != offset:
+                self.seeks += 1
+                fetcher.seek(tp, offset)
+                self._positions[tp] = offset
             try:
-                if tp not in self._assigned:
-                    self._assign(fetcher, tp)
-                if self._positions.get(tp) != offset:
-                    self.seeks += 1
-                    fetcher.seek(tp, offset)
-                    self._positions[tp] = offset
-                try:
-                    try:
-                        fetched = await fetcher.getmany(
-                            tp, timeout_ms=int(timeout * 1000), max_records=max_count
-                        )
-                    except (NoOffsetForPartitionError, IllegalStateError):
-                        # another pull assigned a partition meanwhile: seek and go on
-                        fetcher.seek(tp, offset)
-                        self._positions[tp] = offset
-                        fetched = {}
-                except OffsetOutOfRangeError:
-                    self._positions.pop(tp, None)
-                    first = (await fetcher.beginning_offsets([tp]))[tp]
-                    end = (await fetcher.end_offsets([tp]))[tp]
-                    return PullResult(
-                        messages=(), next_offset=first if offset < first else end, max_offset=end
-                    )
-            except KafkaError as exc:
-                self._positions.pop(tp, None)
-                raise _kafka_error(exc) from exc
-            records = [r for r in fetched.get(tp, ()) if r.offset >= offset]
-            if records and mq.topic.startswith(RETRY_PREFIX):
-                records = await self._due(tp, records, timeout)
-            high = fetcher.highwater(tp)
-            if not records:
-                return PullResult(
-                    messages=(),
-                    next_offset=offset,
-                    max_offset=high if high is not None else offset,
+                fetched = await fetcher.getmany(
+                    tp, timeout_ms=int(timeout * 1000), max_records=count
                 )
-            next_offset = records[-1].offset + 1
-            if self._positions.get(tp) == offset:
-                self._positions[tp] = next_offset
-            messages = decode_records(mq.topic, mq.queue_id, tp.topic, records)
-            return PullResult(
-                messages=messages,
-                next_offset=next_offset,
-                max_offset=max(high if high is not None else 0, next_offset),
-            )
+            except (NoOffsetForPartitionError, IllegalStateError):
+                # another pull assigned a partition meanwhile: seek and go on
+                fetcher.seek(tp, offset)
+                self._positions[tp] = offset
+                fetched = {}
+            except OffsetOutOfRangeError:
+                self._positions.pop(tp, None)
+                first = (await fetcher.beginning_offsets([tp]))[tp]
+                end = (await fetcher.end_offsets([tp]))[tp]
+                return None, first if offset < first else end
+        except KafkaError as exc:
+            self._positions.pop(tp, None)
+            raise _kafka_error(exc) from exc
+        records = [r for r in fetched.get(tp, ()) if r.offset >= offset]
+        if records and self._positions.get(tp) == offset:
+            self._positions[tp] = records[-1].offset + 1
+        high = fetcher.highwater(tp)
+        return records, high if high is not None else offset
 
     def _assign(self, fetcher: Any, tp: Any) -> None:
         """Add ``tp`` to the fetcher's partitions. Those already read keep their

@@ -104,17 +104,16 @@ class _Member:
                     max_poll_interval_ms=_NEVER_MS,
                 )
             )
-            self.consumer.subscribe(sorted(wanted), listener=_Listener(self))
-            self.topics = wanted
             try:
                 await self.consumer.start()
             except Exception as exc:
                 consumer, self.consumer = self.consumer, None
                 await consumer.stop()
                 raise SourceError(f"Kafka: cannot join group {self.group!r}: {exc}") from exc
-        else:
-            self.consumer.subscribe(sorted(wanted), listener=_Listener(self))
-            self.topics = wanted
+        # subscribed once started: the join goes on in the background (subscribed
+        # before, start() would wait for the first assignment)
+        self.consumer.subscribe(sorted(wanted), listener=_Listener(self))
+        self.topics = wanted
 
     async def on_revoked(self, tps: Sequence[Any]) -> None:
         names = self.coordinator.broker.names

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._tansu import TansuServer, tansu_binary
 from stagedconsumer import KafkaBroker
 from tests.conftest import require_service
-from tests.kafka._server import TansuServer, tansu_binary
 
 pytestmark = pytest.mark.kafka
 

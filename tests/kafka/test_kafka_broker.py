@@ -10,6 +10,7 @@ import anyio.lowlevel
 import attrs
 import pytest
 
+from benchmarks._tansu import TansuServer
 from stagedconsumer import (
     ConfigurationError,
     ConsumeConcurrentlyContext,
@@ -35,7 +36,6 @@ from stagedconsumer.testing import (
     assert_orderly,
     assert_staged,
 )
-from tests.kafka._server import TansuServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]
 

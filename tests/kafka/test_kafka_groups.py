@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from benchmarks._tansu import TansuServer
 from offsetstore import SqlOffsetStore, StoreFencedError
 from stagedconsumer import (
     ConsumerOptions,
@@ -28,7 +29,6 @@ from stagedconsumer.testing import (
     assert_at_least_once,
     assert_staged,
 )
-from tests.kafka._server import TansuServer
 from tests.kafka.conftest import new_broker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]

@@ -14,8 +14,8 @@ from pathlib import Path
 import anyio
 import pytest
 
+from benchmarks._tansu import TansuServer
 from stagedconsumer import Producer
-from tests.kafka._server import TansuServer
 from tests.kafka.conftest import new_broker
 from tests.redis._events import check_stages_and_barrier, read_events
 

