@@ -135,6 +135,15 @@ class PushConsumer:
         if options.enable_gray_switch and options.gray_tag:
             self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
         self._coordinator: GroupCoordinator | None = source.group_coordinator()
+        if (
+            self._coordinator is not None
+            and getattr(self._coordinator.options.allocate_strategy, "external", False)
+            and options.enable_gray_switch
+        ):
+            raise ConfigurationError(
+                f"{type(source).__name__} allocates queues itself (Kafka's assignor):"
+                " gray release (enable_gray_switch) cannot split them"
+            )
         self._subscriptions: dict[str, TagFilter] = {}
         self._known_queues: frozenset[MessageQueue] | None = None
         """Every queue of the subscribed topics (retry ones included), once started."""
@@ -609,8 +618,10 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         # is gray it is the same average split, and once a gray member joins it agrees
         # with the gray members' (an average split over everyone would leave queues
         # that neither side allocates to itself without an owner).
-        if not isinstance(strategy, AllocateMessageQueueByGray) and (
-            options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely
+        if (
+            not isinstance(strategy, AllocateMessageQueueByGray)
+            and not getattr(strategy, "external", False)
+            and (options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely)
         ):
             strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
         consumer._membership = GroupMembership(

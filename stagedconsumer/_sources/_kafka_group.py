@@ -191,6 +191,9 @@ class _KafkaAssignment(AllocateMessageQueueStrategy):
     assignor decides, not this strategy)."""
 
     name = "kafka"
+    external = True
+    """The allocation is made outside (by Kafka): the consumer must not replace this
+    strategy (gray release cannot split Kafka's assignment)."""
 
     def __init__(self, coordinator: KafkaCoordinator) -> None:
         self.coordinator = coordinator

@@ -211,3 +211,13 @@ async def test_on_trio_the_broker_says_plainly_it_needs_asyncio(tansu: TansuServ
     broker = KafkaBroker(tansu.bootstrap)
     with pytest.raises(ConfigurationError, match="asyncio only"):
         await broker.get_queues("t")
+
+
+async def test_gray_release_is_refused_kafka_assigns_partitions(broker: KafkaBroker) -> None:
+    with pytest.raises(ConfigurationError, match="gray release"):
+        PushConsumer(
+            "g",
+            broker,
+            Concurrent(),
+            options=ConsumerOptions(enable_gray_switch=True, gray_tag=True),
+        )
