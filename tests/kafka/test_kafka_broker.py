@@ -19,10 +19,12 @@ from stagedconsumer import (
     ConsumeStagedConcurrentlyContext,
     KafkaBroker,
     Message,
+    MessageListener,
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
     MessageQueue,
+    Ordering,
     Producer,
     PushConsumer,
     UnknownTopicError,
@@ -33,6 +35,7 @@ from stagedconsumer.testing import (
     RecordingListener,
     StagePlan,
     assert_at_least_once,
+    assert_key_order,
     assert_orderly,
     assert_staged,
 )
@@ -128,6 +131,15 @@ class Orderly(MessageListenerOrderly):
         await anyio.lowlevel.checkpoint()
 
 
+class KeyOrdered(MessageListenerOrderly):
+    ordering = Ordering.BY_KEY
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
 class Concurrent(MessageListenerConcurrently):
     async def consume_message(
         self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
@@ -135,13 +147,19 @@ class Concurrent(MessageListenerConcurrently):
         await anyio.lowlevel.checkpoint()
 
 
-@pytest.mark.parametrize("mode", ["staged", "orderly", "concurrent"])
+@pytest.mark.parametrize("mode", ["staged", "orderly", "key-ordered", "concurrent"])
 async def test_every_mode_consumes_a_topic_and_commits_to_kafka(
     broker: KafkaBroker, name: str, mode: str
 ) -> None:
     await broker.create_topic(name, 3)
     sent = await _send(broker, name, 120)
-    inner = {"staged": Staged, "orderly": Orderly, "concurrent": Concurrent}[mode]()
+    kinds: dict[str, type[MessageListener]] = {
+        "staged": Staged,
+        "orderly": Orderly,
+        "key-ordered": KeyOrdered,
+        "concurrent": Concurrent,
+    }
+    inner = kinds[mode]()
     log = CallLog()
     listener = RecordingListener(inner, log=log)
     consumer = PushConsumer(name, broker, listener, options=OPTIONS)
@@ -154,6 +172,8 @@ async def test_every_mode_consumes_a_topic_and_commits_to_kafka(
         assert_staged(log, StagePlan.of(inner, sent))
     if mode == "orderly":
         assert_orderly(log)
+    if mode == "key-ordered":
+        assert_key_order(log)
     # progress is in the group's Kafka commits: every partition at its end
     store = broker.default_offset_store()
     stored = await store.list_progress(name, name)
