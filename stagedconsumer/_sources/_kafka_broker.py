@@ -23,6 +23,7 @@ from .._core import retry_delay_seconds
 from .._exceptions import ConfigurationError, InvalidMessageError, SourceError, UnknownTopicError
 from .._message import Message, MessageQueue, OutgoingMessage
 from ._kafka_codec import TopicNames, decode_records, delay_until_ms, encode_headers
+from ._kafka_group import KafkaCoordinator, KafkaOffsetStore
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -37,8 +38,6 @@ from ._source import (
 
 if TYPE_CHECKING:
     from offsetstore import StageOffsetStore
-
-    from ._kafka_group import KafkaCoordinator
 
 __all__ = ("KafkaBroker", "KafkaBrokerStatistics")
 
@@ -534,16 +533,12 @@ class KafkaBroker(MessageSource):
     def group_coordinator(self) -> KafkaCoordinator:
         """Membership through Kafka's consumer groups (one per broker object)."""
         if self._coordinator is None:
-            from ._kafka_group import KafkaCoordinator
-
             self._coordinator = KafkaCoordinator(self)
         return self._coordinator
 
     def default_offset_store(self) -> StageOffsetStore:
         """Progress in the group's Kafka offset commits (one per broker object)."""
         if self._store is None:
-            from ._kafka_group import KafkaOffsetStore
-
             self._store = KafkaOffsetStore(self)
         return self._store
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -45,7 +45,31 @@ from ._group import AllocateMessageQueueStrategy, GroupCoordinator, GroupOptions
 from ._kafka_codec import decode_metadata, encode_metadata
 
 if TYPE_CHECKING:
-    from ._kafka_broker import KafkaBroker
+    from ._kafka_codec import TopicNames
+
+
+class _Broker(Protocol):
+    """What the group and the store use of a ``KafkaBroker`` (a protocol: the broker
+    module imports this one)."""
+
+    names: TopicNames
+    session_timeout: float
+    heartbeat_interval: float
+    rebalance_timeout: float
+    metadata_limit: int
+    metadata_overflows: int
+    metadata_missing: int
+
+    def _options(self, **extra: Any) -> dict[str, Any]: ...
+
+    async def _clients(self) -> tuple[Any, Any, Any]: ...
+
+    def _tp(self, mq: MessageQueue) -> Any: ...
+
+    async def get_queues(self, topic: str) -> Sequence[MessageQueue]: ...
+
+    def group_coordinator(self) -> KafkaCoordinator: ...
+
 
 __all__ = ("KafkaCoordinator", "KafkaOffsetStore")
 
@@ -213,7 +237,7 @@ class _KafkaAssignment(AllocateMessageQueueStrategy):
 class KafkaCoordinator(GroupCoordinator):
     """Group membership through Kafka's consumer groups (see the module docs)."""
 
-    def __init__(self, broker: KafkaBroker) -> None:
+    def __init__(self, broker: _Broker) -> None:
         self.broker = broker
         self._options = GroupOptions(
             lock_ttl=60.0,
@@ -313,7 +337,7 @@ class KafkaOffsetStore(StageOffsetStore):
     only while the group has no members.
     """
 
-    def __init__(self, broker: KafkaBroker) -> None:
+    def __init__(self, broker: _Broker) -> None:
         super().__init__()
         self.broker = broker
 
