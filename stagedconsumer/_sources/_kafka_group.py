@@ -53,6 +53,7 @@ class _Broker(Protocol):
     module imports this one)."""
 
     names: TopicNames
+    bootstrap_servers: list[str]
     session_timeout: float
     heartbeat_interval: float
     rebalance_timeout: float
@@ -69,6 +70,8 @@ class _Broker(Protocol):
     async def get_queues(self, topic: str) -> Sequence[MessageQueue]: ...
 
     def group_coordinator(self) -> KafkaCoordinator: ...
+
+    async def aclose(self) -> None: ...
 
 
 __all__ = ("KafkaCoordinator", "KafkaOffsetStore")
@@ -337,9 +340,20 @@ class KafkaOffsetStore(StageOffsetStore):
     only while the group has no members.
     """
 
-    def __init__(self, broker: _Broker) -> None:
+    def __init__(self, broker: _Broker, *, own_broker: bool = False) -> None:
+        """``own_broker``: :meth:`aclose` closes ``broker`` too (a store made for a
+        tool, on a broker of its own)."""
         super().__init__()
         self.broker = broker
+        self._own_broker = own_broker
+
+    @property
+    def url(self) -> str:
+        return "kafka://" + ",".join(self.broker.bootstrap_servers)
+
+    async def aclose(self) -> None:
+        if self._own_broker:
+            await self.broker.aclose()
 
     def _encode(self, progress: QueueProgress) -> tuple[int, str] | None:
         if progress.consume_offset is None:

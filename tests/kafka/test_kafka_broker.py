@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -41,6 +45,8 @@ from stagedconsumer.testing import (
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 OPTIONS = ConsumerOptions(
     persist_consumer_offset_interval=0.2, pull_long_polling_timeout=0.5, shutdown_timeout=5
@@ -179,6 +185,17 @@ async def test_every_mode_consumes_a_topic_and_commits_to_kafka(
     stored = await store.list_progress(name, name)
     ends = {mq: await broker.max_offset(mq) for mq in await broker.get_queues(name)}
     assert {mq: p.consume_offset for mq, p in stored.items()} == ends
+    if mode == "concurrent":  # the CLI reads a Kafka group's progress
+        bootstrap = ",".join(broker.bootstrap_servers)
+        command = ["offsets", "show", "--store", f"kafka://{bootstrap}", "--json"]
+        shown = await anyio.run_process(
+            [sys.executable, "-m", "stagedconsumer", *command, "--group", name, "--topic", name],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        queues = json.loads(shown.stdout)["queues"]
+        assert {(q["topic"], q["queue_id"], q["consume_offset"]) for q in queues} == {
+            (mq.topic, mq.queue_id, end) for mq, end in ends.items()
+        }
 
 
 class FailFirst(MessageListenerConcurrently):
