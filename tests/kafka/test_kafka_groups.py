@@ -96,7 +96,7 @@ async def test_a_member_joining_mid_stream_takes_partitions_drained_and_committe
     progress goes to a SqlOffsetStore shared by the members, fenced by Kafka's group
     generations: Tansu 0.6 drops commit metadata, so stage offsets cannot travel in
     Kafka's commits there (test_commits_... checks what is committed to Kafka)."""
-    n = 600
+    n = 1000
     store = SqlOffsetStore(f"sqlite:///{tmp_path / 'progress.db'}")
     async with new_broker(tansu) as a_broker, new_broker(tansu) as b_broker:
         await a_broker.create_topic(name, 4)
