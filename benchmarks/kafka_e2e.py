@@ -14,8 +14,10 @@ one after the other, repeated ``--repeat`` times interleaved; medians reported:
 - baseline ``confluent-consume``: a confluent-kafka ``Consumer`` in the group,
   ``consume(num_messages=--batch)``, a no-op call per message, a synchronous
   ``commit()`` per batch (librdkafka fetches in its own threads, whose CPU counts);
-- ``faststream-kafka``: FastStream's Kafka subscriber (aiokafka underneath), one
-  subscriber over the topic, an async no-op handler, default acknowledgement.
+- ``faststream``: FastStream's Kafka subscriber (aiokafka underneath), one
+  subscriber over the topic, an async no-op handler, default acknowledgement;
+- ``memory-concurrent``: the consumer's own cost, no Kafka: the concurrent mode
+  draining the same number of messages from the embedded ``MemoryBroker``.
 
 CPU per message is the process's CPU time (``time.process_time``: every thread, so
 librdkafka's too) from the system's start (clients made, group joined: little CPU,
@@ -50,6 +52,7 @@ from stagedconsumer import (
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     KafkaBroker,
+    MemoryBroker,
     Message,
     MessageListener,
     MessageListenerConcurrently,
@@ -57,8 +60,6 @@ from stagedconsumer import (
     MessageListenerStagedConcurrently,
     PushConsumer,
 )
-
-from ._tansu import TansuServer, tansu_binary
 
 
 class _Clock:
@@ -236,10 +237,40 @@ def _produce(bootstrap: str, topic: str, partitions: int, total: int) -> None:
     producer.flush(60)
 
 
-SYSTEMS = ("concurrent", "orderly", "staged", "aiokafka-getmany", "confluent-consume", "faststream")
+SYSTEMS = (
+    "concurrent",
+    "orderly",
+    "staged",
+    "aiokafka-getmany",
+    "confluent-consume",
+    "faststream",
+    "memory-concurrent",
+)
 
 
-async def _one(system: str, bootstrap: str, topic: str, total: int, batch: int) -> dict[str, float]:
+async def _memory_concurrent(total: int, partitions: int) -> dict[str, float]:
+    """The consumer's own cost: the concurrent mode draining the same backlog from
+    the embedded broker (sent before the clock starts)."""
+    broker = MemoryBroker()
+    broker.create_topic("t", partitions)
+    for i in range(total):
+        broker.send("t", b"x" * 100, keys=f"k{i % 1000}")
+    clock = _Clock(total)
+    consumer = PushConsumer(
+        "g",
+        broker,
+        _Concurrent(clock),
+        options=ConsumerOptions(persist_consumer_offset_interval=0.5),
+    )
+    consumer.subscribe("t")
+    async with consumer:
+        await clock.done.wait()
+    return clock.result()
+
+
+async def _one(
+    system: str, bootstrap: str, topic: str, total: int, batch: int, partitions: int
+) -> dict[str, float]:
     if system == "concurrent":
         return await _stagedconsumer(_Concurrent)(bootstrap, topic, total)
     if system == "orderly":
@@ -252,6 +283,8 @@ async def _one(system: str, bootstrap: str, topic: str, total: int, batch: int) 
         return _confluent_consume(bootstrap, topic, total, batch)
     if system == "faststream":
         return await _faststream(bootstrap, topic, total)
+    if system == "memory-concurrent":
+        return await _memory_concurrent(total, partitions)
     raise ValueError(system)
 
 
@@ -268,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
+    from benchmarks._tansu import TansuServer, tansu_binary
+
     server = None
     if args.bootstrap is None:
         binary = tansu_binary()
@@ -290,7 +325,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for round_ in range(args.repeat):
             for system in systems:
                 result = anyio.run(
-                    _one, system, bootstrap, topic, args.messages, args.batch, backend="asyncio"
+                    _one,
+                    system,
+                    bootstrap,
+                    topic,
+                    args.messages,
+                    args.batch,
+                    args.partitions,
+                    backend="asyncio",
                 )
                 runs[system].append(result)
                 print(
