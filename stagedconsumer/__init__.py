@@ -87,6 +87,7 @@ from ._sources._group import GroupCoordinator as GroupCoordinator
 from ._sources._group import GroupOptions as GroupOptions
 from ._sources._kafka_broker import KafkaBroker as KafkaBroker
 from ._sources._kafka_broker import KafkaBrokerStatistics as KafkaBrokerStatistics
+from ._sources._kafka_broker import SelectMessageQueueByKafkaKey as SelectMessageQueueByKafkaKey
 from ._sources._kafka_group import KafkaOffsetStore as KafkaOffsetStore
 from ._sources._memory import MemoryBroker as MemoryBroker
 from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
@@ -175,6 +176,7 @@ __all__ = (
     "RedisBroker",
     "SelectMessageQueueByGray",
     "SelectMessageQueueByHash",
+    "SelectMessageQueueByKafkaKey",
     "SelectMessageQueueByRandom",
     "SendBackResult",
     "SendMessageContext",

@@ -24,6 +24,7 @@ from .._exceptions import ConfigurationError, InvalidMessageError, SourceError, 
 from .._message import Message, MessageQueue, OutgoingMessage
 from ._kafka_codec import TopicNames, decode_records, delay_until_ms, encode_headers
 from ._kafka_group import KafkaCoordinator, KafkaOffsetStore
+from ._selectors import MessageQueueSelector
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -39,7 +40,7 @@ from ._source import (
 if TYPE_CHECKING:
     from offsetstore import StageOffsetStore
 
-__all__ = ("KafkaBroker", "KafkaBrokerStatistics")
+__all__ = ("KafkaBroker", "KafkaBrokerStatistics", "SelectMessageQueueByKafkaKey")
 
 _TOPIC_CACHE_SECONDS = 30.0
 
@@ -60,6 +61,27 @@ class KafkaBrokerStatistics:
     """Commits read back without this project's metadata: made by another Kafka
     client, or by a broker that does not keep commit metadata (Tansu 0.6 does not):
     their stage offsets are unknown."""
+
+
+class SelectMessageQueueByKafkaKey(MessageQueueSelector):
+    """The partition Kafka's Java producer (and aiokafka's) chooses for a keyed record:
+    ``murmur2(key) & 0x7fffffff % partitions``. The key is ``arg`` when it is a
+    ``str`` or ``bytes``, else the message's first key. Pass it to
+    ``Producer.send(..., selector=SelectMessageQueueByKafkaKey())`` so that records
+    sent here land where other Kafka producers put the same key (the producer's own
+    default, the first key's ``stable_hash``, does not)."""
+
+    def select(
+        self, queues: Sequence[MessageQueue], message: OutgoingMessage, arg: object
+    ) -> MessageQueue:
+        from aiokafka.partitioner import murmur2
+
+        key = arg if isinstance(arg, (str, bytes)) else (message.keys[0] if message.keys else None)
+        if key is None:
+            raise InvalidMessageError("SelectMessageQueueByKafkaKey needs a key (or a str arg)")
+        data = key.encode() if isinstance(key, str) else key
+        index: int = (murmur2(data) & 0x7FFFFFFF) % len(queues)
+        return queues[index]
 
 
 class _Ahead:

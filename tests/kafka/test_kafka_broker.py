@@ -31,6 +31,7 @@ from stagedconsumer import (
     Ordering,
     Producer,
     PushConsumer,
+    SelectMessageQueueByKafkaKey,
     UnknownTopicError,
 )
 from stagedconsumer._sources._source import PROPERTY_RETRY_TOPIC, SendBackResult
@@ -258,3 +259,29 @@ async def test_gray_release_is_refused_kafka_assigns_partitions(broker: KafkaBro
             Concurrent(),
             options=ConsumerOptions(enable_gray_switch=True, gray_tag=True),
         )
+
+
+async def test_the_kafka_key_selector_puts_a_key_where_kafka_producers_do(
+    broker: KafkaBroker, tansu: TansuServer, name: str
+) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    await broker.create_topic(name, 5)
+    keys = [f"user-{i}" for i in range(40)]
+    plain = AIOKafkaProducer(bootstrap_servers=tansu.bootstrap)
+    await plain.start()
+    try:
+        kafka_partitions = [
+            (await plain.send_and_wait(name, b"x", key=key.encode())).partition for key in keys
+        ]
+    finally:
+        await plain.stop()
+    async with Producer(broker) as producer:
+        ours = [
+            (
+                await producer.send(name, b"y", keys=key, selector=SelectMessageQueueByKafkaKey())
+            ).message_queue.queue_id
+            for key in keys
+        ]
+    assert ours == kafka_partitions
+    assert len(set(ours)) > 1
