@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -80,6 +81,9 @@ logger = logging.getLogger("stagedconsumer")
 
 _NEVER_MS = 7 * 24 * 3600 * 1000
 _REVOKE_MARGIN = 0.8
+_LEASE_SHARE = 0.8
+"""Share of the session timeout after Kafka's last confirmation that a member still
+grants its partitions."""
 """Share of the rebalance timeout a revocation waits for its partitions to drain."""
 
 
@@ -101,6 +105,9 @@ class _Member:
         self.changed = anyio.Event()
         self.drained = anyio.Event()
         self.leaving = False
+        self.alive_at = -math.inf
+        """When Kafka last confirmed this membership (a heartbeat answered, or an
+        assignment received), on the event loop's clock."""
 
     def notify(self) -> None:
         self.changed.set()
@@ -137,10 +144,34 @@ class _Member:
                 consumer, self.consumer = self.consumer, None
                 await consumer.stop()
                 raise SourceError(f"Kafka: cannot join group {self.group!r}: {exc}") from exc
+            self._watch_heartbeats()
         # subscribed once started: the join goes on in the background (subscribed
         # before, start() would wait for the first assignment)
         self.consumer.subscribe(sorted(wanted), listener=_Listener(self))
         self.topics = wanted
+
+    def _watch_heartbeats(self) -> None:
+        """Note every heartbeat Kafka answers (aiokafka keeps the time to itself):
+        partitions are granted only while the membership is confirmed recently, so a
+        member paused past its session (SIGSTOP, a long GC pause) hands out no batch
+        of a partition Kafka may have given to another member meanwhile."""
+        coordinator: Any = getattr(self.consumer, "_coordinator", None)
+        heartbeat = getattr(coordinator, "_do_heartbeat", None)
+        if heartbeat is None:  # another aiokafka: no lease beyond Kafka's own fencing
+            self.alive_at = math.inf
+            return
+
+        async def watched() -> Any:
+            ok = await heartbeat()
+            if ok:
+                self.alive_at = anyio.current_time()
+            return ok
+
+        coordinator._do_heartbeat = watched
+
+    def alive(self) -> bool:
+        lease = self.coordinator.broker.session_timeout * _LEASE_SHARE
+        return anyio.current_time() - self.alive_at < lease
 
     async def on_revoked(self, tps: Sequence[Any]) -> None:
         names = self.coordinator.broker.names
@@ -178,6 +209,7 @@ class _Member:
         # The epoch of an assignment is the group generation it was made in: strictly
         # increasing over the partition's successive owners, in every process, so it
         # also fences a store shared by the group (SqlOffsetStore).
+        self.alive_at = max(self.alive_at, anyio.current_time())
         generation = getattr(getattr(self.consumer, "_coordinator", None), "generation", None)
         for tp in tps:
             mq = MessageQueue(names.ours(tp.topic), tp.partition)
@@ -242,10 +274,14 @@ class KafkaCoordinator(GroupCoordinator):
 
     def __init__(self, broker: _Broker) -> None:
         self.broker = broker
+        # A grant is trusted for lock_ttl / 2 = the session timeout after it was made,
+        # and renewed three times as often: a member that stops being confirmed by
+        # Kafka stops handing out batches within about a session timeout.
+        session = broker.session_timeout
         self._options = GroupOptions(
-            lock_ttl=60.0,
-            lock_renew_interval=5.0,
-            rebalance_interval=5.0,
+            lock_ttl=2 * session,
+            lock_renew_interval=session / 3,
+            rebalance_interval=session / 3,
             allocate_strategy=_KafkaAssignment(self),
         )
         self.epochs = itertools.count(1)
@@ -296,6 +332,8 @@ class KafkaCoordinator(GroupCoordinator):
         member = self.member(group, client_id)
         await member.ensure_started()
         granted: dict[MessageQueue, int] = {}
+        if not member.alive():  # Kafka has not confirmed the membership for too long
+            return granted
         for mq in queues:
             epoch = member.epoch(mq)
             if epoch is not None:
