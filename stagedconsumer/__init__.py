@@ -85,6 +85,10 @@ from ._sources._group import (
 from ._sources._group import AllocateMessageQueueStrategy as AllocateMessageQueueStrategy
 from ._sources._group import GroupCoordinator as GroupCoordinator
 from ._sources._group import GroupOptions as GroupOptions
+from ._sources._kafka_broker import KafkaBroker as KafkaBroker
+from ._sources._kafka_broker import KafkaBrokerStatistics as KafkaBrokerStatistics
+from ._sources._kafka_broker import SelectMessageQueueByKafkaKey as SelectMessageQueueByKafkaKey
+from ._sources._kafka_group import KafkaOffsetStore as KafkaOffsetStore
 from ._sources._memory import MemoryBroker as MemoryBroker
 from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
 from ._sources._selectors import MessageQueueSelector as MessageQueueSelector
@@ -163,6 +167,9 @@ __all__ = (
     "MessageSource",
     "Ordering",
     "OutgoingMessage",
+    "KafkaBroker",
+    "KafkaBrokerStatistics",
+    "KafkaOffsetStore",
     "ProcessQueueStatistics",
     "Producer",
     "ProducerOptions",
@@ -175,6 +182,7 @@ __all__ = (
     "RedisBroker",
     "SelectMessageQueueByGray",
     "SelectMessageQueueByHash",
+    "SelectMessageQueueByKafkaKey",
     "SelectMessageQueueByRandom",
     "SendBackResult",
     "SendMessageContext",

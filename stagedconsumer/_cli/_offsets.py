@@ -34,7 +34,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from offsetstore import OffsetStoreError, QueueProgress, StageKey, StoreConfigurationError
+from offsetstore import (
+    OffsetStoreError,
+    QueueProgress,
+    StageKey,
+    StageOffsetStore,
+    StoreConfigurationError,
+)
 
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
@@ -118,7 +124,16 @@ def _store(args: argparse.Namespace, *, read_only: bool = False) -> SqlOffsetSto
     )
 
 
-async def _load(store: SqlOffsetStore) -> None:
+def _kafka_store(url: str) -> StageOffsetStore:
+    """``--store kafka://host:port[,host:port]``: a Kafka group's offset commits."""
+    from .._sources._kafka_broker import KafkaBroker
+    from .._sources._kafka_group import KafkaOffsetStore
+
+    servers = url.removeprefix("kafka://").strip("/").split(",")
+    return KafkaOffsetStore(KafkaBroker(servers), own_broker=True)
+
+
+async def _load(store: StageOffsetStore) -> None:
     """``store.load()``; a store without the tables is told about ``--table-prefix``."""
     try:
         await store.load()
@@ -128,7 +143,7 @@ async def _load(store: SqlOffsetStore) -> None:
         raise StoreConfigurationError(
             f"{exc}: a store made with SqlOffsetStore(table_prefix=...) has other table"
             f" names, give its prefix with --table-prefix (this looked for"
-            f" {store.table_prefix!r})"
+            f" {getattr(store, 'table_prefix', '')!r})"
         ) from exc
 
 
@@ -150,7 +165,11 @@ def _fail(console: Console, message: str) -> int:
 async def _show(args: argparse.Namespace) -> int:
     err = _console(stderr=True)
     try:
-        store = _store(args, read_only=True)  # works on a read-only replica too
+        store: StageOffsetStore = (
+            _kafka_store(args.store)
+            if args.store.startswith("kafka://")
+            else _store(args, read_only=True)  # works on a read-only replica too
+        )
     except OffsetStoreError as exc:
         return _fail(err, str(exc))
     try:
@@ -178,7 +197,8 @@ async def _show(args: argparse.Namespace) -> int:
     if args.topic:
         where += f", topic [bold]{escape(args.topic)}[/]"
     if not progress:
-        console.print(f"No stored progress for {where} in {escape(store.url)}.", highlight=False)
+        url = str(getattr(store, "url", args.store))
+        console.print(f"No stored progress for {where} in {escape(url)}.", highlight=False)
         return 0
     table = Table(title=f"Progress of {where}", title_justify="left")
     table.add_column("Queue")
@@ -415,7 +435,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "--store",
             required=True,
             metavar="URL",
-            help="offset store URL, e.g. sqlite:///progress.db or postgresql+psycopg://user@host/db",
+            help="offset store URL, e.g. sqlite:///progress.db or postgresql+psycopg://user@host/db"
+            " (show: also kafka://host:port, a Kafka group's offset commits)",
         )
         sub.add_argument(
             "--table-prefix",

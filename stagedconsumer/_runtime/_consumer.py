@@ -55,9 +55,13 @@ _default_stores: weakref.WeakKeyDictionary[MessageSource, MemoryOffsetStore] = (
 )
 
 
-def default_offset_store(source: MessageSource) -> MemoryOffsetStore:
-    """The store of consumers given none: one per source object, so that the members
-    of a group on one embedded broker hand queues over at the committed offsets."""
+def default_offset_store(source: MessageSource) -> StageOffsetStore:
+    """The store of consumers given none: the source's own (Kafka's commits), else
+    one per source object, so that the members of a group on one embedded broker hand
+    queues over at the committed offsets."""
+    own = source.default_offset_store()
+    if own is not None:
+        return own
     store = _default_stores.get(source)
     if store is None:
         store = _default_stores[source] = MemoryOffsetStore()
@@ -130,7 +134,7 @@ class PushConsumer:
         )
         """Where its progress is committed (the default store of its source when none
         was given)."""
-        self._default_store = offset_store is None
+        self._default_store = offset_store is None and source.default_offset_store() is None
         self._state = ConsumerState(group=group, mode="")
         self._service = ConsumeService.for_listener(listener, group, source, self._state, options)
         self._state.mode = self._service.mode.value
@@ -140,6 +144,15 @@ class PushConsumer:
         if options.enable_gray_switch and options.gray_tag:
             self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
         self._coordinator: GroupCoordinator | None = source.group_coordinator()
+        if (
+            self._coordinator is not None
+            and getattr(self._coordinator.options.allocate_strategy, "external", False)
+            and options.enable_gray_switch
+        ):
+            raise ConfigurationError(
+                f"{type(source).__name__} allocates queues itself (Kafka's assignor):"
+                " gray release (enable_gray_switch) cannot split them"
+            )
         self._subscriptions: dict[str, TagFilter] = {}
         self._known_queues: frozenset[MessageQueue] | None = None
         """Every queue of the subscribed topics (retry ones included), once started."""
@@ -616,8 +629,10 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         # is gray it is the same average split, and once a gray member joins it agrees
         # with the gray members' (an average split over everyone would leave queues
         # that neither side allocates to itself without an owner).
-        if not isinstance(strategy, AllocateMessageQueueByGray) and (
-            options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely
+        if (
+            not isinstance(strategy, AllocateMessageQueueByGray)
+            and not getattr(strategy, "external", False)
+            and (options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely)
         ):
             strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
         consumer._membership = GroupMembership(

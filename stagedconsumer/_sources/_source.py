@@ -13,6 +13,8 @@ from .._exceptions import SourceError
 from .._message import Message, MessageQueue, OutgoingMessage
 
 if TYPE_CHECKING:
+    from offsetstore import StageOffsetStore
+
     from ._group import GroupCoordinator
 
 __all__ = (
@@ -248,6 +250,13 @@ class MessageSource(abc.ABC):
         source that returns a coordinator gets consumers that allocate queues among
         the group's live members and consume only the queues whose lock they hold.
         """
+        return None
+
+    def default_offset_store(self) -> StageOffsetStore | None:
+        """Where consumers of this source given no ``offset_store`` keep progress;
+        ``None`` (the default): a :class:`~offsetstore.MemoryOffsetStore` per source
+        object. :class:`~stagedconsumer.KafkaBroker`: the group's Kafka offset
+        commits."""
         return None
 
     def store_host(self) -> str:

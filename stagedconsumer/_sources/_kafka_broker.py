@@ -1,0 +1,576 @@
+"""KafkaBroker: Kafka topics as a message source, over aiokafka (asyncio).
+
+Each partition of a topic is a message queue (``topic#partition``); its offsets are
+Kafka's. Pulls read through one fetching consumer per broker object (no group, manual
+assignment, a seek whenever a pull asks for another offset than the one after the
+last pull), so that every pull returns the records at the offset asked for; group
+membership goes through Kafka's own consumer groups (:class:`KafkaCoordinator`), and
+progress into the group's offset commits (:class:`KafkaOffsetStore`).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+import attrs
+import sniffio
+
+from .._core import retry_delay_seconds
+from .._exceptions import ConfigurationError, InvalidMessageError, SourceError, UnknownTopicError
+from .._message import Message, MessageQueue, OutgoingMessage
+from ._kafka_codec import TopicNames, decode_records, delay_until_ms, encode_headers
+from ._kafka_group import KafkaCoordinator, KafkaOffsetStore
+from ._selectors import MessageQueueSelector
+from ._source import (
+    DLQ_PREFIX,
+    RETRY_PREFIX,
+    MessageSource,
+    PullResult,
+    SendBackResult,
+    dlq_topic,
+    is_spent,
+    origin_properties,
+    retry_topic,
+)
+
+if TYPE_CHECKING:
+    from offsetstore import StageOffsetStore
+
+__all__ = ("KafkaBroker", "KafkaBrokerStatistics", "SelectMessageQueueByKafkaKey")
+
+_TOPIC_CACHE_SECONDS = 30.0
+
+
+@attrs.frozen(kw_only=True)
+class KafkaBrokerStatistics:
+    """A snapshot of a :class:`KafkaBroker`'s counters."""
+
+    pulls: int
+    """Pulls answered."""
+    seeks: int
+    """Pulls that had to move the fetching consumer (another offset than the last
+    pull's next one)."""
+    metadata_overflows: int
+    """Stage keys left out of offset commits whose metadata would have passed
+    ``metadata_limit`` bytes (their stage assignment is not kept)."""
+    metadata_missing: int
+    """Commits read back without this project's metadata: made by another Kafka
+    client, or by a broker that does not keep commit metadata (Tansu 0.6 does not):
+    their stage offsets are unknown."""
+
+
+class SelectMessageQueueByKafkaKey(MessageQueueSelector):
+    """The partition Kafka's Java producer (and aiokafka's) chooses for a keyed record:
+    ``murmur2(key) & 0x7fffffff % partitions``. The key is ``arg`` when it is a
+    ``str`` or ``bytes``, else the message's first key. Pass it to
+    ``Producer.send(..., selector=SelectMessageQueueByKafkaKey())`` so that records
+    sent here land where other Kafka producers put the same key (the producer's own
+    default, the first key's ``stable_hash``, does not)."""
+
+    def select(
+        self, queues: Sequence[MessageQueue], message: OutgoingMessage, arg: object
+    ) -> MessageQueue:
+        from aiokafka.partitioner import murmur2
+
+        key = arg if isinstance(arg, (str, bytes)) else (message.keys[0] if message.keys else None)
+        if key is None:
+            raise InvalidMessageError("SelectMessageQueueByKafkaKey needs a key (or a str arg)")
+        data = key.encode() if isinstance(key, str) else key
+        index: int = (murmur2(data) & 0x7FFFFFFF) % len(queues)
+        return queues[index]
+
+
+class _Ahead:
+    """Messages fetched ahead for one partition, served to the pulls that follow."""
+
+    __slots__ = ("messages", "offset")
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages = messages
+        self.offset = -1
+        """The offset the next pull must ask for to be served from here."""
+
+    def take(self, offset: int, max_count: int, high: int | None) -> PullResult:
+        messages = self.messages
+        taken, self.messages = messages[:max_count], messages[max_count:]
+        next_offset = taken[-1].queue_offset + 1 if taken else offset
+        self.offset = next_offset
+        return PullResult(
+            messages=taken,
+            next_offset=next_offset,
+            max_offset=max(high if high is not None else 0, next_offset),
+        )
+
+
+def _require_asyncio(what: str) -> None:
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = "none"
+    if library != "asyncio":
+        raise ConfigurationError(
+            f"{what} runs on asyncio only: its client, aiokafka, is built on asyncio"
+            f" (this is {library}). Run the consumer with anyio.run(..., backend='asyncio')."
+        )
+
+
+def _kafka_error(exc: BaseException) -> SourceError:
+    retriable = bool(getattr(exc, "retriable", False)) or isinstance(exc, OSError)
+    return SourceError(f"Kafka: {type(exc).__name__}: {exc}", retriable=retriable)
+
+
+class KafkaBroker(MessageSource):
+    """Kafka topics as a message source: partitions are message queues.
+
+    ``bootstrap_servers`` is where the cluster is (``"host:port"`` or a list);
+    ``client_options`` go to every aiokafka client made here (security settings,
+    ``request_timeout_ms``, ...). Clients connect on first use, in the running
+    event loop, which must be asyncio: aiokafka has no trio support (a consumer of
+    this broker under trio raises :class:`~stagedconsumer.ConfigurationError`).
+
+    Consumer groups are Kafka consumer groups (the consumer's group name is the
+    ``group.id``): Kafka's group coordinator assigns partitions, and a member's
+    progress goes into the group's offset commits, the stage offsets in the commit's
+    metadata (see :class:`KafkaOffsetStore`). Topics keep their names; a group's
+    retry topic is ``<retry_prefix><group>`` and its dead-letter topic
+    ``<dlq_prefix><group>``, made on first use with ``retry_partitions`` partitions.
+
+    - ``session_timeout``, ``heartbeat_interval``: the group member's session (Kafka:
+      ``session.timeout.ms``, ``heartbeat.interval.ms``).
+    - ``rebalance_timeout``: how long a rebalance waits for members to rejoin, which
+      bounds how long a revoked partition may take to drain and commit (Kafka:
+      ``max.poll.interval.ms``, the rebalance timeout of the JoinGroup request).
+    - ``metadata_limit``: the longest commit metadata written (Kafka's
+      ``offset.metadata.max.bytes``, 4096 by default).
+    - ``read_ahead`` (default 500): a pull that calls into the client takes up to
+      this many records of its partition; the pulls that follow on from it are
+      served from them. Each consumed partition holds up to ``read_ahead - 1``
+      messages beyond the consumer's own ``pull_threshold_for_queue``; aiokafka's
+      fetch buffer (``max_partition_fetch_bytes``, 1 MiB) comes on top.
+    """
+
+    groups_span_processes: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        bootstrap_servers: str | Sequence[str] = "127.0.0.1:9092",
+        *,
+        client_options: Mapping[str, Any] | None = None,
+        retry_prefix: str = "stagedconsumer-retry.",
+        dlq_prefix: str = "stagedconsumer-dlq.",
+        retry_partitions: int = 1,
+        session_timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        rebalance_timeout: float = 60.0,
+        metadata_limit: int = 4096,
+        read_ahead: int = 500,
+    ) -> None:
+        if isinstance(bootstrap_servers, str):
+            bootstrap_servers = [bootstrap_servers]
+        if not bootstrap_servers:
+            raise ConfigurationError("bootstrap_servers must name at least one broker")
+        if retry_partitions < 1:
+            raise ConfigurationError(f"retry_partitions must be >= 1, got {retry_partitions}")
+        self.bootstrap_servers = list(bootstrap_servers)
+        self.client_options = dict(client_options or {})
+        self.names = TopicNames(retry_prefix, dlq_prefix)
+        self.retry_partitions = retry_partitions
+        self.session_timeout = session_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.rebalance_timeout = rebalance_timeout
+        self.metadata_limit = metadata_limit
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+            raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
+        self.read_ahead = read_ahead
+        self._admin: Any = None
+        self._fetcher: Any = None
+        self._producer: Any = None
+        self._starting: anyio.Lock | None = None
+        self._locks: dict[Any, anyio.Lock] = {}
+        self._positions: dict[Any, int] = {}
+        self._ahead: dict[Any, _Ahead] = {}
+        self._assigned: set[Any] = set()
+        self._topics: dict[str, tuple[float, int]] = {}
+        self._coordinator: KafkaCoordinator | None = None
+        self._store: StageOffsetStore | None = None
+        self._closed = False
+        self.pulls = 0
+        self.seeks = 0
+        self.metadata_overflows = 0
+        self.metadata_missing = 0
+
+    # -- clients ----------------------------------------------------------------------
+
+    def _options(self, **extra: Any) -> dict[str, Any]:
+        return {"bootstrap_servers": self.bootstrap_servers, **self.client_options, **extra}
+
+    async def _clients(self) -> tuple[Any, Any, Any]:
+        """The admin client, the fetching consumer and the producer (started once)."""
+        if self._producer is not None:
+            return self._admin, self._fetcher, self._producer
+        _require_asyncio("KafkaBroker")
+        if self._closed:
+            raise SourceError("the KafkaBroker is closed", retriable=False)
+        if self._starting is None:
+            self._starting = anyio.Lock()
+        async with self._starting:
+            if self._producer is None:
+                from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+                from aiokafka.admin import AIOKafkaAdminClient
+
+                admin = AIOKafkaAdminClient(**self._options())
+                fetcher = AIOKafkaConsumer(
+                    **self._options(enable_auto_commit=False, auto_offset_reset="none")
+                )
+                producer = AIOKafkaProducer(**self._options(acks="all"))
+                try:
+                    await admin.start()
+                    await fetcher.start()
+                    await producer.start()
+                except Exception as exc:
+                    for client in (producer, fetcher):
+                        await client.stop()
+                    await admin.close()
+                    raise _kafka_error(exc) from exc
+                self._admin, self._fetcher, self._producer = admin, fetcher, producer
+        return self._admin, self._fetcher, self._producer
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._coordinator is not None:
+            await self._coordinator.aclose()
+        admin, fetcher, producer = self._admin, self._fetcher, self._producer
+        self._admin = self._fetcher = self._producer = None
+        if producer is not None:
+            await producer.stop()
+        if fetcher is not None:
+            await fetcher.stop()
+        if admin is not None:
+            await admin.close()
+
+    async def __aenter__(self) -> KafkaBroker:
+        await self._clients()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- topics -----------------------------------------------------------------------
+
+    async def create_topic(
+        self, topic: str, partitions: int = 4, replication_factor: int = 1
+    ) -> None:
+        """Create ``topic`` with ``partitions`` partitions (for tests and demos; an
+        existing topic stays as it is)."""
+        from aiokafka.admin import NewTopic
+        from aiokafka.errors import TopicAlreadyExistsError
+
+        admin, _, _ = await self._clients()
+        name = self.names.kafka(topic)
+        try:
+            response = await admin.create_topics([NewTopic(name, partitions, replication_factor)])
+        except TopicAlreadyExistsError:
+            return
+        except Exception as exc:
+            raise _kafka_error(exc) from exc
+        for _topic, code, *_rest in getattr(response, "topic_errors", ()):
+            if code not in (0, TopicAlreadyExistsError.errno):
+                raise SourceError(f"Kafka: cannot create topic {name!r} (error {code})")
+        self._topics.pop(name, None)
+
+    async def _partition_count(self, kafka_topic: str) -> int | None:
+        cached = self._topics.get(kafka_topic)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < _TOPIC_CACHE_SECONDS:
+            return cached[1]
+        admin, _, _ = await self._clients()
+        try:
+            # listed first: a describe of a missing topic creates it on brokers that
+            # create topics automatically (auto.create.topics.enable)
+            if kafka_topic not in await admin.list_topics():
+                return None
+            described = await admin.describe_topics([kafka_topic])
+        except Exception as exc:
+            raise _kafka_error(exc) from exc
+        for entry in described:
+            if entry.get("topic") == kafka_topic and entry.get("error_code", 0) == 0:
+                count = len(entry.get("partitions", ()))
+                if count:
+                    self._topics[kafka_topic] = (now, count)
+                    return count
+        return None
+
+    async def get_queues(self, topic: str) -> Sequence[MessageQueue]:
+        name = self.names.kafka(topic)
+        count = await self._partition_count(name)
+        if count is None and topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+            await self.create_topic(topic, self.retry_partitions)
+            count = await self._partition_count(name)
+        if count is None:
+            raise UnknownTopicError(f"topic {topic!r} does not exist in Kafka ({name!r})")
+        return [MessageQueue(topic, i) for i in range(count)]
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _tp(self, mq: MessageQueue) -> Any:
+        from aiokafka import TopicPartition
+
+        return TopicPartition(self.names.kafka(mq.topic), mq.queue_id)
+
+    def _lock(self, tp: Any) -> anyio.Lock:
+        lock = self._locks.get(tp)
+        if lock is None:
+            lock = self._locks[tp] = anyio.Lock()
+        return lock
+
+    async def pull(
+        self, mq: MessageQueue, offset: int, max_count: int, *, timeout: float = 0.0
+    ) -> PullResult:
+        """Up to ``max_count`` messages from ``offset``. A fetch takes up to
+        ``read_ahead`` records; the pulls that follow on from it are served from what
+        it took, without a call into the client."""
+        tp = self._tp(mq)
+        offset = max(offset, 0)
+        ahead = self._ahead.get(tp)
+        if ahead is not None and ahead.offset == offset and self._fetcher is not None:
+            result = ahead.take(offset, max_count, self._fetcher.highwater(tp))
+            if not ahead.messages:
+                del self._ahead[tp]
+            return result
+        _, fetcher, _ = await self._clients()
+        async with self._lock(tp):
+            self.pulls += 1
+            ahead = self._ahead.pop(tp, None)
+            if ahead is not None and ahead.offset == offset:  # filled while we waited
+                result = ahead.take(offset, max_count, fetcher.highwater(tp))
+                if ahead.messages:
+                    self._ahead[tp] = ahead
+                return result
+            is_retry = mq.topic.startswith(RETRY_PREFIX)
+            count = max_count if is_retry else max(max_count, self.read_ahead)
+            records, high = await self._fetch(fetcher, tp, offset, count, timeout)
+            if records is None:  # offset out of range: high is where to go on
+                return PullResult(messages=(), next_offset=high, max_offset=high)
+            if records and is_retry:
+                records = await self._due(tp, records, timeout)
+            if not records:
+                return PullResult(messages=(), next_offset=offset, max_offset=max(high, offset))
+            messages = decode_records(mq.topic, mq.queue_id, tp.topic, records)
+            ahead = _Ahead(messages)
+            result = ahead.take(offset, max_count, high)
+            if ahead.messages:
+                self._ahead[tp] = ahead
+            return result
+
+    async def _fetch(
+        self, fetcher: Any, tp: Any, offset: int, count: int, timeout: float
+    ) -> tuple[list[Any] | None, int]:
+        """Up to ``count`` records of ``tp`` from ``offset`` and the high watermark;
+        ``(None, next offset)`` when ``offset`` is out of range."""
+        from aiokafka.errors import (
+            IllegalStateError,
+            KafkaError,
+            NoOffsetForPartitionError,
+            OffsetOutOfRangeError,
+        )
+
+        try:
+            if tp not in self._assigned:
+                self._assign(fetcher, tp)
+            if self._positions.get(tp) != offset:
+                self.seeks += 1
+                fetcher.seek(tp, offset)
+                self._positions[tp] = offset
+            try:
+                fetched = await fetcher.getmany(
+                    tp, timeout_ms=int(timeout * 1000), max_records=count
+                )
+            except (NoOffsetForPartitionError, IllegalStateError):
+                # another pull assigned a partition meanwhile: seek and go on
+                fetcher.seek(tp, offset)
+                self._positions[tp] = offset
+                fetched = {}
+            except OffsetOutOfRangeError:
+                self._positions.pop(tp, None)
+                first = (await fetcher.beginning_offsets([tp]))[tp]
+                end = (await fetcher.end_offsets([tp]))[tp]
+                return None, first if offset < first else end
+        except KafkaError as exc:
+            self._positions.pop(tp, None)
+            raise _kafka_error(exc) from exc
+        records = [r for r in fetched.get(tp, ()) if r.offset >= offset]
+        if records and self._positions.get(tp) == offset:
+            self._positions[tp] = records[-1].offset + 1
+        high = fetcher.highwater(tp)
+        return records, high if high is not None else offset
+
+    def _assign(self, fetcher: Any, tp: Any) -> None:
+        """Add ``tp`` to the fetcher's partitions. Those already read keep their
+        positions (seeks right after the reassignment, in the same step)."""
+        self._assigned.add(tp)
+        fetcher.assign(sorted(self._assigned))
+        for other, position in list(self._positions.items()):
+            if other in self._assigned:
+                fetcher.seek(other, position)
+
+    async def _due(self, tp: Any, records: list[Any], timeout: float) -> list[Any]:
+        """The records of a retry partition up to the first not yet due. When its
+        head is not due, waits until it is (at most ``timeout``) and returns nothing:
+        the partition is paused until its head is due, no polling meanwhile."""
+        now_ms = time.time() * 1000
+        for i, record in enumerate(records):
+            due = delay_until_ms(record)
+            if due is not None and due > now_ms:
+                self._positions.pop(tp, None)  # the fetcher read past it: seek back next time
+                if i == 0:
+                    await anyio.sleep(min(timeout, (due - now_ms) / 1000))
+                return records[:i]
+        return records
+
+    async def max_offset(self, mq: MessageQueue) -> int:
+        _, fetcher, _ = await self._clients()
+        tp = self._tp(mq)
+        try:
+            end = int((await fetcher.end_offsets([tp]))[tp])
+        except Exception as exc:
+            raise _kafka_error(exc) from exc
+        # Never below the high watermark a fetch saw: Tansu 0.6 answers ListOffsets
+        # too low for partitions written in multi-record batches by librdkafka.
+        high = fetcher.highwater(tp) if tp in self._assigned else None
+        return max(end, high) if high is not None else end
+
+    async def min_offset(self, mq: MessageQueue) -> int:
+        _, fetcher, _ = await self._clients()
+        tp = self._tp(mq)
+        try:
+            return int((await fetcher.beginning_offsets([tp]))[tp])
+        except Exception as exc:
+            raise _kafka_error(exc) from exc
+
+    async def offset_for_timestamp(self, mq: MessageQueue, timestamp: float) -> int:
+        _, fetcher, _ = await self._clients()
+        tp = self._tp(mq)
+        try:
+            found = (await fetcher.offsets_for_times({tp: int(timestamp * 1000)}))[tp]
+        except Exception as exc:
+            raise _kafka_error(exc) from exc
+        if found is None:
+            return await self.max_offset(mq)
+        return int(found.offset)
+
+    # -- writing ----------------------------------------------------------------------
+
+    async def append(self, mq: MessageQueue, messages: Sequence[OutgoingMessage]) -> list[Message]:
+        count = await self._partition_count(self.names.kafka(mq.topic))
+        if count is None:
+            raise UnknownTopicError(f"topic {mq.topic!r} does not exist in Kafka")
+        if not 0 <= mq.queue_id < count:
+            raise InvalidMessageError(
+                f"queue_id {mq.queue_id} out of range for topic {mq.topic!r} with {count} queues"
+            )
+        born = time.time()
+        stored = await self._produce(
+            mq, [(m, m.properties, 0, None) for m in messages], round(born * 1000)
+        )
+        return [
+            Message(
+                topic=mq.topic,
+                queue_id=mq.queue_id,
+                queue_offset=offset,
+                body=m.body,
+                keys=m.keys,
+                tags=m.tags,
+                properties=m.properties,
+                msg_id=f"{self.names.kafka(mq.topic)}-{mq.queue_id}@{offset}",
+                born_timestamp=born,
+            )
+            for m, offset in zip(messages, stored, strict=True)
+        ]
+
+    async def _produce(
+        self,
+        mq: MessageQueue,
+        items: Sequence[tuple[OutgoingMessage | Message, Mapping[str, str], int, int | None]],
+        born_ms: int,
+    ) -> list[int]:
+        """Send records to one partition; their offsets."""
+        _, _, producer = await self._clients()
+        name = self.names.kafka(mq.topic)
+        try:
+            futures = []
+            for message, properties, reconsume_times, due in items:
+                key, headers = encode_headers(
+                    message, properties, reconsume_times=reconsume_times, delay_until_ms=due
+                )
+                futures.append(
+                    await producer.send(
+                        name,
+                        message.body,
+                        key=key,
+                        partition=mq.queue_id,
+                        headers=headers,
+                        timestamp_ms=born_ms,
+                    )
+                )
+            return [int((await future).offset) for future in futures]
+        except Exception as exc:
+            raise _kafka_error(exc) from exc
+
+    async def send_back(
+        self,
+        group: str,
+        message: Message,
+        *,
+        delay_level: int = 0,
+        max_reconsume_times: int = 16,
+    ) -> SendBackResult:
+        if is_spent(message, delay_level=delay_level, max_reconsume_times=max_reconsume_times):
+            await self.send_to_dlq(group, message)
+            return SendBackResult.DLQ
+        due = time.time() + retry_delay_seconds(message.reconsume_times, delay_level)
+        queues = await self.get_queues(retry_topic(group))
+        mq = queues[zlib.crc32(message.msg_id.encode()) % len(queues)]
+        await self._produce(
+            mq,
+            [(message, origin_properties(message), message.reconsume_times + 1, round(due * 1000))],
+            round(message.born_timestamp * 1000),
+        )
+        return SendBackResult.RETRY
+
+    async def send_to_dlq(self, group: str, message: Message) -> None:
+        queues = await self.get_queues(dlq_topic(group))
+        mq = queues[zlib.crc32(message.msg_id.encode()) % len(queues)]
+        await self._produce(
+            mq,
+            [(message, origin_properties(message), message.reconsume_times, None)],
+            round(message.born_timestamp * 1000),
+        )
+
+    # -- groups -----------------------------------------------------------------------
+
+    def group_coordinator(self) -> KafkaCoordinator:
+        """Membership through Kafka's consumer groups (one per broker object)."""
+        if self._coordinator is None:
+            self._coordinator = KafkaCoordinator(self)
+        return self._coordinator
+
+    def default_offset_store(self) -> StageOffsetStore:
+        """Progress in the group's Kafka offset commits (one per broker object)."""
+        if self._store is None:
+            self._store = KafkaOffsetStore(self)
+        return self._store
+
+    def store_host(self) -> str:
+        return ",".join(self.bootstrap_servers)
+
+    def statistics(self) -> KafkaBrokerStatistics:
+        return KafkaBrokerStatistics(
+            pulls=self.pulls,
+            seeks=self.seeks,
+            metadata_overflows=self.metadata_overflows,
+            metadata_missing=self.metadata_missing,
+        )

@@ -1,0 +1,243 @@
+"""How the Kafka broker maps messages and names onto Kafka records and topics.
+
+A record's key is the message's first key; its headers carry the tags (``TAGS``),
+further keys (``KEYS``, a JSON list), the reconsume count of a retried message
+(``RECONSUME_TIMES``), when a retried message is due (``DELAY_UNTIL``, ms since the
+epoch) and every property under its own name. A record's timestamp is the message's
+born time; its message id is ``<topic>-<partition>@<offset>`` (Kafka has none).
+
+Progress goes into the offset commit: the committed offset is the consume offset, the
+commit's metadata string the stage offsets (:func:`encode_metadata`).
+
+Pure functions; nothing here talks to Kafka.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from offsetstore import StageKey
+
+from .._message import EMPTY_PROPERTIES, Message, OutgoingMessage, _MessageFields
+from ._source import (
+    DLQ_PREFIX,
+    PROPERTY_RETRY_TOPIC,
+    RETRY_PREFIX,
+)
+
+__all__ = (
+    "HEADER_DELAY_UNTIL",
+    "HEADER_KEYS",
+    "HEADER_RECONSUME_TIMES",
+    "HEADER_TAGS",
+    "METADATA_LIMIT",
+    "decode_metadata",
+    "decode_records",
+    "encode_headers",
+    "encode_metadata",
+)
+
+HEADER_TAGS = "TAGS"
+HEADER_KEYS = "KEYS"
+HEADER_RECONSUME_TIMES = "RECONSUME_TIMES"
+HEADER_DELAY_UNTIL = "DELAY_UNTIL"
+_RESERVED = frozenset({HEADER_TAGS, HEADER_KEYS, HEADER_RECONSUME_TIMES, HEADER_DELAY_UNTIL})
+
+METADATA_LIMIT = 4096
+"""Kafka's default ``offset.metadata.max.bytes``: a commit with longer metadata is
+refused by the broker."""
+
+_METADATA_JSON = "sc1:"
+_METADATA_ZLIB = "sc1z:"
+
+_LEGAL = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _legal(name: str) -> str:
+    return _LEGAL.sub("_", name)
+
+
+class TopicNames:
+    """The Kafka topic of each topic name the consumer sees, and back.
+
+    Topics keep their names. Kafka topic names allow only ``[A-Za-z0-9._-]``, so a
+    group's retry topic ``%RETRY%<group>`` is ``<retry_prefix><group>`` and its
+    dead-letter topic ``%DLQ%<group>`` is ``<dlq_prefix><group>`` (other characters
+    of the group name become ``_``).
+    """
+
+    def __init__(self, retry_prefix: str, dlq_prefix: str) -> None:
+        self.retry_prefix = retry_prefix
+        self.dlq_prefix = dlq_prefix
+        self._back: dict[str, str] = {}
+
+    def kafka(self, topic: str) -> str:
+        if topic.startswith(RETRY_PREFIX):
+            name = self.retry_prefix + _legal(topic[len(RETRY_PREFIX) :])
+        elif topic.startswith(DLQ_PREFIX):
+            name = self.dlq_prefix + _legal(topic[len(DLQ_PREFIX) :])
+        else:
+            return topic
+        self._back[name] = topic
+        return name
+
+    def ours(self, kafka_topic: str) -> str:
+        return self._back.get(kafka_topic, kafka_topic)
+
+
+def encode_headers(
+    message: OutgoingMessage | Message,
+    properties: Mapping[str, str],
+    *,
+    reconsume_times: int = 0,
+    delay_until_ms: int | None = None,
+) -> tuple[bytes | None, list[tuple[str, bytes]]]:
+    """The record key and headers of ``message`` with ``properties``."""
+    keys = message.keys
+    key = keys[0].encode() if keys else None
+    headers = [(name, value.encode()) for name, value in properties.items()]
+    if message.tags is not None:
+        headers.append((HEADER_TAGS, message.tags.encode()))
+    if len(keys) > 1:
+        headers.append((HEADER_KEYS, json.dumps(list(keys)).encode()))
+    if reconsume_times:
+        headers.append((HEADER_RECONSUME_TIMES, b"%d" % reconsume_times))
+    if delay_until_ms is not None:
+        headers.append((HEADER_DELAY_UNTIL, b"%d" % delay_until_ms))
+    return key, headers
+
+
+def delay_until_ms(record: Any) -> int | None:
+    """When a retried record is due (``DELAY_UNTIL``), or ``None``."""
+    for name, value in record.headers or ():
+        if name == HEADER_DELAY_UNTIL:
+            return int(value)
+    return None
+
+
+def decode_records(
+    topic: str, partition: int, kafka_topic: str, records: Iterable[Any]
+) -> list[Message]:
+    """``records`` (aiokafka ``ConsumerRecord``\\ s of one partition) as messages of
+    queue ``topic#partition``. Records of a retry topic get back the topic they were
+    first sent to (``RETRY_TOPIC``). Built as ``_MessageFields`` made ``Message``\\ s
+    (see there): the hot path of every pull."""
+    out: list[Message] = []
+    append = out.append
+    is_retry = topic.startswith(RETRY_PREFIX)
+    prefix = f"{kafka_topic}-{partition}@"
+    empty = EMPTY_PROPERTIES
+    for record in records:
+        m = _MessageFields()
+        offset = record.offset
+        m.topic = topic
+        m.queue_id = partition
+        m.queue_offset = offset
+        value = record.value
+        m.body = b"" if value is None else value
+        key = record.key
+        m.keys = () if key is None else (key.decode("utf-8", "replace"),)
+        m.tags = None
+        m.reconsume_times = 0
+        m.msg_id = prefix + str(offset)
+        timestamp = record.timestamp
+        m.born_timestamp = 0.0 if timestamp is None else timestamp / 1000
+        headers = record.headers
+        if headers:
+            _set_headers(m, headers, is_retry)
+        else:
+            m.properties = empty
+        m.__class__ = Message
+        append(m)  # type: ignore[arg-type]
+    return out
+
+
+def _set_headers(m: _MessageFields, headers: Sequence[tuple[str, bytes]], is_retry: bool) -> None:
+    properties: dict[str, str] = {}
+    for name, raw in headers:
+        text = raw.decode("utf-8", "replace") if raw is not None else ""
+        if name in _RESERVED:
+            if name == HEADER_TAGS:
+                m.tags = text
+            elif name == HEADER_KEYS:
+                m.keys = tuple(json.loads(text))
+            elif name == HEADER_RECONSUME_TIMES:
+                m.reconsume_times = int(text)
+        else:
+            properties[name] = text
+    m.properties = MappingProxyType(properties) if properties else EMPTY_PROPERTIES
+    if is_retry and PROPERTY_RETRY_TOPIC in properties:
+        m.topic = properties[PROPERTY_RETRY_TOPIC]
+
+
+def _key_text(key: StageKey) -> str:
+    return key.strategy_id if key.group_id is None else f"{key.strategy_id}\x1f{key.group_id}"
+
+
+def _key_of(text: str) -> StageKey:
+    strategy_id, sep, group_id = text.partition("\x1f")
+    return StageKey(strategy_id, group_id if sep else None)
+
+
+def encode_metadata(
+    stage_offsets: Mapping[StageKey, int], limit: int = METADATA_LIMIT
+) -> tuple[str, int]:
+    """The commit metadata string of ``stage_offsets`` and how many stage keys did
+    not fit in ``limit`` bytes and were left out.
+
+    JSON (``sc1:{...}``); when longer than ``limit``, zlib-compressed and base64
+    (``sc1z:...``); when still too long, the stage keys with the lowest stage offsets
+    are left out until it fits (they restart from 0 on the next owner: stage
+    assignment for them is not kept)."""
+    if not stage_offsets:
+        return _METADATA_JSON + "{}", 0
+    items = sorted(
+        ((_key_text(key), offset) for key, offset in stage_offsets.items()),
+        key=lambda item: (-item[1], item[0]),
+    )
+    dropped = 0
+    while True:
+        text = _METADATA_JSON + json.dumps(dict(items), separators=(",", ":"))
+        if len(text.encode()) <= limit:
+            return text, dropped
+        packed = _METADATA_ZLIB + base64.b64encode(
+            zlib.compress(text[len(_METADATA_JSON) :].encode(), 9)
+        ).decode("ascii")
+        if len(packed) <= limit:
+            return packed, dropped
+        # drop enough keys at once to fit in a few rounds (proportionally to the overrun)
+        cut = max(1, len(items) - len(items) * limit // len(packed))
+        items = items[: len(items) - cut]
+        dropped += cut
+        if not items:
+            return "", dropped
+
+
+def decode_metadata(metadata: str | None) -> dict[StageKey, int]:
+    """The stage offsets in a commit's metadata string (empty for anything else: a
+    commit made by another Kafka client)."""
+    if not metadata:
+        return {}
+    try:
+        if metadata.startswith(_METADATA_JSON):
+            raw = metadata[len(_METADATA_JSON) :]
+        elif metadata.startswith(_METADATA_ZLIB):
+            raw = zlib.decompress(base64.b64decode(metadata[len(_METADATA_ZLIB) :])).decode()
+        else:
+            return {}
+        loaded = json.loads(raw)
+    except (ValueError, zlib.error):
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    return {
+        _key_of(text): offset
+        for text, offset in loaded.items()
+        if type(offset) is int and offset >= 0
+    }
