@@ -54,7 +54,7 @@ from sqlalchemy.dialects import mysql as mysql_dialect
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ._abc import StageOffsetStore
+from ._abc import StageOffsetStore, _check_reset_entry
 from ._exceptions import (
     OffsetStoreError,
     StoreCommitError,
@@ -63,6 +63,7 @@ from ._exceptions import (
     StoreReadOnlyError,
     StoreUnavailableError,
 )
+from ._inspect import StoredRow, decode_row
 from ._types import MessageQueue, QueueProgress, StageKey, check_offset
 
 __all__ = ("SCHEMA_VERSION", "SqlOffsetStore")
@@ -860,6 +861,7 @@ class SqlOffsetStore(StageOffsetStore):
                     stage_offsets=stage_offsets,
                 )
             except (ValueError, TypeError) as exc:
+                repair = repair or self._repair_hint(group, mq, consume_offset)
                 raise OffsetStoreError(
                     f"corrupt progress row for {mq} in {self._progress.name} of {self.url}:"
                     f" {exc}{repair}",
@@ -870,20 +872,26 @@ class SqlOffsetStore(StageOffsetStore):
 
     def _repair_hint(self, group: str, mq: MessageQueue, consume_offset: Any) -> str:
         """What to append to the error for a row of ``group`` whose stage offsets cannot
-        be read: the ``stagedconsumer offsets reset`` command that rewrites them (the
-        command keeps the consume offset, so it can repair the row only when that one
-        is readable; otherwise nothing)."""
+        be read: the ``stagedconsumer offsets reset`` command that rewrites them (it
+        keeps a readable consume offset; an unreadable one needs a new one, ``N``)."""
         try:
             if consume_offset is not None:
                 check_offset("consume offset", int(consume_offset))
+            readable = True
         except (ValueError, TypeError):
-            return ""
+            readable = False
         words = ["stagedconsumer", "offsets", "reset", "--store", self.url]
         if self._table_prefix != "stagedconsumer_":
             words += ["--table-prefix", self._table_prefix]
         words += ["--group", group, "--topic", mq.topic, "--queue", str(mq.queue_id)]
-        words.append("--clear-stage-offsets")
         password = " (with the URL's password put back)" if self._url.password else ""
+        if not readable:
+            command = f"{shlex.join(words)} --to-offset N --force"
+            return (
+                "; with the group stopped, repair the row (N: the new consume offset; its"
+                f" stage offsets are dropped) with: {command}{password}"
+            )
+        words.append("--clear-stage-offsets")
         return (
             "; with the group stopped, repair the row (its consume offset is kept, its"
             f" stage offsets are dropped) with: {shlex.join(words)}{password}"
@@ -942,6 +950,71 @@ class SqlOffsetStore(StageOffsetStore):
 
         progress = await self._run(f"listing the progress of group {group!r}", read, writes=False)
         return progress, frozenset(unreadable)
+
+    async def inspect_progress(self, group: str, topic: str | None = None) -> list[StoredRow]:
+        """Every stored row of ``group`` (of one topic when given) as it is, corrupt
+        ones included and marked (:attr:`StoredRow.problems`), for an operator: never
+        raises for a row it cannot read (``stagedconsumer offsets show``)."""
+        t = self._progress
+        stmt = (
+            sa.select(t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets, t.c.fence)
+            .where(t.c.consumer_group == group)
+            .order_by(t.c.topic, t.c.queue_id)
+        )
+        if topic is not None:
+            stmt = stmt.where(t.c.topic == topic)
+
+        def read() -> list[StoredRow]:
+            with self._engine.connect() as conn:
+                rows = conn.execute(stmt).all()
+            return [
+                decode_row(
+                    MessageQueue(str(r[0]), int(r[1])), r[2], r[3], r[4], decode_stage_offsets
+                )
+                for r in rows
+            ]
+
+        return await self._run(f"listing the stored rows of group {group!r}", read, writes=False)
+
+    async def repair_progress(
+        self,
+        group: str,
+        progress: Mapping[MessageQueue, QueueProgress],
+        fences: Mapping[MessageQueue, int] | None = None,
+    ) -> None:
+        """:meth:`reset_progress` of ``progress`` and, in the same transaction, the
+        stored fence of each queue of ``fences`` set to its value: the operator's repair
+        of a row whose fence blocks its queue (see :class:`StoredRow`). Lowering a fence
+        lets a member that lost the queue write over it again: only for a group none
+        of whose members holds the queue."""
+        progress = dict(progress)
+        fences = dict(fences or {})
+        for mq, value in progress.items():
+            _check_reset_entry(mq, value)
+        for mq, fence in fences.items():
+            check_offset(f"fence of {mq}", fence)
+        t = self._progress
+        items = sorted(progress.items(), key=_queue_order)
+        stmt = self._overwrite_stmt
+
+        def write() -> None:
+            with self._write_transaction() as conn:
+                if items:
+                    conn.execute(stmt, [self._params(group, mq, value) for mq, value in items])
+                for mq, fence in sorted(fences.items(), key=_queue_order):
+                    conn.execute(
+                        sa.update(t)
+                        .where(
+                            t.c.consumer_group == group,
+                            t.c.topic == mq.topic,
+                            t.c.queue_id == mq.queue_id,
+                        )
+                        .values(fence=fence)
+                    )
+
+        await self._run(f"repairing the progress of group {group!r}", write, writes=True)
+        for mq, value in progress.items():
+            self.update_progress(group, mq, value)
 
     def _params(self, group: str, mq: MessageQueue, progress: QueueProgress) -> dict[str, Any]:
         return {
