@@ -66,7 +66,7 @@ from ._exceptions import (
 from ._inspect import StoredRow, decode_row
 from ._types import MessageQueue, QueueProgress, StageKey, check_offset
 
-__all__ = ("SCHEMA_VERSION", "SqlOffsetStore")
+__all__ = ("SCHEMA_VERSION", "SqlOffsetStore", "schema_sql")
 
 SCHEMA_VERSION: Final = 2
 """Version 2 added the ``fence`` column (fencing tokens of consumer groups)."""
@@ -80,6 +80,13 @@ _GIL_PAUSE: Final = 0.001
 _CREATE_ATTEMPTS: Final = 3
 """Tries at creating the tables when stores race to: one per table, and one more."""
 _T = TypeVar("_T")
+
+_DDL_DIALECTS: Final = {
+    "sqlite": sqlite_dialect.dialect,
+    "postgresql": pg_dialect.dialect,
+    "mysql": mysql_dialect.dialect,
+    "mariadb": mysql_dialect.dialect,
+}
 
 _DRIVER_HINTS: Final = {
     "psycopg": "pip install 'stagedconsumer[postgres]'",
@@ -748,6 +755,56 @@ class SqlOffsetStore(StageOffsetStore):
             self._migrate_to_2()
         self._check_writable()
 
+    async def init_schema(self) -> list[str]:
+        """Create the tables when missing and migrate them to this version's schema, as
+        :meth:`load` does, and say what was done, one sentence per step
+        (``stagedconsumer offsets init``). Needs a store made with ``create_tables=True``."""
+        if not self._create_tables:
+            raise StoreConfigurationError("init_schema() needs a store with create_tables=True")
+
+        def state() -> tuple[list[str], int | None]:
+            names = (self._schema_table.name, self._progress.name)
+            if self._missing_sqlite_file() is not None:
+                return list(names), None
+            with self._engine.connect() as conn:
+                inspector = sa.inspect(conn)
+                missing = [name for name in names if not inspector.has_table(name)]
+                if self._schema_table.name in missing:
+                    return missing, None
+                schema = self._schema_table
+                version = conn.execute(
+                    sa.select(schema.c.version).where(schema.c.component == _COMPONENT)
+                ).scalar_one_or_none()
+            return missing, version
+
+        def init() -> list[str]:
+            missing, before = state()
+            self._load_sync()
+            _, after = state()
+            done = [f"created table {name}" for name in missing]
+            if before is None:
+                done.append(f"recorded schema version {after} in {self._schema_table.name}")
+            elif after != before:
+                done.append(f"migrated the tables from schema version {before} to {after}")
+            if not done:
+                done.append(
+                    f"nothing to do: tables {self._schema_table.name} and {self._progress.name}"
+                    f" are at schema version {after}"
+                )
+            return done
+
+        if self._closed:
+            raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
+        return await self._in_thread("preparing the offset store", self._init_guarded, init)
+
+    def _init_guarded(self, init: Callable[[], list[str]]) -> list[str]:
+        try:
+            return init()
+        except OffsetStoreError:
+            raise
+        except sa_exc.SQLAlchemyError as exc:
+            raise self._wrap("creating the offset store tables", exc, writes=True) from exc
+
     def _check_writable(self) -> None:
         """Fail at load, not at the first commit, when the database refuses writes.
 
@@ -1243,6 +1300,29 @@ def _switch_to_wal(cursor: Any, wait: float) -> None:
                 raise
         time.sleep(pause)
         pause = min(pause * 2, 0.1)
+
+
+def schema_sql(dialect: str, table_prefix: str = "stagedconsumer_") -> str:
+    """The SQL that creates the offset store's tables for ``dialect`` (``sqlite``,
+    ``postgresql``, ``mysql`` or ``mariadb``) and records their schema version: what
+    :meth:`SqlOffsetStore.load` would do, for a DBA to run (``stagedconsumer offsets
+    init --sql``). Each table's ``CREATE TABLE`` is SQLAlchemy's, compiled for the dialect."""
+    make = _DDL_DIALECTS.get(dialect)
+    if make is None:
+        raise StoreConfigurationError(
+            f"unknown SQL dialect {dialect!r}: use one of {', '.join(_DDL_DIALECTS)}"
+        )
+    SqlOffsetStore("sqlite://", table_prefix=table_prefix, create_tables=False)  # checks it
+    _, schema, progress = _build_tables(table_prefix)
+    statements = [
+        str(sa.schema.CreateTable(table).compile(dialect=make())).strip()
+        for table in (schema, progress)
+    ]
+    statements.append(
+        f"INSERT INTO {schema.name} (component, version) VALUES ('{_COMPONENT}', {SCHEMA_VERSION})"
+    )
+    lines = "\n".join(f"{statement};" for statement in statements).splitlines()
+    return "".join(f"{line.rstrip()}\n" for line in lines)
 
 
 def _redact(url: object) -> str:

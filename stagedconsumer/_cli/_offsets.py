@@ -562,6 +562,74 @@ def _plan_table(
     return table
 
 
+# -- init ------------------------------------------------------------------------------------
+
+
+_GRANTS = """\
+-- The running consumer needs only these privileges (ROLE: its database user; for
+-- MariaDB/MySQL 'user'@'host'; --grant-to ROLE writes them as statements). offsets
+-- show needs SELECT on both tables, offsets reset the same as the consumer. Creating
+-- and migrating the tables (offsets init, or a consumer's first start) needs CREATE
+-- and ALTER, which the consumer never uses once the tables exist at this version.
+{comment}GRANT SELECT ON {schema} TO {role};
+{comment}GRANT SELECT, INSERT, UPDATE ON {progress} TO {role};
+"""
+
+
+async def _init(args: argparse.Namespace) -> int:
+    from offsetstore._sql import SqlOffsetStore, schema_sql
+
+    err = _console(stderr=True)
+    if args.sql:
+        dialect = args.dialect
+        if dialect is None:
+            if not args.store:
+                return _fail(err, "--sql needs --dialect or --store URL (whose dialect it takes)")
+            try:
+                import sqlalchemy as sa
+
+                dialect = sa.make_url(args.store).get_backend_name()
+            except Exception as exc:  # any malformed URL
+                return _fail(err, f"malformed offset store URL: {exc}")
+        try:
+            text = schema_sql(dialect, args.table_prefix)
+        except OffsetStoreError as exc:
+            return _fail(err, str(exc))
+        prefix = args.table_prefix
+        sys.stdout.write(f"-- stagedconsumer offset store tables ({dialect})\n{text}")
+        if dialect == "sqlite":
+            sys.stdout.write(
+                "-- SQLite has no grants: the consumer needs to write the database file and"
+                " its directory (WAL journal).\n"
+            )
+        else:
+            sys.stdout.write(
+                _GRANTS.format(
+                    schema=f"{prefix}schema",
+                    progress=f"{prefix}progress",
+                    role=args.grant_to or "ROLE",
+                    comment="" if args.grant_to else "-- ",
+                )
+            )
+        return 0
+    if not args.store:
+        return _fail(err, "give --store URL (or --sql to print the SQL instead)")
+    console = _console()
+    try:
+        store = SqlOffsetStore(args.store, table_prefix=args.table_prefix)
+    except OffsetStoreError as exc:
+        return _fail(err, str(exc))
+    try:
+        done = await store.init_schema()
+    except OffsetStoreError as exc:
+        return _fail(err, str(exc))
+    finally:
+        await store.aclose()
+    for line in done:
+        console.print(f"{escape(store.url)}: {escape(line)}", highlight=False)
+    return 0
+
+
 # -- registration ------------------------------------------------------------------------------
 
 
@@ -575,7 +643,8 @@ def _run(handler: Any) -> Any:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "offsets",
-        help="show or reset the stored progress (consume and stage offsets) of a group",
+        help="show, reset or repair the stored progress (consume and stage offsets) of a group;"
+        " create the offset store's tables (init)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -602,6 +671,43 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         )
         sub.add_argument("--group", required=True, help="consumer group")
         sub.add_argument("--topic", required=topic_required, help="topic")
+
+    init = commands.add_parser(
+        "init",
+        help="create or migrate the offset store's tables, or print their SQL (--sql)",
+        description="Create the offset store's tables when missing and migrate them to"
+        " this version's schema (what a consumer's first start does), printing each step;"
+        " a database user with only SELECT, INSERT and UPDATE can then run the consumers."
+        " --sql prints the SQL instead (for a DBA), with the grants the consumer needs.",
+    )
+    init.add_argument(
+        "--store",
+        metavar="URL",
+        help="offset store URL, e.g. sqlite:///progress.db or postgresql+psycopg://user@host/db",
+    )
+    init.add_argument(
+        "--table-prefix",
+        default="stagedconsumer_",
+        metavar="PREFIX",
+        help="the store's table_prefix, as given to SqlOffsetStore (default stagedconsumer_)",
+    )
+    init.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the CREATE TABLE statements and the grants instead of running anything",
+    )
+    init.add_argument(
+        "--dialect",
+        choices=("postgresql", "mysql", "mariadb", "sqlite"),
+        help="the SQL dialect of --sql (default: the --store URL's)",
+    )
+    init.add_argument(
+        "--grant-to",
+        metavar="ROLE",
+        help="with --sql: write the grants the consumer needs as GRANT statements to ROLE"
+        " (default: as comments)",
+    )
+    init.set_defaults(handler=_run(_init))
 
     show = commands.add_parser("show", help="print the progress of every queue of a group")
     common(show, topic_required=False)
