@@ -1,0 +1,76 @@
+"""Mistakes a new user makes, said at the call (an error) or loudly (a warning)
+instead of being accepted silently."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+from offsetstore import MemoryOffsetStore
+from stagedconsumer import (
+    ConsumeConcurrentlyContext,
+    ConsumeOrderlyContext,
+    MemoryBroker,
+    Message,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    PushConsumer,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+class ReturnsConcurrently(MessageListenerConcurrently):
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> object:
+        return self.value
+
+
+class ReturnsOrderly(MessageListenerOrderly):
+    def __init__(self, value: object) -> None:
+        self.value = value
+        self.calls = 0
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeOrderlyContext
+    ) -> object:
+        self.calls += 1
+        context.suspend_current_queue_time_millis = 10
+        return self.value if self.calls <= 2 else None
+
+
+@pytest.mark.parametrize(
+    ("listener", "value", "status"),
+    [
+        (ReturnsConcurrently, "CONSUME_SUCCESS", "ConsumeConcurrentlyStatus.CONSUME_SUCCESS"),
+        (ReturnsConcurrently, True, "ConsumeConcurrentlyStatus.CONSUME_SUCCESS"),
+        (ReturnsOrderly, "SUCCESS", "ConsumeOrderlyStatus.SUCCESS"),
+        (ReturnsOrderly, 0, "ConsumeOrderlyStatus.SUCCESS"),
+    ],
+)
+async def test_a_handler_returning_something_that_is_not_a_status_is_told_once(
+    caplog: pytest.LogCaptureFixture, listener: type, value: object, status: str
+) -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    for _ in range(2):
+        broker.send("t", b"x", queue_id=0)
+    consumer = PushConsumer("g", broker, listener(value), offset_store=MemoryOffsetStore())
+    consumer.subscribe("t")
+    with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
+        async with consumer:
+            with anyio.fail_after(30):
+                while consumer.statistics().invalid_returns < 2:
+                    await anyio.sleep(0.01)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert f"returned {value!r} (a {type(value).__name__}), which is not a status" in errors[0]
+    assert status in errors[0]
+    assert "statistics().invalid_returns" in errors[0]
