@@ -11,13 +11,18 @@ import pytest
 
 from offsetstore import MemoryOffsetStore
 from stagedconsumer import (
+    ConfigurationError,
     ConsumeConcurrentlyContext,
     ConsumeOrderlyContext,
+    ConsumerOptions,
+    InvalidOptionError,
     MemoryBroker,
     Message,
     MessageListenerConcurrently,
     MessageListenerOrderly,
+    Producer,
     PushConsumer,
+    SelectMessageQueueByGray,
 )
 
 pytestmark = pytest.mark.anyio
@@ -74,3 +79,31 @@ async def test_a_handler_returning_something_that_is_not_a_status_is_told_once(
     assert f"returned {value!r} (a {type(value).__name__}), which is not a status" in errors[0]
     assert status in errors[0]
     assert "statistics().invalid_returns" in errors[0]
+
+
+def test_gray_value_without_gray_property_is_refused() -> None:
+    """Messages marked lane=canary went to the normal queues: the value was compared
+    with no property at all."""
+    with pytest.raises(ConfigurationError, match="gray_value='canary' is compared with"):
+        SelectMessageQueueByGray(0.25, gray_value="canary")
+    selector = SelectMessageQueueByGray(0.25, gray_property="lane", gray_value="canary")
+    assert selector.gray_value == "canary"
+    assert SelectMessageQueueByGray(0.25, gray_property="lane").gray_value == "true"
+
+
+def test_gray_queue_ratio_with_the_switch_off_is_refused() -> None:
+    with pytest.raises(InvalidOptionError, match=r"gray_queue_ratio=0\.25 is used only with"):
+        ConsumerOptions(gray_queue_ratio=0.25)
+    assert ConsumerOptions(enable_gray_switch=True, gray_queue_ratio=0.25).gray_queue_ratio == 0.25
+
+
+async def test_arg_without_a_selector_is_refused() -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 4)
+    async with Producer(broker) as producer:
+        with pytest.raises(ConfigurationError, match="arg=True is handed to a selector"):
+            await producer.send("t", b"x", arg=True)
+        with pytest.raises(ConfigurationError, match="no selector= is given"):
+            await producer.send_batch("t", [b"x"], arg="k")
+        sent = await producer.send("t", b"x", selector=SelectMessageQueueByGray(0.25), arg=True)
+        assert sent.message_queue.queue_id == 3  # the gray queue
