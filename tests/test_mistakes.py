@@ -32,7 +32,7 @@ class ReturnsConcurrently(MessageListenerConcurrently):
     def __init__(self, value: object) -> None:
         self.value = value
 
-    async def consume_message(
+    async def consume_message(  # type: ignore[override]  # the mistake under test
         self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
     ) -> object:
         return self.value
@@ -43,7 +43,7 @@ class ReturnsOrderly(MessageListenerOrderly):
         self.value = value
         self.calls = 0
 
-    async def consume_message(
+    async def consume_message(  # type: ignore[override]  # the mistake under test
         self, msgs: Sequence[Message], context: ConsumeOrderlyContext
     ) -> object:
         self.calls += 1
