@@ -23,7 +23,9 @@ from stagedconsumer import (
     Producer,
     PushConsumer,
     SelectMessageQueueByGray,
+    WrongThreadError,
 )
+from stagedconsumer.blocking import BlockingConsumer, BlockingProducer
 
 pytestmark = pytest.mark.anyio
 
@@ -107,3 +109,25 @@ async def test_arg_without_a_selector_is_refused() -> None:
             await producer.send_batch("t", [b"x"], arg="k")
         sent = await producer.send("t", b"x", selector=SelectMessageQueueByGray(0.25), arg=True)
         assert sent.message_queue.queue_id == 3  # the gray queue
+
+
+async def test_blocking_calls_from_a_running_event_loop_are_refused() -> None:
+    """They would stall the loop they are called from (and everything on it) until the
+    other loop has done the call."""
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    with pytest.raises(WrongThreadError, match=r"thread running a (asyncio|trio) event loop"):
+        BlockingProducer(broker).__enter__()
+    consumer = PushConsumer("g", broker, ReturnsConcurrently(None))
+    consumer.subscribe("t")
+    with pytest.raises(WrongThreadError, match="use the async consumer"):
+        BlockingConsumer(consumer).__enter__()
+    producer = BlockingProducer(broker)
+    await anyio.to_thread.run_sync(producer.__enter__)  # started where it may block
+    try:
+        with pytest.raises(WrongThreadError, match=r"send\(\) blocks its thread"):
+            producer.send("t", b"x")
+        sent = await anyio.to_thread.run_sync(lambda: producer.send("t", b"x"))
+        assert sent.queue_offset == 0
+    finally:
+        await anyio.to_thread.run_sync(producer.__exit__, None, None, None)
