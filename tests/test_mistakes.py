@@ -15,16 +15,19 @@ from stagedconsumer import (
     ConsumeConcurrentlyContext,
     ConsumeOrderlyContext,
     ConsumerOptions,
+    InvalidMessageError,
     InvalidOptionError,
     MemoryBroker,
     Message,
     MessageListenerConcurrently,
     MessageListenerOrderly,
+    OutgoingMessage,
     Producer,
     PushConsumer,
     SelectMessageQueueByGray,
     WrongThreadError,
 )
+from stagedconsumer._message import RESERVED_PROPERTIES
 from stagedconsumer.blocking import BlockingConsumer, BlockingProducer
 
 pytestmark = pytest.mark.anyio
@@ -131,3 +134,32 @@ async def test_blocking_calls_from_a_running_event_loop_are_refused() -> None:
         assert sent.queue_offset == 0
     finally:
         await anyio.to_thread.run_sync(producer.__exit__, None, None, None)
+
+
+@pytest.mark.parametrize("tags", ["a || b", "a b", "a&&b", "*", ""])
+async def test_a_tag_no_subscription_can_select_is_refused(tags: str) -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    async with Producer(broker) as producer:
+        with pytest.raises(InvalidMessageError, match="is not one tag"):
+            await producer.send("t", b"x", tags=tags)
+        with pytest.raises(InvalidMessageError, match="is not one tag"):
+            OutgoingMessage.of(b"x", tags=tags)
+        assert (await producer.send("t", b"x", tags="TagA")).queue_offset == 0
+
+
+@pytest.mark.parametrize("name", sorted(RESERVED_PROPERTIES))
+async def test_a_property_the_broker_sets_itself_is_refused(name: str) -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    async with Producer(broker) as producer:
+        with pytest.raises(InvalidMessageError, match=f"property '{name}' is set by the broker"):
+            await producer.send("t", b"x", properties={name: "true"})
+    assert not broker.messages("t")
+
+
+def test_the_reserved_properties_are_the_brokers() -> None:
+    from stagedconsumer._sources._gray import PROPERTY_GRAY
+    from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC
+
+    assert {PROPERTY_GRAY, PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC} == RESERVED_PROPERTIES
