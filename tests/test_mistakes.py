@@ -163,3 +163,18 @@ def test_the_reserved_properties_are_the_brokers() -> None:
     from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC
 
     assert {PROPERTY_GRAY, PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC} == RESERVED_PROPERTIES
+
+
+def test_run_virtual_says_what_messages_and_crash_points_it_takes() -> None:
+    pytest.importorskip("hypothesis")
+    from stagedconsumer.testing import MessageSpec, run_virtual
+
+    listener = ReturnsConcurrently(None)
+    with pytest.raises(TypeError, match=r"must be MessageSpec values .* got bytes b'x' at index 0"):
+        run_virtual(listener, [b"x"])  # type: ignore[list-item]
+    spec = MessageSpec(topic="t", queue_id=0, body=b"x")
+    for point in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="crash_at points count ended handler calls"):
+            run_virtual(listener, [spec], crash_at=[point])  # type: ignore[list-item]
+    run = run_virtual(listener, [spec, spec], crash_at=[1])
+    assert run.completed
