@@ -178,3 +178,36 @@ def test_run_virtual_says_what_messages_and_crash_points_it_takes() -> None:
             run_virtual(listener, [spec], crash_at=[point])  # type: ignore[list-item]
     run = run_virtual(listener, [spec, spec], crash_at=[1])
     assert run.completed
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (
+            "import stagedconsumer.testing",
+            "needs the 'testing' extra (hypothesis is not installed)",
+        ),
+        (
+            "import runpy; runpy.run_module('benchmarks', run_name='__main__')",
+            "python -m benchmarks needs the 'bench' extra (pyspark is not installed)",
+        ),
+    ],
+    ids=["testing", "bench"],
+)
+def test_a_missing_extra_is_named(code: str, expected: str) -> None:
+    """Without the extra's packages (hidden here), the error names the extra."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hide = "import sys; sys.modules['hypothesis'] = sys.modules['pyspark'] = None; "
+    result = subprocess.run(
+        [sys.executable, "-c", hide + code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert result.returncode == 1
+    assert expected in result.stderr
+    assert "stagedconsumer[" in result.stderr

@@ -373,8 +373,15 @@ def run_virtual(
 
     Returns a :class:`VirtualRun` with the log, the messages as sent and the makespan.
     """
-    import trio
-    import trio.testing
+    try:
+        import trio
+        import trio.testing
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "run_virtual() needs trio, of the 'testing' extra: pip install"
+            " 'stagedconsumer[testing]'",
+            name=exc.name,
+        ) from exc
 
     messages = list(messages)
     for i, spec in enumerate(messages):
