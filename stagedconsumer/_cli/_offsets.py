@@ -394,7 +394,7 @@ def _planned(
             consume = row.consume_offset
             stages = (
                 {}
-                if args.clear_stage_offsets or row.stage_offsets is None
+                if _drops_stage_offsets(args) or row.stage_offsets is None
                 else dict(row.stage_offsets)
             )
             if row.fence_corrupt:
@@ -411,6 +411,57 @@ def _planned(
             " --to-offset, a blocking fence is set back to 0); nothing changed"
         )
     return plan, fences
+
+
+def _drops_stage_offsets(args: argparse.Namespace) -> bool:
+    """Whether the stored stage offsets go: with --clear-stage-offsets, and with
+    --to-offset unless --keep-stage-offsets (as ``PushConsumer.seek()``: a stage offset
+    is the stage counter *at* the consume offset, so moving the one without the other
+    would give messages other stages than they had)."""
+    if args.clear_stage_offsets:
+        return True
+    return args.to_offset is not None and not args.keep_stage_offsets
+
+
+def _stage_plan_note(args: argparse.Namespace) -> str:
+    """What the confirmation says the stage offsets become."""
+    given = " the --stage-offset ones are set;" if args.stage_offset else ""
+    if _drops_stage_offsets(args):
+        why = (
+            "--clear-stage-offsets"
+            if args.clear_stage_offsets
+            else "--to-offset moves the consume offset, as seek() does; --keep-stage-offsets"
+            " keeps them"
+        )
+        return (
+            f"Stage offsets:{given} every other stored one is dropped, so its stage key"
+            f" starts over at its first stage from the consume offset ({why})."
+        )
+    return f"Stage offsets:{given} the other stored ones are kept."
+
+
+def _unknown_stage_keys(
+    args: argparse.Namespace, rows: list[StoredRow]
+) -> tuple[str | None, str | None]:
+    """An error for ``--stage-offset`` keys whose strategy no stored row of the group
+    has (a typo: the listener never reads them), or a note that they cannot be
+    checked (no stored stage offsets)."""
+    if not args.stage_offset or args.new_stage_key:
+        return None, None
+    known = {key.strategy_id for row in rows for key in (row.stage_offsets or {})}
+    if not known:
+        return None, (
+            "stage keys are not checked: group has no stored stage offsets to compare with"
+        )
+    unknown = sorted({key.strategy_id for key, _ in args.stage_offset} - known)
+    if not unknown:
+        return None, None
+    return (
+        f"--stage-offset names strategy {', '.join(map(repr, unknown))}, which no stored"
+        f" progress of group {args.group!r} has (it has {', '.join(map(repr, sorted(known)))}):"
+        " a stage key the listener does not have is never read. Check the name, or pass"
+        " --new-stage-key if the listener has that strategy; nothing changed"
+    ), None
 
 
 def _fence_risk(args: argparse.Namespace, members: list[str] | None) -> str | None:
@@ -449,6 +500,12 @@ async def _reset(args: argparse.Namespace) -> int:
     try:
         await _load(store)
         stored = {row.queue: row for row in await store.inspect_progress(args.group, args.topic)}
+        if args.stage_offset and not args.new_stage_key:
+            problem, note = _unknown_stage_keys(args, await store.inspect_progress(args.group))
+            if problem is not None:
+                return _fail(err, problem)
+            if note is not None:
+                err.print(f"[bold yellow]note:[/] {escape(note)}", highlight=False)
         try:
             plan, fences = _planned(args, stored)
         except _PlanError as exc:
@@ -470,6 +527,7 @@ async def _reset(args: argparse.Namespace) -> int:
             return _fail(err, risk)
         console = _console()
         console.print(_plan_table(args, plan, fences, stored))
+        console.print(escape(_stage_plan_note(args)), highlight=False)
         if args.dry_run:
             console.print("Dry run: nothing changed.")
             return 0
@@ -749,6 +807,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="append",
         metavar="KEY=N",
         help="new stage offset of a stage key (STRATEGY or STRATEGY/GROUP; repeatable)",
+    )
+    reset.add_argument(
+        "--keep-stage-offsets",
+        action="store_true",
+        help="with --to-offset: keep the stored stage offsets (by default they are dropped,"
+        " as PushConsumer.seek() does, so every stage key starts over at its first stage"
+        " from the new offset)",
+    )
+    reset.add_argument(
+        "--new-stage-key",
+        action="store_true",
+        help="allow --stage-offset keys whose strategy no stored progress of the group has"
+        " (refused by default: most often a typo the listener never reads)",
     )
     reset.add_argument(
         "--clear-stage-offsets",

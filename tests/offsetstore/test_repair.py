@@ -139,9 +139,8 @@ def test_reset_force_repairs_a_negative_consume_offset(
     assert main([*args, "--queue", "1", "--to-offset", "7", "--force", "--yes"]) == 0
     assert "Repaired 1 corrupt row(s)." in capsys.readouterr().out
     assert _rows(corrupt_url)[mq][0] == 7
-    assert _claim(corrupt_url, mq, 10) == QueueProgress(
-        consume_offset=7, stage_offsets={StageKey("default", None): 5, StageKey("vip", ""): 1}
-    )
+    # moved as seek() moves it: the stage offsets start over from the new offset
+    assert _claim(corrupt_url, mq, 10) == QueueProgress(consume_offset=7)
 
 
 def test_reset_force_lowers_a_blocking_fence_only_when_told_what_it_risks(
@@ -195,3 +194,45 @@ def test_a_fence_far_ahead_of_the_clock_is_marked(
     queues = json.loads(capsys.readouterr().out)["queues"]
     (audit,) = (q for q in queues if q["topic"] == "audit")
     assert "ahead of this machine's clock" in audit["corrupt"][0]
+
+
+def test_to_offset_drops_the_stage_offsets_as_seek_does_and_says_so(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders",
+            "--queue", "0", "--yes"]  # fmt: skip
+    assert main([*args, "--to-offset", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "every other stored one is dropped" in out
+    assert "as seek() does" in out
+    progress = _claim(store_url, MessageQueue("orders", 0), 1)
+    assert progress == QueueProgress(consume_offset=3)
+    q1 = MessageQueue("orders", 1)
+    assert main([*args[:-3], "--queue", "1", "--to-offset", "2", "--keep-stage-offsets",
+                 "--yes"]) == 0  # fmt: skip
+    assert "the other stored ones are kept" in " ".join(capsys.readouterr().out.split())
+    assert _claim(store_url, q1, 1) == QueueProgress(
+        consume_offset=2, stage_offsets={StageKey("default", None): 5, StageKey("vip", ""): 1}
+    )
+    assert main([*args, "--to-offset", "4", "--stage-offset", "vip/=2"]) == 0
+    assert _claim(store_url, MessageQueue("orders", 0), 1) == QueueProgress(
+        consume_offset=4, stage_offsets={StageKey("vip", ""): 2}
+    )
+
+
+def test_a_stage_key_of_a_strategy_the_group_never_stored_is_refused(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders",
+            "--queue", "0", "--yes"]  # fmt: skip
+    before = _rows(store_url)
+    assert main([*args, "--stage-offset", "defualt=3"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--stage-offset names strategy 'defualt', which no stored progress" in err
+    assert "(it has 'default', 'vip')" in err
+    assert _rows(store_url) == before
+    assert main([*args, "--stage-offset", "default/k1=3"]) == 0  # a new group of a known one
+    assert main([*args, "--stage-offset", "fresh=3", "--new-stage-key"]) == 0
+    stages = _claim(store_url, MessageQueue("orders", 0), 1)
+    assert stages is not None
+    assert stages.stage_offsets[StageKey("fresh", None)] == 3
