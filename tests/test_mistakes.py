@@ -211,3 +211,20 @@ def test_a_missing_extra_is_named(code: str, expected: str) -> None:
     assert result.returncode == 1
     assert expected in result.stderr
     assert "stagedconsumer[" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["demo", "--virtual", "--backend", "asyncio"], "--backend asyncio would be ignored"),
+        (["demo", "--keys", "10", "gray"], "--keys before 'gray' belong(s) to the RIP-22 demo"),
+        (["demo", "--backend", "trio", "--messages", "5", "gray"], "--messages, --backend"),
+    ],
+)
+def test_demo_options_that_would_be_ignored_are_refused(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stagedconsumer._cli import main
+
+    assert main(argv) == 2
+    assert expected in " ".join(capsys.readouterr().err.split())

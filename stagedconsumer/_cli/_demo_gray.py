@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -215,6 +216,16 @@ async def run_gray_demo(*, orders: int = 12, events: int = 4) -> GrayDemoResult:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from ._demo import demo_options_given
+
+    ignored = demo_options_given(args)
+    if ignored:
+        sys.stderr.write(
+            f"error: demo gray takes --orders, --events and --backend (after 'gray');"
+            f" {', '.join(ignored)} before 'gray' belong(s) to the RIP-22 demo and would be"
+            " ignored\n"
+        )
+        return 2
     # the planned failures would print their tracebacks through logging's last resort
     quiet = logging.getLogger("stagedconsumer")
     quiet.addHandler(logging.NullHandler())
