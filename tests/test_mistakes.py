@@ -15,12 +15,14 @@ from stagedconsumer import (
     ConsumeConcurrentlyContext,
     ConsumeOrderlyContext,
     ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
     InvalidMessageError,
     InvalidOptionError,
     MemoryBroker,
     Message,
     MessageListenerConcurrently,
     MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
     OutgoingMessage,
     Producer,
     PushConsumer,
@@ -228,3 +230,46 @@ def test_demo_options_that_would_be_ignored_are_refused(
 
     assert main(argv) == 2
     assert expected in " ".join(capsys.readouterr().err.split())
+
+
+class Staged(MessageListenerStagedConcurrently):
+    def get_stage_definitions(self) -> list[int]:
+        return [2]
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        pass
+
+
+async def test_members_of_one_group_in_different_modes_are_told_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A staged and an orderly listener in one group both ran, each its own way, with
+    nothing said. (Not refused: a deployment changing a group's mode runs both.)"""
+    broker = MemoryBroker()
+    broker.create_topic("t", 4)
+    store = MemoryOffsetStore()
+    staged = PushConsumer("g", broker, Staged(), offset_store=store)
+    orderly = PushConsumer("g", broker, ReturnsOrderly(None), offset_store=store)
+    same = PushConsumer("h", broker, Staged(), offset_store=store)
+    same_too = PushConsumer("h", broker, Staged(), offset_store=store)
+    for consumer in (staged, orderly, same, same_too):
+        consumer.subscribe("t")
+    assert staged.client_id.endswith("@mode[staged]")
+    assert orderly.client_id.endswith("@mode[orderly]")
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+
+    with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
+        async with staged, orderly, same, same_too:
+            with anyio.fail_after(30):
+                while len(errors()) < 2 or len(same.assigned_queues) != 2:
+                    await anyio.sleep(0.01)
+    told = errors()
+    assert len(told) == 2, told  # once by each member of g, never by those of h
+    mine = next(e for e in told if f"this staged member {staged.client_id}" in e)
+    assert f"{orderly.client_id} (orderly)" in mine
+    assert "must agree on the mode" in mine
+    assert any(f"this orderly member {orderly.client_id}" in e for e in told)
