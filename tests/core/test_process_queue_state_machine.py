@@ -717,7 +717,7 @@ class StagedProcessQueueMachine(ProcessQueueMachine):
     but something unfinished must keep the next one closed)."""
 
     @initialize(sizes=st.lists(st.sampled_from([2, 2, 3]), min_size=2, max_size=3))
-    def setup(self, sizes: list[int]) -> None:  # type: ignore[override]
+    def setup(self, sizes: list[int]) -> None:
         ProcessQueueMachine.setup(
             self,
             mode=ConsumeMode.STAGED,
@@ -742,28 +742,28 @@ class StagedProcessQueueMachine(ProcessQueueMachine):
     def take(self, data: st.DataObject, max_count: int, direct: bool) -> None:
         ProcessQueueMachine.take(self, data, max_count, direct)
 
-    def drain(self) -> None:  # type: ignore[override]
+    def drain(self) -> None:
         raise AssertionError("not a rule here")
 
-    def untake(self) -> None:  # type: ignore[override]
+    def untake(self) -> None:
         raise AssertionError("not a rule here")
 
-    def take_ahead_and_give_back(self) -> None:  # type: ignore[override]
+    def take_ahead_and_give_back(self) -> None:
         raise AssertionError("not a rule here")
 
-    def suspend(self) -> None:  # type: ignore[override]
+    def suspend(self) -> None:
         raise AssertionError("not a rule here")
 
-    def drop(self) -> None:  # type: ignore[override]
+    def drop(self) -> None:
         raise AssertionError("not a rule here")
 
-    def pause(self) -> None:  # type: ignore[override]
+    def pause(self) -> None:
         raise AssertionError("not a rule here")
 
-    def unpause(self) -> None:  # type: ignore[override]
+    def unpause(self) -> None:
         raise AssertionError("not a rule here")
 
-    def restart_assigns_same_stages(self) -> None:  # type: ignore[override]
+    def restart_assigns_same_stages(self) -> None:
         raise AssertionError("not a rule here")
 
 
