@@ -506,22 +506,6 @@ _DEFAULTS = {"messages": 100, "cost_ms": 10.0, "workers": 20, "keys": 0}
 can tell the options it does not take from defaults."""
 
 
-def demo_options_given(args: argparse.Namespace) -> list[str]:
-    """The ``demo`` options given on the command line (``demo gray`` takes none)."""
-    names = {
-        "messages": "--messages",
-        "cost_ms": "--cost-ms",
-        "workers": "--workers",
-        "stages": "--stages",
-        "keys": "--keys",
-        "demo_backend": "--backend",
-    }
-    given = [flag for dest, flag in names.items() if getattr(args, dest, None) is not None]
-    if getattr(args, "virtual", False):
-        given.append("--virtual")
-    return given
-
-
 def _handle(args: argparse.Namespace) -> int:
     if args.virtual and args.demo_backend == "asyncio":
         sys.stderr.write(

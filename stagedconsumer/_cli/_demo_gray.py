@@ -215,9 +215,23 @@ async def run_gray_demo(*, orders: int = 12, events: int = 4) -> GrayDemoResult:
     return GrayDemoResult(checks=checks, handled=handled)
 
 
-def _handle(args: argparse.Namespace) -> int:
-    from ._demo import demo_options_given
+def demo_options_given(args: argparse.Namespace) -> list[str]:
+    """The ``demo`` options given on the command line (``demo gray`` takes none)."""
+    names = {
+        "messages": "--messages",
+        "cost_ms": "--cost-ms",
+        "workers": "--workers",
+        "stages": "--stages",
+        "keys": "--keys",
+        "demo_backend": "--backend",
+    }
+    given = [flag for dest, flag in names.items() if getattr(args, dest, None) is not None]
+    if getattr(args, "virtual", False):
+        given.append("--virtual")
+    return given
 
+
+def _handle(args: argparse.Namespace) -> int:
     ignored = demo_options_given(args)
     if ignored:
         sys.stderr.write(
