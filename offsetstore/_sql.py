@@ -63,7 +63,7 @@ from ._exceptions import (
     StoreReadOnlyError,
     StoreUnavailableError,
 )
-from ._inspect import StoredRow, decode_row
+from ._inspect import StoredRow, decode_row, fence_problem
 from ._types import MessageQueue, QueueProgress, StageKey, check_offset
 
 __all__ = ("SCHEMA_VERSION", "SqlOffsetStore", "schema_sql")
@@ -954,6 +954,18 @@ class SqlOffsetStore(StageOffsetStore):
             f" stage offsets are dropped) with: {shlex.join(words)}{password}"
         )
 
+    def _fence_hint(self, group: str, mq: MessageQueue, problem: str) -> str:
+        """What to append to a refused claim whose stored fence is corrupt: the
+        ``stagedconsumer offsets reset`` command that repairs it."""
+        words = ["stagedconsumer", "offsets", "reset", "--store", self.url]
+        if self._table_prefix != "stagedconsumer_":
+            words += ["--table-prefix", self._table_prefix]
+        words += ["--group", group, "--topic", mq.topic, "--queue", str(mq.queue_id), "--force"]
+        return (
+            f" ({problem}: the stored fence is corrupt and blocks the queue for every member;"
+            f" with the group stopped, repair it with: {shlex.join(words)} --redis URL)"
+        )
+
     def _select(self, group: str) -> sa.Select[Any]:
         t = self._progress
         return (
@@ -1161,9 +1173,11 @@ class SqlOffsetStore(StageOffsetStore):
                             )
                             return None
                         if int(row.fence) > fence:
+                            problem = fence_problem(int(row.fence))
+                            why = "" if problem is None else self._fence_hint(group, mq, problem)
                             raise StoreFencedError(
                                 f"group {group!r}: {mq} was claimed with fencing token"
-                                f" {row.fence} > {fence}",
+                                f" {row.fence} > {fence}{why}",
                                 queues=(mq,),
                             )
                         conn.execute(sa.update(t).where(*where).values(fence=fence))

@@ -148,8 +148,10 @@ def test_reset_force_lowers_a_blocking_fence_only_when_told_what_it_risks(
 ) -> None:
     mq = MessageQueue("audit", 0)
     epoch = 1_800_000_000_000  # a lock epoch: milliseconds of the clock
-    with pytest.raises(StoreFencedError):
-        _claim(corrupt_url, mq, epoch)  # blocked for good
+    with pytest.raises(StoreFencedError) as refused:
+        _claim(corrupt_url, mq, epoch)  # blocked for good, and the error says so
+    assert "the stored fence is corrupt and blocks the queue" in str(refused.value)
+    assert f"--group {GROUP} --topic audit --queue 0 --force --redis URL" in str(refused.value)
     args = ["offsets", "reset", "--store", corrupt_url, "--group", GROUP, "--topic", "audit"]
     # without a broker, whether a member holds the queue is unknown: refused
     assert main([*args, "--force", "--yes"]) == 1
