@@ -54,7 +54,7 @@ from sqlalchemy.dialects import mysql as mysql_dialect
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ._abc import StageOffsetStore
+from ._abc import StageOffsetStore, _check_reset_entry
 from ._exceptions import (
     OffsetStoreError,
     StoreCommitError,
@@ -63,9 +63,10 @@ from ._exceptions import (
     StoreReadOnlyError,
     StoreUnavailableError,
 )
+from ._inspect import StoredRow, decode_row, fence_problem
 from ._types import MessageQueue, QueueProgress, StageKey, check_offset
 
-__all__ = ("SCHEMA_VERSION", "SqlOffsetStore")
+__all__ = ("SCHEMA_VERSION", "SqlOffsetStore", "schema_sql")
 
 SCHEMA_VERSION: Final = 2
 """Version 2 added the ``fence`` column (fencing tokens of consumer groups)."""
@@ -79,6 +80,13 @@ _GIL_PAUSE: Final = 0.001
 _CREATE_ATTEMPTS: Final = 3
 """Tries at creating the tables when stores race to: one per table, and one more."""
 _T = TypeVar("_T")
+
+_DDL_DIALECTS: Final = {
+    "sqlite": sqlite_dialect.dialect,
+    "postgresql": pg_dialect.dialect,
+    "mysql": mysql_dialect.dialect,
+    "mariadb": mysql_dialect.dialect,
+}
 
 _DRIVER_HINTS: Final = {
     "psycopg": "pip install 'stagedconsumer[postgres]'",
@@ -747,6 +755,56 @@ class SqlOffsetStore(StageOffsetStore):
             self._migrate_to_2()
         self._check_writable()
 
+    async def init_schema(self) -> list[str]:
+        """Create the tables when missing and migrate them to this version's schema, as
+        :meth:`load` does, and say what was done, one sentence per step
+        (``stagedconsumer offsets init``). Needs a store made with ``create_tables=True``."""
+        if not self._create_tables:
+            raise StoreConfigurationError("init_schema() needs a store with create_tables=True")
+
+        def state() -> tuple[list[str], int | None]:
+            names = (self._schema_table.name, self._progress.name)
+            if self._missing_sqlite_file() is not None:
+                return list(names), None
+            with self._engine.connect() as conn:
+                inspector = sa.inspect(conn)
+                missing = [name for name in names if not inspector.has_table(name)]
+                if self._schema_table.name in missing:
+                    return missing, None
+                schema = self._schema_table
+                version = conn.execute(
+                    sa.select(schema.c.version).where(schema.c.component == _COMPONENT)
+                ).scalar_one_or_none()
+            return missing, version
+
+        def init() -> list[str]:
+            missing, before = state()
+            self._load_sync()
+            _, after = state()
+            done = [f"created table {name}" for name in missing]
+            if before is None:
+                done.append(f"recorded schema version {after} in {self._schema_table.name}")
+            elif after != before:
+                done.append(f"migrated the tables from schema version {before} to {after}")
+            if not done:
+                done.append(
+                    f"nothing to do: tables {self._schema_table.name} and {self._progress.name}"
+                    f" are at schema version {after}"
+                )
+            return done
+
+        if self._closed:
+            raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
+        return await self._in_thread("preparing the offset store", self._init_guarded, init)
+
+    def _init_guarded(self, init: Callable[[], list[str]]) -> list[str]:
+        try:
+            return init()
+        except OffsetStoreError:
+            raise
+        except sa_exc.SQLAlchemyError as exc:
+            raise self._wrap("creating the offset store tables", exc, writes=True) from exc
+
     def _check_writable(self) -> None:
         """Fail at load, not at the first commit, when the database refuses writes.
 
@@ -860,6 +918,7 @@ class SqlOffsetStore(StageOffsetStore):
                     stage_offsets=stage_offsets,
                 )
             except (ValueError, TypeError) as exc:
+                repair = repair or self._repair_hint(group, mq, consume_offset)
                 raise OffsetStoreError(
                     f"corrupt progress row for {mq} in {self._progress.name} of {self.url}:"
                     f" {exc}{repair}",
@@ -870,23 +929,41 @@ class SqlOffsetStore(StageOffsetStore):
 
     def _repair_hint(self, group: str, mq: MessageQueue, consume_offset: Any) -> str:
         """What to append to the error for a row of ``group`` whose stage offsets cannot
-        be read: the ``stagedconsumer offsets reset`` command that rewrites them (the
-        command keeps the consume offset, so it can repair the row only when that one
-        is readable; otherwise nothing)."""
+        be read: the ``stagedconsumer offsets reset`` command that rewrites them (it
+        keeps a readable consume offset; an unreadable one needs a new one, ``N``)."""
         try:
             if consume_offset is not None:
                 check_offset("consume offset", int(consume_offset))
+            readable = True
         except (ValueError, TypeError):
-            return ""
+            readable = False
         words = ["stagedconsumer", "offsets", "reset", "--store", self.url]
         if self._table_prefix != "stagedconsumer_":
             words += ["--table-prefix", self._table_prefix]
         words += ["--group", group, "--topic", mq.topic, "--queue", str(mq.queue_id)]
-        words.append("--clear-stage-offsets")
         password = " (with the URL's password put back)" if self._url.password else ""
+        if not readable:
+            command = f"{shlex.join(words)} --to-offset N --force"
+            return (
+                "; with the group stopped, repair the row (N: the new consume offset; its"
+                f" stage offsets are dropped) with: {command}{password}"
+            )
+        words.append("--clear-stage-offsets")
         return (
             "; with the group stopped, repair the row (its consume offset is kept, its"
             f" stage offsets are dropped) with: {shlex.join(words)}{password}"
+        )
+
+    def _fence_hint(self, group: str, mq: MessageQueue, problem: str) -> str:
+        """What to append to a refused claim whose stored fence is corrupt: the
+        ``stagedconsumer offsets reset`` command that repairs it."""
+        words = ["stagedconsumer", "offsets", "reset", "--store", self.url]
+        if self._table_prefix != "stagedconsumer_":
+            words += ["--table-prefix", self._table_prefix]
+        words += ["--group", group, "--topic", mq.topic, "--queue", str(mq.queue_id), "--force"]
+        return (
+            f" ({problem}: the stored fence is corrupt and blocks the queue for every member;"
+            f" with the group stopped, repair it with: {shlex.join(words)} --redis URL)"
         )
 
     def _select(self, group: str) -> sa.Select[Any]:
@@ -942,6 +1019,71 @@ class SqlOffsetStore(StageOffsetStore):
 
         progress = await self._run(f"listing the progress of group {group!r}", read, writes=False)
         return progress, frozenset(unreadable)
+
+    async def inspect_progress(self, group: str, topic: str | None = None) -> list[StoredRow]:
+        """Every stored row of ``group`` (of one topic when given) as it is, corrupt
+        ones included and marked (:attr:`StoredRow.problems`), for an operator: never
+        raises for a row it cannot read (``stagedconsumer offsets show``)."""
+        t = self._progress
+        stmt = (
+            sa.select(t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets, t.c.fence)
+            .where(t.c.consumer_group == group)
+            .order_by(t.c.topic, t.c.queue_id)
+        )
+        if topic is not None:
+            stmt = stmt.where(t.c.topic == topic)
+
+        def read() -> list[StoredRow]:
+            with self._engine.connect() as conn:
+                rows = conn.execute(stmt).all()
+            return [
+                decode_row(
+                    MessageQueue(str(r[0]), int(r[1])), r[2], r[3], r[4], decode_stage_offsets
+                )
+                for r in rows
+            ]
+
+        return await self._run(f"listing the stored rows of group {group!r}", read, writes=False)
+
+    async def repair_progress(
+        self,
+        group: str,
+        progress: Mapping[MessageQueue, QueueProgress],
+        fences: Mapping[MessageQueue, int] | None = None,
+    ) -> None:
+        """:meth:`reset_progress` of ``progress`` and, in the same transaction, the
+        stored fence of each queue of ``fences`` set to its value: the operator's repair
+        of a row whose fence blocks its queue (see :class:`StoredRow`). Lowering a fence
+        lets a member that lost the queue write over it again: only for a group none
+        of whose members holds the queue."""
+        progress = dict(progress)
+        fences = dict(fences or {})
+        for mq, value in progress.items():
+            _check_reset_entry(mq, value)
+        for mq, fence in fences.items():
+            check_offset(f"fence of {mq}", fence)
+        t = self._progress
+        items = sorted(progress.items(), key=_queue_order)
+        stmt = self._overwrite_stmt
+
+        def write() -> None:
+            with self._write_transaction() as conn:
+                if items:
+                    conn.execute(stmt, [self._params(group, mq, value) for mq, value in items])
+                for mq, fence in sorted(fences.items(), key=_queue_order):
+                    conn.execute(
+                        sa.update(t)
+                        .where(
+                            t.c.consumer_group == group,
+                            t.c.topic == mq.topic,
+                            t.c.queue_id == mq.queue_id,
+                        )
+                        .values(fence=fence)
+                    )
+
+        await self._run(f"repairing the progress of group {group!r}", write, writes=True)
+        for mq, value in progress.items():
+            self.update_progress(group, mq, value)
 
     def _params(self, group: str, mq: MessageQueue, progress: QueueProgress) -> dict[str, Any]:
         return {
@@ -1031,9 +1173,11 @@ class SqlOffsetStore(StageOffsetStore):
                             )
                             return None
                         if int(row.fence) > fence:
+                            problem = fence_problem(int(row.fence))
+                            why = "" if problem is None else self._fence_hint(group, mq, problem)
                             raise StoreFencedError(
                                 f"group {group!r}: {mq} was claimed with fencing token"
-                                f" {row.fence} > {fence}",
+                                f" {row.fence} > {fence}{why}",
                                 queues=(mq,),
                             )
                         conn.execute(sa.update(t).where(*where).values(fence=fence))
@@ -1170,6 +1314,29 @@ def _switch_to_wal(cursor: Any, wait: float) -> None:
                 raise
         time.sleep(pause)
         pause = min(pause * 2, 0.1)
+
+
+def schema_sql(dialect: str, table_prefix: str = "stagedconsumer_") -> str:
+    """The SQL that creates the offset store's tables for ``dialect`` (``sqlite``,
+    ``postgresql``, ``mysql`` or ``mariadb``) and records their schema version: what
+    :meth:`SqlOffsetStore.load` would do, for a DBA to run (``stagedconsumer offsets
+    init --sql``). Each table's ``CREATE TABLE`` is SQLAlchemy's, compiled for the dialect."""
+    make = _DDL_DIALECTS.get(dialect)
+    if make is None:
+        raise StoreConfigurationError(
+            f"unknown SQL dialect {dialect!r}: use one of {', '.join(_DDL_DIALECTS)}"
+        )
+    SqlOffsetStore("sqlite://", table_prefix=table_prefix, create_tables=False)  # checks it
+    _, schema, progress = _build_tables(table_prefix)
+    statements = [
+        str(sa.schema.CreateTable(table).compile(dialect=make())).strip()
+        for table in (schema, progress)
+    ]
+    statements.append(
+        f"INSERT INTO {schema.name} (component, version) VALUES ('{_COMPONENT}', {SCHEMA_VERSION})"
+    )
+    lines = "\n".join(f"{statement};" for statement in statements).splitlines()
+    return "".join(f"{line.rstrip()}\n" for line in lines)
 
 
 def _redact(url: object) -> str:

@@ -13,16 +13,14 @@ the expression, instead of being taken as one literal tag that no message carrie
 
 from __future__ import annotations
 
-import re
-
 import attrs
 
 from ._exceptions import ConfigurationError
+from ._message import TAG as _TAG
 from ._message import Message
 
 __all__ = ("TagFilter",)
 
-_TAG = re.compile(r"[^\s|&*]+")
 _GRAMMAR = "expected '*' or tags separated by '||', e.g. 'TagA || TagB'"
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -277,6 +278,30 @@ def _checked_keys(keys: object) -> tuple[str, ...]:
     return out
 
 
+TAG = re.compile(r"[^\s|&*]+")
+"""One tag: what a message may carry and a subscription expression may name (no
+whitespace, no ``|``, ``&`` or ``*``)."""
+
+RESERVED_PROPERTIES = frozenset({"RETRY_TOPIC", "ORIGIN_MESSAGE_ID", "GRAY"})
+"""Properties the brokers set and read themselves (``PROPERTY_RETRY_TOPIC``,
+``PROPERTY_ORIGIN_MESSAGE_ID``, ``PROPERTY_GRAY``): a message sent with one of them
+would be taken for a retry, a copy of another message, or gray traffic."""
+
+
+def _checked_tags(tags: object) -> str | None:
+    if tags is None:
+        return None
+    if not isinstance(tags, str):
+        raise InvalidMessageError(f"tags must be a string or None, got {type(tags).__name__}")
+    if not TAG.fullmatch(tags):
+        raise InvalidMessageError(
+            f"tags={tags!r} is not one tag: a message has one tag, without whitespace, '|',"
+            " '&' or '*' (a subscription 'TagA || TagB' selects messages of either tag),"
+            " so no consumer could select it"
+        )
+    return tags
+
+
 def _checked_properties(properties: object) -> dict[str, str]:
     if properties is None:
         return {}
@@ -290,6 +315,12 @@ def _checked_properties(properties: object) -> dict[str, str]:
             raise InvalidMessageError(
                 "properties must map str to str, got"
                 f" {type(name).__name__} {name!r}: {type(value).__name__} {value!r}"
+            )
+        if name in RESERVED_PROPERTIES:
+            raise InvalidMessageError(
+                f"property {name!r} is set by the broker itself (reserved:"
+                f" {', '.join(sorted(RESERVED_PROPERTIES))}): a message sent with it would be"
+                " treated as a retry, a copy or gray traffic; use another name"
             )
         out[name] = value
     return out
@@ -322,12 +353,10 @@ class OutgoingMessage:
         naming the bad field."""
         if not isinstance(body, (bytes, bytearray, memoryview)):
             raise InvalidMessageError(f"body must be bytes, got {type(body).__name__}")
-        if tags is not None and not isinstance(tags, str):
-            raise InvalidMessageError(f"tags must be a string or None, got {type(tags).__name__}")
         return cls(
             body=bytes(body),
             keys=_checked_keys(keys),
-            tags=tags,
+            tags=_checked_tags(tags),
             properties=_checked_properties(properties),
         )
 

@@ -51,6 +51,10 @@ def _optional_reconsume(_instance: Any, attribute: attrs.Attribute[Any], value: 
     _int_range(0, 2**31 - 1)(_instance, attribute, value)
 
 
+_DEFAULT_GRAY_RATIO = 0.1
+"""``ConsumerOptions.gray_queue_ratio`` by default."""
+
+
 class ConsumeFromWhere(enum.Enum):
     """Where a group with no committed progress on a queue starts (RocketMQ's
     ``ConsumeFromWhere``). Queues with committed progress always resume there."""
@@ -170,11 +174,18 @@ class ConsumerOptions:
     Fixed for the member's lifetime: changing it needs a restart."""
     gray_queue_ratio: float = attrs.field(default=0.1, validator=_ratio)
     """Share of each topic's queues that are gray, in (0, 1]: the last
-    ``ceil(n * ratio)`` of the sorted queues (8 queues, 0.1: the last one)."""
+    ``ceil(n * ratio)`` of the sorted queues (8 queues, 0.1: the last one). Only with
+    ``enable_gray_switch`` (another value with the switch off is refused)."""
 
     def __attrs_post_init__(self) -> None:
         if self.gray_tag and not self.enable_gray_switch:
             raise InvalidOptionError("gray_tag=True needs enable_gray_switch=True")
+        if self.gray_queue_ratio != _DEFAULT_GRAY_RATIO and not self.enable_gray_switch:
+            raise InvalidOptionError(
+                f"gray_queue_ratio={self.gray_queue_ratio!r} is used only with"
+                " enable_gray_switch=True (on every member of the group); with the switch"
+                " off it would be ignored"
+            )
         from_timestamp = self.consume_from_where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP
         if from_timestamp and self.consume_timestamp is None:
             raise InvalidOptionError("CONSUME_FROM_TIMESTAMP needs consume_timestamp")

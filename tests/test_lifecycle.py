@@ -218,8 +218,10 @@ async def test_leaving_async_with_abandons_a_sync_handler_after_shutdown_timeout
                 left = anyio.current_time()
             took = anyio.current_time() - left
         stats = consumer.statistics()
-        assert took < 0.3 + 1.5, f"leaving took {took:.2f} s"  # the old code: 30 s
-        assert not listener.returned.is_set()  # it really was still running
+        # Left while the handler still ran (it returns only when released, or after
+        # 30 s): leaving did not wait for it. The bound is generous (a loaded machine).
+        assert not listener.returned.is_set()
+        assert took < 20, f"leaving took {took:.2f} s"
         assert stats.abandoned_calls == 1
         assert stats.consumed_ok == 0  # not counted as consumed
         assert await store.read_offset("g", MessageQueue("t", 0)) == 0  # not committed

@@ -163,7 +163,8 @@ async def test_the_deadline_covers_the_whole_call() -> None:
         with pytest.raises(SendTimeoutError, match="send_msg_timeout"):
             await producer.send("t", b"x")
         took = anyio.current_time() - started
-        assert 0.2 <= took < 2.0
+        assert took >= 0.2  # not before its deadline
+        assert took < 20  # a stalled append never returns: only the deadline ended it
         assert producer.statistics().timeouts == 1
 
 

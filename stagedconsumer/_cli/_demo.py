@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 import time
 from collections.abc import Sequence
 
@@ -500,7 +501,22 @@ def render(results: Sequence[DemoResult], console: Console, *, virtual: bool) ->
             console.print(f"[red]{r.mode}: {violation}[/red]", highlight=False)
 
 
+_DEFAULTS = {"messages": 100, "cost_ms": 10.0, "workers": 20, "keys": 0}
+"""The demo's options left unset (``None``) take these; unset, so that ``demo gray``
+can tell the options it does not take from defaults."""
+
+
 def _handle(args: argparse.Namespace) -> int:
+    if args.virtual and args.demo_backend == "asyncio":
+        sys.stderr.write(
+            "error: demo --virtual runs on trio, in virtual time: --backend asyncio would be"
+            " ignored (drop one of them)\n"
+        )
+        return 2
+    for dest, default in _DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    args.backend = args.demo_backend or "asyncio"
     if args.stages is None:  # RIP-22's stages; per key, stages that fit a key's share
         args.stages = [1, 2, 3] if args.keys else [10, 20, 70]
     kwargs = {
@@ -554,21 +570,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--messages",
         type=_positive_int,
-        default=100,
+        default=None,
         metavar="N",
         help="messages on the queue (100)",
     )
     parser.add_argument(
         "--cost-ms",
         type=_positive_float,
-        default=10.0,
+        default=None,
         metavar="MS",
         help="handler time per message in ms (10)",
     )
     parser.add_argument(
         "--workers",
         type=_positive_int,
-        default=20,
+        default=None,
         metavar="N",
         help="handler calls at once, consume_thread_max (20)",
     )
@@ -582,17 +598,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--keys",
         type=_non_negative_int,
-        default=0,
+        default=None,
         metavar="K",
         help="give message i the key user-{i %% K} and compare orderly, key-ordered,"
         " staged by key and concurrent (0: the RIP-22 example)",
     )
     parser.add_argument(
         "--backend",
+        dest="demo_backend",
         choices=["asyncio", "trio"],
-        default="asyncio",
+        default=None,
         help="event loop of the wall-clock run: asyncio (default) or trio (needs the"
-        " trio extra: pip install 'stagedconsumer[trio]')",
+        " trio extra: pip install 'stagedconsumer[trio]'); --virtual runs on trio",
     )
     parser.add_argument(
         "--virtual",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -214,7 +215,31 @@ async def run_gray_demo(*, orders: int = 12, events: int = 4) -> GrayDemoResult:
     return GrayDemoResult(checks=checks, handled=handled)
 
 
+def demo_options_given(args: argparse.Namespace) -> list[str]:
+    """The ``demo`` options given on the command line (``demo gray`` takes none)."""
+    names = {
+        "messages": "--messages",
+        "cost_ms": "--cost-ms",
+        "workers": "--workers",
+        "stages": "--stages",
+        "keys": "--keys",
+        "demo_backend": "--backend",
+    }
+    given = [flag for dest, flag in names.items() if getattr(args, dest, None) is not None]
+    if getattr(args, "virtual", False):
+        given.append("--virtual")
+    return given
+
+
 def _handle(args: argparse.Namespace) -> int:
+    ignored = demo_options_given(args)
+    if ignored:
+        sys.stderr.write(
+            f"error: demo gray takes --orders, --events and --backend (after 'gray');"
+            f" {', '.join(ignored)} before 'gray' belong(s) to the RIP-22 demo and would be"
+            " ignored\n"
+        )
+        return 2
     # the planned failures would print their tracebacks through logging's last resort
     quiet = logging.getLogger("stagedconsumer")
     quiet.addHandler(logging.NullHandler())

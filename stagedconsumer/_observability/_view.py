@@ -50,6 +50,11 @@ class ConsumerStatistics:
     """Per assigned queue, its own snapshot."""
     hook_errors: int = 0
     """Exceptions raised by consume hooks (logged and ignored)."""
+    invalid_returns: int = 0
+    """Handler calls that returned something that is not a status of their mode nor
+    ``None`` (a string such as ``'SUCCESS'``, ``True``): each is treated as a failure
+    (``RECONSUME_LATER`` / ``SUSPEND_CURRENT_QUEUE_A_MOMENT``), the first logged as an
+    ERROR naming the value and its type."""
     trace_records_dropped: int = 0
     """Message trace records dropped because a trace dispatcher's queue was full."""
     assignment_errors: int = 0

@@ -18,10 +18,12 @@ or the object's own, started on ``__enter__`` and stopped on ``__exit__`` (with
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
@@ -153,6 +155,41 @@ class _LoopThread:
         with contextlib.suppress(RuntimeError):  # already stopped (its event loop ended)
             portal.call(portal.stop, True)
         own.__exit__(None, None, None)
+
+
+def _event_loop_of_this_thread() -> str | None:
+    """``"asyncio"`` or ``"trio"`` when that event loop runs in this thread (asked of
+    the loops, whose state is per thread: a worker thread of theirs has none, though
+    context variables such as sniffio's are copied into it), else ``None``."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return "asyncio"
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+        else:
+            return "trio"
+    return None
+
+
+def check_no_event_loop(method: str, what: str) -> None:
+    """Raise :class:`WrongThreadError` when an event loop runs in this thread: a
+    blocking call there stops that loop, and everything on it, until it returns."""
+    library = _event_loop_of_this_thread()
+    if library is None:
+        return
+    raise WrongThreadError(
+        f"{method}() blocks its thread until the call is done, and was called from a"
+        f" thread running a {library} event loop, which would stall meanwhile: in async"
+        f" code use the async {what} (await its method), or run the blocking call in a"
+        " worker thread (anyio.to_thread.run_sync)"
+    )
 
 
 class _Host(Generic[_CM]):
@@ -353,6 +390,7 @@ class _Host(Generic[_CM]):
                 f" from that event loop's thread (an async handler, say), where it would"
                 f" wait forever: await the async {self.what}'s method instead"
             )
+        check_no_event_loop(method, self.what)
 
     def call(self, method: str, call: Callable[[], Awaitable[_T]]) -> _T:
         """``await call()`` on the event loop; the calling thread waits for it."""
@@ -455,6 +493,7 @@ class BlockingProducer:
     def __enter__(self) -> Self:
         if self._host is not None:
             raise ProducerStateError("a BlockingProducer can be started only once")
+        check_no_event_loop("BlockingProducer.__enter__", "producer")
         self._host = _Host(
             self.producer,
             self.producer.source,
@@ -623,6 +662,7 @@ class BlockingConsumer:
     def __enter__(self) -> Self:
         if self._host is not None:
             raise ConsumerStateError("a BlockingConsumer can be started only once")
+        check_no_event_loop("BlockingConsumer.__enter__", "consumer (PushConsumer)")
         self._host = _Host(
             self.consumer,
             self.consumer.source,

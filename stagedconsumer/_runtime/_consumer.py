@@ -31,7 +31,12 @@ from .._observability._hooks import ConsumeMessageHook
 from .._observability._view import ConsumerStatistics
 from .._options import ConsumerOptions
 from .._sources._gray import AllocateMessageQueueByGray, gray_member_id
-from .._sources._group import AllocateMessageQueueAveragely, GroupCoordinator, new_client_id
+from .._sources._group import (
+    AllocateMessageQueueAveragely,
+    GroupCoordinator,
+    mode_member_id,
+    new_client_id,
+)
 from .._sources._source import MessageSource, retry_topic
 from ._commit import ProgressCommitter, retry_store
 from ._hooks import HookRunner
@@ -138,9 +143,10 @@ class PushConsumer:
         self._state = ConsumerState(group=group, mode="")
         self._service = ConsumeService.for_listener(listener, group, source, self._state, options)
         self._state.mode = self._service.mode.value
-        self.client_id = new_client_id()
-        """This consumer's identity among the members of its group (a gray member's
-        ends with ``@gray[<gray_queue_ratio>]``)."""
+        self.client_id = mode_member_id(new_client_id(), self._service.mode.value)
+        """This consumer's identity among the members of its group: ``host@pid@random``
+        and its consume mode (``@mode[staged]``); a gray member's ends with
+        ``@gray[<gray_queue_ratio>]``."""
         if options.enable_gray_switch and options.gray_tag:
             self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
         self._coordinator: GroupCoordinator | None = source.group_coordinator()

@@ -35,7 +35,7 @@ from .._exceptions import SourceError
 from .._filter import TagFilter
 from .._message import MessageQueue
 from .._sources._gray import AllocateMessageQueueByGray, gray_ratio_of
-from .._sources._group import AllocateMessageQueueStrategy, GroupCoordinator
+from .._sources._group import AllocateMessageQueueStrategy, GroupCoordinator, member_mode
 from ._queues import QueueTable
 from ._state import ConsumerState
 
@@ -78,6 +78,8 @@ class GroupMembership:
         is on)."""
         self._gray: frozenset[MessageQueue] = frozenset()
         self._warned_gray = False
+        self._mode = member_mode(client_id)
+        self._warned_modes: frozenset[str] = frozenset()
         self.ownership = QueueOwnership()
         self._coordinating = anyio.Lock()
         """Held around each round's plan and lock request and around every unlock: a
@@ -137,6 +139,7 @@ class GroupMembership:
             members = await coordinator.heartbeat(self.group, self.client_id)
         if self.client_id not in members:
             members = sorted([*members, self.client_id])
+        self._check_modes(members)
         queues = sorted(self.subscribed)
         if isinstance(self.strategy, AllocateMessageQueueByGray):
             self._gray = frozenset(self.strategy.gray_queues(queues, members))
@@ -218,6 +221,33 @@ class GroupMembership:
                 queue.pq.committed_offset,
                 epoch,
             )
+
+    def _check_modes(self, members: Sequence[str]) -> None:
+        """Say loudly (an ERROR, once per set of members) when live members of the group
+        consume in another mode than this one. Not refused: a deployment that changes
+        a group's mode runs both for a while. But each member consumes the queues
+        allocated to it its own way, so while they disagree the group's ordering is
+        the weakest of their modes'."""
+        mine = self._mode
+        if mine is None:
+            return
+        others = frozenset(
+            m for m in members if (mode := member_mode(m)) is not None and mode != mine
+        )
+        if not others or others <= self._warned_modes:
+            return
+        self._warned_modes |= others
+        logger.error(
+            "group %s: members consume in another mode than this %s member %s: %s. The"
+            " members of a group must agree on the mode (the listener's kind): each"
+            " consumes the queues allocated to it its own way, so the group keeps only"
+            " the weakest order of their modes. Give the other listener its own group,"
+            " unless this is a deployment changing the group's mode",
+            self.group,
+            mine,
+            self.client_id,
+            ", ".join(f"{m} ({member_mode(m)})" for m in sorted(others)),
+        )
 
     def is_gray(self, mq: MessageQueue) -> bool:
         """Whether ``mq`` is a gray queue as of the last rebalance (gray release)."""

@@ -228,6 +228,12 @@ class Producer:
             raise ConfigurationError(
                 f"selector must be a MessageQueueSelector, got {type(selector).__name__}"
             )
+        if arg is not None and selector is None:
+            raise ConfigurationError(
+                f"arg={arg!r} is handed to a selector's select(), but no selector= is given:"
+                " it would be ignored (for gray traffic: selector=SelectMessageQueueByGray(),"
+                " arg=True)"
+            )
         clock = loop_clock()
         start = clock()
         context = SendMessageContext(

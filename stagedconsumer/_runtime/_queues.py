@@ -379,6 +379,7 @@ class QueueTable:
             commit_errors=state.commit_errors,
             commits=state.commits,
             hook_errors=hooks.errors if hooks is not None else 0,
+            invalid_returns=state.invalid_returns,
             trace_records_dropped=sum(hook.records_dropped for hook in hook_list),
             assignment_errors=state.assignment_errors,
             abandoned_calls=state.abandoned_calls,

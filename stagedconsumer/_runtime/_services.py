@@ -13,6 +13,7 @@ worker loop itself (``_workers.py``) is the same for every mode.
 from __future__ import annotations
 
 import abc
+import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -163,6 +164,32 @@ class ConsumeService(abc.ABC):
     """Builds the context handed to the listener with a batch: ``(batch, suspend
     millis)``; a plain function, called once per handler call."""
 
+    _said_not_a_status = False
+
+    def _not_a_status(self, result: object, status: type[enum.Enum], treated_as: str) -> None:
+        """A handler returned ``result``, neither ``None`` nor a ``status``: counted
+        (``statistics().invalid_returns``); the first one is an ERROR saying so (the
+        usual mistake: a string such as ``'SUCCESS'``, or ``True``), later ones the
+        WARNING of any failure."""
+        self.state.invalid_returns += 1
+        if self._said_not_a_status:
+            logger.warning(
+                "group %s: handler returned %r, treated as %s", self.group, result, treated_as
+            )
+            return
+        self._said_not_a_status = True
+        names = " or ".join(f"{status.__name__}.{member.name}" for member in status)
+        logger.error(
+            "group %s: the handler returned %r (a %s), which is not a status: return None"
+            " or %s. It is treated as %s, a failure, so its messages are consumed again;"
+            " said once, every such return is counted in statistics().invalid_returns",
+            self.group,
+            result,
+            type(result).__name__,
+            names,
+            treated_as,
+        )
+
     @abc.abstractmethod
     async def settle_failure(
         self, batch: Batch, context: Any, error: Exception | None, result: object
@@ -210,9 +237,7 @@ class ConcurrentlyConsumeService(ConsumeService):
                     exc_info=error,
                 )
             elif result is not ConsumeConcurrentlyStatus.RECONSUME_LATER:
-                logger.warning(
-                    "group %s: handler returned %r, treated as RECONSUME_LATER", self.group, result
-                )
+                self._not_a_status(result, ConsumeConcurrentlyStatus, "RECONSUME_LATER")
             failed = messages
         state.consumed_failed += len(failed)
         kept: list[Message] = []
@@ -281,11 +306,7 @@ class OrderlyConsumeService(ConsumeService):
                 exc_info=error,
             )
         elif result is not ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT:
-            logger.warning(
-                "group %s: handler returned %r, treated as SUSPEND_CURRENT_QUEUE_A_MOMENT",
-                self.group,
-                result,
-            )
+            self._not_a_status(result, ConsumeOrderlyStatus, "SUSPEND_CURRENT_QUEUE_A_MOMENT")
         self.state.consumed_failed += len(messages)
         suspended, exhausted = split_exhausted(messages, self.max_reconsume_times)
         dead: list[Message] = []

@@ -36,6 +36,8 @@ class ConsumerState:
     pull_errors: int = 0
     commit_errors: int = 0
     commits: int = 0
+    invalid_returns: int = 0
+    """Handler calls that returned neither None nor a status of their mode."""
     assignment_errors: int = 0
     """Failed stage assignments (a stage callback raised or returned a bad value)."""
     abandoned_calls: int = 0

@@ -27,6 +27,7 @@ import bisect
 import hashlib
 import math
 import os
+import re
 import socket
 import uuid
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,8 @@ __all__ = (
     "AllocateMessageQueueStrategy",
     "GroupCoordinator",
     "GroupOptions",
+    "member_mode",
+    "mode_member_id",
     "new_client_id",
 )
 
@@ -206,6 +209,21 @@ class GroupOptions:
 def new_client_id() -> str:
     """``host@pid@random``: unique per consumer instance."""
     return f"{socket.gethostname()}@{os.getpid()}@{uuid.uuid4().hex[:8]}"
+
+
+_MODE_MARKER = re.compile(r"@mode\[([a-z_]+)\]")
+
+
+def mode_member_id(client_id: str, mode: str) -> str:
+    """``client_id`` marked with the consume mode of its listener (``...@mode[staged]``),
+    so that the members of a group see each other's (they must agree)."""
+    return f"{client_id}@mode[{mode}]"
+
+
+def member_mode(member: str) -> str | None:
+    """The consume mode in a member's id, ``None`` when it has none (an older version)."""
+    match = _MODE_MARKER.search(member)
+    return None if match is None else match.group(1)
 
 
 class GroupCoordinator(abc.ABC):

@@ -83,6 +83,8 @@ from ._source import (
     retry_topic,
 )
 
+logger = logging.getLogger("stagedconsumer")
+
 __all__ = ("RedisBroker", "RedisBrokerStatistics", "StreamRetention")
 
 
@@ -1148,9 +1150,12 @@ class RedisBroker(MessageSource):
         as the queues of ``topic``: one stream per queue, in the order given.
 
         Nothing is written to Redis (no topic entry, no Lua producer); the streams may
-        not exist yet. Every process of a consumer group attaches the same streams in
-        the same order before its consumer starts; consumer groups, queue locks,
-        fencing and the offset store work as for the broker's own topics.
+        not exist yet (a WARNING names those that do not: a misspelt key consumes
+        nothing), and a WARNING names a stream whose last entry has no ``body_field``
+        (the default decoder would give empty bodies). Every process of a consumer
+        group attaches the same streams in the same order before its consumer starts;
+        consumer groups, queue locks, fencing and the offset store work as for the
+        broker's own topics.
 
         - **Offsets** come from the entry ids: ``<ms>-<seq>`` is offset
           ``ms * 2**19 + seq``, ordered as the ids and never shared by two entries (an
@@ -1194,6 +1199,8 @@ class RedisBroker(MessageSource):
                 f"topic {topic!r} is attached to {list(previous.stream_keys)} already"
             )
         execute = self._connection.execute
+        missing: list[str] = []
+        lacking: list[str] = []
         for key in keys:
             kind = await self._retrying(
                 f"checking stream {key}", functools.partial(execute, "TYPE", key)
@@ -1201,6 +1208,35 @@ class RedisBroker(MessageSource):
             kind = kind.decode() if isinstance(kind, bytes) else str(kind)
             if kind not in ("stream", "none"):
                 raise ConfigurationError(f"key {key!r} is a {kind}, not a stream")
+            if kind == "none":
+                missing.append(key)
+            elif decode is None:
+                last = await self._retrying(
+                    f"reading the last entry of stream {key}",
+                    functools.partial(execute, "XREVRANGE", key, "+", "-", "COUNT", 1),
+                )
+                names = [bytes(name) for name in (last[0][1][::2] if last else ())]
+                if names and body_field.encode() not in names:
+                    fields = ", ".join(repr(n.decode(errors="replace")) for n in names)
+                    lacking.append(f"{key} (fields {fields})")
+        # Warnings, not errors: a stream may be created after its consumer starts, and
+        # entries of one stream may differ; but either is most often a typo.
+        if missing:
+            logger.warning(
+                "attach_stream(%r): no stream %s exists (yet); attached anyway: its queue"
+                " gets messages once something writes there (check the key for a typo)",
+                topic,
+                ", ".join(missing),
+            )
+        if lacking:
+            logger.warning(
+                "attach_stream(%r): the last entry of %s has no field %r: such entries"
+                " are consumed with an empty body and every field as a property (give the"
+                " body's field name as body_field=..., or a decode=...)",
+                topic,
+                "; ".join(lacking),
+                body_field,
+            )
         self._attached[topic] = _Attached(keys, decode or default_entry_decoder(body_field))
         return [MessageQueue(topic, i) for i in range(len(keys))]
 

@@ -85,7 +85,9 @@ class SelectMessageQueueByGray(MessageQueueSelector):
 
     A message is gray when ``arg`` is ``True``, or when ``gray_property`` is set and
     the message's property of that name equals ``gray_value`` (a traffic-lane tag,
-    e.g. ``gray_property="lane", gray_value="canary"``). Within its side, a message
+    e.g. ``gray_property="lane", gray_value="canary"``; ``gray_value`` defaults to
+    ``"true"``, and without ``gray_property`` it is refused, having nothing to be
+    compared with). Within its side, a message
     with keys goes to the queue at the stable hash of its first key, so messages of
     one key stay in one queue and in order (RIP-72 picks a random queue, which
     breaks per-key order for orderly and staged consumers); messages without keys
@@ -98,13 +100,22 @@ class SelectMessageQueueByGray(MessageQueueSelector):
         ratio: float = 0.1,
         *,
         gray_property: str | None = None,
-        gray_value: str = "true",
+        gray_value: str | None = None,
     ) -> None:
         self.ratio = check_gray_ratio(ratio, "ratio")
         if gray_property is not None and (not isinstance(gray_property, str) or not gray_property):
             raise ConfigurationError(
                 f"gray_property must be a non-empty string or None, got {gray_property!r}"
             )
+        if gray_value is not None and gray_property is None:
+            raise ConfigurationError(
+                f"gray_value={gray_value!r} is compared with the message property named by"
+                " gray_property, which is not given: messages marked that way would go to"
+                " the normal queues (pass gray_property=..., or arg=True to send()"
+                " for gray traffic)"
+            )
+        if gray_value is None:
+            gray_value = "true"
         if not isinstance(gray_value, str):
             raise ConfigurationError(f"gray_value must be a string, got {gray_value!r}")
         self.gray_property = gray_property

@@ -37,14 +37,24 @@ from ._log import HandlerCall as HandlerCall
 from ._log import Outcome as Outcome
 from ._log import RecordingListener as RecordingListener
 from ._log import origin_id as origin_id
-from ._strategies import HYPOTHESIS_PROFILE as HYPOTHESIS_PROFILE
-from ._strategies import FailureKind as FailureKind
-from ._strategies import FailureSchedule as FailureSchedule
-from ._strategies import MessageSpec as MessageSpec
-from ._strategies import failure_schedules as failure_schedules
-from ._strategies import handler_costs as handler_costs
-from ._strategies import messages as messages
-from ._strategies import stage_definitions as stage_definitions
+
+try:
+    from ._strategies import HYPOTHESIS_PROFILE as HYPOTHESIS_PROFILE
+    from ._strategies import FailureKind as FailureKind
+    from ._strategies import FailureSchedule as FailureSchedule
+    from ._strategies import MessageSpec as MessageSpec
+    from ._strategies import failure_schedules as failure_schedules
+    from ._strategies import handler_costs as handler_costs
+    from ._strategies import messages as messages
+    from ._strategies import stage_definitions as stage_definitions
+except ModuleNotFoundError as exc:
+    if exc.name != "hypothesis":
+        raise
+    raise ModuleNotFoundError(
+        "stagedconsumer.testing needs the 'testing' extra (hypothesis is not installed):"
+        " pip install 'stagedconsumer[testing]'",
+        name=exc.name,
+    ) from exc
 from ._virtual import InjectedFailure as InjectedFailure
 from ._virtual import VirtualRun as VirtualRun
 from ._virtual import run_virtual as run_virtual

@@ -376,9 +376,31 @@ def run_virtual(
 
     Returns a :class:`VirtualRun` with the log, the messages as sent and the makespan.
     """
-    import trio
-    import trio.testing
+    try:
+        import trio
+        import trio.testing
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "run_virtual() needs trio, of the 'testing' extra: pip install"
+            " 'stagedconsumer[testing]'",
+            name=exc.name,
+        ) from exc
 
+    messages = list(messages)
+    for i, spec in enumerate(messages):
+        if not isinstance(spec, MessageSpec):
+            raise TypeError(
+                "run_virtual(): messages must be MessageSpec values (MessageSpec(topic=...,"
+                " queue_id=..., body=...), or drawn from the messages() strategy), got"
+                f" {type(spec).__name__} {spec!r} at index {i}"
+            )
+    crash_at = list(crash_at)
+    for point in crash_at:
+        if isinstance(point, bool) or not isinstance(point, int) or point < 1:
+            raise ValueError(
+                "run_virtual(): crash_at points count ended handler calls (a crash right"
+                f" after the n-th), each an int >= 1; got {point!r}, which no run reaches"
+            )
     if options is None:
         options = ConsumerOptions()
     if options.event_loop_block_threshold is not None:

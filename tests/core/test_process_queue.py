@@ -370,3 +370,30 @@ def test_take_next_keeps_times_aligned_when_the_cache_had_none() -> None:
     pq.put_messages(messages(1, 1))  # cached without a time
     assert pq.take_next(batch) is not None
     assert len(batch.cached_times) == len(batch.messages) == 2
+
+
+@pytest.mark.parametrize("finish_first", [0, 1], ids=["head-first", "tail-first"])
+def test_the_stage_barrier_waits_for_unfinished_not_only_cached_messages(
+    finish_first: int,
+) -> None:
+    """Stage 1 opens only once *every* message of stage 0 has finished: with both of
+    stage 0's messages taken (none cached) and one of them still pending, nothing of
+    stage 1 may be taken, whichever of the two finishes first."""
+    pq = ProcessQueue(MQ, ConsumeMode.STAGED, plan=StagePlan.single([2, 2]))
+    pq.put_messages(messages(0, 4), now=1.0)
+    batches = [pq.try_take_messages(1), pq.try_take_messages(1)]
+    assert all(b is not None for b in batches)
+    assert [b.messages[0].queue_offset for b in batches if b] == [0, 1]
+    assert [b.stage_index for b in batches if b] == [0, 0]
+    assert pq.try_take_messages(10) is None  # stage 0 has nothing cached, two pending
+    done, still = batches[finish_first], batches[1 - finish_first]
+    assert done is not None
+    assert still is not None
+    pq.erase_messages(done, EraseStatus.SUCCESS, now=2.0)
+    assert pq.try_take_messages(10) is None  # one message of stage 0 still unfinished
+    pq.erase_messages(still, EraseStatus.SUCCESS, now=3.0)
+    opened = pq.try_take_messages(10)
+    assert opened is not None
+    assert [m.queue_offset for m in opened] == [2, 3]
+    assert opened.stage_index == 1
+    assert opened.runnable_at == 3.0

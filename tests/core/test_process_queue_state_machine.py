@@ -372,6 +372,30 @@ class ProcessQueueMachine(RuleBasedStateMachine):
             self.check_taken(batch, max_count)
         assert not any(self.takeable(q) for q in self.queues)
 
+    @rule(data=st.data())
+    def take_singly_then_finish_one(self, data: st.DataObject) -> None:
+        """Take one message at a time until nothing may be taken, finish one of those
+        batches, and take again: every message of a stage taken, some not finished,
+        the stage barrier's case (which random takes and finishes reach rarely)."""
+        taken: list[MBatch] = []
+        while (batch := self.dispatcher.take(1)) is not None:
+            self.check_taken(batch, 1)
+            b = next(b for b in self.batches if b.batch is batch)
+            if b not in taken:
+                taken.append(b)
+        if not taken:
+            return
+        b = data.draw(st.sampled_from(taken))
+        self.dispatcher.finish(b.batch, EraseStatus.SUCCESS)
+        for m in b.msgs:
+            m.state = "finished"
+        self.batches.remove(b)
+        batch = self.dispatcher.take(1)
+        if batch is None:
+            assert not any(self.takeable(q) for q in self.queues)
+            return
+        self.check_taken(batch, 1)
+
     def check_taken(self, batch: Batch, max_count: int) -> None:
         q = next(q for q in self.queues if q.pq is batch.process_queue)
         assert not q.pq.paused, "a batch of a paused queue was handed out"
@@ -683,3 +707,70 @@ ProcessQueueMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestProcessQueue = ProcessQueueMachine.TestCase
+
+
+class StagedProcessQueueMachine(ProcessQueueMachine):
+    """The same machine and model, on the case the general one reaches only now and
+    then: staged mode, one queue, one stage key, stages of two to four messages, so
+    that a stage's messages are taken by several batches, some of them still pending
+    when the others finish (the stage barrier's case: a stage with nothing cached
+    but something unfinished must keep the next one closed)."""
+
+    @initialize(sizes=st.lists(st.sampled_from([2, 2, 3]), min_size=2, max_size=3))
+    def setup(self, sizes: list[int]) -> None:
+        ProcessQueueMachine.setup(
+            self,
+            mode=ConsumeMode.STAGED,
+            sizes1=sizes,
+            sizes2=sizes,
+            use_strategies=False,  # one stage key: every message in one lane
+            use_groups=False,
+            reset_kind=None,
+            count=30,
+            size_bytes=1000,
+            max_span=None,
+            queue_count=1,
+            start=0,
+            initial_stage=0,
+            typos=False,
+        )
+
+    # Only the rules of the barrier's case: messages arrive, are taken one or two at
+    # a time, and finish, whole batches or some of their messages (plain methods of
+    # the same names take the other rules out of this machine).
+    @rule(data=st.data(), max_count=st.sampled_from([1, 1, 2]), direct=st.booleans())
+    def take(self, data: st.DataObject, max_count: int, direct: bool) -> None:
+        ProcessQueueMachine.take(self, data, max_count, direct)
+
+    def drain(self) -> None:
+        raise AssertionError("not a rule here")
+
+    def untake(self) -> None:
+        raise AssertionError("not a rule here")
+
+    def take_ahead_and_give_back(self) -> None:
+        raise AssertionError("not a rule here")
+
+    def suspend(self) -> None:
+        raise AssertionError("not a rule here")
+
+    def drop(self) -> None:
+        raise AssertionError("not a rule here")
+
+    def pause(self) -> None:
+        raise AssertionError("not a rule here")
+
+    def unpause(self) -> None:
+        raise AssertionError("not a rule here")
+
+    def restart_assigns_same_stages(self) -> None:
+        raise AssertionError("not a rule here")
+
+
+StagedProcessQueueMachine.TestCase.settings = settings(
+    max_examples=settings().max_examples,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestStagedProcessQueue = StagedProcessQueueMachine.TestCase

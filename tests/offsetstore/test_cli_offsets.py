@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -127,6 +128,8 @@ def test_show_json_of_one_topic(store_url: str, capsys: pytest.CaptureFixture[st
             {"strategy_id": "default", "group_id": None, "stage_offset": 5},
             {"strategy_id": "vip", "group_id": "", "stage_offset": 1},
         ],
+        "fence": 0,
+        "corrupt": [],
     }
 
 
@@ -230,11 +233,40 @@ def test_reset_asks_and_does_nothing_unless_confirmed(
     assert _stored(store_url) == before
 
 
-def test_reset_confirmed_at_the_prompt(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
-    args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "audit"]
-    assert main([*args, "--to-offset", "0"]) == 0
-    assert _stored(store_url)[MessageQueue("audit", 0)].consume_offset == 0
+def test_a_piped_yes_does_not_confirm(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README: --yes is needed where stdin is not a terminal; a 'y' piped into
+    the command (yes | stagedconsumer offsets reset ...) confirmed the reset."""
+    before = _stored(store_url)
+    command = [sys.executable, "-m", "stagedconsumer", "offsets", "reset", "--store", store_url,
+               "--group", GROUP, "--topic", "audit", "--to-offset", "0"]  # fmt: skip
+    result = subprocess.run(command, input="y\n", capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "stdin is not a terminal" in result.stderr
+    assert "Pass --yes (-y)" in result.stderr
+    assert _stored(store_url) == before
+
+
+@pytest.mark.parametrize(("answer", "status"), [("y", 0), ("n", 1)])
+def test_reset_confirmed_at_the_prompt_of_a_terminal(
+    store_url: str, answer: str, status: int
+) -> None:
+    """stdin a terminal (a pseudo-terminal here): the answer typed there decides."""
+    command = [sys.executable, "-m", "stagedconsumer", "offsets", "reset", "--store", store_url,
+               "--group", GROUP, "--topic", "audit", "--to-offset", "0"]  # fmt: skip
+    controller, terminal = os.openpty()
+    try:
+        process = subprocess.Popen(
+            command, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        os.write(controller, f"{answer}\n".encode())  # typed ahead: the terminal keeps it
+        out, err = process.communicate(timeout=60)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert process.returncode == status, err
+    assert "[y/N]" in out
+    expected = 0 if answer == "y" else 99
+    assert _stored(store_url)[MessageQueue("audit", 0)].consume_offset == expected
 
 
 def test_reset_needs_something_to_reset(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -539,13 +571,17 @@ def test_clear_stage_offsets_repairs_a_row_whose_stage_offsets_cannot_be_read(
         engine.dispose()
     show = ["offsets", "show", "--store", store_url, "--group", GROUP]
     assert main(show) == 1
-    err = capsys.readouterr().err
-    assert "corrupt progress row for orders#1" in err
+    captured = capsys.readouterr()
+    assert "orders#2" in captured.out  # the table, the corrupt row marked in it
+    assert "unreadable" in captured.out
+    err = " ".join(captured.err.split())
+    assert "1 corrupt progress row(s)" in err
+    assert "orders#1: stage offsets cannot be read" in err
     repair = f"--group {GROUP} --topic orders --queue 1 --clear-stage-offsets"
-    assert repair in " ".join(err.split())  # the command that repairs it
+    assert repair in err  # the command that repairs it
     args = ["offsets", "reset", "--store", store_url, "--group", GROUP, "--topic", "orders"]
     assert main([*args, "--queue", "1", "--stage-offset", "default=0", "--yes"]) == 1
-    assert "corrupt progress row for orders#1" in capsys.readouterr().err
+    assert "corrupt progress row(s): orders#1" in capsys.readouterr().err
     assert main([*args, "--queue", "1", "--clear-stage-offsets", "--yes"]) == 0
     assert "unreadable" in capsys.readouterr().out
     stored = _stored(store_url)

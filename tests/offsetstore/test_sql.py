@@ -238,9 +238,9 @@ async def test_unreadable_stage_offsets_name_the_command_that_repairs_them(
     assert await sql_backend.new_store().read_progress("g", MQ) == QueueProgress(consume_offset=3)
 
 
-async def test_unreadable_consume_offset_names_no_repair_command(sql_backend: Backend) -> None:
+async def test_unreadable_consume_offset_names_the_forced_repair(sql_backend: Backend) -> None:
     """``--clear-stage-offsets`` keeps the consume offset, so it cannot repair a row
-    whose consume offset is bad too: the error names no command then."""
+    whose consume offset is bad too: the error names ``--to-offset N --force``."""
     store = sql_backend.new_store()
     await store.load()
     store.update_offset("g", MQ, 3)
@@ -253,7 +253,8 @@ async def test_unreadable_consume_offset_names_no_repair_command(sql_backend: Ba
     )
     with pytest.raises(OffsetStoreError, match="corrupt progress row for t#0") as info:
         await sql_backend.new_store().read_progress("g", MQ)
-    assert "stagedconsumer offsets reset" not in str(info.value)
+    assert "--clear-stage-offsets" not in str(info.value)
+    assert "--queue 0 --to-offset N --force" in str(info.value)
 
 
 # -- SQLite -----------------------------------------------------------------------------------
