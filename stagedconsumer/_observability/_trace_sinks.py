@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,6 +132,19 @@ class FileTraceSink(TraceSink):
         self._write_errors = 0
         self._lost = 0
         self._last_error_log = -_LOG_EVERY
+        _FILE_SINKS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: no writer thread there, and what the parent queued is
+        the parent's to write."""
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._queue.clear()
+        self._queued_contexts = 0
+        self._given = self._finished = 0
+        self._thread = None
+        self._stopping = False
 
     async def prepare(self, owner: ConsumerView | ProducerView) -> None:
         with self._lock:
@@ -255,6 +269,18 @@ class FileTraceSink(TraceSink):
             self._finished += len(batch)
             self._done.notify_all()
         return file
+
+
+_FILE_SINKS: weakref.WeakSet[FileTraceSink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for sink in list(_FILE_SINKS):
+        sink._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class SourceTraceSink(TraceSink):

@@ -201,3 +201,34 @@ def test_sizes_must_be_positive(tmp_path: Path) -> None:
         FileTraceSink(tmp_path / "t", queue_size=0)
     with pytest.raises(ConfigurationError, match="batch_size"):
         FileTraceSink(tmp_path / "t", batch_size=0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_writes_its_own_records_with_a_thread_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    sink = FileTraceSink(path)
+    dispatcher = AsyncTraceDispatcher(sink, batch_num=10)
+    for i in range(10):
+        dispatcher.append(ctx(i))  # the parent's writer thread runs, a message queued
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread does not exist here
+        code = 1
+        try:
+            for i in range(100, 110):
+                dispatcher.append(ctx(i))
+
+            async def close() -> bool:
+                with anyio.move_on_after(60):  # a failure, not a hang, if it never closes
+                    await sink.aclose()
+                    return True
+                return False
+
+            code = 0 if anyio.run(close) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    anyio.run(sink.aclose)
+    # Each record once: the parent's by the parent, the child's by the child.
+    assert sorted(msg_ids(path)) == sorted([f"M{n}" for n in [*range(10), *range(100, 110)]])
