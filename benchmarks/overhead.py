@@ -1,9 +1,20 @@
-"""Runtime overhead: no-op handler throughput per mode, next to a hand-written baseline.
+"""Runtime overhead: no-op handler throughput per mode, next to a hand-written baseline
+and the floor of a plain ``await``.
 
 Every mode consumes the same backlog from the embedded broker with a no-op ``async``
 handler. The baseline, measured in the same process, is what a user would write by
 hand: an asyncio loop that spawns one task per message under a semaphore of 20. It
-always runs: the ratios are against it.
+always runs: the ratios are against it. So does the floor (``plain-await floor``): a
+loop that awaits the no-op handler once per message, ``await
+listener.consume_message((message,), context)``, over the same message objects, on
+the same backend, with nothing else (timed inside the event loop: its start is not
+counted); the ``vs floor`` column is each row's CPU time per message as a multiple
+of the floor's.
+
+Beside the ``async`` handlers (variant ``async``), ``--variants`` adds the same modes
+with a plain ``def`` handler (``sync``: each call runs on a worker thread) and with
+a consume hook that does nothing registered (``hooked``: one hook call before and
+after each handler call); all three by default.
 
 Two measures per run: wall-clock messages/s (from start to the last message finished)
 and CPU time per message, ``time.process_time()`` around the whole run (event loop,
@@ -21,6 +32,7 @@ the event loop (``anyio.lowlevel.checkpoint()``; ``asyncio.sleep(0)`` in the bas
 the cost of the runtime for handlers that do I/O on every message, where no call
 joins a run.
     python benchmarks/overhead.py                    # the same, as a script
+    python -m benchmarks.overhead --variants async   # the async handlers alone
 """
 
 from __future__ import annotations
@@ -53,6 +65,8 @@ from benchmarks._reproduce import print_reproduce
 from offsetstore import MemoryOffsetStore
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
+    ConsumeMessageContext,
+    ConsumeMessageHook,
     ConsumeOrderlyContext,
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
@@ -61,12 +75,17 @@ from stagedconsumer import (
     MessageListenerConcurrently,
     MessageListenerOrderly,
     MessageListenerStagedConcurrently,
+    MessageQueue,
     PushConsumer,
 )
 
 TOPIC = "bench"
 MODES = ("concurrent", "staged", "orderly")
 """What ``--modes`` chooses from (the baseline always runs)."""
+VARIANTS = ("async", "sync", "hooked")
+"""What ``--variants`` chooses from: ``async`` handlers, plain ``def`` handlers, and
+``async`` handlers with a no-op consume hook."""
+FLOOR = "plain-await floor"
 
 
 class NoopConcurrently(MessageListenerConcurrently):
@@ -117,11 +136,48 @@ class CheckpointStaged(NoopStaged):
         await anyio.lowlevel.checkpoint()
 
 
+class SyncNoopConcurrently(MessageListenerConcurrently):
+    def consume_message(  # a plain def: each call runs on a worker thread
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        return None
+
+
+class SyncNoopOrderly(MessageListenerOrderly):
+    def consume_message(self, msgs: Sequence[Message], context: ConsumeOrderlyContext) -> None:
+        return None
+
+
+class SyncNoopStaged(MessageListenerStagedConcurrently):
+    def __init__(self, stage_size: int, stages: int) -> None:
+        self._definitions = [stage_size] * stages
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return self._definitions
+
+    def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        return None
+
+
+class NoopHook(ConsumeMessageHook):
+    """A consume hook that does nothing: the cost of the hook machinery."""
+
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        return None
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        return None
+
+
 HANDLERS = {
     "noop": (NoopConcurrently, NoopStaged, NoopOrderly),
     "checkpoint": (CheckpointConcurrently, CheckpointStaged, CheckpointOrderly),
 }
-"""What ``--handler`` chooses: the listener classes per mode."""
+"""What ``--handler`` chooses: the listener classes per mode (the ``sync`` variant
+always has no-op handlers, which cannot wait on the event loop)."""
+SYNC_HANDLERS = (SyncNoopConcurrently, SyncNoopStaged, SyncNoopOrderly)
 
 
 def fill(messages: int, queues: int) -> MemoryBroker:
@@ -150,6 +206,20 @@ async def baseline(messages: list[Message], wait: bool = False) -> float:
             semaphore.release()
             tg.create_task(handle(message))
     return time.perf_counter() - start
+
+
+async def plain_await_floor(listener: Any, messages: list[Message]) -> tuple[float, float]:
+    """The floor: ``listener``'s handler awaited once per message, one message per
+    call as the consumer calls it, nothing else; returns the seconds it took, by wall
+    clock and CPU time (the loop alone: starting an event loop would be a good part
+    of it)."""
+    context = ConsumeConcurrentlyContext(message_queue=MessageQueue(TOPIC, 0))
+    consume = listener.consume_message
+    cpu = time.process_time()
+    start = time.perf_counter()
+    for message in messages:
+        await consume((message,), context)
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 async def run_consumer(
@@ -190,6 +260,17 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return tuple(mode for mode in MODES if mode in chosen)
 
 
+def parse_variants(text: str) -> tuple[str, ...]:
+    """``--variants async,hooked``: a comma-separated subset of :data:`VARIANTS`."""
+    chosen = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = chosen - set(VARIANTS)
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(VARIANTS)}, got {text!r}"
+        )
+    return tuple(variant for variant in VARIANTS if variant in chosen)
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     n, queues = args.messages, args.queues
@@ -215,31 +296,44 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         cpu = time.process_time()
         elapsed = asyncio.run(baseline(all_messages, wait=args.handler == "checkpoint"))
         record("baseline: task per message + Semaphore(20)", elapsed, time.process_time() - cpu)
-        concurrent, staged, orderly = HANDLERS[args.handler]
-        cases: list[tuple[str, str, Any]] = [
-            ("concurrent", "concurrent", concurrent()),
-            (
-                "staged",
-                f"staged [{args.stage_size}]*k",
-                staged(args.stage_size, -(-per_queue // args.stage_size)),
-            ),
-            ("orderly", f"orderly, {queues} queues", orderly()),
-        ]
-        for mode, name, listener in cases:
-            if mode not in args.modes:
-                continue
-            options = ConsumerOptions(consume_thread_max=20)
-            gc.collect()
-            if args.memory:
-                tracemalloc.start()
-            cpu = time.process_time()
-            elapsed = anyio.run(run_consumer, broker, listener, options, n, backend=args.backend)
-            cpu = time.process_time() - cpu
-            peak = None
-            if args.memory:
-                peak = tracemalloc.get_traced_memory()[1]
-                tracemalloc.stop()
-            record(name, elapsed, cpu, peak)
+        gc.collect()
+        elapsed, cpu = anyio.run(
+            plain_await_floor, HANDLERS[args.handler][0](), all_messages, backend=args.backend
+        )
+        record(FLOOR, elapsed, cpu)
+        stages = -(-per_queue // args.stage_size)
+        for variant in args.variants:
+            concurrent, staged, orderly = (
+                SYNC_HANDLERS if variant == "sync" else HANDLERS[args.handler]
+            )
+            suffix = {"async": "", "sync": ", sync handler", "hooked": " + no-op hook"}[variant]
+            cases: list[tuple[str, str, Any]] = [
+                ("concurrent", f"concurrent{suffix}", concurrent()),
+                (
+                    "staged",
+                    f"staged [{args.stage_size}]*k{suffix}",
+                    staged(args.stage_size, stages),
+                ),
+                ("orderly", f"orderly, {queues} queues{suffix}", orderly()),
+            ]
+            hooks = [NoopHook()] if variant == "hooked" else []
+            for mode, name, listener in cases:
+                if mode not in args.modes:
+                    continue
+                options = ConsumerOptions(consume_thread_max=20)
+                gc.collect()
+                if args.memory:
+                    tracemalloc.start()
+                cpu = time.process_time()
+                elapsed = anyio.run(
+                    run_consumer, broker, listener, options, n, hooks, backend=args.backend
+                )
+                cpu = time.process_time() - cpu
+                peak = None
+                if args.memory:
+                    peak = tracemalloc.get_traced_memory()[1]
+                    tracemalloc.stop()
+                record(name, elapsed, cpu, peak)
     return rows
 
 
@@ -284,6 +378,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"modes to run, of {','.join(MODES)} (default: all; the baseline always runs)",
     )
     parser.add_argument(
+        "--variants",
+        type=parse_variants,
+        default=VARIANTS,
+        metavar="VARIANT[,VARIANT...]",
+        help=f"handler variants to run, of {','.join(VARIANTS)} (default: all; the baseline"
+        " and the plain-await floor always run)",
+    )
+    parser.add_argument(
         "--handler",
         choices=sorted(HANDLERS),
         default="noop",
@@ -296,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = best(measure(args))
     load_after = os.getloadavg()[0]
     base = next(r for name, r in rows.items() if name.startswith("baseline"))
+    floor = rows[FLOOR]
     concurrent = rows.get("concurrent")
     table = Table(
         title=f"{'No-op' if args.handler == 'noop' else 'Checkpoint-per-call'} handler"
@@ -306,6 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table.add_column("seconds", justify="right")
     table.add_column("messages/s", justify="right")
     table.add_column("CPU µs/msg", justify="right")
+    table.add_column("vs floor (CPU)", justify="right")
     table.add_column("vs baseline", justify="right")
     table.add_column("vs concurrent", justify="right")
     if args.memory:
@@ -316,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row['seconds']:.3f}",
             f"{row['rate']:,.0f}",
             f"{row['cpu_us']:.2f}",
+            f"{row['cpu_us'] / floor['cpu_us']:.1f}x",
             f"{row['rate'] / base['rate']:.2f}x",
             f"{row['rate'] / concurrent['rate']:.2f}x" if concurrent else "",
         ]
@@ -326,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(table)
     console.print(
         f"python {platform.python_version()}, {os.cpu_count()} CPUs (shared), best of"
-        f" {args.repeat} (rate and CPU each); ratios are of messages/s; max RSS"
+        f" {args.repeat} (rate and CPU each); vs floor: CPU per message over the"
+        f" {FLOOR}'s; the other ratios are of messages/s; max RSS"
         f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB;"
         f" 1-minute load average {load_before:.2f} before, {load_after:.2f} after"
     )

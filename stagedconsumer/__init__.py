@@ -68,6 +68,7 @@ from ._observability._trace_query import trace_messages_of as trace_messages_of
 from ._observability._trace_sinks import FileTraceSink as FileTraceSink
 from ._observability._trace_sinks import SourceTraceSink as SourceTraceSink
 from ._observability._trace_sinks import TraceSink as TraceSink
+from ._observability._trace_sinks import TraceSinkFull as TraceSinkFull
 from ._observability._traceparent import inject_traceparent as inject_traceparent
 from ._observability._view import ConsumerStatistics as ConsumerStatistics
 from ._observability._view import ConsumerView as ConsumerView
@@ -204,6 +205,7 @@ __all__ = (
     "TraceDispatcherStatistics",
     "TraceMessage",
     "TraceSink",
+    "TraceSinkFull",
     "TraceType",
     "TraceWriter",
     "UndecodableEntry",

@@ -368,6 +368,9 @@ class TraceMessage:
     topic: str
     keys: tuple[str, ...]
     body: str
+    contexts: int = attrs.field(default=0, eq=False, repr=False)
+    """How many trace contexts its records come from, when the dispatcher made it
+    (0: not known); not stored."""
 
     @classmethod
     def from_message(cls, message: Message) -> TraceMessage:

@@ -30,7 +30,7 @@ from ._trace_codec import (
     encode_trace_context,
     trace_keys,
 )
-from ._trace_sinks import TraceSink
+from ._trace_sinks import TraceSink, TraceSinkFull
 
 __all__ = ("AsyncTraceDispatcher", "Encoder", "TraceDispatcherStatistics")
 
@@ -53,7 +53,9 @@ class TraceDispatcherStatistics:
     appended: int
     """Contexts accepted since creation."""
     dropped: int
-    """Contexts dropped because the queue was full (RocketMQ only logs these)."""
+    """Contexts dropped because the queue was full, or the sink's buffer
+    (:class:`~._trace_sinks.TraceSinkFull`: a file whose disk does not keep up);
+    RocketMQ only logs these."""
     written: int
     """Contexts written to the sink."""
     messages: int
@@ -149,15 +151,7 @@ class AsyncTraceDispatcher:
         """
         queue = self._queue
         if len(queue) >= self.queue_size:
-            self._dropped += 1
-            now = time.monotonic()
-            if now - self._last_drop_log >= _LOG_EVERY:
-                self._last_drop_log = now
-                logger.warning(
-                    "trace buffer full (%d contexts): dropped %d so far",
-                    self.queue_size,
-                    self._dropped,
-                )
+            self._drop(1, f"{self.queue_size} contexts")
             return False
         queue.append((encode, item))
         self._appended += 1
@@ -169,6 +163,14 @@ class AsyncTraceDispatcher:
             if len(queue) >= batch_num and self._wakeup is not None:
                 self._wakeup.set()
         return True
+
+    def _drop(self, count: int, full: str) -> None:
+        """Count ``count`` contexts dropped on a full buffer (``full`` says which)."""
+        self._dropped += count
+        now = time.monotonic()
+        if now - self._last_drop_log >= _LOG_EVERY:
+            self._last_drop_log = now
+            logger.warning("trace buffer full (%s): dropped %d so far", full, self._dropped)
 
     def _take(self, count: int) -> list[_Entry]:
         queue = self._queue
@@ -192,11 +194,14 @@ class AsyncTraceDispatcher:
             due = anyio.current_time() - last_flush >= self.flush_interval
             await self._write_batches(everything=due)
             if due:
+                await self.sink.flush()
                 last_flush = anyio.current_time()
 
     async def flush(self) -> None:
-        """Write everything queued now."""
+        """Write everything queued now, and wait until the sink has stored it
+        (:meth:`TraceSink.flush`)."""
         await self._write_batches(everything=True)
+        await self.sink.flush()
 
     async def aclose(self, timeout: float = 5.0) -> None:
         """Flush for at most ``timeout`` seconds (RocketMQ waits 5 s on shutdown);
@@ -252,7 +257,7 @@ class AsyncTraceDispatcher:
         if sum(map(len, parts)) - len(parts[-1]) < self.max_msg_size:
             # One message (the usual case): the loop below would close none before the end.
             all_keys = [key for _, data_keys in encoded for key in data_keys]
-            return [(len(parts), self._message(parts, all_keys))]
+            return [(len(parts), self._message(parts, all_keys, len(parts)))]
         out: list[tuple[int, TraceMessage]] = []
         parts = []
         keys: list[str] = []
@@ -262,16 +267,19 @@ class AsyncTraceDispatcher:
             keys.extend(data_keys)
             size += len(data)
             if size >= self.max_msg_size:
-                out.append((len(parts), self._message(parts, keys)))
+                out.append((len(parts), self._message(parts, keys, len(parts))))
                 parts, keys, size = [], [], 0
         if parts:
-            out.append((len(parts), self._message(parts, keys)))
+            out.append((len(parts), self._message(parts, keys, len(parts))))
         return out
 
-    def _message(self, parts: list[str], keys: list[str]) -> TraceMessage:
+    def _message(self, parts: list[str], keys: list[str], contexts: int) -> TraceMessage:
         """One trace message, keyed by each distinct key once, in first-seen order."""
         return TraceMessage(
-            topic=self.trace_topic, keys=tuple(dict.fromkeys(keys)), body="".join(parts)
+            topic=self.trace_topic,
+            keys=tuple(dict.fromkeys(keys)),
+            body="".join(parts),
+            contexts=contexts,
         )
 
     def _send_nowait(self, batch: list[_Entry]) -> bool:
@@ -281,6 +289,9 @@ class AsyncTraceDispatcher:
         for i, (count, message) in enumerate(self._messages(encoded)):
             try:
                 written = self.sink.write_nowait(message)
+            except TraceSinkFull as exc:
+                self._drop(count, str(exc))
+                continue
             except Exception as exc:
                 self._failed(count, exc)
                 continue
@@ -298,6 +309,9 @@ class AsyncTraceDispatcher:
         for count, message in self._messages(self._encode(batch)):
             try:
                 await self.sink.write(message)
+            except TraceSinkFull as exc:
+                self._drop(count, str(exc))
+                continue
             except Exception as exc:
                 self._failed(count, exc)
                 continue
@@ -319,12 +333,15 @@ class AsyncTraceDispatcher:
             )
 
     def statistics(self) -> TraceDispatcherStatistics:
+        # A sink that stores in the background (FileTraceSink) reports its failures
+        # later: their contexts were counted written when it took them.
+        sink_errors, sink_lost = self.sink.write_failures()
         return TraceDispatcherStatistics(
             queued=len(self._queue),
             appended=self._appended,
             dropped=self._dropped,
-            written=self._written,
+            written=self._written - sink_lost,
             messages=self._messages_written,
-            write_errors=self._write_errors,
-            lost=self._lost,
+            write_errors=self._write_errors + sink_errors,
+            lost=self._lost + sink_lost,
         )

@@ -3,6 +3,8 @@ they clean a field."""
 
 from __future__ import annotations
 
+import anyio
+
 from ._trace_codec import CONTENT_SPLITOR, FIELD_SPLITOR, RMQ_SYS_TRACE_TOPIC
 from ._trace_dispatcher import AsyncTraceDispatcher, TraceDispatcherStatistics
 from ._trace_sinks import SourceTraceSink, TraceSink
@@ -57,4 +59,6 @@ class DispatchingTraceHook:
 
     async def aclose(self) -> None:
         await self.dispatcher.aclose(self.shutdown_timeout)
-        await self.dispatcher.sink.aclose()
+        # Its flush waited for the sink already: a sink still busy now is stuck.
+        with anyio.move_on_after(self.shutdown_timeout):
+            await self.dispatcher.sink.aclose()

@@ -6,8 +6,14 @@ the trace topic of a source (:class:`SourceTraceSink`) and a JSON-lines file
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
+import logging
 import os
+import threading
+import time
+import weakref
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,14 +21,18 @@ import anyio
 
 from .._exceptions import ConfigurationError, UnknownTopicError
 from .._sources._source import MessageSource, TraceWriter
-from ._trace_codec import TraceMessage
+from ._trace_codec import FIELD_SPLITOR, TraceMessage
 from ._traceparent import without_current_span
 
 if TYPE_CHECKING:
     from ._send_hooks import ProducerView
     from ._view import ConsumerView
 
-__all__ = ("FileTraceSink", "SourceTraceSink", "TraceSink")
+__all__ = ("FileTraceSink", "SourceTraceSink", "TraceSink", "TraceSinkFull")
+
+logger = logging.getLogger("stagedconsumer.trace")
+
+_LOG_EVERY = 10.0
 
 
 class TraceSink(abc.ABC):
@@ -42,10 +52,23 @@ class TraceSink(abc.ABC):
 
         Override only for sinks whose write is a cheap in-memory operation (the
         embedded broker): the dispatcher then writes full batches right where they
-        fill up. The default declines.
+        fill up. The default declines. A sink that buffers may raise
+        :class:`TraceSinkFull` instead when its buffer is full: the message's contexts
+        are then counted as dropped.
         """
         del message
         return False
+
+    async def flush(self) -> None:  # noqa: B027 - optional
+        """Return once every message given to the sink so far is stored (or its
+        failure counted). Called when the dispatcher flushes. The default does
+        nothing: :meth:`write` stores before it returns."""
+
+    def write_failures(self) -> tuple[int, int]:
+        """``(failed writes, contexts lost in them)`` of messages the sink accepted
+        and failed to store later, in the background (added to the dispatcher's
+        ``write_errors`` and ``lost``). The default: none."""
+        return 0, 0
 
     async def prepare(self, owner: ConsumerView | ProducerView) -> None:  # noqa: B027 - optional
         """Called when the consumer or producer whose hook writes here starts, before
@@ -55,24 +78,209 @@ class TraceSink(abc.ABC):
         """Release resources. The default does nothing."""
 
 
+class TraceSinkFull(Exception):
+    """Raised by :meth:`TraceSink.write_nowait` when the sink cannot take a trace
+    message now (its buffer is full): the dispatcher counts the message's contexts as
+    dropped, as when its own queue is full, and goes on."""
+
+
 class FileTraceSink(TraceSink):
     """Appends trace messages to a JSON-lines file, one message per line:
     ``{"topic": ..., "keys": [...], "body": "<RocketMQ-encoded records>"}``.
 
-    ``stagedconsumer trace MSG_ID_OR_KEY --trace-file PATH`` reads it. Writes run in
-    a worker thread and append whole lines, so several consumers of one process may
-    share a file.
+    ``stagedconsumer trace MSG_ID_OR_KEY --trace-file PATH`` reads it.
+
+    A writer thread of its own appends the lines: :meth:`write_nowait` (which the
+    dispatcher calls right where a batch of contexts fills up) only queues the
+    message, and wakes the thread once the queued messages hold ``batch_size`` trace
+    contexts (default 256), or when the dispatcher flushes (every
+    ``flush_interval``, and when the consumer or producer stops). The thread writes
+    everything queued with one ``write`` call: whole lines appended to the file
+    (opened once, in append mode), so several sinks, of one process or several, may
+    share a file. When ``queue_size`` contexts (default 16384) wait for the thread,
+    the disk is not keeping up: further messages are dropped until it catches up,
+    their contexts counted in the dispatcher's ``dropped`` (and the consumer's
+    ``trace_records_dropped``). A write that fails (the disk full, the file not
+    writable) loses its contexts, counted in the dispatcher's ``write_errors`` and
+    ``lost`` and logged; the next batch opens the file again. Ordering guarantee:
+    lines are written in the order the messages were given.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        queue_size: int = 16384,
+        batch_size: int = 256,
+    ) -> None:
+        for name, value in (("queue_size", queue_size), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
         self.path = Path(path)
+        self.queue_size = queue_size
+        self.batch_size = batch_size
+        # Guards what both threads update: the queue and the counters below.
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._queue: deque[tuple[TraceMessage, int]] = deque()
+        self._queued_contexts = 0
+        self._given = 0  # messages given to the writer (queued), and written or lost
+        self._finished = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._write_errors = 0
+        self._lost = 0
+        self._last_error_log = -_LOG_EVERY
+        _FILE_SINKS.add(self)
 
-    def _append(self, line: str) -> None:
-        with self.path.open("a", encoding="utf-8") as file:
-            file.write(line + "\n")
+    def _after_fork(self) -> None:
+        """In a forked child: no writer thread there, and what the parent queued is
+        the parent's to write."""
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._queue.clear()
+        self._queued_contexts = 0
+        self._given = self._finished = 0
+        self._thread = None
+        self._stopping = False
+
+    async def prepare(self, owner: ConsumerView | ProducerView) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._start()
+
+    def write_nowait(self, message: TraceMessage) -> bool:
+        """Queue ``message`` for the writer thread; raises :class:`TraceSinkFull`
+        when ``queue_size`` contexts already wait for it."""
+        contexts = message.contexts or message.body.count(FIELD_SPLITOR) or 1
+        with self._lock:
+            if self._queued_contexts >= self.queue_size:
+                raise TraceSinkFull(f"{self._queued_contexts} trace contexts wait for {self.path}")
+            if self._thread is None:
+                self._start()
+            self._queue.append((message, contexts))
+            self._given += 1
+            self._queued_contexts += contexts
+            wake = self._queued_contexts >= self.batch_size
+        if wake and not self._wake.is_set():
+            self._wake.set()
+        return True
 
     async def write(self, message: TraceMessage) -> None:
-        await anyio.to_thread.run_sync(self._append, message.to_json())
+        self.write_nowait(message)
+
+    async def flush(self) -> None:
+        """Wait until every message given so far is written (or its write failed)."""
+        with self._lock:
+            target = self._given
+            if self._finished >= target or self._thread is None:
+                return
+        self._wake.set()
+        await anyio.to_thread.run_sync(self._wait_finished, target, abandon_on_cancel=True)
+
+    async def aclose(self) -> None:
+        """Write what is queued, then stop the writer thread (a later write starts
+        another)."""
+        await self.flush()
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return
+            self._stopping = True
+        self._wake.set()
+        await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+
+    def write_failures(self) -> tuple[int, int]:
+        with self._lock:
+            return self._write_errors, self._lost
+
+    def _wait_finished(self, target: int) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self._finished >= target or self._thread is None)
+
+    def _start(self) -> None:
+        """Start the writer thread (called holding the lock). One runs at a time: only
+        the thread itself clears ``_thread``, as it exits."""
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"stagedconsumer trace writer {self.path}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        """The writer thread: sleeps until woken, then writes everything queued."""
+        file: Any = None
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                with self._lock:
+                    batch = list(self._queue)
+                    self._queue.clear()
+                    stopping = self._stopping
+                if batch:
+                    file = self._write(file, batch)
+                elif stopping:
+                    return
+                if stopping:
+                    self._wake.set()  # again, until nothing is left
+        finally:
+            if file is not None:
+                file.close()
+            with self._done:
+                self._thread = None
+                if self._queue:  # given after it last looked, or it died
+                    self._start()
+                self._done.notify_all()
+
+    def _write(self, file: Any, batch: list[tuple[TraceMessage, int]]) -> Any:
+        """Append the lines of ``batch``; returns the file, open (``None`` after a
+        failure: the next batch opens it again)."""
+        contexts = sum(count for _, count in batch)
+        try:
+            data = "".join([message.to_json() + "\n" for message, _ in batch]).encode()
+            if file is None:
+                file = self.path.open("ab", buffering=0)
+            view = memoryview(data)
+            while view:  # one write() call, unless the OS takes part of it
+                view = view[file.write(view) :]
+        except Exception as exc:  # counted and logged; the thread goes on
+            if file is not None:
+                with contextlib.suppress(OSError):
+                    file.close()
+            file = None
+            with self._lock:
+                self._write_errors += 1
+                self._lost += contexts
+            now = time.monotonic()
+            if now - self._last_error_log >= _LOG_EVERY:
+                self._last_error_log = now
+                logger.warning(
+                    "writing %d trace context(s) to %s failed (%d failures so far)",
+                    contexts,
+                    self.path,
+                    self._write_errors,
+                    exc_info=exc,
+                )
+        with self._done:
+            self._queued_contexts -= contexts
+            self._finished += len(batch)
+            self._done.notify_all()
+        return file
+
+
+_FILE_SINKS: weakref.WeakSet[FileTraceSink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for sink in list(_FILE_SINKS):
+        sink._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class SourceTraceSink(TraceSink):

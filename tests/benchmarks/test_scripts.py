@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +69,50 @@ def test_benchmark_runs_every_case(name: str) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"reproduce: python -m benchmarks.{module}" in result.stdout.replace("\n", " ")
+
+
+def test_overhead_sets_every_row_against_the_plain_await_floor() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.overhead", "--messages", "800", "--repeat", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split("│")[1].strip(): line
+        for line in result.stdout.splitlines()
+        if line.startswith("│")
+    }
+    assert {
+        "plain-await floor",
+        "concurrent",
+        "concurrent, sync handler",
+        "concurrent + no-op hook",
+        "orderly, 8 queues + no-op hook",
+    } <= set(rows)
+    assert "vs floor (CPU)" in result.stdout
+    assert "│ 1.0x │" in rows["plain-await floor"].replace("  ", "")
+
+
+def test_trace_sink_runs_a_baseline_tree_beside_this_one(tmp_path: Path) -> None:
+    out = tmp_path / "runs.json"
+    command = [sys.executable, "-m", "benchmarks.trace_sink", "--seconds", "0.3", "--rounds", "1"]
+    result = subprocess.run(
+        [*command, "--baseline", str(ROOT), "--baseline-label", "same", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reproduce: python -m benchmarks.trace_sink" in result.stdout.replace("\n", " ")
+    runs = {run["case"]: run for run in json.loads(out.read_text())}
+    assert set(runs) == {"no trace", "topic trace", "file trace, same", "file trace"}
+    for case in ("topic trace", "file trace, same", "file trace"):
+        # Fewer contexts than the file sink buffers: every record is written.
+        run = runs[case]
+        assert run["consumed"] > 0
+        assert (run["records"], run["dropped"], run["lost"]) == (2 * run["consumed"], 0, 0)
