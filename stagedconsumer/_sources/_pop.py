@@ -17,7 +17,7 @@ dead-lettered. Different message groups are received concurrently.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,6 +45,14 @@ class InvalidReceiptHandleError(ConsumerStateError):
     have been received by another consumer, RocketMQ's ``INVALID_RECEIPT_HANDLE``
     "receipt handle is expired"), it was received again since, it was acked
     already, or it went to the dead-letter queue."""
+
+    refused: list[ReceivedMessage]
+    """:meth:`SimpleConsumer.ack_batch <stagedconsumer.SimpleConsumer.ack_batch>`: the
+    messages refused (empty otherwise)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.refused = []
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -161,6 +169,16 @@ class PopBackend(abc.ABC):
     async def ack(self, message: ReceivedMessage) -> None:
         """Finish ``message``; raises :class:`InvalidReceiptHandleError` when this
         delivery no longer holds it."""
+
+    async def ack_many(self, messages: Sequence[ReceivedMessage]) -> list[ReceivedMessage]:
+        """Ack every message still held; returns those refused (in the order given)."""
+        refused: list[ReceivedMessage] = []
+        for message in messages:
+            try:
+                await self.ack(message)
+            except InvalidReceiptHandleError:
+                refused.append(message)
+        return refused
 
     @abc.abstractmethod
     async def change_invisible_duration(self, message: ReceivedMessage, duration: float) -> None:
