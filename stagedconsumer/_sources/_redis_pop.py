@@ -336,7 +336,7 @@ class RedisPopBackend(PopBackend):
                     ),
                 )  # fmt: skip
             except SourceError as exc:
-                if "BUSYGROUP" not in str(exc):
+                if "BUSYGROUP" not in str(exc) and "already exists" not in str(exc):
                     raise
         for queue in queues:
             self._by_queue[topic, queue.queue_id] = queue
