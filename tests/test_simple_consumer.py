@@ -202,8 +202,8 @@ async def test_fifo_by_property_and_dead_letter_releases_the_group(
 ) -> None:
     for i in range(2):
         broker.send("jobs", b"%d" % i, properties={"order": "o1"}, queue_id=0)
-    options = {"fifo": True, "message_group_property": "order", "max_delivery_attempts": 1}
-    async with consumer(broker, **options) as c:
+    c = consumer(broker, fifo=True, message_group_property="order", max_delivery_attempts=1)
+    async with c:
         (m0,) = await c.receive(10, 5)
         assert m0.body == b"0"
         assert m0.message_group == "o1"

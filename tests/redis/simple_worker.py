@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from stagedconsumer import InvalidReceiptHandleError, SimpleConsumer, SimpleConsumerOptions
 from stagedconsumer._sources._redis_broker import RedisBroker
@@ -45,7 +46,7 @@ async def main(config: dict[str, Any]) -> None:
             while True:
                 for m in await consumer.receive(4, config["invisible"]):
                     log(f"recv {m.msg_id} {m.delivery_attempt}")
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
                     log(f"acking {m.msg_id}")
                     try:
                         await consumer.ack(m)

@@ -8,6 +8,7 @@ sleep past them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -134,22 +135,25 @@ async def test_fifo_groups_across_brokers(broker: RedisBroker, redis_url: str) -
     for i in range(3):
         await broker.send("t", b"a%d" % i, keys=["A"])
         await broker.send("t", b"b%d" % i, keys=["B"])
-    async with RedisBroker(redis_url, namespace=broker.namespace) as other:
-        async with consumer(broker, fifo=True) as c1, consumer(other, fifo=True) as c2:
-            first = await c1.receive(10, 600)
-            assert sorted(m.body for m in first) == [b"a0", b"b0"]
-            assert await c2.receive(10, 600) == []
-            await c1.ack(next(m for m in first if m.body == b"a0"))
-            (a1,) = await c2.receive(10, 0.2)
-            assert a1.body == b"a1"
-            assert a1.message_group == "A"
-            await anyio.sleep(0.3)  # a1 not acked: it comes back, still before a2
-            (again,) = await c1.receive(10, 600)
-            assert again.body == b"a1"
-            assert again.delivery_attempt == 2
-            await c1.ack(again)
-            (a2,) = await c2.receive(10, 600)
-            assert a2.body == b"a2"
+    async with (
+        RedisBroker(redis_url, namespace=broker.namespace) as other,
+        consumer(broker, fifo=True) as c1,
+        consumer(other, fifo=True) as c2,
+    ):
+        first = await c1.receive(10, 600)
+        assert sorted(m.body for m in first) == [b"a0", b"b0"]
+        assert await c2.receive(10, 600) == []
+        await c1.ack(next(m for m in first if m.body == b"a0"))
+        (a1,) = await c2.receive(10, 0.2)
+        assert a1.body == b"a1"
+        assert a1.message_group == "A"
+        await anyio.sleep(0.3)  # a1 not acked: it comes back, still before a2
+        (again,) = await c1.receive(10, 600)
+        assert again.body == b"a1"
+        assert again.delivery_attempt == 2
+        await c1.ack(again)
+        (a2,) = await c2.receive(10, 600)
+        assert a2.body == b"a2"
 
 
 async def test_fifo_by_property_on_an_attached_stream(
@@ -183,6 +187,16 @@ async def test_receive_waits_for_a_message(broker: RedisBroker) -> None:
     assert [m.body for m in got] == [b"late"]
 
 
+def _spawn(config: dict[str, object]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.redis.simple_worker", json.dumps(config)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
 def _read_log(path: Path) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines() if line]
 
@@ -208,17 +222,7 @@ async def test_worker_processes_with_a_sigkill_lose_nothing_and_keep_fifo_order(
         "invisible": 1.0,
         "backend": anyio_backend,
     }
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.redis.simple_worker", json.dumps(config)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
+    procs = [_spawn(config) for _ in range(3)]
     try:
         for proc in procs:
             assert proc.stdout is not None
@@ -240,14 +244,14 @@ async def test_worker_processes_with_a_sigkill_lose_nothing_and_keep_fifo_order(
     assert acked == {mid for ids in order.values() for mid in ids}
     killed = str(procs[0].pid)
     assert any(r[-1] == killed for r in records), "the killed worker never received"
-    position = {}
+    position: dict[tuple[str, str], int] = {}
     for index, r in enumerate(records):
         if r[0] == "recv":
             position.setdefault(("recv", r[1]), index)
         elif r[0] == "acking":
             position.setdefault(("acking", r[1]), index)
     for group, ids in order.items():
-        for before, after in zip(ids, ids[1:], strict=False):
+        for before, after in itertools.pairwise(ids):
             assert position[("acking", before)] < position[("recv", after)], (
                 f"group {group}: {after} received before {before} was acked"
             )
