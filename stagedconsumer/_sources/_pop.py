@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
 from .._exceptions import ConfigurationError, ConsumerStateError
 from .._filter import TagFilter
-from .._message import Message, _rebuild
+from .._message import Message, _MessageFields, _rebuild
 
 if TYPE_CHECKING:
     from ._source import MessageSource
@@ -55,8 +55,19 @@ class InvalidReceiptHandleError(ConsumerStateError):
         self.refused = []
 
 
+class _ReceivedFields(_MessageFields):
+    """The slots :class:`ReceivedMessage` adds to a message's, on a plain class, so
+    that :func:`received` builds one with plain stores (see ``_MessageFields``)."""
+
+    __slots__ = ("consumer_group", "message_group", "receipt_handle")
+
+    receipt_handle: str
+    message_group: str | None
+    consumer_group: str
+
+
 @attrs.frozen(kw_only=True, eq=False)
-class ReceivedMessage(Message):
+class ReceivedMessage(Message, _ReceivedFields):
     """A message as :meth:`SimpleConsumer.receive <stagedconsumer.SimpleConsumer.receive>`
     returns it (RocketMQ 5's ``MessageView``): the message, plus what its ack needs.
 
@@ -107,22 +118,24 @@ def received(
     message_group: str | None,
     group: str,
 ) -> ReceivedMessage:
-    """``message`` as delivery ``attempt`` of ``group``."""
-    return ReceivedMessage(
-        topic=message.topic,
-        queue_id=message.queue_id,
-        queue_offset=message.queue_offset,
-        body=message.body,
-        keys=message.keys,
-        tags=message.tags,
-        properties=message.properties,
-        msg_id=message.msg_id,
-        born_timestamp=message.born_timestamp,
-        reconsume_times=attempt - 1,
-        receipt_handle=receipt_handle,
-        message_group=message_group,
-        consumer_group=group,
-    )
+    """``message`` as delivery ``attempt`` of ``group`` (built with plain stores:
+    ``message``'s fields are in their stored form already)."""
+    r = _ReceivedFields()
+    r.topic = message.topic
+    r.queue_id = message.queue_id
+    r.queue_offset = message.queue_offset
+    r.body = message.body
+    r.keys = message.keys
+    r.tags = message.tags
+    r.properties = message.properties
+    r.msg_id = message.msg_id
+    r.born_timestamp = message.born_timestamp
+    r.reconsume_times = attempt - 1
+    r.receipt_handle = receipt_handle
+    r.message_group = message_group
+    r.consumer_group = group
+    r.__class__ = ReceivedMessage
+    return cast(ReceivedMessage, r)
 
 
 def message_group_of(message: Message, group_property: str | None) -> str | None:

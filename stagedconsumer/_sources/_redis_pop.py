@@ -190,7 +190,7 @@ for q = 0, nq - 1 do
           redis.call('ZADD', WAIT, 0, mg .. '\\0' .. pad(id))
         else
           redis.call('ZADD', INV, now + inv_ms, id)
-          out[#out + 1] = {1, q, id, 1, mg, f}
+          out[#out + 1] = {3, q, id, 1, mg, f}
           got = got + 1
         end
       end
@@ -220,7 +220,8 @@ max delivery attempts, ``1`` for FIFO, the message group property (``''``: the f
 key), then per queue ``1`` when it is an attached stream and its accepted tags
 (newline-separated; ``''``: all). Returns ``{records}`` where a record is ``{kind,
 queue index, entry id, attempt, message group or nil, fields}`` (kind 1: deliver, 2:
-attempts used up, dead-letter it), or when nothing was received ``{{}, ms until the
+attempts used up, dead-letter it, 3: deliver, first delivery: those of a queue are in
+offset order), or when nothing was received ``{{}, ms until the
 next invisible time ends (-1: none), {last entry id per stream}}``."""
 
 SETTLE_LUA = (
@@ -229,10 +230,9 @@ SETTLE_LUA = (
 local S, INV, LOCK, WAIT, READY = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local change = tonumber(ARGV[2])
 local codes = {}
-local i = 3
-while i <= #ARGV do
-  local id, att, mg = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
-  i = i + 3
+for record in string.gmatch(ARGV[3], '[^%z]+') do
+  local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
+  att = tonumber(att)
   local p = redis.call('XPENDING', S, group, id, id, 1)[1]
   local score = redis.call('ZSCORE', INV, id)
   if not p or tonumber(p[4]) ~= att or not score then
@@ -253,8 +253,9 @@ return codes
 """
 )
 """Ack entries of one queue (ARGV[2] ``-1``) or change their invisible time to
-ARGV[2] ms from now. ARGV: group, that, then per entry its id, delivery attempt and
-message group (``''``: none). Returns a code per entry: 1 done, -1 not held by that
+ARGV[2] ms from now. ARGV: group, that, then the entries in one string (one
+encoding for many): ``<id> <delivery attempt> <message group>`` each (no group:
+empty), separated by NUL bytes. Returns a code per entry: 1 done, -1 not held by that
 delivery (acked, received again, dead-lettered), -2 invisible time passed."""
 
 _HASH_TAG = re.compile(r"\{([^}]+)\}")
@@ -429,17 +430,45 @@ class RedisPopBackend(PopBackend):
         group = self.settings.group
         spent = False
         rejected: list[ReceivedMessage] = []
-        for kind, index, entry_id, attempt, message_group, fields in records:
+        fresh: list[Any] = []
+        """Consecutive first deliveries of one queue (in offset order): decoded at once."""
+
+        def take_fresh() -> None:
+            queue, accepts = batch[int(fresh[0][1])]
+            messages = self._decode(queue, [(r[2], r[5]) for r in fresh])
+            filtered = queue.decode is not None and not accepts.accepts_all
+            for record, message in zip(fresh, messages, strict=True):
+                mg = record[4]
+                delivered = received(
+                    message,
+                    attempt=1,
+                    receipt_handle=record[2].decode(),
+                    message_group=None if mg is None else mg.decode(),
+                    group=group,
+                )
+                if filtered and not accepts(message):
+                    rejected.append(delivered)
+                else:
+                    out.append(delivered)
+            fresh.clear()
+
+        for record in records:
+            if record[0] == 3:
+                if fresh and fresh[0][1] != record[1]:
+                    take_fresh()
+                fresh.append(record)
+                continue
+            if fresh:
+                take_fresh()
+            kind, index, entry_id, attempt, message_group, fields = record
             queue, accepts = batch[int(index)]
-            message = self._decode(queue, entry_id, fields)
-            raw_id = _text(entry_id)
-            group_name = None if message_group is None else _text(message_group)
+            (message,) = self._decode(queue, [(entry_id, fields)])
             attempt = int(attempt)
             delivered = received(
                 message,
                 attempt=attempt,
-                receipt_handle=raw_id,
-                message_group=group_name,
+                receipt_handle=_text(entry_id),
+                message_group=None if message_group is None else _text(message_group),
                 group=group,
             )
             if int(kind) == 2:
@@ -451,17 +480,18 @@ class RedisPopBackend(PopBackend):
                 rejected.append(delivered)
             else:
                 out.append(delivered)
-        for message in rejected:
-            await self._settle(message, -1, "acking a filtered message")
+        if fresh:
+            take_fresh()
+        if rejected:
+            await self.ack_many(rejected)
         return spent
 
-    def _decode(self, queue: _PopQueue, entry_id: Any, fields: Any) -> Message:
-        raw = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
-        entries = [(raw, fields)]
+    def _decode(self, queue: _PopQueue, entries: list[tuple[bytes, Any]]) -> list[Message]:
+        """Entries of one queue as messages (several at once only in offset order)."""
         try:
             if queue.decode is not None:
-                return _decode_attached(queue.topic, queue.queue_id, entries, queue.decode)[0]
-            return _decode_entries(queue.topic, queue.queue_id, entries)[0]
+                return _decode_attached(queue.topic, queue.queue_id, entries, queue.decode)
+            return _decode_entries(queue.topic, queue.queue_id, entries)
         except _ForeignEntry as exc:
             raise SourceError(
                 f"stream {queue.stream} holds an entry the broker cannot read: {exc}",
@@ -502,9 +532,10 @@ class RedisPopBackend(PopBackend):
         queue = self._by_queue.get((messages[0].topic, messages[0].queue_id))
         if queue is None:
             return [-1] * len(messages)
-        args: list[Any] = [self.settings.group, change_ms]
-        for message in messages:
-            args += [message.receipt_handle, message.delivery_attempt, message.message_group or ""]
+        packed = "\0".join(
+            f"{m.receipt_handle} {m.reconsume_times + 1} {m.message_group or ''}" for m in messages
+        )
+        args: list[Any] = [self.settings.group, change_ms, packed]
         connection = self.broker._connection
         codes = await connection.call(
             f"{what} on {queue.stream}",
