@@ -11,6 +11,10 @@ import pytest
 
 from stagedconsumer import (
     ConfigurationError,
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    ConsumeMessageTraceHook,
+    ConsumeReturnType,
     ConsumerStateError,
     InvalidOptionError,
     InvalidReceiptHandleError,
@@ -18,7 +22,10 @@ from stagedconsumer import (
     ReceivedMessage,
     SimpleConsumer,
     SimpleConsumerOptions,
+    TraceType,
     UnknownTopicError,
+    decode_trace_data,
+    trace_messages_of,
 )
 from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC
 
@@ -269,3 +276,63 @@ async def test_errors_of_use(broker: MemoryBroker) -> None:
         SimpleConsumerOptions(max_delivery_attempts=0)
     with pytest.raises(InvalidOptionError, match="fifo"):
         SimpleConsumerOptions(message_group_property="order")
+
+
+class Recorder(ConsumeMessageHook):
+    def __init__(self) -> None:
+        self.before: list[ConsumeMessageContext] = []
+        self.after: list[ConsumeMessageContext] = []
+
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
+        self.before.append(context)
+
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        self.after.append(context)
+
+
+async def test_hooks_see_each_delivery_from_receive_to_settlement(
+    broker: MemoryBroker, clock: Clock
+) -> None:
+    for i in range(3):
+        broker.send("jobs", b"%d" % i, queue_id=0)
+    c = consumer(broker)
+    hook = Recorder()
+    c.register_consume_message_hook(hook)
+    async with c:
+        m0, m1, m2 = await c.receive(3, 10)
+        assert [ctx.messages[0].body for ctx in hook.before] == [b"0", b"1", b"2"]
+        assert all(ctx.mode == "pop" and ctx.attempt == 1 for ctx in hook.before)
+        await c.ack(m0)
+        await c.change_invisible_duration(m1, 0)
+        clock.now += 10
+        with pytest.raises(InvalidReceiptHandleError):
+            await c.ack(m2)
+        assert c.statistics().consumed_ok == 1
+        assert c.statistics().consumed_failed == 2
+    statuses = [(ctx.messages[0].body, ctx.status, ctx.success) for ctx in hook.after]
+    assert statuses == [
+        (b"0", ConsumeReturnType.SUCCESS, True),
+        (b"1", ConsumeReturnType.FAILED, False),
+        (b"2", ConsumeReturnType.TIME_OUT, False),
+    ]
+    assert isinstance(hook.after[2].exception, InvalidReceiptHandleError)
+    with pytest.raises(ConsumerStateError):
+        c.register_consume_message_hook(Recorder())
+
+
+async def test_message_trace_records_a_sub_before_and_after_per_delivery() -> None:
+    broker = MemoryBroker()
+    broker.create_topic("jobs", 1)
+    sent = broker.send("jobs", b"x", keys=["order-7"])
+    c = SimpleConsumer("g", broker, subscriptions={"jobs": "*"}, await_duration=0)
+    c.register_consume_message_hook(ConsumeMessageTraceHook())
+    async with c:
+        (m,) = await c.receive(1, 10)
+        await c.ack(m)
+    records = [
+        record
+        for message in trace_messages_of(broker)
+        for record in decode_trace_data(message.body)
+    ]
+    kinds = [r.trace_type for r in records if r.beans[0].msg_id == sent.msg_id]
+    assert kinds == [TraceType.SubBefore, TraceType.SubAfter]

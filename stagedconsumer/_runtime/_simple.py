@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+import anyio
 import attrs
 
 from .._exceptions import ConfigurationError, ConsumerStateError, InvalidOptionError
 from .._filter import TagFilter
+from .._message import MessageQueue
+from .._observability._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType
+from .._observability._view import ConsumerStatistics
 from .._sources._group import new_client_id
 from .._sources._pop import (
     InvalidReceiptHandleError,
@@ -20,6 +25,8 @@ from .._sources._pop import (
     pop_backend,
 )
 from .._sources._source import MessageSource
+from ._hooks import HookRunner, loop_wall_offset
+from ._shapes import check_hook
 
 __all__ = ("SimpleConsumer", "SimpleConsumerOptions")
 
@@ -145,6 +152,13 @@ class SimpleConsumer:
         self._backend: PopBackend | None = None
         self._started = False
         self._closed = False
+        self._hook_list: list[ConsumeMessageHook] = []
+        self._hooks: HookRunner | None = None
+        self._contexts: dict[tuple[str, int, int, int], ConsumeMessageContext] = {}
+        """Hooks: the context of each delivery received here and not yet settled."""
+        self._exit_stack: contextlib.AsyncExitStack | None = None
+        self._wall_offset = 0.0
+        self._counts = {"received": 0, "acked": 0, "refused": 0, "nacked": 0}
 
     @property
     def consumer_group(self) -> str:
@@ -177,6 +191,51 @@ class SimpleConsumer:
         """Stop receiving ``topic``'s messages (those received stay ackable)."""
         self._subscriptions.pop(topic, None)
 
+    def register_consume_message_hook(self, hook: ConsumeMessageHook) -> None:
+        """Run ``hook`` around each delivery (see :class:`ConsumeMessageHook`); call
+        before starting. A delivery is a "call" from its receive to its settlement:
+        ``consume_message_before`` runs for each message :meth:`receive` returns
+        (mode ``"pop"``, one message per context, ``attempt`` its delivery attempt),
+        ``consume_message_after`` when this consumer acks it (``SUCCESS``), hands it
+        back with ``change_invisible_duration(message, 0)`` (``FAILED``), or has its
+        ack refused (``TIME_OUT``, the exception in ``context.exception``). Message
+        trace (:class:`ConsumeMessageTraceHook`) records a ``SubBefore`` and a
+        ``SubAfter`` per delivery this way. A delivery whose consumer never settles it
+        (it crashed, or let it expire without an ack) gets no ``after``.
+        """
+        if self._started:
+            raise ConsumerStateError(
+                "register_consume_message_hook() must be called before the consumer starts"
+            )
+        if not isinstance(hook, ConsumeMessageHook):
+            raise ConfigurationError(
+                f"hook must be a ConsumeMessageHook, got {type(hook).__name__}"
+            )
+        check_hook(hook, ConsumeMessageHook, ("consume_message_before", "consume_message_after"))
+        self._hook_list.append(hook)
+
+    def statistics(self) -> ConsumerStatistics:
+        """A snapshot of this consumer's counters (``consumed_ok``: acks,
+        ``consumed_failed``: refused acks and nacks, ``in_flight``: deliveries
+        received here with hooks and not yet settled)."""
+        counts = self._counts
+        hooks = self._hooks
+        return ConsumerStatistics(
+            group=self.group,
+            mode="pop",
+            consumed_ok=counts["acked"],
+            consumed_failed=counts["refused"] + counts["nacked"],
+            sent_back=0,
+            dead_lettered=0,
+            in_flight=len(self._contexts),
+            pull_errors=0,
+            commit_errors=0,
+            commits=0,
+            queues={},
+            hook_errors=0 if hooks is None else hooks.errors,
+            trace_records_dropped=sum(h.records_dropped for h in self._hook_list),
+        )
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -192,13 +251,31 @@ class SimpleConsumer:
         for topic in self._subscriptions:
             await self.source.get_queues(topic)  # UnknownTopicError
         await backend.start(dict(self._subscriptions))
-        self._backend = backend
         self._started = True
+        if self._hook_list:
+            self._hooks = HookRunner(self._hook_list)
+            self._wall_offset = loop_wall_offset()
+            stack = contextlib.AsyncExitStack()
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)
+            stack.push_async_callback(self._hooks.aclose)
+            self._exit_stack = stack
+            try:
+                for hook in self._hooks.services():
+                    await tg.start(hook.run, self)
+            except BaseException:
+                self._exit_stack = None
+                await stack.aclose()
+                raise
+        self._backend = backend
 
     async def aclose(self) -> None:
         """Stop: :meth:`receive` raises from now on. Messages received and not acked
-        come back after their invisible duration."""
+        come back after their invisible duration. Hooks are closed (flushed)."""
         self._closed = True
+        stack, self._exit_stack = self._exit_stack, None
+        if stack is not None:
+            await stack.aclose()
 
     async def __aenter__(self) -> SimpleConsumer:
         await self.start()
@@ -242,9 +319,57 @@ class SimpleConsumer:
         invisible = _check_duration("invisible_duration", invisible_duration)
         if not self._subscriptions:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
-        return await backend.receive(
+        messages = await backend.receive(
             self.client_id, self._subscriptions, max_message_num, invisible, self.await_duration
         )
+        self._counts["received"] += len(messages)
+        hooks = self._hooks
+        if hooks is not None and messages:
+            now = anyio.current_time()
+            for m in messages:
+                context = ConsumeMessageContext._of_call(
+                    self.group,
+                    MessageQueue(m.topic, m.queue_id),
+                    [m],
+                    "pop",
+                    -1,
+                    None,
+                    None,
+                    m.delivery_attempt,
+                    [now],
+                    now,
+                    now,
+                    self._wall_offset,
+                )
+                hooks.before(context)
+                self._contexts[m.topic, m.queue_id, m.queue_offset, m.delivery_attempt] = context
+        return messages
+
+    def _settled(
+        self,
+        message: ReceivedMessage,
+        status: ConsumeReturnType,
+        exception: BaseException | None = None,
+    ) -> None:
+        """Count a settlement and tell the hooks."""
+        if status is ConsumeReturnType.SUCCESS:
+            self._counts["acked"] += 1
+        elif status is ConsumeReturnType.TIME_OUT:
+            self._counts["refused"] += 1
+        else:
+            self._counts["nacked"] += 1
+        hooks = self._hooks
+        if hooks is None:
+            return
+        key = (message.topic, message.queue_id, message.queue_offset, message.delivery_attempt)
+        context = self._contexts.pop(key, None)
+        if context is None:
+            return
+        context.end_time = anyio.current_time()
+        context.success = status is ConsumeReturnType.SUCCESS
+        context.status = status
+        context.exception = exception
+        hooks.after(context)
 
     async def ack(self, message: ReceivedMessage) -> None:
         """Finish ``message``: it is never delivered to the group again.
@@ -252,7 +377,13 @@ class SimpleConsumer:
         Raises :class:`InvalidReceiptHandleError` when this delivery no longer holds
         the message: its invisible duration passed (it is visible again, maybe
         received by another consumer already), it was acked, or dead-lettered."""
-        await self._running("ack").ack(message)
+        backend = self._running("ack")
+        try:
+            await backend.ack(message)
+        except InvalidReceiptHandleError as exc:
+            self._settled(message, ConsumeReturnType.TIME_OUT, exc)
+            raise
+        self._settled(message, ConsumeReturnType.SUCCESS)
 
     async def ack_batch(self, messages: Sequence[ReceivedMessage]) -> None:
         """Ack several messages at once: one round trip per queue on Redis (RocketMQ
@@ -263,6 +394,10 @@ class SimpleConsumer:
         if not messages:
             return
         refused = await backend.ack_many(list(messages))
+        refused_ids = {id(m) for m in refused}
+        for m in messages:
+            if id(m) not in refused_ids:
+                self._settled(m, ConsumeReturnType.SUCCESS)
         if refused:
             error = InvalidReceiptHandleError(
                 f"ack of {len(refused)} of {len(messages)} messages refused (their invisible"
@@ -271,6 +406,8 @@ class SimpleConsumer:
                 + (" ..." if len(refused) > 10 else "")
             )
             error.refused = refused
+            for m in refused:
+                self._settled(m, ConsumeReturnType.TIME_OUT, error)
             raise error
 
     async def change_invisible_duration(
@@ -281,6 +418,11 @@ class SimpleConsumer:
         it back at once, a nack). The message stays ackable while invisible; the
         same errors as :meth:`ack`."""
         duration = _check_duration("invisible_duration", invisible_duration, allow_zero=True)
-        await self._running("change_invisible_duration").change_invisible_duration(
-            message, duration
-        )
+        backend = self._running("change_invisible_duration")
+        try:
+            await backend.change_invisible_duration(message, duration)
+        except InvalidReceiptHandleError as exc:
+            self._settled(message, ConsumeReturnType.TIME_OUT, exc)
+            raise
+        if duration == 0:
+            self._settled(message, ConsumeReturnType.FAILED)
