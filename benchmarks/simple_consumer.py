@@ -20,27 +20,35 @@ CPU per message is the process's CPU time (``time.process_time``) over the drain
 divided by the messages. Each system runs twice per round: as is, and with the
 cyclic garbage collector frozen (``gc.freeze()`` before the drain). The Redis server's
 CPU (the Lua scripts) is not in it: it is reported separately, from ``INFO
-cpu`` before and after each drain (the server is shared; only this process uses it
-during a drain).
+cpu`` before and after each drain. By default the benchmark starts a redis-server of
+its own on a free port (no persistence), so that no other client's work is counted
+there; ``--url`` uses a running server instead.
 
     python -m benchmarks.simple_consumer                     # 40,000 messages, 3 rounds
     python -m benchmarks.simple_consumer --messages 100000 --repeat 5
+    python -m benchmarks.simple_consumer --url redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import platform
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
+from benchmarks._ports import free_port
 from stagedconsumer import RedisBroker, SimpleConsumer
 
 QUEUES = 8
@@ -169,18 +177,50 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+@contextlib.contextmanager
+def own_redis() -> Iterator[str]:
+    """A private redis-server on a free port of 127.0.0.1, stopped at the end."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not on PATH: pass --url of a running server")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as directory:
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", directory],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            client = redis.Redis(port=port)
+            for _ in range(200):
+                with contextlib.suppress(redis.ConnectionError):
+                    if client.ping():
+                        break
+                time.sleep(0.05)
+            client.close()
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--url", default=None, help="a running Redis (default: start a private redis-server)"
+    )
     parser.add_argument("--messages", type=int, default=40_000)
     parser.add_argument("--batch", type=int, default=32, help="XREADGROUP COUNT per stream"
                         " and max_message_num of receive (default 32, RocketMQ's)")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
-    rows = asyncio.run(main_async(args))
+    with contextlib.ExitStack() as stack:
+        if args.url is None:
+            args.url = stack.enter_context(own_redis())
+        rows = asyncio.run(main_async(args))
     print(
         f"{args.messages:,} no-op messages, 8 streams, median of {args.repeat} rounds;"
-        f" python {platform.python_version()}"
+        f" python {platform.python_version()}; Redis {args.url}"
     )
     header = ("system", "GC", "msg/s", "CPU µs/msg", "vs loop", "Redis CPU µs/msg")
     print("| " + " | ".join(header) + " |")
