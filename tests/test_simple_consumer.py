@@ -6,6 +6,8 @@ tests advance time by assignment instead of sleeping.
 
 from __future__ import annotations
 
+import pickle
+
 import anyio
 import pytest
 
@@ -336,3 +338,44 @@ async def test_message_trace_records_a_sub_before_and_after_per_delivery() -> No
     ]
     kinds = [r.trace_type for r in records if r.beans[0].msg_id == sent.msg_id]
     assert kinds == [TraceType.SubBefore, TraceType.SubAfter]
+
+
+async def test_closing_ends_a_waiting_receive() -> None:
+    broker = MemoryBroker()
+    broker.create_topic("jobs", 1)
+    c = SimpleConsumer("g", broker, subscriptions={"jobs": "*"}, await_duration=3600)
+    errors: list[BaseException] = []
+    async with c, anyio.create_task_group() as tg:
+
+        async def receive() -> None:
+            try:
+                await c.receive(1, 10)
+            except ConsumerStateError as exc:
+                errors.append(exc)
+
+        tg.start_soon(receive)
+        await anyio.wait_all_tasks_blocked()
+        await c.aclose()
+    assert len(errors) == 1
+    assert "closed while receive() waited" in str(errors[0])
+
+
+def test_received_messages_pickle_with_their_delivery() -> None:
+    broker = MemoryBroker()
+    broker.create_topic("jobs", 1)
+    broker.send("jobs", b"x", keys=["k"])
+
+    async def main() -> ReceivedMessage:
+        async with consumer(broker, fifo=True) as c:
+            (m,) = await c.receive(1, 10)
+            return m
+
+    m = anyio.run(main)
+    copy = pickle.loads(pickle.dumps(m))
+    assert type(copy) is ReceivedMessage
+    assert copy == m
+    assert (copy.receipt_handle, copy.message_group, copy.consumer_group) == (
+        m.receipt_handle,
+        "k",
+        "g",
+    )

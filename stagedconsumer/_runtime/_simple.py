@@ -159,6 +159,8 @@ class SimpleConsumer:
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._wall_offset = 0.0
         self._counts = {"received": 0, "acked": 0, "refused": 0, "nacked": 0}
+        self._receiving: set[anyio.CancelScope] = set()
+        """Receives waiting for messages (cancelled when the consumer closes)."""
 
     @property
     def consumer_group(self) -> str:
@@ -271,8 +273,12 @@ class SimpleConsumer:
 
     async def aclose(self) -> None:
         """Stop: :meth:`receive` raises from now on. Messages received and not acked
-        come back after their invisible duration. Hooks are closed (flushed)."""
+        come back after their invisible duration. Receives waiting in other tasks
+        return at once, raising :class:`ConsumerStateError`. Hooks are closed
+        (flushed)."""
         self._closed = True
+        for scope in self._receiving:
+            scope.cancel()
         stack, self._exit_stack = self._exit_stack, None
         if stack is not None:
             await stack.aclose()
@@ -319,9 +325,20 @@ class SimpleConsumer:
         invisible = _check_duration("invisible_duration", invisible_duration)
         if not self._subscriptions:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
-        messages = await backend.receive(
-            self.client_id, self._subscriptions, max_message_num, invisible, self.await_duration
-        )
+        with anyio.CancelScope() as scope:
+            self._receiving.add(scope)
+            try:
+                messages = await backend.receive(
+                    self.client_id,
+                    self._subscriptions,
+                    max_message_num,
+                    invisible,
+                    self.await_duration,
+                )
+            finally:
+                self._receiving.discard(scope)
+        if scope.cancelled_caught:
+            raise ConsumerStateError("the SimpleConsumer was closed while receive() waited")
         self._counts["received"] += len(messages)
         hooks = self._hooks
         if hooks is not None and messages:
