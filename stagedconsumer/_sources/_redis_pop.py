@@ -366,6 +366,7 @@ class RedisPopBackend(PopBackend):
         batches = [[q] for q in queues] if self.broker.cluster else [queues]
         deadline = time.monotonic() + timeout
         inv_ms = max(1, round(invisible_duration * 1000))
+        regrouped = False
         while True:
             out: list[ReceivedMessage] = []
             spent = False
@@ -374,7 +375,19 @@ class RedisPopBackend(PopBackend):
             for batch in batches:
                 if len(out) >= max_num:
                     break
-                reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms)
+                try:
+                    reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms)
+                except SourceError as exc:
+                    text = str(exc)  # coredis drops the error code, keeps the message
+                    if ("NOGROUP" not in text and "or consumer group" not in text) or regrouped:
+                        raise
+                    # the consumer group is gone (a Redis restart without persistence,
+                    # an XGROUP DESTROY): create it again, from the oldest entry
+                    regrouped = True
+                    for topic in {queue.topic for queue, _ in batch}:
+                        self._topics.pop(topic, None)
+                        await self._queues(topic)
+                    reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms)
                 records = reply[0]
                 if records:
                     spent |= await self._take(batch, records, out)

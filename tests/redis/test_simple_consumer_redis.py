@@ -287,3 +287,17 @@ async def test_worker_processes_with_a_sigkill_lose_nothing_and_keep_fifo_order(
             assert position[("acking", before)] < position[("recv", after)], (
                 f"group {group}: {after} received before {before} was acked"
             )
+
+
+async def test_a_destroyed_consumer_group_is_created_again(
+    broker: RedisBroker, inspect: redis.Redis, namespace: str
+) -> None:
+    await broker.create_topic("t", 1)
+    await broker.send("t", b"x")
+    async with consumer(broker) as c:
+        (m,) = await c.receive(1, 600)
+        await c.ack(m)
+        inspect.xgroup_destroy(f"{namespace}:q:{{t:0}}", "g")
+        (again,) = await c.receive(1, 600)  # from the oldest entry: delivered again
+        assert again.msg_id == m.msg_id
+        assert again.delivery_attempt == 1
