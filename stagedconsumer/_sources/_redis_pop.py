@@ -175,6 +175,9 @@ for q = 0, nq - 1 do
     local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want - got,
                          'STREAMS', S, '>')
     if not r or not r[1] or #r[1][2] == 0 then break end
+    local deadlines = {}
+    local rejected = {}
+    local deadline = now + inv_ms
     for _, e in ipairs(r[1][2]) do
       local id, f = e[1], e[2]
       local ok = true
@@ -183,18 +186,21 @@ for q = 0, nq - 1 do
         ok = tag ~= nil and tags[tag] ~= nil
       end
       if not ok then
-        redis.call('XACK', S, group, id)
+        rejected[#rejected + 1] = id
       else
         local mg = message_group(f, attached)
         if mg and redis.call('HSETNX', LOCK, mg, id) == 0 then
           redis.call('ZADD', WAIT, 0, mg .. '\\0' .. pad(id))
         else
-          redis.call('ZADD', INV, now + inv_ms, id)
+          deadlines[#deadlines + 1] = deadline
+          deadlines[#deadlines + 1] = id
           out[#out + 1] = {3, q, id, 1, mg, f}
           got = got + 1
         end
       end
     end
+    if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
+    if #rejected > 0 then redis.call('XACK', S, group, unpack(rejected)) end
   end
 end
 if got > 0 then return {out} end
@@ -229,26 +235,39 @@ SETTLE_LUA = (
     + """
 local S, INV, LOCK, WAIT, READY = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local change = tonumber(ARGV[2])
-local codes = {}
+local ids, atts, mgs = {}, {}, {}
 for record in string.gmatch(ARGV[3], '[^%z]+') do
   local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
-  att = tonumber(att)
+  ids[#ids + 1] = id
+  atts[#atts + 1] = tonumber(att)
+  mgs[#mgs + 1] = mg
+end
+local scores = redis.call('ZMSCORE', INV, unpack(ids))
+local codes = {}
+local done = {}
+local deadlines = {}
+for i, id in ipairs(ids) do
   local p = redis.call('XPENDING', S, group, id, id, 1)[1]
-  local score = redis.call('ZSCORE', INV, id)
-  if not p or tonumber(p[4]) ~= att or not score then
-    codes[#codes + 1] = -1
+  local score = scores[i]
+  if not p or tonumber(p[4]) ~= atts[i] or not score then
+    codes[i] = -1
   elseif tonumber(score) <= now then
-    codes[#codes + 1] = -2
+    codes[i] = -2
   elseif change >= 0 then
-    redis.call('ZADD', INV, now + change, id)
-    codes[#codes + 1] = 1
+    deadlines[#deadlines + 1] = now + change
+    deadlines[#deadlines + 1] = id
+    codes[i] = 1
   else
-    redis.call('XACK', S, group, id)
-    redis.call('ZREM', INV, id)
-    if mg ~= '' then release(LOCK, WAIT, READY, mg, id) end
-    codes[#codes + 1] = 1
+    done[#done + 1] = id
+    if mgs[i] ~= '' then release(LOCK, WAIT, READY, mgs[i], id) end
+    codes[i] = 1
   end
 end
+if #done > 0 then
+  redis.call('XACK', S, group, unpack(done))
+  redis.call('ZREM', INV, unpack(done))
+end
+if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
 return codes
 """
 )
