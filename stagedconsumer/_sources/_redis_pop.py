@@ -419,7 +419,9 @@ class RedisPopBackend(PopBackend):
                     )
             if out:
                 return out
-            if spent:
+            if spent or not last_ids:
+                # dead letters moved, or only entries an attached stream's filter
+                # rejected: look again at once
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:

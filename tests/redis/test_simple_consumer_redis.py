@@ -27,6 +27,7 @@ from stagedconsumer import (
     SimpleConsumerOptions,
 )
 from stagedconsumer._sources._redis_broker import RedisBroker
+from stagedconsumer._sources._redis_codec import default_entry_decoder
 from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID, PROPERTY_RETRY_TOPIC
 from tests.redis._workers import ROOT
 
@@ -301,3 +302,18 @@ async def test_a_destroyed_consumer_group_is_created_again(
         (again,) = await c.receive(1, 600)  # from the oldest entry: delivered again
         assert again.msg_id == m.msg_id
         assert again.delivery_attempt == 1
+
+
+async def test_tags_on_an_attached_stream_are_filtered_after_decoding(
+    broker: RedisBroker, inspect: redis.Redis, namespace: str
+) -> None:
+    key = f"{namespace}:tagged"
+    for tag in ("a", "b", "b", "a"):
+        inspect.xadd(key, {"body": tag, "tag": tag})
+    await broker.attach_stream("t", key, decode=default_entry_decoder(tags_field="tag"))
+    async with consumer(broker, expression="a") as c:
+        got = await c.receive(10, 600)
+        got += await c.receive(10, 600)
+        assert [m.body for m in got] == [b"a", b"a"]
+        assert await c.receive(10, 600) == []
+    assert inspect.xpending(key, "g")["pending"] == 2  # the rejected ones were acked
