@@ -22,8 +22,8 @@ from .._sources._pop import (
     PopBackend,
     PopSettings,
     ReceivedMessage,
-    pop_backend,
 )
+from .._sources._pop_backends import pop_backend
 from .._sources._source import MessageSource
 from ._hooks import HookRunner, loop_wall_offset
 from ._shapes import check_hook

@@ -6,8 +6,8 @@ the message becomes visible again with one more *delivery attempt* counted. Afte
 ``max_delivery_attempts`` the message goes to the group's dead-letter queue. The
 broker keeps all of this (no offsets, queue locks or rebalance on the client):
 :class:`PopBackend` is its interface, one per broker and consumer group, made by
-:func:`pop_backend` (:mod:`._memory_pop` on the embedded broker, :mod:`._redis_pop`
-on Redis).
+:func:`._pop_backends.pop_backend` (:mod:`._memory_pop` on the embedded broker, :mod:`._redis_pop`
+on Redis; :func:`._pop_backends.pop_backend` picks one).
 
 FIFO groups: messages of one *message group* are received one at a time in queue
 order; the next is not received by anyone before the previous was acked or
@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import attrs
 
-from .._exceptions import ConfigurationError, ConsumerStateError
+from .._exceptions import ConsumerStateError
 from .._filter import TagFilter
 from .._message import Message, _MessageFields, _rebuild
-
-if TYPE_CHECKING:
-    from ._source import MessageSource
 
 __all__ = (
     "InvalidReceiptHandleError",
@@ -35,7 +32,6 @@ __all__ = (
     "PopSettings",
     "ReceivedMessage",
     "message_group_of",
-    "pop_backend",
 )
 
 
@@ -197,30 +193,3 @@ class PopBackend(abc.ABC):
     async def change_invisible_duration(self, message: ReceivedMessage, duration: float) -> None:
         """Make ``message`` invisible for ``duration`` seconds from now (same errors
         as :meth:`ack`)."""
-
-
-def pop_backend(source: MessageSource, settings: PopSettings) -> PopBackend:
-    """The pop backend of ``source`` for one group (shared state per source)."""
-    from ._memory import MemoryBroker
-
-    if isinstance(source, MemoryBroker):
-        from ._memory_pop import memory_pop_backend
-
-        return memory_pop_backend(source, settings)
-    make = getattr(source, "pop_backend", None)
-    if make is not None:
-        backend: PopBackend = make(settings)
-        return backend
-    try:
-        from ._redis_broker import RedisBroker
-    except ImportError:  # redis-py is optional
-        pass
-    else:
-        if isinstance(source, RedisBroker):
-            from ._redis_pop import RedisPopBackend
-
-            return RedisPopBackend(source, settings)
-    raise ConfigurationError(
-        f"{type(source).__name__} does not support pop consumption (SimpleConsumer):"
-        " use MemoryBroker or RedisBroker"
-    )
