@@ -77,6 +77,8 @@ from ._options import ConsumerOptions as ConsumerOptions
 from ._options import ProducerOptions as ProducerOptions
 from ._runtime._consumer import PushConsumer as PushConsumer
 from ._runtime._producer import Producer as Producer
+from ._runtime._simple import SimpleConsumer as SimpleConsumer
+from ._runtime._simple import SimpleConsumerOptions as SimpleConsumerOptions
 from ._sources._gray import AllocateMessageQueueByGray as AllocateMessageQueueByGray
 from ._sources._gray import GrayStatistics as GrayStatistics
 from ._sources._group import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
@@ -92,6 +94,8 @@ from ._sources._kafka_broker import SelectMessageQueueByKafkaKey as SelectMessag
 from ._sources._kafka_group import KafkaOffsetStore as KafkaOffsetStore
 from ._sources._memory import MemoryBroker as MemoryBroker
 from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
+from ._sources._pop import InvalidReceiptHandleError as InvalidReceiptHandleError
+from ._sources._pop import ReceivedMessage as ReceivedMessage
 from ._sources._selectors import MessageQueueSelector as MessageQueueSelector
 from ._sources._selectors import SelectMessageQueueByGray as SelectMessageQueueByGray
 from ._sources._selectors import SelectMessageQueueByHash as SelectMessageQueueByHash
@@ -123,6 +127,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = (
+    "ReceivedMessage",
+    "InvalidReceiptHandleError",
+    "SimpleConsumerOptions",
+    "SimpleConsumer",
     "RMQ_SYS_TRACE_TOPIC",
     "TAIL_STAGE",
     "AllocateMessageQueueAveragely",

@@ -2,8 +2,10 @@
 
 :class:`BlockingProducer` sends and returns a :class:`~stagedconsumer.SendResult`;
 :class:`BlockingConsumer` runs a :class:`~stagedconsumer.PushConsumer` for the length
-of a ``with`` block. Both run their async object on an event loop in another thread
-through an anyio :class:`~anyio.from_thread.BlockingPortal`, and wait for it::
+of a ``with`` block; :class:`BlockingSimpleConsumer` receives and acks with a
+:class:`~stagedconsumer.SimpleConsumer`. They run their async object on an event
+loop in another thread through an anyio :class:`~anyio.from_thread.BlockingPortal`,
+and wait for it::
 
     from anyio.from_thread import start_blocking_portal
     from stagedconsumer.blocking import BlockingConsumer, BlockingProducer
@@ -45,5 +47,6 @@ Rules:
 
 from ._runtime._blocking import BlockingConsumer as BlockingConsumer
 from ._runtime._blocking import BlockingProducer as BlockingProducer
+from ._runtime._blocking_simple import BlockingSimpleConsumer as BlockingSimpleConsumer
 
-__all__ = ("BlockingConsumer", "BlockingProducer")
+__all__ = ("BlockingConsumer", "BlockingProducer", "BlockingSimpleConsumer")

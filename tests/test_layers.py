@@ -125,6 +125,8 @@ ALLOWED = {
         "stagedconsumer._sources._group",
         "stagedconsumer._sources._gray",
         "stagedconsumer._sources._selectors",
+        "stagedconsumer._sources._pop",
+        "stagedconsumer._sources._pop_backends",
         "stagedconsumer._observability._hooks",
         "stagedconsumer._observability._send_hooks",
         "stagedconsumer._observability._view",

@@ -1,0 +1,127 @@
+"""BlockingSimpleConsumer: a :class:`SimpleConsumer` driven from synchronous code (the
+blocking API's way: the consumer runs on an event loop in another thread, each call
+waits for its task there)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from anyio.from_thread import BlockingPortal
+
+from .._exceptions import ConfigurationError, ConsumerStateError
+from .._sources._pop import ReceivedMessage
+from ._blocking import _Host, _LoopThread
+from ._simple import SimpleConsumer
+
+__all__ = ("BlockingSimpleConsumer",)
+
+
+class BlockingSimpleConsumer:
+    """A :class:`~stagedconsumer.SimpleConsumer` for synchronous code: ``receive``,
+    ``ack`` and ``change_invisible_duration`` block until done.
+
+    ::
+
+        consumer = SimpleConsumer("workers", broker, subscriptions={"jobs": "*"})
+        with BlockingSimpleConsumer(consumer) as running:
+            for message in running.receive(16, invisible_duration=30):
+                handle(message)
+                running.ack(message)
+
+    The consumer runs on ``portal``'s event loop when given (share one with a producer
+    of the same :class:`~stagedconsumer.MemoryBroker`), else on a portal of its own
+    (``backend``, ``backend_options``), started when the block is entered and stopped
+    when it is left. Calls may come from any thread (a pool of worker threads sharing
+    one consumer, say) except the event loop's own
+    (:class:`~stagedconsumer.WrongThreadError`). Leaving the block cancels receives
+    still waiting in other threads (they raise
+    :class:`~stagedconsumer.ConsumerStateError`); messages received and not acked come
+    back after their invisible duration. Ctrl-C while a call waits cancels it.
+    """
+
+    def __init__(
+        self,
+        consumer: SimpleConsumer,
+        *,
+        portal: BlockingPortal | None = None,
+        backend: str | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(consumer, SimpleConsumer):
+            raise ConfigurationError(
+                f"consumer must be a SimpleConsumer, got {type(consumer).__name__}"
+            )
+        self.consumer = consumer
+        """The async consumer (for ``async def`` code on the same event loop)."""
+        self._loop = _LoopThread(portal, backend, backend_options)
+        self._host: _Host[SimpleConsumer] | None = None
+
+    @property
+    def portal(self) -> BlockingPortal:
+        """The portal the consumer runs on (while it runs)."""
+        if self._loop.portal is None or self._host is None or not self._host.running:
+            raise ConsumerStateError("the consumer is not running: use it in a with block")
+        return self._loop.portal
+
+    def __enter__(self) -> Self:
+        if self._host is not None:
+            raise ConsumerStateError("a BlockingSimpleConsumer can be started only once")
+        self._host = _Host(
+            self.consumer,
+            self.consumer.source,
+            self._loop,
+            what="simple consumer",
+            error=ConsumerStateError,
+            cancel_calls=True,
+        )
+        self._host.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._host is not None
+        self._host.stop(exc)
+
+    def _host_for(self, method: str) -> _Host[SimpleConsumer]:
+        if self._host is None:
+            raise ConsumerStateError(
+                f"{method}() needs a running consumer: use `with BlockingSimpleConsumer(...)`"
+            )
+        return self._host
+
+    def receive(self, max_message_num: int, invisible_duration: float) -> list[ReceivedMessage]:
+        """:meth:`SimpleConsumer.receive <stagedconsumer.SimpleConsumer.receive>`,
+        blocking (up to the consumer's ``await_duration``)."""
+        return self._host_for("receive").call(
+            "receive",
+            functools.partial(self.consumer.receive, max_message_num, invisible_duration),
+        )
+
+    def ack(self, message: ReceivedMessage) -> None:
+        """:meth:`SimpleConsumer.ack <stagedconsumer.SimpleConsumer.ack>`, blocking."""
+        self._host_for("ack").call("ack", functools.partial(self.consumer.ack, message))
+
+    def ack_batch(self, messages: Sequence[ReceivedMessage]) -> None:
+        """:meth:`SimpleConsumer.ack_batch <stagedconsumer.SimpleConsumer.ack_batch>`,
+        blocking."""
+        messages = list(messages)
+        self._host_for("ack_batch").call(
+            "ack_batch", functools.partial(self.consumer.ack_batch, messages)
+        )
+
+    def change_invisible_duration(
+        self, message: ReceivedMessage, invisible_duration: float
+    ) -> None:
+        """:meth:`SimpleConsumer.change_invisible_duration
+        <stagedconsumer.SimpleConsumer.change_invisible_duration>`, blocking."""
+        self._host_for("change_invisible_duration").call(
+            "change_invisible_duration",
+            functools.partial(self.consumer.change_invisible_duration, message, invisible_duration),
+        )

@@ -1,0 +1,632 @@
+"""Pop consumption on Redis: Redis Streams consumer groups, driven by two Lua scripts.
+
+Key layout, per queue of a subscribed topic and consumer group (``<tag>`` is the
+queue stream's hash tag, ``<topic>:<queue_id>`` for the broker's own topics, the
+stream key for an attached stream without one, so that every key of a queue is in
+its stream's Cluster slot)::
+
+    <stream>                              stream  the queue; the consumer group <group>
+                                                  on it: its last-delivered id is the
+                                                  group's cursor, its pending entries
+                                                  list (PEL) the messages in flight, each
+                                                  entry's delivery counter the delivery
+                                                  attempt
+    ns:pop:inv:{<tag>}:<group>            zset    entry id -> the end of its invisible
+                                                  duration (ms, the Redis server's clock)
+    ns:pop:lock:{<tag>}:<group>           hash    FIFO: message group -> its head entry
+    ns:pop:wait:{<tag>}:<group>           zset    FIFO: entries behind a head, members
+                                                  ``<message group>\\0<padded id>``
+    ns:pop:ready:{<tag>}:<group>          list    FIFO: heads released by an ack,
+                                                  ``<id> <message group>``
+
+:data:`RECEIVE_LUA` does a whole receive on the server, atomically, for one or more
+queues: entries whose invisible time passed are claimed again (``XCLAIM`` with the
+delivery counter one higher; those whose attempts are used up are handed to the
+client to dead-letter), then FIFO heads released by acks, then new entries
+(``XREADGROUP ... >``). :data:`SETTLE_LUA` acks (``XACK``, and for a FIFO head
+releases the next entry of its message group) or changes the invisible time, after
+checking that the caller's delivery still holds the entry (same delivery counter,
+invisible time not passed).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .._exceptions import SourceError
+from .._filter import TagFilter
+from .._message import Message
+from ._pop import (
+    InvalidReceiptHandleError,
+    PopBackend,
+    PopSettings,
+    ReceivedMessage,
+    received,
+)
+from ._redis_codec import EntryDecoder, _decode_attached, _decode_entries, _ForeignEntry
+from ._redis_connection import RedisScript
+
+if TYPE_CHECKING:
+    from ._redis_broker import RedisBroker
+
+__all__ = ("RECEIVE_LUA", "SETTLE_LUA", "RedisPopBackend")
+
+_COMMON_LUA = """
+local group = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function pad(id)
+  local ms, sq = string.match(id, '^(%d+)%-(%d+)$')
+  return string.rep('0', 20 - #ms) .. ms .. '-' .. string.rep('0', 20 - #sq) .. sq
+end
+local function unpad(p)
+  local ms, sq = string.match(p, '^0*(%d-)%-0*(%d-)$')
+  if ms == '' then ms = '0' end
+  if sq == '' then sq = '0' end
+  return ms .. '-' .. sq
+end
+-- a FIFO head is done: the next entry of its message group becomes ready
+local function release(LOCK, WAIT, READY, mg, id)
+  if redis.call('HGET', LOCK, mg) ~= id then return end
+  local nxt = redis.call('ZRANGEBYLEX', WAIT, '(' .. mg .. '\\0', '(' .. mg .. '\\1',
+                         'LIMIT', 0, 1)[1]
+  if nxt then
+    redis.call('ZREM', WAIT, nxt)
+    local nid = unpad(string.sub(nxt, #mg + 2))
+    redis.call('HSET', LOCK, mg, nid)
+    redis.call('RPUSH', READY, nid .. ' ' .. mg)
+  else
+    redis.call('HDEL', LOCK, mg)
+  end
+end
+"""
+
+RECEIVE_LUA = (
+    _COMMON_LUA
+    + """
+local consumer = ARGV[2]
+local want = tonumber(ARGV[3])
+local inv_ms = tonumber(ARGV[4])
+local max_att = tonumber(ARGV[5])
+local fifo = ARGV[6] == '1'
+local gprop = ARGV[7]
+local nq = #KEYS / 5
+local out = {}
+local got = 0
+local function field(f, name)
+  for i = 1, #f, 2 do if f[i] == name then return f[i + 1] end end
+  return nil
+end
+local function message_group(f, attached)
+  if not fifo then return false end
+  if attached then
+    if gprop == '' then return false end
+    return field(f, gprop) or false
+  end
+  if gprop == '' then
+    local k = field(f, 'k')
+    if not k then return false end
+    local first = cjson.decode(k)[1]
+    if type(first) ~= 'string' then return false end
+    return first
+  end
+  local p = field(f, 'p')
+  if not p then return false end
+  local v = cjson.decode(p)[gprop]
+  if type(v) ~= 'string' then return false end
+  return v
+end
+for q = 0, nq - 1 do
+  if got >= want then break end
+  local S, INV, LOCK, WAIT, READY = KEYS[q*5+1], KEYS[q*5+2], KEYS[q*5+3], KEYS[q*5+4], KEYS[q*5+5]
+  local attached = ARGV[8 + q*2] == '1'
+  local tags = nil
+  if ARGV[9 + q*2] ~= '' then
+    tags = {}
+    for tag in string.gmatch(ARGV[9 + q*2], '[^\\n]+') do tags[tag] = true end
+  end
+  -- 1. entries whose invisible time passed
+  local due = redis.call('ZRANGEBYSCORE', INV, '-inf', now, 'LIMIT', 0, want - got)
+  for _, id in ipairs(due) do
+    local p = redis.call('XPENDING', S, group, id, id, 1)[1]
+    if not p then
+      redis.call('ZREM', INV, id)
+    else
+      local att = tonumber(p[4])
+      local e = redis.call('XCLAIM', S, group, consumer, 0, id, 'RETRYCOUNT', att + 1)[1]
+      if not e then
+        redis.call('ZREM', INV, id)
+        redis.call('XACK', S, group, id)
+      else
+        redis.call('ZADD', INV, now + inv_ms, id)
+        local kind = 1
+        if att >= max_att then kind = 2 end
+        out[#out + 1] = {kind, q, id, att + 1, message_group(e[2], attached), e[2]}
+        got = got + 1
+      end
+    end
+  end
+  -- 2. FIFO heads released by acks
+  while fifo and got < want do
+    local item = redis.call('LPOP', READY)
+    if not item then break end
+    local id, mg = string.match(item, '^(%S+) (.*)$')
+    local e = redis.call('XCLAIM', S, group, consumer, 0, id, 'RETRYCOUNT', 1)[1]
+    if e then
+      redis.call('ZADD', INV, now + inv_ms, id)
+      out[#out + 1] = {1, q, id, 1, mg, e[2]}
+      got = got + 1
+    else
+      redis.call('XACK', S, group, id)
+      release(LOCK, WAIT, READY, mg, id)
+    end
+  end
+  -- 3. entries never delivered
+  local rounds = 0
+  while got < want and rounds < 8 do
+    rounds = rounds + 1
+    local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want - got,
+                         'STREAMS', S, '>')
+    if not r or not r[1] or #r[1][2] == 0 then break end
+    local deadlines = {}
+    local rejected = {}
+    local deadline = now + inv_ms
+    for _, e in ipairs(r[1][2]) do
+      local id, f = e[1], e[2]
+      local ok = true
+      if tags then
+        local tag = field(f, 'g')
+        ok = tag ~= nil and tags[tag] ~= nil
+      end
+      if not ok then
+        rejected[#rejected + 1] = id
+      else
+        local mg = message_group(f, attached)
+        if mg and redis.call('HSETNX', LOCK, mg, id) == 0 then
+          redis.call('ZADD', WAIT, 0, mg .. '\\0' .. pad(id))
+        else
+          deadlines[#deadlines + 1] = deadline
+          deadlines[#deadlines + 1] = id
+          out[#out + 1] = {3, q, id, 1, mg, f}
+          got = got + 1
+        end
+      end
+    end
+    if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
+    if #rejected > 0 then redis.call('XACK', S, group, unpack(rejected)) end
+  end
+end
+if got > 0 then return {out} end
+-- nothing: when the next invisible time ends, and where each stream ends
+local wait = -1
+local last = {}
+for q = 0, nq - 1 do
+  local first = redis.call('ZRANGE', KEYS[q*5+2], 0, 0, 'WITHSCORES')
+  if first[2] then
+    local w = math.max(tonumber(first[2]) - now, 0)
+    if wait < 0 or w < wait then wait = w end
+  end
+  if fifo and redis.call('LLEN', KEYS[q*5+5]) > 0 then wait = 0 end
+  local top = redis.call('XREVRANGE', KEYS[q*5+1], '+', '-', 'COUNT', 1)[1]
+  if top then last[q + 1] = top[1] else last[q + 1] = '0-0' end
+end
+return {out, wait, last}
+"""
+)
+"""One receive over one or more queues (KEYS: per queue its stream, ``inv``,
+``lock``, ``wait``, ``ready``). ARGV: group, consumer, max messages, invisible ms,
+max delivery attempts, ``1`` for FIFO, the message group property (``''``: the first
+key), then per queue ``1`` when it is an attached stream and its accepted tags
+(newline-separated; ``''``: all). Returns ``{records}`` where a record is ``{kind,
+queue index, entry id, attempt, message group or nil, fields}`` (kind 1: deliver, 2:
+attempts used up, dead-letter it, 3: deliver, first delivery: those of a queue are in
+offset order), or when nothing was received ``{{}, ms until the
+next invisible time ends (-1: none), {last entry id per stream}}``."""
+
+SETTLE_LUA = (
+    _COMMON_LUA
+    + """
+local S, INV, LOCK, WAIT, READY = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local change = tonumber(ARGV[2])
+local ids, atts, mgs = {}, {}, {}
+for record in string.gmatch(ARGV[3], '[^%z]+') do
+  local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
+  ids[#ids + 1] = id
+  atts[#atts + 1] = tonumber(att)
+  mgs[#mgs + 1] = mg
+end
+local scores = redis.call('ZMSCORE', INV, unpack(ids))
+local codes = {}
+local done = {}
+local deadlines = {}
+for i, id in ipairs(ids) do
+  local p = redis.call('XPENDING', S, group, id, id, 1)[1]
+  local score = scores[i]
+  if not p or tonumber(p[4]) ~= atts[i] or not score then
+    codes[i] = -1
+  elseif tonumber(score) <= now then
+    codes[i] = -2
+  elseif change >= 0 then
+    deadlines[#deadlines + 1] = now + change
+    deadlines[#deadlines + 1] = id
+    codes[i] = 1
+  else
+    done[#done + 1] = id
+    if mgs[i] ~= '' then release(LOCK, WAIT, READY, mgs[i], id) end
+    codes[i] = 1
+  end
+end
+if #done > 0 then
+  redis.call('XACK', S, group, unpack(done))
+  redis.call('ZREM', INV, unpack(done))
+end
+if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
+return codes
+"""
+)
+"""Ack entries of one queue (ARGV[2] ``-1``) or change their invisible time to
+ARGV[2] ms from now. ARGV: group, that, then the entries in one string (one
+encoding for many): ``<id> <delivery attempt> <message group>`` each (no group:
+empty), separated by NUL bytes. Returns a code per entry: 1 done, -1 not held by that
+delivery (acked, received again, dead-lettered), -2 invisible time passed."""
+
+_HASH_TAG = re.compile(r"\{([^}]+)\}")
+_MAX_BLOCK = 5.0
+_FIFO_POLL = 0.5
+"""FIFO: a wait for messages looks at the heads released by acks of other
+consumers this often at least (nothing in Redis wakes a blocked read for them)."""
+_CLUSTER_POLL = 0.25
+
+
+def _slot_tag(stream_key: str) -> str:
+    """What goes between the braces of a key that must share ``stream_key``'s slot."""
+    match = _HASH_TAG.search(stream_key)
+    return match.group(1) if match else stream_key
+
+
+@attrs.frozen
+class _PopQueue:
+    topic: str
+    queue_id: int
+    keys: tuple[str, str, str, str, str]
+    decode: EntryDecoder | None
+    """The decoder of an attached stream; ``None`` for the broker's own topics."""
+
+    @property
+    def stream(self) -> str:
+        return self.keys[0]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisPopBackend(PopBackend):
+    """Receive, ack and invisibility of one group on a :class:`RedisBroker`."""
+
+    def __init__(self, broker: RedisBroker, settings: PopSettings) -> None:
+        self.broker = broker
+        self.settings = settings
+        connection = broker._connection
+        self._receive_script = RedisScript(connection, RECEIVE_LUA)
+        self._settle_script = RedisScript(connection, SETTLE_LUA)
+        self._topics: dict[str, list[_PopQueue]] = {}
+        self._by_queue: dict[tuple[str, int], _PopQueue] = {}
+        self._rotation = itertools.count()
+
+    async def _queues(self, topic: str) -> list[_PopQueue]:
+        queues = self._topics.get(topic)
+        if queues is not None:
+            return queues
+        broker = self.broker
+        attached = broker._attached.get(topic)
+        group = self.settings.group
+        ns = broker.namespace
+        queues = []
+        for queue_id in range(await broker.queue_count(topic)):
+            if attached is not None:
+                stream = attached.stream_keys[queue_id]
+            else:
+                stream = broker._stream_key(topic, queue_id)
+            tag = _slot_tag(stream)
+            keys = (
+                stream,
+                f"{ns}:pop:inv:{{{tag}}}:{group}",
+                f"{ns}:pop:lock:{{{tag}}}:{group}",
+                f"{ns}:pop:wait:{{{tag}}}:{group}",
+                f"{ns}:pop:ready:{{{tag}}}:{group}",
+            )
+            queue = _PopQueue(topic, queue_id, keys, attached.decode if attached else None)
+            queues.append(queue)
+        execute = broker._connection.execute
+        for queue in queues:
+            try:
+                await broker._connection.call(
+                    f"creating consumer group {group!r} on {queue.stream}",
+                    functools.partial(
+                        execute, "XGROUP", "CREATE", queue.stream, group, "0", "MKSTREAM",
+                        keys=(2,),
+                    ),
+                )  # fmt: skip
+            except SourceError as exc:
+                if "BUSYGROUP" not in str(exc) and "already exists" not in str(exc):
+                    raise
+        for queue in queues:
+            self._by_queue[topic, queue.queue_id] = queue
+        self._topics[topic] = queues
+        return queues
+
+    async def start(self, topics: Mapping[str, TagFilter]) -> None:
+        for topic in topics:
+            await self._queues(topic)
+
+    async def receive(
+        self,
+        consumer: str,
+        subscriptions: Mapping[str, TagFilter],
+        max_num: int,
+        invisible_duration: float,
+        timeout: float,
+    ) -> list[ReceivedMessage]:
+        queues: list[tuple[_PopQueue, TagFilter]] = []
+        for topic, accepts in subscriptions.items():
+            queues.extend((queue, accepts) for queue in await self._queues(topic))
+        if not queues:
+            return []
+        start = next(self._rotation) % len(queues)
+        queues = queues[start:] + queues[:start]
+        batches = [[q] for q in queues] if self.broker.cluster else [queues]
+        deadline = time.monotonic() + timeout
+        inv_ms = max(1, round(invisible_duration * 1000))
+        regrouped = False
+        while True:
+            out: list[ReceivedMessage] = []
+            spent = False
+            wait_ms = -1
+            last_ids: list[tuple[str, Any]] = []
+            for batch in batches:
+                if len(out) >= max_num:
+                    break
+                try:
+                    reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms)
+                except SourceError as exc:
+                    text = str(exc)  # coredis drops the error code, keeps the message
+                    if ("NOGROUP" not in text and "or consumer group" not in text) or regrouped:
+                        raise
+                    # the consumer group is gone (a Redis restart without persistence,
+                    # an XGROUP DESTROY): create it again, from the oldest entry
+                    regrouped = True
+                    for topic in {queue.topic for queue, _ in batch}:
+                        self._topics.pop(topic, None)
+                        await self._queues(topic)
+                    reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms)
+                records = reply[0]
+                if records:
+                    spent |= await self._take(batch, records, out)
+                else:
+                    if reply[1] is not None and int(reply[1]) >= 0:
+                        wait = int(reply[1])
+                        wait_ms = wait if wait_ms < 0 else min(wait, wait_ms)
+                    last_ids.extend(
+                        (q.stream, last) for (q, _), last in zip(batch, reply[2], strict=True)
+                    )
+            if out:
+                return out
+            if spent or not last_ids:
+                # dead letters moved, or only entries an attached stream's filter
+                # rejected: look again at once
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return out
+            await self._wait(last_ids, remaining, wait_ms)
+
+    async def _run_receive(
+        self, consumer: str, batch: Sequence[tuple[_PopQueue, TagFilter]], want: int, inv_ms: int
+    ) -> Any:
+        settings = self.settings
+        keys: list[str] = []
+        args: list[Any] = [
+            settings.group,
+            consumer,
+            want,
+            inv_ms,
+            settings.max_delivery_attempts,
+            1 if settings.fifo else 0,
+            settings.message_group_property or "",
+        ]
+        for queue, accepts in batch:
+            keys.extend(queue.keys)
+            attached = queue.decode is not None
+            args.append(1 if attached else 0)
+            args.append("" if attached or accepts.tags is None else "\n".join(accepts.tags))
+        connection = self.broker._connection
+        return await connection.call(
+            f"receiving from {', '.join(q.stream for q, _ in batch)}",
+            lambda: self._receive_script(keys=keys, args=args),
+        )
+
+    async def _take(
+        self,
+        batch: Sequence[tuple[_PopQueue, TagFilter]],
+        records: Sequence[Any],
+        out: list[ReceivedMessage],
+    ) -> bool:
+        """Decode ``records`` into ``out``; dead-letter the spent ones and ack those an
+        attached stream's filter rejects. Returns whether any was spent."""
+        group = self.settings.group
+        spent = False
+        rejected: list[ReceivedMessage] = []
+        fresh: list[Any] = []
+        """Consecutive first deliveries of one queue (in offset order): decoded at once."""
+
+        def take_fresh() -> None:
+            queue, accepts = batch[int(fresh[0][1])]
+            messages = self._decode(queue, [(r[2], r[5]) for r in fresh])
+            filtered = queue.decode is not None and not accepts.accepts_all
+            for record, message in zip(fresh, messages, strict=True):
+                mg = record[4]
+                delivered = received(
+                    message,
+                    attempt=1,
+                    receipt_handle=record[2].decode(),
+                    message_group=None if mg is None else mg.decode(),
+                    group=group,
+                )
+                if filtered and not accepts(message):
+                    rejected.append(delivered)
+                else:
+                    out.append(delivered)
+            fresh.clear()
+
+        for record in records:
+            if record[0] == 3:
+                if fresh and fresh[0][1] != record[1]:
+                    take_fresh()
+                fresh.append(record)
+                continue
+            if fresh:
+                take_fresh()
+            kind, index, entry_id, attempt, message_group, fields = record
+            queue, accepts = batch[int(index)]
+            (message,) = self._decode(queue, [(entry_id, fields)])
+            attempt = int(attempt)
+            delivered = received(
+                message,
+                attempt=attempt,
+                receipt_handle=_text(entry_id),
+                message_group=None if message_group is None else _text(message_group),
+                group=group,
+            )
+            if int(kind) == 2:
+                spent = True
+                last = attrs.evolve(message, reconsume_times=attempt - 2)
+                await self.broker.send_to_dlq(group, last)
+                await self._settle(delivered, -1, "dead-lettering")
+            elif queue.decode is not None and not accepts(message):
+                rejected.append(delivered)
+            else:
+                out.append(delivered)
+        if fresh:
+            take_fresh()
+        if rejected:
+            await self.ack_many(rejected)
+        return spent
+
+    def _decode(self, queue: _PopQueue, entries: list[tuple[bytes, Any]]) -> list[Message]:
+        """Entries of one queue as messages (several at once only in offset order)."""
+        try:
+            if queue.decode is not None:
+                return _decode_attached(queue.topic, queue.queue_id, entries, queue.decode)
+            return _decode_entries(queue.topic, queue.queue_id, entries)
+        except _ForeignEntry as exc:
+            raise SourceError(
+                f"stream {queue.stream} holds an entry the broker cannot read: {exc}",
+                retriable=False,
+            ) from None
+
+    async def _wait(self, last_ids: list[tuple[str, Any]], remaining: float, wait_ms: int) -> None:
+        """Block until a stream gets an entry, an invisible time ends, or ``remaining``
+        seconds pass (FIFO: at most ``_FIFO_POLL``)."""
+        block = min(remaining, _MAX_BLOCK)
+        if wait_ms >= 0:
+            block = min(block, max(wait_ms, 1) / 1000)
+        if self.settings.fifo:
+            block = min(block, _FIFO_POLL)
+        if self.broker.cluster:
+            # one slot per command: watch one stream at a time
+            block = min(block, _CLUSTER_POLL)
+            last_ids = last_ids[next(self._rotation) % len(last_ids) :][:1]
+        connection = self.broker._connection
+        streams = [s for s, _ in last_ids]
+        ids = [i for _, i in last_ids]
+        block_ms = max(1, int(block * 1000))
+        await connection.call(
+            "waiting for messages",
+            functools.partial(
+                connection.execute, "XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS",
+                *streams, *ids, keys=(5,),
+            ),
+        )  # fmt: skip
+
+    async def _settle(self, message: ReceivedMessage, change_ms: int, what: str) -> int:
+        code = (await self._settle_many([message], change_ms, what))[0]
+        return code
+
+    async def _settle_many(
+        self, messages: Sequence[ReceivedMessage], change_ms: int, what: str
+    ) -> list[int]:
+        queue = self._by_queue.get((messages[0].topic, messages[0].queue_id))
+        if queue is None:
+            return [-1] * len(messages)
+        packed = "\0".join(
+            f"{m.receipt_handle} {m.reconsume_times + 1} {m.message_group or ''}" for m in messages
+        )
+        args: list[Any] = [self.settings.group, change_ms, packed]
+        connection = self.broker._connection
+        codes = await connection.call(
+            f"{what} on {queue.stream}",
+            lambda: self._settle_script(keys=queue.keys, args=args),
+        )
+        return [int(code) for code in codes]
+
+    def _check(self, message: ReceivedMessage, what: str) -> None:
+        if not isinstance(message, ReceivedMessage):
+            raise InvalidReceiptHandleError(
+                f"{what} needs a message returned by receive(), got {type(message).__name__}"
+            )
+        if message.consumer_group != self.settings.group:
+            raise InvalidReceiptHandleError(
+                f"{what} of message {message.msg_id} refused: it was received by group"
+                f" {message.consumer_group!r}, not {self.settings.group!r}"
+            )
+
+    @staticmethod
+    def _refused(message: ReceivedMessage, code: int, what: str) -> InvalidReceiptHandleError:
+        described = f"message {message.msg_id} (delivery attempt {message.delivery_attempt})"
+        if code == -2:
+            return InvalidReceiptHandleError(
+                f"{what} of {described} refused: its invisible duration passed, the receipt"
+                " handle is expired (the message is visible again and will be delivered"
+                " again)"
+            )
+        return InvalidReceiptHandleError(
+            f"{what} of {described} refused: the group {message.consumer_group!r} no longer"
+            " has it in flight under this receipt handle (acked already, received again"
+            " after its invisible duration passed, or dead-lettered)"
+        )
+
+    async def ack(self, message: ReceivedMessage) -> None:
+        self._check(message, "ack")
+        code = await self._settle(message, -1, f"acking {message.msg_id}")
+        if code != 1:
+            raise self._refused(message, code, "ack")
+
+    async def ack_many(self, messages: Sequence[ReceivedMessage]) -> list[ReceivedMessage]:
+        """Ack ``messages`` (one script call per queue); returns those refused."""
+        by_queue: dict[tuple[str, int], list[ReceivedMessage]] = {}
+        for message in messages:
+            self._check(message, "ack")
+            by_queue.setdefault((message.topic, message.queue_id), []).append(message)
+        refused: list[ReceivedMessage] = []
+        for batch in by_queue.values():
+            codes = await self._settle_many(batch, -1, "acking")
+            refused.extend(m for m, code in zip(batch, codes, strict=True) if code != 1)
+        return refused
+
+    async def change_invisible_duration(self, message: ReceivedMessage, duration: float) -> None:
+        self._check(message, "change_invisible_duration")
+        code = await self._settle(
+            message,
+            max(0, round(duration * 1000)),
+            f"changing the invisible time of {message.msg_id}",
+        )
+        if code != 1:
+            raise self._refused(message, code, "change_invisible_duration")
