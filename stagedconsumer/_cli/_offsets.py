@@ -38,6 +38,7 @@ from offsetstore import OffsetStoreError, QueueProgress, StageKey, StoreConfigur
 
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
+from .._sources._redis_url import redact_url
 from ._redis_args import add_redis_arguments, operator_broker
 
 if TYPE_CHECKING:
@@ -208,7 +209,7 @@ async def _lags(
                 max_offset = await broker.max_offset(mq)
                 lags[mq] = max(max_offset - (value.consume_offset or 0), 0)
     except (ImportError, StagedConsumerError) as exc:
-        return lags, f"{args.redis}: {exc}"
+        return lags, f"{redact_url(args.redis)}: {exc}"
     return lags, None
 
 
@@ -231,7 +232,7 @@ async def _check_on_broker(
     In this order: ``--queue`` ids against the topic's queues; the group's live
     members (refused unless ``--force``, then only warned about); ``--to-offset``
     against each planned queue's [min offset, max offset]."""
-    where = args.redis
+    where = redact_url(args.redis)
     what = f"the queues of topic {args.topic!r}"
     outside: list[str] = []
     try:

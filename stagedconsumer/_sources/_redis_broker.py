@@ -62,6 +62,7 @@ from ._redis_scripts import (
     RELEASE_LUA,
     SEND_LUA,
 )
+from ._redis_url import redact_url
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -206,9 +207,7 @@ class RedisBroker(MessageSource):
         cluster: bool = False,
     ) -> None:
         if not isinstance(url, str) or not url:
-            raise ConfigurationError(
-                f"url must be a redis:// URL string, got {type(url).__name__} {url!r}"
-            )
+            raise ConfigurationError(f"url must be a redis:// URL string, got {redact_url(url)}")
         if not namespace or not isinstance(namespace, str):
             raise ConfigurationError(f"namespace must be a non-empty string, got {namespace!r}")
         if group_options is not None and not isinstance(group_options, GroupOptions):
@@ -228,7 +227,7 @@ class RedisBroker(MessageSource):
         """Entries read per ``XRANGE`` at least (see :meth:`pull`); 0: only what a
         pull asks for."""
         self._buffered: dict[tuple[str, int, int], tuple[list[Message], int]] = {}
-        self.url = url
+        self._url = url
         self.namespace = namespace
         self.send_timeout = send_timeout
         if not isinstance(cluster, bool):
@@ -254,6 +253,15 @@ class RedisBroker(MessageSource):
         self._coordinator = RedisCoordinator(
             connection, group_options or GroupOptions(), namespace=namespace
         )
+
+    @property
+    def url(self) -> str:
+        """The Redis URL, its password masked (``redis://user:***@host:6379/0``), as
+        every message, log line and ``repr`` of the broker shows it."""
+        return self._connection.url
+
+    def __repr__(self) -> str:
+        return f"RedisBroker({self.url!r}, namespace={self.namespace!r})"
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -323,7 +331,7 @@ class RedisBroker(MessageSource):
 
     def store_host(self) -> str:
         """The Redis server's ``host:port`` (its socket path for a ``unix://`` URL)."""
-        parsed = urllib.parse.urlparse(self.url)
+        parsed = urllib.parse.urlparse(self._url)
         if parsed.scheme == "unix":
             return parsed.path
         return f"{parsed.hostname or 'localhost'}:{parsed.port or 6379}"

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import time
+import urllib.parse
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -41,6 +42,7 @@ import sniffio
 
 from .._core import Backoff
 from .._exceptions import ConfigurationError, SourceClosedError, SourceError
+from ._redis_url import redact_url
 
 try:
     import redis.asyncio as aioredis
@@ -118,6 +120,24 @@ Execute = Callable[..., Awaitable[Any]]
 """``execute(command, *args, keys=(0,))``: one Redis command, its raw reply."""
 
 
+def _secrets(url: str) -> tuple[str, ...]:
+    """The password of ``url`` (user info or ``password=`` query), raw and
+    percent-decoded: what :meth:`RedisConnection.scrub` masks."""
+    found: set[str] = set()
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password:
+            found.add(parts.password)
+        for name, value in urllib.parse.parse_qsl(parts.query):
+            if name.lower() in ("password", "ssl_password") and value:
+                found.add(value)
+    except ValueError:
+        pass
+    found |= {urllib.parse.unquote(secret) for secret in found}
+    # longest first: a password that contains another is masked whole
+    return tuple(sorted((s for s in found if s), key=len, reverse=True))
+
+
 def _closed_writer(exc: AttributeError | TypeError) -> bool:
     """Whether ``exc`` is redis-py's asyncio connection writing on a connection that
     was closed while the write waited its turn (its writer already ``None``, or the
@@ -192,8 +212,11 @@ class RedisConnection:
     def __init__(
         self, url: str, *, socket_timeout: float, connect_timeout: float, cluster: bool = False
     ) -> None:
-        self.url = url
-        """Where it connects (for error messages); with ``cluster``, any node."""
+        self._url = url
+        self.url = redact_url(url)
+        """Where it connects, its password masked (``***``): for messages; with
+        ``cluster``, any node."""
+        self._secrets = _secrets(url)
         self.cluster = cluster
         """A Redis Cluster (the clients' cluster variants), not a single server."""
         self.connection_errors = 0
@@ -218,7 +241,9 @@ class RedisConnection:
                 health_check_interval=0,
             )
         except (ValueError, redis_exc.RedisClusterException) as exc:
-            raise ConfigurationError(f"malformed Redis URL {url!r}: {exc}") from exc
+            raise ConfigurationError(
+                f"malformed Redis URL {self.url!r}: {self.scrub(exc)}"
+            ) from None
         # Raw replies for every command: the broker reads them positionally. The
         # cluster client parses its own COMMAND and CLUSTER replies with these.
         callbacks = self._redispy.response_callbacks
@@ -283,7 +308,7 @@ class RedisConnection:
                 )
                 options: dict[str, Any] = {"reinitialize_steps": 1} if self.cluster else {}
                 client = factory.from_url(
-                    self.url,
+                    self._url,
                     decode_responses=False,
                     stream_timeout=self._socket_timeout,
                     connect_timeout=min(self._socket_timeout, self._connect_timeout),
@@ -292,7 +317,9 @@ class RedisConnection:
                     **options,
                 )
         except ValueError as exc:
-            raise ConfigurationError(f"malformed Redis URL {self.url!r}: {exc}") from exc
+            raise ConfigurationError(
+                f"malformed Redis URL {self.url!r}: {self.scrub(exc)}"
+            ) from None
         stack = contextlib.AsyncExitStack()
         self._stack = stack
         await stack.enter_async_context(client)
@@ -397,7 +424,7 @@ class RedisConnection:
             await self.call("connecting", step)
         except SourceError as exc:
             raise SourceError(
-                f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
+                f"cannot connect to Redis at {self.url}: {self.scrub(exc.__cause__ or exc)}",
                 retriable=exc.retriable,
             ) from exc
 
@@ -419,9 +446,17 @@ class RedisConnection:
             ) from exc
         except SourceError as exc:
             raise SourceError(
-                f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
+                f"cannot connect to Redis at {self.url}: {self.scrub(exc.__cause__ or exc)}",
                 retriable=exc.retriable,
             ) from exc
+
+    def scrub(self, error: object) -> str:
+        """``str(error)`` with the URL's password masked, should a client's message
+        ever quote it."""
+        text = str(error)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def check_open(self) -> None:
         if self._closed:
@@ -436,17 +471,21 @@ class RedisConnection:
         try:
             return await fn()
         except _REQUEST_ERRORS as exc:
-            raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
+            raise SourceError(f"{what}: Redis error: {self.scrub(exc)}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:
             if _CROSS_SLOT in str(exc):  # redis-py's own check, a RedisClusterException
-                raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
-            raise self._lost(what, str(exc)) from exc
+                raise SourceError(
+                    f"{what}: Redis error: {self.scrub(exc)}", retriable=False
+                ) from exc
+            raise self._lost(what, self.scrub(exc)) from exc
         except _REDIS_ERRORS as exc:
-            raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
+            raise SourceError(f"{what}: Redis error: {self.scrub(exc)}", retriable=False) from exc
         except (AttributeError, TypeError) as exc:
             if not _closed_writer(exc):
                 raise
-            detail = f"the connection closed during a write ({type(exc).__name__}: {exc})"
+            detail = (
+                f"the connection closed during a write ({type(exc).__name__}: {self.scrub(exc)})"
+            )
             raise self._lost(what, detail) from exc
 
     def _lost(self, what: str, detail: str) -> SourceError:
