@@ -62,7 +62,6 @@ from ._redis_scripts import (
     RELEASE_LUA,
     SEND_LUA,
 )
-from ._redis_url import redact_url
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -159,8 +158,11 @@ class RedisBroker(MessageSource):
     ``appendonly yes`` for data that must survive it.
 
     Entering it (``async with RedisBroker(...)``) checks the connection with a
-    ``PING`` and raises :class:`~stagedconsumer.SourceError` within
-    ``connect_timeout`` seconds (5 by default) when Redis is not there.
+    ``PING``. A refused or reset connection (Redis starting or restarting) is
+    retried with backoff, one WARNING per attempt, for up to ``connect_timeout``
+    seconds (5 by default), then :class:`~stagedconsumer.SourceError`; an unknown
+    host, refused credentials or a failed TLS handshake raise it at once
+    (``retriable=False``).
 
     Runs on asyncio (with redis-py's asyncio client, replies parsed by hiredis) and on
     trio (with coredis, anyio-based); the event loop it is entered on picks the
@@ -207,7 +209,7 @@ class RedisBroker(MessageSource):
         cluster: bool = False,
     ) -> None:
         if not isinstance(url, str) or not url:
-            raise ConfigurationError(f"url must be a redis:// URL string, got {redact_url(url)}")
+            raise ConfigurationError(f"url must be a redis:// URL string, got {type(url).__name__}")
         if not namespace or not isinstance(namespace, str):
             raise ConfigurationError(f"namespace must be a non-empty string, got {namespace!r}")
         if group_options is not None and not isinstance(group_options, GroupOptions):
@@ -220,7 +222,8 @@ class RedisBroker(MessageSource):
         _check_seconds("socket_timeout", socket_timeout)
         _check_seconds("connect_timeout", connect_timeout)
         self.connect_timeout = connect_timeout
-        """Entering the broker waits this long at most for Redis to answer ``PING``."""
+        """Entering the broker waits this long at most for Redis to answer ``PING``
+        (retrying refused connections meanwhile)."""
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
         self.read_ahead = read_ahead
@@ -284,10 +287,13 @@ class RedisBroker(MessageSource):
     async def __aenter__(self) -> RedisBroker:
         """Check that Redis answers (``PING``) within ``connect_timeout`` seconds.
 
-        Raises :class:`~stagedconsumer.SourceError` naming the URL when it does not
-        (nothing listening on the port, a host that does not answer, a wrong
-        password); the broker is closed then. Connection losses after this are
-        retried with backoff (see the class documentation).
+        A refused or reset connection is retried with backoff (one WARNING per
+        attempt) while Redis is not there yet. Raises
+        :class:`~stagedconsumer.SourceError` naming the URL (its password masked)
+        when it still is not after ``connect_timeout`` seconds, and at once when
+        waiting cannot help (``retriable=False``: an unknown host, a wrong password,
+        a failed TLS handshake); the broker is closed then. Connection losses after
+        this are retried with backoff (see the class documentation).
         """
         try:
             await self._connection.open(self.connect_timeout)

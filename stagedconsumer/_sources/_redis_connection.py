@@ -30,10 +30,12 @@ import functools
 import hashlib
 import logging
 import os
+import socket
+import ssl
 import time
 import urllib.parse
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -86,6 +88,13 @@ _CROSS_SLOT = "must map to the same key slot"
 """redis-py's cluster client refuses a command whose keys are in several slots with a
 ``RedisClusterException`` saying this (a request error too)."""
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (redis_exc.RedisError,)
+_AUTH_ERRORS: tuple[type[BaseException], ...] = (
+    redis_exc.AuthenticationError,
+    redis_exc.AuthenticationWrongNumberOfArgsError,
+)
+"""A wrong password or user name, or none where one is needed (``WRONGPASS``,
+``NOAUTH``): checked before :data:`_CONNECTION_ERRORS` (redis-py's are subclasses of
+its ``ConnectionError``); waiting cannot help."""
 _CLOSED_WRITER_FILES = (
     os.path.join("redis", "asyncio", "connection.py"),
     os.path.join("asyncio", "streams.py"),
@@ -114,6 +123,7 @@ else:
     )
     _REQUEST_ERRORS += (coredis_exc.ClusterCrossSlotError,)
     _REDIS_ERRORS += (coredis_exc.RedisError,)
+    _AUTH_ERRORS += (coredis_exc.AuthenticationError,)
     _NO_SCRIPT += (coredis_exc.NoScriptError,)
 
 Execute = Callable[..., Awaitable[Any]]
@@ -136,6 +146,56 @@ def _secrets(url: str) -> tuple[str, ...]:
     found |= {urllib.parse.unquote(secret) for secret in found}
     # longest first: a password that contains another is masked whole
     return tuple(sorted((s for s in found if s), key=len, reverse=True))
+
+
+_UNKNOWN_HOST = frozenset(
+    code
+    for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None))
+    if code is not None
+)
+"""``getaddrinfo`` errors that say the name does not exist (``EAI_AGAIN``, a
+resolver not answering yet, is retried)."""
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and the members of exception groups among
+    them (each once)."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+
+
+def _permanent_reason(exc: BaseException) -> str | None:
+    """Why connecting failed for good, when it did: a TLS handshake that failed (its
+    reason), an unknown host name, refused credentials; ``None`` for what may pass
+    (refused, reset, timed out)."""
+    for cause in _causes(exc):
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"TLS: {cause.verify_message or cause.reason or cause}"
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS: {cause.reason or cause}"
+        if isinstance(cause, socket.gaierror) and cause.errno in _UNKNOWN_HOST:
+            return f"unknown host: {cause.strerror or cause}"
+        if isinstance(cause, _AUTH_ERRORS):
+            return "authentication failed"
+    return None
+
+
+def _os_reason(exc: BaseException) -> str | None:
+    """The operating system's words for a failed connection (``Connection refused``),
+    which coredis leaves out of its own message."""
+    for cause in _causes(exc):
+        if isinstance(cause, OSError) and cause.strerror:
+            return str(cause.strerror)
+    return None
 
 
 def _closed_writer(exc: AttributeError | TypeError) -> bool:
@@ -270,9 +330,51 @@ class RedisConnection:
     # -- the two clients -------------------------------------------------------------------
 
     async def open(self, connect_timeout: float) -> None:
-        """Pick the client for the running event loop and ``PING`` the server within
-        ``connect_timeout`` seconds (see :meth:`ping`)."""
+        """Pick the client for the running event loop and ``PING`` the server, trying
+        again while it is not reachable yet, for up to ``connect_timeout`` seconds.
+
+        A refused or reset connection (Redis starting, restarting, or its port not
+        open yet) is retried with exponential backoff (0.05 s, doubling, up to 2 s;
+        one WARNING per failed attempt) while the next attempt would start within
+        ``connect_timeout`` of the first. What waiting cannot fix fails at once,
+        ``SourceError(retriable=False)``: an unknown host, refused credentials, a
+        TLS handshake that failed (its reason in the message). A malformed URL was
+        refused when the connection was made (:class:`ConfigurationError`).
+        """
         self.check_open()
+        deadline = time.monotonic() + connect_timeout
+        backoff = Backoff(_RETRY_BASE, _RETRY_CAP)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._open_once(deadline, connect_timeout)
+            except SourceError as exc:
+                delay = backoff.failed()
+                if not exc.retriable or time.monotonic() + delay >= deadline:
+                    if attempt > 1:
+                        raise SourceError(
+                            f"{exc} (attempt {attempt} within connect_timeout"
+                            f" {connect_timeout:g} s)",
+                            retriable=exc.retriable,
+                        ) from exc.__cause__
+                    raise
+                logger.warning(
+                    "Redis not reachable yet (attempt %d: %s); retrying in %.2f s"
+                    " (up to connect_timeout %g s)",
+                    attempt,
+                    exc,
+                    delay,
+                    connect_timeout,
+                )
+                await anyio.sleep(delay)
+            else:
+                if attempt > 1:
+                    logger.info("connected to Redis at %s (attempt %d)", self.url, attempt)
+                return
+
+    async def _open_once(self, deadline: float, connect_timeout: float) -> None:
+        """One attempt of :meth:`open`: the client (once) and a ``PING``."""
         if self.library is None:
             library = sniffio.current_async_library()
             if library == "asyncio":
@@ -282,7 +384,7 @@ class RedisConnection:
                 await self._connecting(self._use_coredis)
             else:  # pragma: no cover - anyio runs on these two
                 raise ConfigurationError(f"RedisBroker runs on asyncio and trio, not {library}")
-        await self.ping(connect_timeout)
+        await self.ping(max(deadline - time.monotonic(), 0.0), connect_timeout)
 
     def _use_redispy(self) -> None:
         client = self._redispy
@@ -423,32 +525,38 @@ class RedisConnection:
         try:
             await self.call("connecting", step)
         except SourceError as exc:
-            raise SourceError(
-                f"cannot connect to Redis at {self.url}: {self.scrub(exc.__cause__ or exc)}",
-                retriable=exc.retriable,
-            ) from exc
+            raise self._connect_error(exc) from exc
 
-    async def ping(self, connect_timeout: float) -> None:
-        """``PING`` the server once, within ``connect_timeout`` seconds: entering a
-        broker fails fast when Redis is not there.
+    async def ping(self, timeout: float, connect_timeout: float | None = None) -> None:
+        """``PING`` the server once, within ``timeout`` seconds.
 
         Raises ``SourceError(retriable=True)`` naming the URL when no reply came in
-        time or the connection was refused, ``SourceError(retriable=False)`` when
-        Redis answered with an error (a wrong password, for example).
+        time or the connection was refused or reset, ``SourceError(retriable=False)``
+        when waiting cannot help: Redis refused the credentials (or answered with
+        another error), the host name is unknown, the TLS handshake failed.
         """
         try:
-            with anyio.fail_after(connect_timeout):
+            with anyio.fail_after(timeout):
                 await self.call("PING", lambda: self.execute("PING", keys=()))
         except TimeoutError as exc:
             raise SourceError(
-                f"Redis at {self.url} did not answer PING within {connect_timeout:g} s"
+                f"Redis at {self.url} did not answer PING within"
+                f" {connect_timeout if connect_timeout is not None else timeout:g} s"
                 " (connect_timeout)"
             ) from exc
         except SourceError as exc:
-            raise SourceError(
-                f"cannot connect to Redis at {self.url}: {self.scrub(exc.__cause__ or exc)}",
-                retriable=exc.retriable,
-            ) from exc
+            raise self._connect_error(exc) from exc
+
+    def _connect_error(self, exc: SourceError) -> SourceError:
+        """``exc`` (a failed connection or ``PING``) as entering the broker reports
+        it: naming the URL, and not retriable when waiting cannot help."""
+        cause = exc.__cause__ or exc
+        permanent = _permanent_reason(cause)
+        reason = permanent if permanent is not None else _os_reason(cause)
+        text = f"cannot connect to Redis at {self.url}: {self.scrub(cause)}"
+        if reason is not None and reason not in text:
+            text += f" ({self.scrub(reason)})"
+        return SourceError(text, retriable=exc.retriable and permanent is None)
 
     def scrub(self, error: object) -> str:
         """``str(error)`` with the URL's password masked, should a client's message
@@ -470,6 +578,10 @@ class RedisConnection:
         self.check_open()
         try:
             return await fn()
+        except _AUTH_ERRORS as exc:
+            raise SourceError(
+                f"{what}: Redis refused the credentials: {self.scrub(exc)}", retriable=False
+            ) from exc
         except _REQUEST_ERRORS as exc:
             raise SourceError(f"{what}: Redis error: {self.scrub(exc)}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:
