@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ("add_redis_arguments", "operator_broker")
 
 _OPERATOR_TIMEOUT = 2.0
-"""Seconds an operator command waits on Redis (send and socket timeouts)."""
+"""Seconds an operator command waits on Redis (send, socket and connect timeouts)."""
 
 
 def add_redis_arguments(
@@ -57,5 +57,6 @@ def operator_broker(args: argparse.Namespace) -> RedisBroker:
         namespace=args.redis_namespace,
         send_timeout=_OPERATOR_TIMEOUT,
         socket_timeout=_OPERATOR_TIMEOUT,
+        connect_timeout=_OPERATOR_TIMEOUT,
         cluster=args.redis_cluster,
     )

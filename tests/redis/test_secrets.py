@@ -175,9 +175,13 @@ async def test_no_password_in_the_logs_of_a_redis_restart(
     _assert_hidden(out + err)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the CLI runs on asyncio
 async def test_no_password_in_cli_errors(
     secured_server: RedisServer, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """Each command that reads Redis, against a closed port (retried for the
+    operator commands' 2 s) and with a wrong password."""
     store_url = f"sqlite:///{tmp_path / 'progress.db'}"
     store = SqlOffsetStore(store_url)
     try:
