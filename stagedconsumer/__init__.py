@@ -87,6 +87,7 @@ from ._sources._group import GroupCoordinator as GroupCoordinator
 from ._sources._group import GroupOptions as GroupOptions
 from ._sources._memory import MemoryBroker as MemoryBroker
 from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
+from ._sources._redis_tls import RedisTLS as RedisTLS
 from ._sources._selectors import MessageQueueSelector as MessageQueueSelector
 from ._sources._selectors import SelectMessageQueueByGray as SelectMessageQueueByGray
 from ._sources._selectors import SelectMessageQueueByHash as SelectMessageQueueByHash
@@ -167,6 +168,7 @@ __all__ = (
     "PullResult",
     "PushConsumer",
     "RedisBroker",
+    "RedisTLS",
     "SelectMessageQueueByGray",
     "SelectMessageQueueByHash",
     "SelectMessageQueueByRandom",

@@ -20,6 +20,7 @@ import functools
 import itertools
 import math
 import os
+import ssl as ssl_module
 import time
 import urllib.parse
 import zlib
@@ -62,6 +63,7 @@ from ._redis_scripts import (
     RELEASE_LUA,
     SEND_LUA,
 )
+from ._redis_tls import RedisTLS, resolve_tls
 from ._source import (
     DLQ_PREFIX,
     RETRY_PREFIX,
@@ -183,6 +185,15 @@ class RedisBroker(MessageSource):
     asynchronous in Redis Cluster: a write a master acknowledged just before it
     crashed can be missing on the replica that replaces it.
 
+    **TLS**: ``ssl=`` an :class:`ssl.SSLContext` of your own, or
+    :class:`~stagedconsumer.RedisTLS` (``ca_file``, and ``cert_file``/``key_file``
+    for mutual TLS), or ``True`` (the system's CAs); a ``rediss://`` URL means
+    ``ssl=True``. The same context serves redis-py (asyncio) and coredis (trio):
+    the server's certificate and its host name are checked on both (unless the
+    context says ``check_hostname=False``), and a failed handshake fails entering
+    the broker at once, with the TLS reason. TLS options in the URL's query
+    (``ssl_ca_certs=...``) are refused: each client read them differently.
+
     ``read_ahead`` (default 128): every ``XRANGE`` of a pull reads at least this many
     entries, and the next pulls of that queue take the surplus without a round trip
     (the consumer pulls ``pull_batch_size``, 32, at a time). Round trips dominate the
@@ -207,6 +218,7 @@ class RedisBroker(MessageSource):
         read_ahead: int = 128,
         connect_timeout: float = 5.0,
         cluster: bool = False,
+        ssl: ssl_module.SSLContext | RedisTLS | bool | None = None,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(f"url must be a redis:// URL string, got {type(url).__name__}")
@@ -238,7 +250,11 @@ class RedisBroker(MessageSource):
         self.cluster = cluster
         """Whether ``url`` is a node of a Redis Cluster (see the class documentation)."""
         connection = RedisConnection(
-            url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, cluster=cluster
+            url,
+            socket_timeout=socket_timeout,
+            connect_timeout=connect_timeout,
+            cluster=cluster,
+            tls=resolve_tls(url, ssl),
         )
         # Redis may have restarted without its data: offsets could be reused.
         connection.on_connection_error.append(self._buffered.clear)
@@ -256,6 +272,11 @@ class RedisBroker(MessageSource):
         self._coordinator = RedisCoordinator(
             connection, group_options or GroupOptions(), namespace=namespace
         )
+
+    @property
+    def tls(self) -> ssl_module.SSLContext | None:
+        """The TLS context of the connections (``None``: plain TCP)."""
+        return self._connection.tls
 
     @property
     def url(self) -> str:

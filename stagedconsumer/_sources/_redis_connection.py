@@ -50,6 +50,7 @@ try:
     import redis.asyncio as aioredis
     import redis.exceptions as redis_exc
     from redis.asyncio.cluster import RedisCluster as RedisPyCluster
+    from redis.asyncio.connection import SSLConnection
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -130,6 +131,31 @@ Execute = Callable[..., Awaitable[Any]]
 """``execute(command, *args, keys=(0,))``: one Redis command, its raw reply."""
 
 
+class _TLSConnection(SSLConnection):
+    """redis-py's TLS connection with a context given whole (``tls_context``), not
+    made from its ``ssl_*`` options."""
+
+    def __init__(self, *, tls_context: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ssl_context.context = tls_context
+
+
+def _use_tls_context(client: Any, context: ssl.SSLContext, *, cluster: bool) -> None:
+    """Make redis-py's ``client`` (not connected yet) open its connections with TLS
+    and ``context``."""
+    if cluster:
+        kwargs = client.nodes_manager.connection_kwargs
+        kwargs["connection_class"] = _TLSConnection
+        kwargs["tls_context"] = context
+        for node in client.nodes_manager.startup_nodes.values():
+            node.connection_class = _TLSConnection
+            node.connection_kwargs["tls_context"] = context
+    else:
+        pool = client.connection_pool
+        pool.connection_class = _TLSConnection
+        pool.connection_kwargs["tls_context"] = context
+
+
 def _secrets(url: str) -> tuple[str, ...]:
     """The password of ``url`` (user info or ``password=`` query), raw and
     percent-decoded: what :meth:`RedisConnection.scrub` masks."""
@@ -179,7 +205,7 @@ def _permanent_reason(exc: BaseException) -> str | None:
     (refused, reset, timed out)."""
     for cause in _causes(exc):
         if isinstance(cause, ssl.SSLCertVerificationError):
-            return f"TLS: {cause.verify_message or cause.reason or cause}"
+            return f"TLS: certificate verify failed: {cause.verify_message or cause}"
         if isinstance(cause, ssl.SSLError):
             return f"TLS: {cause.reason or cause}"
         if isinstance(cause, socket.gaierror) and cause.errno in _UNKNOWN_HOST:
@@ -270,13 +296,21 @@ class RedisConnection:
     """
 
     def __init__(
-        self, url: str, *, socket_timeout: float, connect_timeout: float, cluster: bool = False
+        self,
+        url: str,
+        *,
+        socket_timeout: float,
+        connect_timeout: float,
+        cluster: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._url = url
         self.url = redact_url(url)
         """Where it connects, its password masked (``***``): for messages; with
         ``cluster``, any node."""
         self._secrets = _secrets(url)
+        self.tls = tls
+        """The TLS context both clients use (``None``: plain TCP)."""
         self.cluster = cluster
         """A Redis Cluster (the clients' cluster variants), not a single server."""
         self.connection_errors = 0
@@ -291,6 +325,7 @@ class RedisConnection:
         self._closed = False
         self._stack: contextlib.AsyncExitStack | None = None
         factory: Any = RedisPyCluster if cluster else aioredis.Redis
+        tls_options: dict[str, Any] = {"ssl": True} if cluster and tls is not None else {}
         try:  # redis-py makes no connection here: this only checks the URL
             self._redispy = factory.from_url(
                 url,
@@ -299,11 +334,14 @@ class RedisConnection:
                 socket_connect_timeout=min(socket_timeout, connect_timeout),
                 retry=Retry(NoBackoff(), 0),
                 health_check_interval=0,
+                **tls_options,
             )
         except (ValueError, redis_exc.RedisClusterException) as exc:
             raise ConfigurationError(
                 f"malformed Redis URL {self.url!r}: {self.scrub(exc)}"
             ) from None
+        if tls is not None:
+            _use_tls_context(self._redispy, tls, cluster=cluster)
         # Raw replies for every command: the broker reads them positionally. The
         # cluster client parses its own COMMAND and CLUSTER replies with these.
         callbacks = self._redispy.response_callbacks
@@ -409,6 +447,8 @@ class RedisConnection:
                     "ignore", "Use coredis.connection.TCPLocation", DeprecationWarning
                 )
                 options: dict[str, Any] = {"reinitialize_steps": 1} if self.cluster else {}
+                if self.tls is not None:
+                    options["ssl_context"] = self.tls
                 client = factory.from_url(
                     self._url,
                     decode_responses=False,
