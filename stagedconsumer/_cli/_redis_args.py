@@ -58,5 +58,6 @@ def operator_broker(args: argparse.Namespace) -> RedisBroker:
         send_timeout=_OPERATOR_TIMEOUT,
         socket_timeout=_OPERATOR_TIMEOUT,
         connect_timeout=_OPERATOR_TIMEOUT,
+        check_acl=False,  # an operator's user may only read: a refused command says so
         cluster=args.redis_cluster,
     )

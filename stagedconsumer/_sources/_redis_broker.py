@@ -41,6 +41,7 @@ from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
 from ._gray import PROPERTY_GRAY
 from ._group import GroupOptions
+from ._redis_acl import check_permissions, permission_message
 from ._redis_codec import (
     EntryDecoder,
     _attached_id,
@@ -185,6 +186,14 @@ class RedisBroker(MessageSource):
     asynchronous in Redis Cluster: a write a master acknowledged just before it
     crashed can be missing on the replica that replaces it.
 
+    **Permissions** (Redis ACLs): entering checks, in one ``EVAL`` (Redis 7.0 and
+    later), that the connection's user may run every command the broker needs on
+    the keys ``<namespace>:*``, and raises ``SourceError(retriable=False)`` naming
+    the ones it may not (``check_acl=False`` skips this, for a user that only
+    reads). A command refused later (``NOPERM``, also from inside the broker's Lua
+    scripts, which then name the refused command) raises
+    ``SourceError(retriable=False)``.
+
     **TLS**: ``ssl=`` an :class:`ssl.SSLContext` of your own, or
     :class:`~stagedconsumer.RedisTLS` (``ca_file``, and ``cert_file``/``key_file``
     for mutual TLS), or ``True`` (the system's CAs); a ``rediss://`` URL means
@@ -219,6 +228,7 @@ class RedisBroker(MessageSource):
         connect_timeout: float = 5.0,
         cluster: bool = False,
         ssl: ssl_module.SSLContext | RedisTLS | bool | None = None,
+        check_acl: bool = True,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(f"url must be a redis:// URL string, got {type(url).__name__}")
@@ -249,6 +259,11 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
         self.cluster = cluster
         """Whether ``url`` is a node of a Redis Cluster (see the class documentation)."""
+        if not isinstance(check_acl, bool):
+            raise ConfigurationError(f"check_acl must be True or False, got {check_acl!r}")
+        self.check_acl = check_acl
+        """Entering checks that the Redis user may run every command the broker needs
+        on the keys of its namespace (see the class documentation)."""
         connection = RedisConnection(
             url,
             socket_timeout=socket_timeout,
@@ -318,10 +333,30 @@ class RedisBroker(MessageSource):
         """
         try:
             await self._connection.open(self.connect_timeout)
+            if self.check_acl:
+                await self._check_acl()
         except BaseException:
             await self.aclose()
             raise
         return self
+
+    async def _check_acl(self) -> None:
+        """Raise ``SourceError(retriable=False)`` naming the commands the Redis user
+        may not run on ``<namespace>:*`` (nothing on a server older than 7.0, which
+        cannot tell)."""
+        connection = self._connection
+        user = urllib.parse.urlsplit(self._url).username or "default"
+        try:
+            refused = await connection.call(
+                "checking the Redis user's permissions",
+                lambda: check_permissions(connection.execute, self.namespace),
+            )
+        except SourceError as exc:
+            if exc.retriable or "'eval'" not in str(exc).lower():
+                raise
+            refused = ["EVAL"]
+        if refused:
+            raise SourceError(permission_message(refused, self.namespace, user), retriable=False)
 
     async def __aexit__(
         self,

@@ -44,6 +44,7 @@ import sniffio
 
 from .._core import Backoff
 from .._exceptions import ConfigurationError, SourceClosedError, SourceError
+from ._redis_acl import describe_script_refusal, is_refusal
 from ._redis_url import redact_url
 
 try:
@@ -56,7 +57,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisBroker needs redis-py: pip install 'stagedconsumer[redis]'") from exc
 
-__all__ = ("RedisConnection", "RedisConnectionStatistics", "RedisScript")
+__all__ = ("PermissionRefused", "RedisConnection", "RedisConnectionStatistics", "RedisScript")
 
 logger = logging.getLogger("stagedconsumer.redis")
 
@@ -96,6 +97,8 @@ _AUTH_ERRORS: tuple[type[BaseException], ...] = (
 """A wrong password or user name, or none where one is needed (``WRONGPASS``,
 ``NOAUTH``): checked before :data:`_CONNECTION_ERRORS` (redis-py's are subclasses of
 its ``ConnectionError``); waiting cannot help."""
+_PERMISSION_ERRORS: tuple[type[BaseException], ...] = (redis_exc.NoPermissionError,)
+"""``NOPERM``: the user may not run the command or touch the key."""
 _CLOSED_WRITER_FILES = (
     os.path.join("redis", "asyncio", "connection.py"),
     os.path.join("asyncio", "streams.py"),
@@ -125,6 +128,7 @@ else:
     _REQUEST_ERRORS += (coredis_exc.ClusterCrossSlotError,)
     _REDIS_ERRORS += (coredis_exc.RedisError,)
     _AUTH_ERRORS += (coredis_exc.AuthenticationError,)
+    _PERMISSION_ERRORS += (coredis_exc.AuthorizationError,)
     _NO_SCRIPT += (coredis_exc.NoScriptError,)
 
 Execute = Callable[..., Awaitable[Any]]
@@ -250,6 +254,11 @@ class RedisConnectionStatistics:
     closed: bool
 
 
+class PermissionRefused(Exception):
+    """Redis refused a command or a key to the connection's user (``NOPERM``, or a
+    script's call refused): trying again cannot help."""
+
+
 class RedisScript:
     """A Lua script run with ``EVALSHA``, or ``EVAL`` when the server does not have it
     (first use, or after a restart or ``SCRIPT FLUSH``)."""
@@ -264,9 +273,15 @@ class RedisScript:
         execute = self._connection.execute
         positions = tuple(range(2, 2 + len(keys)))
         try:
-            return await execute("EVALSHA", self.sha, len(keys), *keys, *args, keys=positions)
-        except _NO_SCRIPT:
-            return await execute("EVAL", self.lua, len(keys), *keys, *args, keys=positions)
+            try:
+                return await execute("EVALSHA", self.sha, len(keys), *keys, *args, keys=positions)
+            except _NO_SCRIPT:
+                return await execute("EVAL", self.lua, len(keys), *keys, *args, keys=positions)
+        except _REDIS_ERRORS as exc:
+            if not is_refusal(exc) or isinstance(exc, _CONNECTION_ERRORS):
+                raise
+            detail = await describe_script_refusal(execute, self.lua, keys, exc)
+            raise PermissionRefused(self._connection.scrub(detail)) from exc
 
 
 class RedisConnection:
@@ -622,6 +637,10 @@ class RedisConnection:
             raise SourceError(
                 f"{what}: Redis refused the credentials: {self.scrub(exc)}", retriable=False
             ) from exc
+        except PermissionRefused as exc:
+            raise SourceError(f"{what}: Redis refused: {exc}", retriable=False) from exc
+        except _PERMISSION_ERRORS as exc:
+            raise SourceError(f"{what}: Redis refused: {self.scrub(exc)}", retriable=False) from exc
         except _REQUEST_ERRORS as exc:
             raise SourceError(f"{what}: Redis error: {self.scrub(exc)}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:
