@@ -22,6 +22,7 @@ from ._exceptions import ProducerStateError as ProducerStateError
 from ._exceptions import SendTimeoutError as SendTimeoutError
 from ._exceptions import SourceClosedError as SourceClosedError
 from ._exceptions import SourceError as SourceError
+from ._exceptions import SourcePermissionError as SourcePermissionError
 from ._exceptions import StagedConsumerError as StagedConsumerError
 from ._exceptions import UnknownTopicError as UnknownTopicError
 from ._exceptions import WrongThreadError as WrongThreadError
@@ -181,6 +182,7 @@ __all__ = (
     "SendTimeoutError",
     "SettleOutcome",
     "SourceClosedError",
+    "SourcePermissionError",
     "SourceError",
     "SourceTraceSink",
     "StageDefinition",

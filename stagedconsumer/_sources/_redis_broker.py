@@ -35,6 +35,7 @@ from .._exceptions import (
     ConfigurationError,
     InvalidMessageError,
     SourceError,
+    SourcePermissionError,
     UnknownTopicError,
 )
 from .._message import Message, MessageQueue, OutgoingMessage
@@ -188,11 +189,11 @@ class RedisBroker(MessageSource):
 
     **Permissions** (Redis ACLs): entering checks, in one ``EVAL`` (Redis 7.0 and
     later), that the connection's user may run every command the broker needs on
-    the keys ``<namespace>:*``, and raises ``SourceError(retriable=False)`` naming
-    the ones it may not (``check_acl=False`` skips this, for a user that only
-    reads). A command refused later (``NOPERM``, also from inside the broker's Lua
-    scripts, which then name the refused command) raises
-    ``SourceError(retriable=False)``.
+    the keys ``<namespace>:*``, and raises :class:`~stagedconsumer.SourcePermissionError`
+    naming the ones it may not and the ACL to grant (``check_acl=False`` skips this,
+    for a user that only reads). A command refused later (``NOPERM``, also from
+    inside the broker's Lua scripts, which then name the refused command) raises
+    it too: a consumer that gets it stops after draining, and raises it.
 
     **TLS**: ``ssl=`` an :class:`ssl.SSLContext` of your own, or
     :class:`~stagedconsumer.RedisTLS` (``ca_file``, and ``cert_file``/``key_file``
@@ -351,12 +352,12 @@ class RedisBroker(MessageSource):
                 "checking the Redis user's permissions",
                 lambda: check_permissions(connection.execute, self.namespace),
             )
-        except SourceError as exc:
-            if exc.retriable or "'eval'" not in str(exc).lower():
+        except SourcePermissionError as exc:
+            if "'eval'" not in str(exc).lower():
                 raise
             refused = ["EVAL"]
         if refused:
-            raise SourceError(permission_message(refused, self.namespace, user), retriable=False)
+            raise SourcePermissionError(permission_message(refused, self.namespace, user))
 
     async def __aexit__(
         self,

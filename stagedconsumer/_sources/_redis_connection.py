@@ -43,7 +43,12 @@ import attrs
 import sniffio
 
 from .._core import Backoff
-from .._exceptions import ConfigurationError, SourceClosedError, SourceError
+from .._exceptions import (
+    ConfigurationError,
+    SourceClosedError,
+    SourceError,
+    SourcePermissionError,
+)
 from ._redis_acl import describe_script_refusal, is_refusal
 from ._redis_url import redact_url
 
@@ -638,9 +643,9 @@ class RedisConnection:
                 f"{what}: Redis refused the credentials: {self.scrub(exc)}", retriable=False
             ) from exc
         except PermissionRefused as exc:
-            raise SourceError(f"{what}: Redis refused: {exc}", retriable=False) from exc
+            raise SourcePermissionError(f"{what}: Redis refused: {exc}") from exc
         except _PERMISSION_ERRORS as exc:
-            raise SourceError(f"{what}: Redis refused: {self.scrub(exc)}", retriable=False) from exc
+            raise SourcePermissionError(f"{what}: Redis refused: {self.scrub(exc)}") from exc
         except _REQUEST_ERRORS as exc:
             raise SourceError(f"{what}: Redis error: {self.scrub(exc)}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:

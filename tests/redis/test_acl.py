@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from offsetstore import SqlOffsetStore
+from offsetstore import MemoryOffsetStore, SqlOffsetStore
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
     ConsumeConcurrentlyStatus,
@@ -25,6 +25,7 @@ from stagedconsumer import (
     MessageQueue,
     PushConsumer,
     SourceError,
+    SourcePermissionError,
 )
 from stagedconsumer._cli import main
 from stagedconsumer._sources._redis_acl import acl_rules, required_commands
@@ -168,6 +169,7 @@ async def test_a_user_without_a_command_fails_entering_naming_it(acl_server: ACL
     with pytest.raises(SourceError) as refused:
         async with RedisBroker(acl_server.url("notime"), namespace=NS):
             pass
+    assert isinstance(refused.value, SourcePermissionError)
     assert not refused.value.retriable
     assert "the Redis user 'notime' may not run TIME on the keys app:*" in str(refused.value)
     # without the check, the script that needs TIME names it when it is refused
@@ -181,3 +183,35 @@ async def test_a_user_without_a_command_fails_entering_naming_it(acl_server: ACL
             await broker.pull(MessageQueue("t", 0), 0, 1)
         assert not direct.value.retriable
         assert "'xrange'" in str(direct.value)
+
+
+async def test_a_consumer_refused_a_command_later_stops_after_draining(
+    acl_server: ACLServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The user's ACL loses XRANGE and XREAD while a consumer runs: its pulls are
+    refused for good, so it stops (as for a permanent offset store failure) and
+    raises the refusal from ``async with``, instead of retrying forever."""
+    listener = Flaky()
+    options = ConsumerOptions(persist_consumer_offset_interval=0.2, pull_long_polling_timeout=0.3)
+    async with RedisBroker(acl_server.url("app"), namespace=NS, group_options=FAST_GROUP) as broker:
+        await broker.create_topic("t", 1)
+        await broker.send("t", b"1")
+        consumer = PushConsumer(
+            "g", broker, listener, offset_store=MemoryOffsetStore(), options=options
+        )
+        consumer.subscribe("t")
+
+        async def run() -> None:
+            async with consumer:
+                await consumer.wait_caught_up(timeout=20)
+                acl_server.cli("ACL", "SETUSER", "app", "-xrange", "-xread")
+                await broker.send("t", b"3")
+                with anyio.fail_after(30):  # until the consumer stops (cancels this)
+                    await anyio.sleep_forever()
+
+        with pytest.raises(SourcePermissionError) as stopped:
+            await run()
+    assert "'xrange'" in str(stopped.value) or "'xread'" in str(stopped.value)
+    assert "stopping the consumer" in caplog.text
+    # (a long poll already waiting when the ACL changed may still deliver "3")
+    assert listener.seen[0] == (b"1", 0)
