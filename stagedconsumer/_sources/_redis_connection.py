@@ -616,6 +616,8 @@ class RedisConnection:
         text = f"cannot connect to Redis at {self.url}: {self.scrub(cause)}"
         if reason is not None and reason not in text:
             text += f" ({self.scrub(reason)})"
+        if isinstance(exc, SourcePermissionError):  # the user may not even PING
+            return SourcePermissionError(text)
         return SourceError(text, retriable=exc.retriable and permanent is None)
 
     def scrub(self, error: object) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import shutil
 import ssl
+import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -175,3 +177,88 @@ def test_tls_settings_are_checked_when_the_broker_is_made(tmp_path: Path) -> Non
     assert default is not None
     assert default.check_hostname
     assert default.verify_mode == ssl.CERT_REQUIRED
+
+
+@pytest.fixture
+def tls_cluster(tmp_path: Path, ca: trustme.CA) -> Iterator[str]:
+    """A Redis Cluster of three masters on 127.0.0.1 that speaks only TLS (its bus
+    too); the URL of one node."""
+    require_service("redis-server binary", shutil.which("redis-server") is not None, "not on PATH")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(tmp_path / "server.pem")
+    cert.private_key_pem.write_to_path(tmp_path / "server.key")
+    ports = free_ports(6)
+    tls = ["--tls", "--cacert", str(tmp_path / "ca.pem")]
+    procs = []
+    try:
+        for port, bus in zip(ports[:3], ports[3:], strict=True):
+            node = tmp_path / f"node{port}"
+            node.mkdir()
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "redis-server", "--port", "0", "--tls-port", str(port),
+                        "--bind", "127.0.0.1", "--dir", str(node),
+                        "--cluster-enabled", "yes", "--cluster-port", str(bus),
+                        "--cluster-config-file", str(node / "nodes.conf"),
+                        "--tls-cluster", "yes", "--tls-auth-clients", "no",
+                        "--tls-cert-file", str(tmp_path / "server.pem"),
+                        "--tls-key-file", str(tmp_path / "server.key"),
+                        "--tls-ca-cert-file", str(tmp_path / "ca.pem"),
+                        "--save", "", "--appendonly", "no",
+                        "--logfile", str(node / "redis.log"),
+                    ]
+                )
+            )  # fmt: skip
+        for port in ports[:3]:
+            deadline = time.monotonic() + 10
+            while (
+                b"PONG"
+                not in subprocess.run(
+                    ["redis-cli", *tls, "-p", str(port), "ping"], capture_output=True, check=False
+                ).stdout
+            ):
+                assert time.monotonic() < deadline, f"TLS node {port} did not start"
+                time.sleep(0.05)
+        subprocess.run(
+            ["redis-cli", *tls, "--cluster", "create",
+             *(f"127.0.0.1:{port}" for port in ports[:3]), "--cluster-yes"],
+            capture_output=True, check=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not all(
+            b"cluster_state:ok"
+            in subprocess.run(
+                ["redis-cli", *tls, "-p", str(port), "cluster", "info"],
+                capture_output=True,
+                check=False,
+            ).stdout
+            for port in ports[:3]
+        ):
+            assert time.monotonic() < deadline, "TLS cluster not ok"
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{ports[0]}"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+async def test_tls_on_a_cluster(tls_cluster: str, ca: trustme.CA, tmp_path: Path) -> None:
+    """The cluster clients get the same context (every node is reached with it)."""
+    async with RedisBroker(
+        tls_cluster, cluster=True, namespace="tls", ssl=_files(ca, tmp_path)
+    ) as broker:
+        await broker.create_topic("t", 4)
+        for queue in range(4):  # the queues' slots spread over the three masters
+            await broker.send("t", b"x", queue_id=queue)
+        for queue in range(4):
+            assert len((await broker.pull(MessageQueue("t", queue), 0, 10)).messages) == 1
+        await broker.delete_namespace()
+    with pytest.raises(SourceError) as refused:
+        async with RedisBroker(tls_cluster, cluster=True, ssl=_files(trustme.CA(), tmp_path)):
+            pass
+    assert not refused.value.retriable
+    assert "TLS: certificate verify failed" in str(refused.value)
