@@ -103,7 +103,8 @@ def resolve_tls(url: str, setting: object) -> ssl.SSLContext | None:
         raise ConfigurationError(
             f"TLS options in the Redis URL ({', '.join(query_options)}) are not used:"
             " pass ssl=RedisTLS(ca_file=..., cert_file=..., key_file=...) or an"
-            " ssl.SSLContext to RedisBroker instead"
+            " ssl.SSLContext to RedisBroker instead (the CLI: --redis-ca, --redis-cert,"
+            " --redis-key)"
         )
     if setting is None:
         setting = scheme == "rediss"

@@ -13,11 +13,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 import trustme
 
 from benchmarks._ports import free_ports
 from stagedconsumer import ConfigurationError, MessageQueue, RedisTLS, SourceError
+from stagedconsumer._cli import main
 from stagedconsumer._sources._redis_broker import RedisBroker
 from tests.conftest import require_service
 from tests.redis._server import RedisServer
@@ -262,3 +264,25 @@ async def test_tls_on_a_cluster(tls_cluster: str, ca: trustme.CA, tmp_path: Path
             pass
     assert not refused.value.retriable
     assert "TLS: certificate verify failed" in str(refused.value)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the CLI runs on asyncio
+async def test_the_operator_commands_take_tls_files(
+    start_tls_server: StartServer,
+    ca: trustme.CA,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = start_tls_server("127.0.0.1", mutual=True)
+    files = _files(ca, tmp_path, client=True)
+    async with RedisBroker(server.url, namespace="ops", ssl=files) as broker:
+        await broker.create_topic("t", 2)
+    show = ["group", "show", "--group", "g", "--topic", "t", "--redis", server.url,
+            "--namespace", "ops"]  # fmt: skip
+    tls = ["--redis-ca", str(files.ca_file), "--redis-cert", str(files.cert_file),
+           "--redis-key", str(files.key_file)]  # fmt: skip
+    assert await anyio.to_thread.run_sync(main, [*show, *tls]) == 0
+    assert "group g: 0 live member(s)" in capsys.readouterr().out
+    # the server's CA but no client certificate: refused, with the TLS reason
+    assert await anyio.to_thread.run_sync(main, [*show, *tls[:2]]) == 1
+    assert "(TLS: " in capsys.readouterr().err
