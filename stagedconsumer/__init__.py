@@ -22,6 +22,7 @@ from ._exceptions import ProducerStateError as ProducerStateError
 from ._exceptions import SendTimeoutError as SendTimeoutError
 from ._exceptions import SourceClosedError as SourceClosedError
 from ._exceptions import SourceError as SourceError
+from ._exceptions import SourcePermissionError as SourcePermissionError
 from ._exceptions import StagedConsumerError as StagedConsumerError
 from ._exceptions import UnknownTopicError as UnknownTopicError
 from ._exceptions import WrongThreadError as WrongThreadError
@@ -96,6 +97,7 @@ from ._sources._memory import MemoryBroker as MemoryBroker
 from ._sources._memory import MemoryBrokerStatistics as MemoryBrokerStatistics
 from ._sources._pop import InvalidReceiptHandleError as InvalidReceiptHandleError
 from ._sources._pop import ReceivedMessage as ReceivedMessage
+from ._sources._redis_tls import RedisTLS as RedisTLS
 from ._sources._selectors import MessageQueueSelector as MessageQueueSelector
 from ._sources._selectors import SelectMessageQueueByGray as SelectMessageQueueByGray
 from ._sources._selectors import SelectMessageQueueByHash as SelectMessageQueueByHash
@@ -189,6 +191,7 @@ __all__ = (
     "PullResult",
     "PushConsumer",
     "RedisBroker",
+    "RedisTLS",
     "SelectMessageQueueByGray",
     "SelectMessageQueueByHash",
     "SelectMessageQueueByKafkaKey",
@@ -202,6 +205,7 @@ __all__ = (
     "SendTimeoutError",
     "SettleOutcome",
     "SourceClosedError",
+    "SourcePermissionError",
     "SourceError",
     "SourceTraceSink",
     "StreamRetention",

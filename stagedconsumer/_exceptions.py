@@ -14,6 +14,8 @@ The tree::
     ├── SourceError                                the message source failed
     │   │                                          (``retriable`` says whether to try again)
     │   ├── SourceClosedError                      the source was closed
+    │   ├── SourcePermissionError                  the source refused a command or key to
+    │   │                                          this client (Redis NOPERM): stops a consumer
     │   └── SendTimeoutError (also TimeoutError)   a send did not succeed within
     │                                              send_msg_timeout, retries included
     ├── HandlerError                               a listener call failed; raised only by
@@ -32,8 +34,9 @@ The tree::
 
 Handler failures are kept apart from source and store failures: a handler that
 raises never stops the consumer (the batch is retried), while a source failure is
-retried with backoff by the pull loop. Offset store failures use the tree of
-:mod:`offsetstore`.
+retried with backoff by the pull loop, unless the source refused this client a
+permission (:class:`SourcePermissionError`), which waiting cannot fix. Offset store
+failures use the tree of :mod:`offsetstore`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ __all__ = (
     "SourceClosedError",
     "SendTimeoutError",
     "SourceError",
+    "SourcePermissionError",
     "StagedConsumerError",
     "UnknownTopicError",
     "WrongThreadError",
@@ -104,6 +108,19 @@ class SourceClosedError(SourceError):
     """The message source was closed."""
 
     def __init__(self, message: str = "the message source is closed") -> None:
+        super().__init__(message, retriable=False)
+
+
+class SourcePermissionError(SourceError):
+    """The message source refused this client a command or a key: a Redis user whose
+    ACL lacks a command the broker needs, or keys outside its pattern (``NOPERM``).
+
+    Never retriable: entering a :class:`~stagedconsumer.RedisBroker` raises it when
+    the user misses a permission, and a consumer that gets it later (its ACL was
+    changed) stops as for a permanent offset store failure: it drains the handler
+    calls in flight, commits, and raises it from ``async with``."""
+
+    def __init__(self, message: str) -> None:
         super().__init__(message, retriable=False)
 
 

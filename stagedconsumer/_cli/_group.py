@@ -26,6 +26,7 @@ import anyio
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
 from .._sources._gray import gray_ratio_of, split_gray
+from .._sources._redis_url import redact_url
 from .._sources._source import retry_topic
 from ._redis_args import add_redis_arguments, operator_broker
 
@@ -64,7 +65,7 @@ async def _show(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except StagedConsumerError as exc:
-        print(f"error: {args.redis}: {exc}", file=sys.stderr)
+        print(f"error: {redact_url(args.redis)}: {exc}", file=sys.stderr)
         return 1
     print(f"group {args.group}: {len(members)} live member(s)")
     for member in members:

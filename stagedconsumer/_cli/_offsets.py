@@ -46,6 +46,7 @@ from offsetstore._inspect import StoredRow
 
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
+from .._sources._redis_url import redact_url
 from ._redis_args import add_redis_arguments, operator_broker
 
 if TYPE_CHECKING:
@@ -331,7 +332,7 @@ async def _lags(
                 max_offset = await broker.max_offset(row.queue)
                 lags[row.queue] = max(max_offset - (row.consume_offset or 0), 0)
     except (ImportError, StagedConsumerError) as exc:
-        return lags, f"{args.redis}: {exc}"
+        return lags, f"{redact_url(args.redis)}: {exc}"
     return lags, None
 
 
@@ -355,7 +356,7 @@ async def _check_on_broker(
     In this order: ``--queue`` ids against the topic's queues; the group's live
     members (refused unless ``--force``, then only warned about); ``--to-offset``
     against each planned queue's [min offset, max offset]."""
-    where = args.redis
+    where = redact_url(args.redis)
     what = f"the queues of topic {args.topic!r}"
     outside: list[str] = []
     members: list[str] = []

@@ -33,6 +33,7 @@ from rich.table import Table
 from .._exceptions import ConfigurationError, StagedConsumerError
 from .._observability._trace_codec import RMQ_SYS_TRACE_TOPIC, TraceContext, TraceMessage, TraceType
 from .._observability._trace_query import query_message_trace, read_trace_file, read_trace_topic
+from .._sources._redis_url import redact_url
 from ._redis_args import add_redis_arguments, operator_broker
 
 __all__ = ("LifeRow", "MessageHistory", "SendRow", "message_history", "message_life", "register")
@@ -449,7 +450,7 @@ def _error(text: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     console = _console()
     if args.redis:
-        where = f"{args.trace_topic} of {args.redis} namespace {args.redis_namespace}"
+        where = f"{args.trace_topic} of {redact_url(args.redis)} namespace {args.redis_namespace}"
         try:
             messages = anyio.run(_read_redis, args, backend="asyncio")
         except ImportError as exc:

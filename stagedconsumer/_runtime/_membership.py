@@ -31,7 +31,7 @@ import anyio.abc
 from offsetstore import OffsetStoreError, StageOffsetStore
 
 from .._core import Dispatcher, Lost, QueueOwnership
-from .._exceptions import SourceError
+from .._exceptions import SourceError, SourcePermissionError
 from .._filter import TagFilter
 from .._message import MessageQueue
 from .._sources._gray import AllocateMessageQueueByGray, gray_ratio_of
@@ -106,6 +106,16 @@ class GroupMembership:
                     try:
                         pending = await self._round()
                     except _ERRORS as exc:
+                        if isinstance(exc, SourcePermissionError):
+                            logger.error(
+                                "group %s: rebalance of %s refused for good (%s);"
+                                " stopping the consumer",
+                                self.group,
+                                self.client_id,
+                                exc,
+                            )
+                            self.state.fail(exc)
+                            return
                         logger.warning(
                             "group %s: rebalance of %s failed (%s); retrying",
                             self.group,

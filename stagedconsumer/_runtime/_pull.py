@@ -10,7 +10,7 @@ import anyio.abc
 import attrs
 
 from .._core import Backoff, Dispatcher, ProcessQueue
-from .._exceptions import SourceError
+from .._exceptions import SourceError, SourcePermissionError
 from .._message import Message, MessageQueue
 from .._observability._hooks import PullContext
 from .._options import ConsumerOptions
@@ -203,6 +203,15 @@ class PullService:
                     result = await source.pull(mq, offset, batch_size, timeout=long_poll)
                 except SourceError as exc:
                     self.state.pull_errors += 1
+                    if isinstance(exc, SourcePermissionError):
+                        logger.error(
+                            "group %s: pull of %s refused for good (%s); stopping the consumer",
+                            self.state.group,
+                            mq,
+                            exc,
+                        )
+                        self.state.fail(exc)
+                        return
                     delay = backoff.failed()
                     logger.warning(
                         "group %s: pull of %s at offset %d failed (%s); retrying in %.1f s",

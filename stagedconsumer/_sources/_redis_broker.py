@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import os
+import ssl as ssl_module
 import time
 import urllib.parse
 import zlib
@@ -35,12 +36,14 @@ from .._exceptions import (
     ConfigurationError,
     InvalidMessageError,
     SourceError,
+    SourcePermissionError,
     UnknownTopicError,
 )
 from .._message import Message, MessageQueue, OutgoingMessage
 from .._observability._traceparent import with_traceparent
 from ._gray import PROPERTY_GRAY
 from ._group import GroupOptions
+from ._redis_acl import check_permissions, permission_message
 from ._redis_codec import (
     EntryDecoder,
     _attached_id,
@@ -67,6 +70,7 @@ from ._redis_scripts import (
     RELEASE_LUA,
     SEND_LUA,
 )
+from ._redis_tls import RedisTLS, resolve_tls
 from ._source import (
     DLQ_PREFIX,
     PROPERTY_DECODE_ERROR,
@@ -245,8 +249,11 @@ class RedisBroker(MessageSource):
     ``appendonly yes`` for data that must survive it.
 
     Entering it (``async with RedisBroker(...)``) checks the connection with a
-    ``PING`` and raises :class:`~stagedconsumer.SourceError` within
-    ``connect_timeout`` seconds (5 by default) when Redis is not there.
+    ``PING``. A refused or reset connection (Redis starting or restarting) is
+    retried with backoff, one WARNING per attempt, for up to ``connect_timeout``
+    seconds (5 by default), then :class:`~stagedconsumer.SourceError`; an unknown
+    host, refused credentials or a failed TLS handshake raise it at once
+    (``retriable=False``).
 
     Runs on asyncio (with redis-py's asyncio client, replies parsed by hiredis) and on
     trio (with coredis, anyio-based); the event loop it is entered on picks the
@@ -291,6 +298,23 @@ class RedisBroker(MessageSource):
     before it are delivered; errors and logs name its fields and their sizes, never
     its values.
 
+    **Permissions** (Redis ACLs): entering checks, in one ``EVAL`` (Redis 7.0 and
+    later), that the connection's user may run every command the broker needs on
+    the keys ``<namespace>:*``, and raises :class:`~stagedconsumer.SourcePermissionError`
+    naming the ones it may not and the ACL to grant (``check_acl=False`` skips this,
+    for a user that only reads). A command refused later (``NOPERM``, also from
+    inside the broker's Lua scripts, which then name the refused command) raises
+    it too: a consumer that gets it stops after draining, and raises it.
+
+    **TLS**: ``ssl=`` an :class:`ssl.SSLContext` of your own, or
+    :class:`~stagedconsumer.RedisTLS` (``ca_file``, and ``cert_file``/``key_file``
+    for mutual TLS), or ``True`` (the system's CAs); a ``rediss://`` URL means
+    ``ssl=True``. The same context serves redis-py (asyncio) and coredis (trio):
+    the server's certificate and its host name are checked on both (unless the
+    context says ``check_hostname=False``), and a failed handshake fails entering
+    the broker at once, with the TLS reason. TLS options in the URL's query
+    (``ssl_ca_certs=...``) are refused: each client read them differently.
+
     ``read_ahead`` (default 128): every ``XRANGE`` of a pull reads at least this many
     entries, and the next pulls of that queue take the surplus without a round trip
     (the consumer pulls ``pull_batch_size``, 32, at a time). Round trips dominate the
@@ -317,11 +341,11 @@ class RedisBroker(MessageSource):
         cluster: bool = False,
         poison_entries: Literal["dead-letter", "stop"] = "dead-letter",
         retention: StreamRetention | None = _DEFAULT_RETENTION,
+        ssl: ssl_module.SSLContext | RedisTLS | bool | None = None,
+        check_acl: bool = True,
     ) -> None:
         if not isinstance(url, str) or not url:
-            raise ConfigurationError(
-                f"url must be a redis:// URL string, got {type(url).__name__} {url!r}"
-            )
+            raise ConfigurationError(f"url must be a redis:// URL string, got {type(url).__name__}")
         if not namespace or not isinstance(namespace, str):
             raise ConfigurationError(f"namespace must be a non-empty string, got {namespace!r}")
         if group_options is not None and not isinstance(group_options, GroupOptions):
@@ -334,15 +358,15 @@ class RedisBroker(MessageSource):
         _check_seconds("socket_timeout", socket_timeout)
         _check_seconds("connect_timeout", connect_timeout)
         self.connect_timeout = connect_timeout
-        """Entering the broker waits this long at most for Redis to answer ``PING``."""
+        """Entering the broker waits this long at most for Redis to answer ``PING``
+        (retrying refused connections meanwhile)."""
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
         self.read_ahead = read_ahead
         """Entries read per ``XRANGE`` at least (see :meth:`pull`); 0: only what a
         pull asks for."""
         self._buffered: dict[tuple[str, int, int], tuple[list[Message], int]] = {}
-        self.url = url
-        """The Redis URL it connects to (any node's, with ``cluster=True``)."""
+        self._url = url
         self.namespace = namespace
         """The prefix of the keys of the broker's own topics, groups and retries
         (``"sc"`` by default): brokers with different namespaces share one Redis."""
@@ -368,8 +392,17 @@ class RedisBroker(MessageSource):
         self.poison_entries: Literal["dead-letter", "stop"] = poison_entries
         """What a pull does at an entry with the broker's fields that cannot be decoded
         (see the class documentation)."""
+        if not isinstance(check_acl, bool):
+            raise ConfigurationError(f"check_acl must be True or False, got {check_acl!r}")
+        self.check_acl = check_acl
+        """Entering checks that the Redis user may run every command the broker needs
+        on the keys of its namespace (see the class documentation)."""
         connection = RedisConnection(
-            url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, cluster=cluster
+            url,
+            socket_timeout=socket_timeout,
+            connect_timeout=connect_timeout,
+            cluster=cluster,
+            tls=resolve_tls(url, ssl),
         )
         # Redis may have restarted without its data: offsets could be reused.
         connection.on_connection_error.append(self._buffered.clear)
@@ -389,6 +422,20 @@ class RedisBroker(MessageSource):
             connection, group_options or GroupOptions(), namespace=namespace
         )
         self._bad_retries = 0
+
+    @property
+    def tls(self) -> ssl_module.SSLContext | None:
+        """The TLS context of the connections (``None``: plain TCP)."""
+        return self._connection.tls
+
+    @property
+    def url(self) -> str:
+        """The Redis URL, its password masked (``redis://user:***@host:6379/0``), as
+        every message, log line and ``repr`` of the broker shows it."""
+        return self._connection.url
+
+    def __repr__(self) -> str:
+        return f"RedisBroker({self.url!r}, namespace={self.namespace!r})"
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -420,17 +467,40 @@ class RedisBroker(MessageSource):
     async def __aenter__(self) -> RedisBroker:
         """Check that Redis answers (``PING``) within ``connect_timeout`` seconds.
 
-        Raises :class:`~stagedconsumer.SourceError` naming the URL when it does not
-        (nothing listening on the port, a host that does not answer, a wrong
-        password); the broker is closed then. Connection losses after this are
-        retried with backoff (see the class documentation).
+        A refused or reset connection is retried with backoff (one WARNING per
+        attempt) while Redis is not there yet. Raises
+        :class:`~stagedconsumer.SourceError` naming the URL (its password masked)
+        when it still is not after ``connect_timeout`` seconds, and at once when
+        waiting cannot help (``retriable=False``: an unknown host, a wrong password,
+        a failed TLS handshake); the broker is closed then. Connection losses after
+        this are retried with backoff (see the class documentation).
         """
         try:
             await self._connection.open(self.connect_timeout)
+            if self.check_acl:
+                await self._check_acl()
         except BaseException:
             await self.aclose()
             raise
         return self
+
+    async def _check_acl(self) -> None:
+        """Raise ``SourceError(retriable=False)`` naming the commands the Redis user
+        may not run on ``<namespace>:*`` (nothing on a server older than 7.0, which
+        cannot tell)."""
+        connection = self._connection
+        user = urllib.parse.urlsplit(self._url).username or "default"
+        try:
+            refused = await connection.call(
+                "checking the Redis user's permissions",
+                lambda: check_permissions(connection.execute, self.namespace),
+            )
+        except SourcePermissionError as exc:
+            if "'eval'" not in str(exc).lower():
+                raise
+            refused = ["EVAL"]
+        if refused:
+            raise SourcePermissionError(permission_message(refused, self.namespace, user))
 
     async def __aexit__(
         self,
@@ -467,7 +537,7 @@ class RedisBroker(MessageSource):
 
     def store_host(self) -> str:
         """The Redis server's ``host:port`` (its socket path for a ``unix://`` URL)."""
-        parsed = urllib.parse.urlparse(self.url)
+        parsed = urllib.parse.urlparse(self._url)
         if parsed.scheme == "unix":
             return parsed.path
         return f"{parsed.hostname or 'localhost'}:{parsed.port or 6379}"

@@ -30,9 +30,12 @@ import functools
 import hashlib
 import logging
 import os
+import socket
+import ssl
 import time
+import urllib.parse
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -40,18 +43,26 @@ import attrs
 import sniffio
 
 from .._core import Backoff
-from .._exceptions import ConfigurationError, SourceClosedError, SourceError
+from .._exceptions import (
+    ConfigurationError,
+    SourceClosedError,
+    SourceError,
+    SourcePermissionError,
+)
+from ._redis_acl import describe_script_refusal, is_refusal
+from ._redis_url import redact_url
 
 try:
     import redis.asyncio as aioredis
     import redis.exceptions as redis_exc
     from redis.asyncio.cluster import RedisCluster as RedisPyCluster
+    from redis.asyncio.connection import SSLConnection
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisBroker needs redis-py: pip install 'stagedconsumer[redis]'") from exc
 
-__all__ = ("RedisConnection", "RedisConnectionStatistics", "RedisScript")
+__all__ = ("PermissionRefused", "RedisConnection", "RedisConnectionStatistics", "RedisScript")
 
 logger = logging.getLogger("stagedconsumer.redis")
 
@@ -84,6 +95,15 @@ _CROSS_SLOT = "must map to the same key slot"
 """redis-py's cluster client refuses a command whose keys are in several slots with a
 ``RedisClusterException`` saying this (a request error too)."""
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (redis_exc.RedisError,)
+_AUTH_ERRORS: tuple[type[BaseException], ...] = (
+    redis_exc.AuthenticationError,
+    redis_exc.AuthenticationWrongNumberOfArgsError,
+)
+"""A wrong password or user name, or none where one is needed (``WRONGPASS``,
+``NOAUTH``): checked before :data:`_CONNECTION_ERRORS` (redis-py's are subclasses of
+its ``ConnectionError``); waiting cannot help."""
+_PERMISSION_ERRORS: tuple[type[BaseException], ...] = (redis_exc.NoPermissionError,)
+"""``NOPERM``: the user may not run the command or touch the key."""
 _CLOSED_WRITER_FILES = (
     os.path.join("redis", "asyncio", "connection.py"),
     os.path.join("asyncio", "streams.py"),
@@ -112,10 +132,105 @@ else:
     )
     _REQUEST_ERRORS += (coredis_exc.ClusterCrossSlotError,)
     _REDIS_ERRORS += (coredis_exc.RedisError,)
+    _AUTH_ERRORS += (coredis_exc.AuthenticationError,)
+    _PERMISSION_ERRORS += (coredis_exc.AuthorizationError,)
     _NO_SCRIPT += (coredis_exc.NoScriptError,)
 
 Execute = Callable[..., Awaitable[Any]]
 """``execute(command, *args, keys=(0,))``: one Redis command, its raw reply."""
+
+
+class _TLSConnection(SSLConnection):
+    """redis-py's TLS connection with a context given whole (``tls_context``), not
+    made from its ``ssl_*`` options."""
+
+    def __init__(self, *, tls_context: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ssl_context.context = tls_context
+
+
+def _use_tls_context(client: Any, context: ssl.SSLContext, *, cluster: bool) -> None:
+    """Make redis-py's ``client`` (not connected yet) open its connections with TLS
+    and ``context``."""
+    if cluster:
+        kwargs = client.nodes_manager.connection_kwargs
+        kwargs["connection_class"] = _TLSConnection
+        kwargs["tls_context"] = context
+        for node in client.nodes_manager.startup_nodes.values():
+            node.connection_class = _TLSConnection
+            node.connection_kwargs["tls_context"] = context
+    else:
+        pool = client.connection_pool
+        pool.connection_class = _TLSConnection
+        pool.connection_kwargs["tls_context"] = context
+
+
+def _secrets(url: str) -> tuple[str, ...]:
+    """The password of ``url`` (user info or ``password=`` query), raw and
+    percent-decoded: what :meth:`RedisConnection.scrub` masks."""
+    found: set[str] = set()
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password:
+            found.add(parts.password)
+        for name, value in urllib.parse.parse_qsl(parts.query):
+            if name.lower() in ("password", "ssl_password") and value:
+                found.add(value)
+    except ValueError:
+        pass
+    found |= {urllib.parse.unquote(secret) for secret in found}
+    # longest first: a password that contains another is masked whole
+    return tuple(sorted((s for s in found if s), key=len, reverse=True))
+
+
+_UNKNOWN_HOST = frozenset(
+    code
+    for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None))
+    if code is not None
+)
+"""``getaddrinfo`` errors that say the name does not exist (``EAI_AGAIN``, a
+resolver not answering yet, is retried)."""
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and the members of exception groups among
+    them (each once)."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+
+
+def _permanent_reason(exc: BaseException) -> str | None:
+    """Why connecting failed for good, when it did: a TLS handshake that failed (its
+    reason), an unknown host name, refused credentials; ``None`` for what may pass
+    (refused, reset, timed out)."""
+    for cause in _causes(exc):
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"TLS: certificate verify failed: {cause.verify_message or cause}"
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS: {cause.reason or cause}"
+        if isinstance(cause, socket.gaierror) and cause.errno in _UNKNOWN_HOST:
+            return f"unknown host: {cause.strerror or cause}"
+        if isinstance(cause, _AUTH_ERRORS):
+            return "authentication failed"
+    return None
+
+
+def _os_reason(exc: BaseException) -> str | None:
+    """The operating system's words for a failed connection (``Connection refused``),
+    which coredis leaves out of its own message."""
+    for cause in _causes(exc):
+        if isinstance(cause, OSError) and cause.strerror:
+            return str(cause.strerror)
+    return None
 
 
 def _closed_writer(exc: AttributeError | TypeError) -> bool:
@@ -144,6 +259,11 @@ class RedisConnectionStatistics:
     closed: bool
 
 
+class PermissionRefused(Exception):
+    """Redis refused a command or a key to the connection's user (``NOPERM``, or a
+    script's call refused): trying again cannot help."""
+
+
 class RedisScript:
     """A Lua script run with ``EVALSHA``, or ``EVAL`` when the server does not have it
     (first use, or after a restart or ``SCRIPT FLUSH``)."""
@@ -158,9 +278,15 @@ class RedisScript:
         execute = self._connection.execute
         positions = tuple(range(2, 2 + len(keys)))
         try:
-            return await execute("EVALSHA", self.sha, len(keys), *keys, *args, keys=positions)
-        except _NO_SCRIPT:
-            return await execute("EVAL", self.lua, len(keys), *keys, *args, keys=positions)
+            try:
+                return await execute("EVALSHA", self.sha, len(keys), *keys, *args, keys=positions)
+            except _NO_SCRIPT:
+                return await execute("EVAL", self.lua, len(keys), *keys, *args, keys=positions)
+        except _REDIS_ERRORS as exc:
+            if not is_refusal(exc) or isinstance(exc, _CONNECTION_ERRORS):
+                raise
+            detail = await describe_script_refusal(execute, self.lua, keys, exc)
+            raise PermissionRefused(self._connection.scrub(detail)) from exc
 
 
 class RedisConnection:
@@ -190,10 +316,21 @@ class RedisConnection:
     """
 
     def __init__(
-        self, url: str, *, socket_timeout: float, connect_timeout: float, cluster: bool = False
+        self,
+        url: str,
+        *,
+        socket_timeout: float,
+        connect_timeout: float,
+        cluster: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.url = url
-        """Where it connects (for error messages); with ``cluster``, any node."""
+        self._url = url
+        self.url = redact_url(url)
+        """Where it connects, its password masked (``***``): for messages; with
+        ``cluster``, any node."""
+        self._secrets = _secrets(url)
+        self.tls = tls
+        """The TLS context both clients use (``None``: plain TCP)."""
         self.cluster = cluster
         """A Redis Cluster (the clients' cluster variants), not a single server."""
         self.connection_errors = 0
@@ -208,6 +345,7 @@ class RedisConnection:
         self._closed = False
         self._stack: contextlib.AsyncExitStack | None = None
         factory: Any = RedisPyCluster if cluster else aioredis.Redis
+        tls_options: dict[str, Any] = {"ssl": True} if cluster and tls is not None else {}
         try:  # redis-py makes no connection here: this only checks the URL
             self._redispy = factory.from_url(
                 url,
@@ -216,9 +354,14 @@ class RedisConnection:
                 socket_connect_timeout=min(socket_timeout, connect_timeout),
                 retry=Retry(NoBackoff(), 0),
                 health_check_interval=0,
+                **tls_options,
             )
         except (ValueError, redis_exc.RedisClusterException) as exc:
-            raise ConfigurationError(f"malformed Redis URL {url!r}: {exc}") from exc
+            raise ConfigurationError(
+                f"malformed Redis URL {self.url!r}: {self.scrub(exc)}"
+            ) from None
+        if tls is not None:
+            _use_tls_context(self._redispy, tls, cluster=cluster)
         # Raw replies for every command: the broker reads them positionally. The
         # cluster client parses its own COMMAND and CLUSTER replies with these.
         callbacks = self._redispy.response_callbacks
@@ -245,9 +388,51 @@ class RedisConnection:
     # -- the two clients -------------------------------------------------------------------
 
     async def open(self, connect_timeout: float) -> None:
-        """Pick the client for the running event loop and ``PING`` the server within
-        ``connect_timeout`` seconds (see :meth:`ping`)."""
+        """Pick the client for the running event loop and ``PING`` the server, trying
+        again while it is not reachable yet, for up to ``connect_timeout`` seconds.
+
+        A refused or reset connection (Redis starting, restarting, or its port not
+        open yet) is retried with exponential backoff (0.05 s, doubling, up to 2 s;
+        one WARNING per failed attempt) while the next attempt would start within
+        ``connect_timeout`` of the first. What waiting cannot fix fails at once,
+        ``SourceError(retriable=False)``: an unknown host, refused credentials, a
+        TLS handshake that failed (its reason in the message). A malformed URL was
+        refused when the connection was made (:class:`ConfigurationError`).
+        """
         self.check_open()
+        deadline = time.monotonic() + connect_timeout
+        backoff = Backoff(_RETRY_BASE, _RETRY_CAP)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._open_once(deadline, connect_timeout)
+            except SourceError as exc:
+                delay = backoff.failed()
+                if not exc.retriable or time.monotonic() + delay >= deadline:
+                    if attempt > 1:
+                        raise SourceError(
+                            f"{exc} (attempt {attempt} within connect_timeout"
+                            f" {connect_timeout:g} s)",
+                            retriable=exc.retriable,
+                        ) from exc.__cause__
+                    raise
+                logger.warning(
+                    "Redis not reachable yet (attempt %d: %s); retrying in %.2f s"
+                    " (up to connect_timeout %g s)",
+                    attempt,
+                    exc,
+                    delay,
+                    connect_timeout,
+                )
+                await anyio.sleep(delay)
+            else:
+                if attempt > 1:
+                    logger.info("connected to Redis at %s (attempt %d)", self.url, attempt)
+                return
+
+    async def _open_once(self, deadline: float, connect_timeout: float) -> None:
+        """One attempt of :meth:`open`: the client (once) and a ``PING``."""
         if self.library is None:
             library = sniffio.current_async_library()
             if library == "asyncio":
@@ -257,7 +442,7 @@ class RedisConnection:
                 await self._connecting(self._use_coredis)
             else:  # pragma: no cover - anyio runs on these two
                 raise ConfigurationError(f"RedisBroker runs on asyncio and trio, not {library}")
-        await self.ping(connect_timeout)
+        await self.ping(max(deadline - time.monotonic(), 0.0), connect_timeout)
 
     def _use_redispy(self) -> None:
         client = self._redispy
@@ -282,8 +467,10 @@ class RedisConnection:
                     "ignore", "Use coredis.connection.TCPLocation", DeprecationWarning
                 )
                 options: dict[str, Any] = {"reinitialize_steps": 1} if self.cluster else {}
+                if self.tls is not None:
+                    options["ssl_context"] = self.tls
                 client = factory.from_url(
-                    self.url,
+                    self._url,
                     decode_responses=False,
                     stream_timeout=self._socket_timeout,
                     connect_timeout=min(self._socket_timeout, self._connect_timeout),
@@ -292,7 +479,9 @@ class RedisConnection:
                     **options,
                 )
         except ValueError as exc:
-            raise ConfigurationError(f"malformed Redis URL {self.url!r}: {exc}") from exc
+            raise ConfigurationError(
+                f"malformed Redis URL {self.url!r}: {self.scrub(exc)}"
+            ) from None
         stack = contextlib.AsyncExitStack()
         self._stack = stack
         await stack.enter_async_context(client)
@@ -396,32 +585,48 @@ class RedisConnection:
         try:
             await self.call("connecting", step)
         except SourceError as exc:
-            raise SourceError(
-                f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
-                retriable=exc.retriable,
-            ) from exc
+            raise self._connect_error(exc) from exc
 
-    async def ping(self, connect_timeout: float) -> None:
-        """``PING`` the server once, within ``connect_timeout`` seconds: entering a
-        broker fails fast when Redis is not there.
+    async def ping(self, timeout: float, connect_timeout: float | None = None) -> None:
+        """``PING`` the server once, within ``timeout`` seconds.
 
         Raises ``SourceError(retriable=True)`` naming the URL when no reply came in
-        time or the connection was refused, ``SourceError(retriable=False)`` when
-        Redis answered with an error (a wrong password, for example).
+        time or the connection was refused or reset, ``SourceError(retriable=False)``
+        when waiting cannot help: Redis refused the credentials (or answered with
+        another error), the host name is unknown, the TLS handshake failed.
         """
         try:
-            with anyio.fail_after(connect_timeout):
+            with anyio.fail_after(timeout):
                 await self.call("PING", lambda: self.execute("PING", keys=()))
         except TimeoutError as exc:
             raise SourceError(
-                f"Redis at {self.url} did not answer PING within {connect_timeout:g} s"
+                f"Redis at {self.url} did not answer PING within"
+                f" {connect_timeout if connect_timeout is not None else timeout:g} s"
                 " (connect_timeout)"
             ) from exc
         except SourceError as exc:
-            raise SourceError(
-                f"cannot connect to Redis at {self.url}: {exc.__cause__ or exc}",
-                retriable=exc.retriable,
-            ) from exc
+            raise self._connect_error(exc) from exc
+
+    def _connect_error(self, exc: SourceError) -> SourceError:
+        """``exc`` (a failed connection or ``PING``) as entering the broker reports
+        it: naming the URL, and not retriable when waiting cannot help."""
+        cause = exc.__cause__ or exc
+        permanent = _permanent_reason(cause)
+        reason = permanent if permanent is not None else _os_reason(cause)
+        text = f"cannot connect to Redis at {self.url}: {self.scrub(cause)}"
+        if reason is not None and reason not in text:
+            text += f" ({self.scrub(reason)})"
+        if isinstance(exc, SourcePermissionError):  # the user may not even PING
+            return SourcePermissionError(text)
+        return SourceError(text, retriable=exc.retriable and permanent is None)
+
+    def scrub(self, error: object) -> str:
+        """``str(error)`` with the URL's password masked, should a client's message
+        ever quote it."""
+        text = str(error)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def check_open(self) -> None:
         if self._closed:
@@ -435,18 +640,30 @@ class RedisConnection:
         self.check_open()
         try:
             return await fn()
+        except _AUTH_ERRORS as exc:
+            raise SourceError(
+                f"{what}: Redis refused the credentials: {self.scrub(exc)}", retriable=False
+            ) from exc
+        except PermissionRefused as exc:
+            raise SourcePermissionError(f"{what}: Redis refused: {exc}") from exc
+        except _PERMISSION_ERRORS as exc:
+            raise SourcePermissionError(f"{what}: Redis refused: {self.scrub(exc)}") from exc
         except _REQUEST_ERRORS as exc:
-            raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
+            raise SourceError(f"{what}: Redis error: {self.scrub(exc)}", retriable=False) from exc
         except _CONNECTION_ERRORS as exc:
             if _CROSS_SLOT in str(exc):  # redis-py's own check, a RedisClusterException
-                raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
-            raise self._lost(what, str(exc)) from exc
+                raise SourceError(
+                    f"{what}: Redis error: {self.scrub(exc)}", retriable=False
+                ) from exc
+            raise self._lost(what, self.scrub(exc)) from exc
         except _REDIS_ERRORS as exc:
-            raise SourceError(f"{what}: Redis error: {exc}", retriable=False) from exc
+            raise SourceError(f"{what}: Redis error: {self.scrub(exc)}", retriable=False) from exc
         except (AttributeError, TypeError) as exc:
             if not _closed_writer(exc):
                 raise
-            detail = f"the connection closed during a write ({type(exc).__name__}: {exc})"
+            detail = (
+                f"the connection closed during a write ({type(exc).__name__}: {self.scrub(exc)})"
+            )
             raise self._lost(what, detail) from exc
 
     def _lost(self, what: str, detail: str) -> SourceError:

@@ -362,14 +362,13 @@ async def test_concurrent_producers_get_distinct_consecutive_offsets(
     assert await broker.max_offset(MessageQueue("t", 0)) == 650
 
 
-async def test_entering_fails_fast_with_a_source_error_when_nothing_listens() -> None:
+async def test_entering_fails_with_a_source_error_when_nothing_listens() -> None:
+    # refused connections are retried up to connect_timeout (tests/redis/test_start_while_down.py)
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    started = time.monotonic()
     with pytest.raises(SourceError, match=f"cannot connect to Redis at {url}") as raised:
-        async with RedisBroker(url, namespace="nowhere"):
+        async with RedisBroker(url, namespace="nowhere", connect_timeout=0.3):
             pytest.fail("entered a broker with nothing listening")
-    assert time.monotonic() - started < 2  # refused at once, not retried for seconds
     assert raised.value.retriable
 
 
