@@ -1,7 +1,8 @@
 """SimpleWorker applications for ``stagedconsumer run`` (tests/test_run_simple.py).
 
 Settings come from ``STAGEDCONSUMER_TEST_RUN`` (JSON): ``gate`` (a file each handler
-call waits for, written by the test), ``shutdown_timeout``, ``messages``.
+call waits for, written by the test), ``free`` (bodies below it do not wait),
+``shutdown_timeout``, ``messages``.
 
 - ``gated``: an ``@asynccontextmanager`` yielding a SimpleWorker over the embedded
   broker; each handler call logs ``handling <body>`` then waits for the gate. Its
@@ -46,15 +47,18 @@ async def _run(sync: bool) -> AsyncIterator[SimpleWorker]:
     config = _config()
     gate = Path(config["gate"])
     consumer = _consumer(config.get("messages", 20))
+    free = config.get("free", 0)
 
     async def handle(message: ReceivedMessage) -> None:
         logger.warning("handling %s", message.body.decode())
-        while not await anyio.Path(gate).exists():  # written by the test
+        while (
+            int(message.body) >= free and not await anyio.Path(gate).exists()
+        ):  # written by the test
             await anyio.sleep(0.02)
 
     def handle_sync(message: ReceivedMessage) -> None:
         logger.warning("handling %s", message.body.decode())
-        while not gate.exists():
+        while int(message.body) >= free and not gate.exists():
             time.sleep(0.02)
 
     worker = SimpleWorker(

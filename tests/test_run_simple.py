@@ -45,16 +45,21 @@ def test_sigterm_lets_handlers_in_flight_finish_and_ack(
         backend,
         "--http",
         "0",
-        config={"gate": str(gate)},
+        config={"gate": str(gate), "free": 2},
     )
     processes.append(run)
     port = run.http_port()
-    run.wait_for("handling", count=4)  # concurrency 4: four calls wait for the gate
+    # bodies 0 and 1 are handled and acked (their slots are needed for the 5th and 6th
+    # call); with concurrency 4, four calls then wait for the gate
+    run.wait_for("handling", count=6)
     code, body = get(port, "/readyz")
     assert code == 200, body
     (worker,) = json.loads(body)["consumers"]
     assert (worker["kind"], worker["group"], worker["broker"]) == ("simple", "g", "ok")
     assert worker["in_flight"] == 4
+    code, metrics = get(port, "/metrics")
+    assert code == 200
+    assert "stagedconsumer_consumer_" in metrics  # the OpenTelemetryHook on the consumer
 
     run.signal(signal.SIGTERM)
     run.wait_for("leaving gracefully")
@@ -65,10 +70,12 @@ def test_sigterm_lets_handlers_in_flight_finish_and_ack(
     assert run.wait() == 0, run.log()
     log = run.log()
     assert "SimpleWorker g: stop receiving, let handler calls in flight finish" in log
-    assert re.search(r"were in flight, 0 cancelled and handed back; 4 acked", log), log
+    assert re.search(
+        r"4 handler call\(s\) were in flight, 0 cancelled and handed back; 6 acked", log
+    )
     # nothing was received after the signal, and every received message was acked
-    assert _counts(log) == (4, 4, 0)
-    assert log.count("handling") == 4
+    assert _counts(log) == (6, 6, 0)
+    assert log.count("handling") == 6
 
 
 @pytest.mark.parametrize("app", ["gated", "sync_gated"])
