@@ -10,6 +10,8 @@ call waits for, written by the test), ``free`` (bodies below it do not wait),
   handed_back=H``.
 - ``sync_gated``: the same with a plain ``def`` handler.
 - ``bare``: a SimpleConsumer with no worker.
+- ``worker``: a SimpleWorker built on import (before the event loop runs), whose
+  handler logs ``handled <body>``.
 """
 
 from __future__ import annotations
@@ -91,3 +93,10 @@ def sync_gated() -> contextlib.AbstractAsyncContextManager[SimpleWorker]:
 
 def bare() -> SimpleConsumer:
     return _consumer(1)
+
+
+async def _log_it(message: ReceivedMessage) -> None:
+    logger.warning("handled %s", message.body.decode())
+
+
+worker = SimpleWorker(_consumer(3), _log_it)

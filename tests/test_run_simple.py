@@ -123,3 +123,15 @@ def test_a_simple_consumer_without_a_worker_is_named_in_a_warning(
     assert "SimpleConsumer g: nothing receives from it; run a SimpleWorker" in run.log()
     run.signal(signal.SIGTERM)
     assert run.wait() == 0, run.log()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_worker_built_on_import_runs(
+    tmp_path: Path, processes: list[RunProcess], backend: str
+) -> None:
+    run = RunProcess(tmp_path, "tests.run_simple_apps:worker", "--backend", backend)
+    processes.append(run)
+    run.wait_for("handled", count=3)
+    run.signal(signal.SIGTERM)
+    assert run.wait() == 0, run.log()
+    assert re.search(r"0 cancelled and handed back; 3 acked, 0 failed in all", run.log())

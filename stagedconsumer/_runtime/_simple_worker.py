@@ -125,9 +125,10 @@ class SimpleWorker:
         self._in_flight: dict[int, ReceivedMessage] = {}
         self._receive_error: str | None = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._receive_scope = anyio.CancelScope()
-        self._handlers_scope = anyio.CancelScope()
-        self._done = anyio.Event()
+        # made on entering: the worker may be built before the event loop runs
+        self._receive_scope: anyio.CancelScope
+        self._handlers_scope: anyio.CancelScope
+        self._done: anyio.Event
         self._entered = False
         self._stopping = False
         self._closed = False
@@ -155,6 +156,9 @@ class SimpleWorker:
         if self._entered:
             raise ConsumerStateError("a SimpleWorker runs once")
         self._entered = True
+        self._receive_scope = anyio.CancelScope()
+        self._handlers_scope = anyio.CancelScope()
+        self._done = anyio.Event()
         stack = contextlib.AsyncExitStack()
         try:
             if not self.consumer._started:
