@@ -23,7 +23,7 @@ from tests._run_process import RunProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.slow]
 
-MESSAGES = 240
+MESSAGES = 96
 INVISIBLE = 2.0
 
 
@@ -57,8 +57,6 @@ async def test_a_pool_of_simple_workers_survives_a_sigkilled_worker(
     log = tmp_path / "handler.log"
     await broker.create_topic("t", 4)
     bodies = [str(n) for n in range(MESSAGES)]
-    for q in range(4):
-        await broker.send_many("t", [b.encode() for b in bodies[q::4]], queue_id=q)
     run = RunProcess(
         tmp_path,
         "tests.redis.run_simple_app:make",
@@ -70,7 +68,7 @@ async def test_a_pool_of_simple_workers_survives_a_sigkilled_worker(
             "redis_url": redis_url,
             "namespace": namespace,
             "log": str(log),
-            "cost": 0.05,
+            "cost": 0.1,
             "invisible": INVISIBLE,
         },
     )
@@ -78,12 +76,18 @@ async def test_a_pool_of_simple_workers_survives_a_sigkilled_worker(
     pids = [int(run.wait_for(rf"worker {i} started \(pid (\d+)\)").group(1)) for i in range(2)]
     victim = pids[1]
     try:
+        run.wait_for("running tests.redis.run_simple_app:make", count=2)
+        for q in range(4):
+            await broker.send_many("t", [b.encode() for b in bodies[q::4]], queue_id=q)
         # both workers handle messages; kill one while it holds some
         deadline = time.monotonic() + 60  # a bound for a hung run only
-        while not (
-            {pid for kind, _, _, pid in _lines(log) if kind == "E"} >= set(pids)
-            and any(kind == "S" and pid == victim for kind, _, _, pid in _lines(log))
-        ):
+        while True:
+            lines = _lines(log)
+            held = {b for kind, b, _, pid in lines if kind == "S" and pid == victim} - {
+                b for kind, b, _, pid in lines if kind == "E" and pid == victim
+            }
+            if held and any(kind == "E" and pid == pids[0] for kind, _, _, pid in lines):
+                break
             assert time.monotonic() < deadline, run.log()
             await anyio.sleep(0.01)
         os.kill(victim, signal.SIGKILL)
