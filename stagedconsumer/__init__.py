@@ -80,6 +80,7 @@ from ._runtime._consumer import PushConsumer as PushConsumer
 from ._runtime._producer import Producer as Producer
 from ._runtime._simple import SimpleConsumer as SimpleConsumer
 from ._runtime._simple import SimpleConsumerOptions as SimpleConsumerOptions
+from ._runtime._simple_worker import SimpleWorker as SimpleWorker
 from ._sources._gray import AllocateMessageQueueByGray as AllocateMessageQueueByGray
 from ._sources._gray import GrayStatistics as GrayStatistics
 from ._sources._group import AllocateMessageQueueAveragely as AllocateMessageQueueAveragely
@@ -133,6 +134,7 @@ __all__ = (
     "InvalidReceiptHandleError",
     "SimpleConsumerOptions",
     "SimpleConsumer",
+    "SimpleWorker",
     "RMQ_SYS_TRACE_TOPIC",
     "TAIL_STAGE",
     "AllocateMessageQueueAveragely",

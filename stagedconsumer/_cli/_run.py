@@ -1,10 +1,10 @@
 """Run consumers and producers as a service: ``stagedconsumer run MODULE:ATTR``.
 
-``MODULE:ATTR`` names a ``PushConsumer``, a ``Producer``, an async context manager (a
-broker, an offset store, an ``@asynccontextmanager`` function's result), a list of
-them, or a factory (a function, sync or ``async def``, taking no arguments) returning
-one of these. They are entered in order (a broker before its consumers) and left in
-the reverse order.
+``MODULE:ATTR`` names a ``PushConsumer``, a ``SimpleWorker`` (a ``SimpleConsumer`` and
+its handler), a ``Producer``, an async context manager (a broker, an offset store, an
+``@asynccontextmanager`` function's result), a list of them, or a factory (a function,
+sync or ``async def``, taking no arguments) returning one of these. They are entered
+in order (a broker before its consumers) and left in the reverse order.
 
 SIGTERM or SIGINT leaves gracefully: the consumers stop pulling, let the handler calls
 in flight finish within their ``shutdown_timeout``, commit and hand their queues back,

@@ -28,6 +28,7 @@ import attrs
 from offsetstore import ReadOffsetType
 
 from .._message import MessageQueue
+from ._run_simple import idle_consumers
 from ._run_target import TargetError, Unit, enter_target
 from ._serve_http import HealthApp, Metrics, RunStatus, serve_http
 
@@ -60,6 +61,8 @@ def _leaving_what(units: list[Unit]) -> str:
                 f" shutdown_timeout={consumer.options.shutdown_timeout:g} s), commit,"
                 " release its queues"
             )
+        elif unit.probe is not None:
+            parts.append(unit.probe.leaving())
     return "; ".join(parts) or "leaving " + ", ".join(u.name for u in reversed(units))
 
 
@@ -68,6 +71,8 @@ def abandoned_report(units: list[Unit]) -> str:
     parts = []
     for unit in units:
         consumer = unit.consumer
+        if unit.probe is not None and (what := unit.probe.abandoned()) is not None:
+            parts.append(what)
         if consumer is None or consumer._state.closed or not consumer._state.started:
             continue
         stats = consumer.statistics()
@@ -183,6 +188,13 @@ class _Runner:
                     status.units,
                     metrics.prepare if metrics is not None else lambda unit: None,
                 )
+                for idle in idle_consumers(status.units):
+                    logger.warning(
+                        "SimpleConsumer %s: nothing receives from it; run a"
+                        " SimpleWorker(consumer, handler) with it",
+                        idle.group,
+                        extra={"group": idle.group},
+                    )
                 if status.phase == "starting":
                     status.phase = "running"
                     logger.info(

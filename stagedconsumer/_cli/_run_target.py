@@ -2,7 +2,8 @@
 
 ``ATTR`` (dotted for a nested attribute: ``app:settings.consumer``) is one of
 
-- a :class:`~stagedconsumer.PushConsumer` or a :class:`~stagedconsumer.Producer`;
+- a :class:`~stagedconsumer.PushConsumer`, a :class:`~stagedconsumer.SimpleWorker`
+  (a ``SimpleConsumer`` and its handler) or a :class:`~stagedconsumer.Producer`;
 - any other async context manager (a ``RedisBroker``, a ``SqlOffsetStore``, what an
   ``@asynccontextmanager`` function returns): entered and left around the rest; what
   its ``__aenter__`` gives (the value an ``@asynccontextmanager`` yields) is run too
@@ -26,24 +27,44 @@ import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import attrs
 
 from .._runtime._consumer import PushConsumer
 from .._runtime._producer import Producer
 
-__all__ = ("ADAPTERS", "TargetError", "Unit", "enter_target", "load_target")
+__all__ = ("ADAPTERS", "Probe", "TargetError", "Unit", "enter_target", "load_target")
 
 SHAPES = (
-    "a PushConsumer, a Producer, an async context manager (a broker, an offset store,"
-    " an @asynccontextmanager function's result), a list of them, or a factory (a"
-    " function, sync or async, taking no arguments) returning one of these"
+    "a PushConsumer, a SimpleWorker, a Producer, an async context manager (a broker,"
+    " an offset store, an @asynccontextmanager function's result), a list of them, or a"
+    " factory (a function, sync or async, taking no arguments) returning one of these"
 )
 
 
 class TargetError(Exception):
     """``MODULE:ATTR`` cannot be run; the message names what was not found or is wrong."""
+
+
+class Probe(Protocol):
+    """What a unit an adapter made tells the run (its log lines, ``/readyz``, metrics)."""
+
+    def leaving(self) -> str:
+        """What leaving it does, for the log line of the first signal."""
+        ...
+
+    def abandoned(self) -> str | None:
+        """What exiting at once abandons (``None``: nothing)."""
+        ...
+
+    async def readiness(self) -> dict[str, Any]:
+        """Its entry in ``/readyz``'s ``consumers``, with ``ready``."""
+        ...
+
+    def prepare_metrics(self, meter_provider: Any) -> None:
+        """Register metrics hooks, before it is entered."""
+        ...
 
 
 @attrs.define(eq=False)
@@ -56,15 +77,18 @@ class Unit:
     """What the run enters (``None``: it was running already; only watched)."""
     consumer: PushConsumer | None = None
     producer: Producer | None = None
+    probe: Probe | None = None
+    """Set by an adapter: what the run's log and probes ask of the unit."""
 
 
 Adapter = Callable[[object], Unit | None]
 
 ADAPTERS: list[Adapter] = []
 """Turn values of other shapes into units (tried in order, before the error for a value
-of no known shape). A ``SimpleConsumer`` loop registers one here: a unit whose context
-starts the loop in a task on ``__aenter__`` and, on ``__aexit__``, stops receiving,
-lets the messages it holds finish within its shutdown timeout and commits."""
+of no known shape). A :class:`~stagedconsumer.SimpleWorker` registers one here
+(:mod:`._run_simple`): its context starts the receive loop on ``__aenter__`` and, on
+``__aexit__``, stops receiving and lets the handler calls in flight finish and ack
+within its shutdown timeout."""
 
 
 def load_target(spec: str) -> tuple[object, str]:

@@ -108,7 +108,12 @@ async def consumer_readiness(consumer: PushConsumer) -> dict[str, Any]:
 async def readiness(status: RunStatus) -> tuple[bool, dict[str, Any]]:
     """``/readyz``'s verdict and body."""
     body: dict[str, Any] = {"phase": status.phase}
-    consumers = [await consumer_readiness(unit.consumer) for unit in status.units if unit.consumer]
+    consumers = []
+    for unit in status.units:
+        if unit.consumer is not None:
+            consumers.append(await consumer_readiness(unit.consumer))
+        elif unit.probe is not None:
+            consumers.append(await unit.probe.readiness())
     body["consumers"] = consumers
     ready = status.phase == "running" and all(c["ready"] for c in consumers)
     body["ready"] = ready
@@ -136,7 +141,9 @@ class Metrics:
 
         if unit.context is None:  # running already: hooks can no longer be added
             return
-        if unit.consumer is not None:
+        if unit.probe is not None:
+            unit.probe.prepare_metrics(self.meter_provider)
+        elif unit.consumer is not None:
             unit.consumer.register_consume_message_hook(
                 OpenTelemetryHook(meter_provider=self.meter_provider, spans=False)
             )
