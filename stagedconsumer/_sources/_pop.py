@@ -97,12 +97,12 @@ class ReceivedMessage(Message, _ReceivedFields):
 
 
 def _rebuild_received(*args: Any) -> ReceivedMessage:
-    plain = _rebuild(*args[:10])
+    plain = _rebuild(*args[:11])
     return ReceivedMessage(
         **{f.name: getattr(plain, f.name) for f in attrs.fields(Message)},
-        receipt_handle=args[10],
-        message_group=args[11],
-        consumer_group=args[12],
+        receipt_handle=args[11],
+        message_group=args[12],
+        consumer_group=args[13],
     )
 
 
@@ -127,6 +127,7 @@ def received(
     r.msg_id = message.msg_id
     r.born_timestamp = message.born_timestamp
     r.reconsume_times = attempt - 1
+    r.offset_msg_id = message.offset_msg_id
     r.receipt_handle = receipt_handle
     r.message_group = message_group
     r.consumer_group = group
