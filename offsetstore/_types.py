@@ -148,9 +148,9 @@ def _check_progress_finished(
     _attribute: attrs.Attribute[tuple[tuple[int, int], ...]],
     value: tuple[tuple[int, int], ...],
 ) -> None:
-    if value and (instance.consume_offset is None or value[0][0] <= instance.consume_offset):
+    if value and (instance.consume_offset is None or value[0][0] < instance.consume_offset):
         raise ValueError(
-            f"finished ranges {value!r} must lie above the consume offset"
+            f"finished ranges {value!r} must not start below the consume offset"
             f" {instance.consume_offset!r}"
         )
 
@@ -162,9 +162,10 @@ class QueueProgress:
     ``consume_offset`` is where consumption resumes (every message below it
     finished; ``None`` when only stage offsets were recorded); ``stage_offsets``
     holds, per stage key, the stage offset at ``consume_offset``; ``finished``
-    (sparse progress) the ranges ``(first, last)`` of offsets above
-    ``consume_offset`` whose messages finished too, in ascending order: no message of
-    a range is handed to a handler again.
+    (sparse progress) the ranges ``(first, last)`` of offsets from
+    ``consume_offset`` on whose messages finished too, in ascending order: no message
+    of a range is handed to a handler again (they are assigned their stages, in
+    staged mode, when consumption passes them).
 
     Checked when built: ``consume_offset`` an int >= 0 or ``None``, ``stage_offsets``
     a mapping of :class:`StageKey` to int >= 0 (a bool is not an offset);
@@ -203,7 +204,7 @@ def merge_marks(progress: QueueProgress | None, marks: Iterable[int]) -> QueuePr
     if progress is None or progress.consume_offset is None:
         return progress
     base = progress.consume_offset
-    above = sorted({offset for offset in marks if offset > base})
+    above = sorted({offset for offset in marks if offset >= base})
     if not above:
         return progress
     points: list[tuple[int, int]] = sorted([*progress.finished, *((o, o) for o in above)])

@@ -417,6 +417,7 @@ class ProcessQueue:
         "ready_retries",
         "skipped_count",
         "transacted",
+        "transactor",
     )
 
     def __init__(
@@ -499,6 +500,8 @@ class ProcessQueue:
         self.skipped_count = 0
         """Messages that arrived already finished (sparse progress) and were not
         handed to a handler."""
+        self.transactor: object = None
+        """The shell's: what ``transact`` of a handler's context calls."""
         self.transacted: set[int] | None = None
         """Offsets of pending messages whose finished mark the shell committed
         (exactly-once effects): finished whatever their handler call returns."""
@@ -655,7 +658,32 @@ class ProcessQueue:
     def finished_ranges(self, limit: int) -> tuple[tuple[tuple[int, int], ...], bool]:
         """Runs ``(first, last)`` of finished offsets above :attr:`committed_offset`, in
         offset order (no unfinished message lies within a run), at most ``limit`` of
-        them: the lowest ones, and whether some were left out."""
+        them: the lowest ones, and whether some were left out. The ranges given as
+        ``finished`` that the queue has not reached yet are among them."""
+        ranges, cut = self._seen_ranges(limit)
+        skip = self._skip
+        if skip is None or cut:
+            return ranges, cut
+        ahead = [
+            (max(first, self.highest_offset + 1), last)
+            for first, last in skip[self._skip_at :]
+            if last > self.highest_offset
+        ]
+        if not ahead:
+            return ranges, cut
+        merged = list(ranges)
+        if merged and ahead[0][0] == merged[-1][1] + 1 and not self._order_ends_unfinished():
+            merged[-1] = (merged[-1][0], ahead.pop(0)[1])
+        merged += ahead
+        if len(merged) > limit:
+            return tuple(merged[:limit]), True
+        return tuple(merged), False
+
+    def _order_ends_unfinished(self) -> bool:
+        order = self._order
+        return bool(order) and order[-1] not in self._finished
+
+    def _seen_ranges(self, limit: int) -> tuple[tuple[tuple[int, int], ...], bool]:
         finished = self._finished
         if not finished:
             return (), False
@@ -1356,6 +1384,11 @@ class ProcessQueue:
             if key is not None and lane.committed_stage_offset >= 0:
                 offsets[key] = lane.committed_stage_offset
         return MappingProxyType(offsets)
+
+    @property
+    def finished_above(self) -> int:
+        """Finished messages above :attr:`committed_offset` (see :meth:`finished_ranges`)."""
+        return len(self._finished)
 
     @property
     def unfinished_count(self) -> int:

@@ -59,6 +59,15 @@ class ConsumerStatistics:
     timed_out_calls: int = 0
     """Handler calls that ran longer than ``consume_timeout`` (cancelled, or
     abandoned for a plain ``def`` handler) and were retried as failures."""
+    skipped_finished: int = 0
+    """Messages not handed to a handler because they had finished before (sparse
+    progress or an exactly-once effect's mark, read when the queue was taken)."""
+    sparse_progress_truncated: int = 0
+    """Progress commits of a queue whose finished messages above the committed offset
+    made more runs than ``sparse_progress_max_ranges``: the runs past it were left
+    out (their messages come again after a restart or a hand-over)."""
+    transactions: int = 0
+    """Committed ``context.transact`` calls (exactly-once effects)."""
 
     @property
     def paused_queues(self) -> list[MessageQueue]:

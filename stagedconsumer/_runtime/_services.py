@@ -146,10 +146,15 @@ class ConsumeService(abc.ABC):
         )
 
     def new_process_queue(
-        self, mq: MessageQueue, start_offset: int, stage_offsets: Mapping[StageKey, int]
+        self,
+        mq: MessageQueue,
+        start_offset: int,
+        stage_offsets: Mapping[StageKey, int],
+        finished: Sequence[tuple[int, int]] = (),
     ) -> ProcessQueue:
-        """The process queue of ``mq`` (of this mode), resuming at ``start_offset``."""
-        return ProcessQueue(
+        """The process queue of ``mq`` (of this mode), resuming at ``start_offset``
+        (the messages of the ``finished`` ranges above it finished already)."""
+        pq = ProcessQueue(
             mq,
             self.mode,
             start_offset=start_offset,
@@ -157,7 +162,13 @@ class ConsumeService(abc.ABC):
             plan=self.plan,
             flow_control=self.flow,
             key_of=self.key_of,
+            finished=finished,
         )
+        pq.transactor = self.transactor
+        return pq
+
+    transactor: Any = None
+    """What ``context.transact`` calls (set by the consumer)."""
 
     context_for: Callable[[Batch, int], Any]
     """Builds the context handed to the listener with a batch: ``(batch, suspend

@@ -44,6 +44,12 @@ class ConsumerState:
     """Exceptions of message queue listeners (logged and ignored)."""
     timed_out_calls: int = 0
     """Handler calls that ran longer than ``consume_timeout``."""
+    skipped_released: int = 0
+    """Messages skipped as already finished by queues since released."""
+    sparse_progress_truncated: int = 0
+    """Queue progress commits whose finished ranges were cut at the bound."""
+    transactions: int = 0
+    """Committed ``context.transact`` calls."""
     started: bool = False
     stopping: bool = False
     """Shutdown began: workers take no new batch, loops wind down."""
@@ -77,3 +83,5 @@ class QueueState:
     unpaused: anyio.Event | None = None
     """Set when the pull loop may go on after the queue was paused."""
     persisted: QueueProgress | None = None
+    finished_count: int = 0
+    """How many finished messages above the committed offset the last commit saw."""

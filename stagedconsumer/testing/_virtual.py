@@ -14,14 +14,14 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
 import attrs
 
-from offsetstore import MemoryOffsetStore, QueueProgress
+from offsetstore import MemoryOffsetStore, QueueProgress, StoreUnavailableError
 
 from .._listeners import (
     ConsumeConcurrentlyStatus,
@@ -83,6 +83,9 @@ class VirtualRun:
     """Every sent message finished before ``timeout`` (virtual seconds)."""
     broker: MemoryBroker
     store: MemoryOffsetStore
+    crash_progress: tuple[Mapping[MessageQueue, QueueProgress], ...] = ()
+    """For each crash, the progress the store held when it came (what the restart
+    resumed from): consume offsets, stage offsets, finished ranges and marks."""
 
     @property
     def wall_ms_per_1000_messages(self) -> float:
@@ -102,10 +105,27 @@ class _Broker(MemoryBroker):
         self.call_log.record_dead_letter(message, anyio.current_time())
 
 
+_T = TypeVar("_T")
+
+
 class _CrashableStore(MemoryOffsetStore):
-    """Once ``crashed``, writes vanish: a dead process persists nothing."""
+    """Once ``crashed``, writes vanish: a dead process persists nothing (and its
+    transactions fail)."""
 
     crashed = False
+
+    async def transact(
+        self,
+        group: str,
+        mq: MessageQueue,
+        offsets: Sequence[int],
+        fn: Callable[[Any], _T],
+        *,
+        fence: int | None = None,
+    ) -> _T:
+        if self.crashed:
+            raise StoreUnavailableError("the process crashed")
+        return await super().transact(group, mq, offsets, fn, fence=fence)
 
     async def _write_stored(
         self, group: str, progress: Mapping[MessageQueue, QueueProgress]
@@ -424,6 +444,7 @@ def run_virtual(
     points = sorted(crash_at)
     wanted = set(index)
     state = {"crashes": 0, "completed": False}
+    crash_progress: list[Mapping[MessageQueue, QueueProgress]] = []
 
     async def main() -> None:
         ended = 0
@@ -479,6 +500,7 @@ def run_virtual(
                 return
             points.pop(0)
             state["crashes"] += 1
+            crash_progress.append(await store.list_progress(group))
             if state["completed"]:
                 return
             log.run += 1
@@ -514,4 +536,5 @@ def run_virtual(
         completed=bool(state["completed"]),
         broker=broker,
         store=store,
+        crash_progress=tuple(crash_progress),
     )
