@@ -80,10 +80,14 @@ class MemoryOffsetStore(StageOffsetStore):
             offset
             for offset in offsets
             if offset in marks
-            or (stored is not None and stored.consume_offset is not None and (
-                offset < stored.consume_offset
-                or any(first <= offset <= last for first, last in stored.finished)
-            ))
+            or (
+                stored is not None
+                and stored.consume_offset is not None
+                and (
+                    offset < stored.consume_offset
+                    or any(first <= offset <= last for first, last in stored.finished)
+                )
+            )
         }
         if done:
             raise AlreadyFinishedError(

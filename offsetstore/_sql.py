@@ -1236,9 +1236,7 @@ class SqlOffsetStore(StageOffsetStore):
         if row is not None and row.consume_offset is not None:
             base = int(row.consume_offset)
             ranges = decode_finished(base, row.finished) if self._version >= 3 else ()
-            done.update(
-                o for o in offsets if o < base or any(f <= o <= last for f, last in ranges)
-            )
+            done.update(o for o in offsets if o < base or any(f <= o <= last for f, last in ranges))
         m = self._marks
         marked = conn.execute(
             sa.select(m.c.queue_offset).where(

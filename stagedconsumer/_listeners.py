@@ -57,9 +57,10 @@ _T = TypeVar("_T")
 class _Transactional:
     """What the three contexts share: :meth:`transact`."""
 
-    __slots__ = ("_batch", "_index")
+    __slots__ = ("_batch", "_call", "_committed")
     _batch: Any
-    _index: int
+    _call: Sequence[Message]
+    _committed: bool
 
     async def transact(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(connection)`` in one transaction of the offset store's database that
@@ -86,14 +87,21 @@ class _Transactional:
             raise RuntimeError(
                 "transact() works on the context a consumer passes to a handler call"
             )
-        index: int = getattr(self, "_index", -1)
-        messages = batch.messages if index < 0 else batch.messages[index : index + 1]
+        # A run's calls (one message each, on one batch) set their own messages.
+        messages = getattr(self, "_call", None) or batch.messages
         pq = batch.process_queue
         transactor = pq.transactor
         if transactor is None:
             raise RuntimeError("transact(): this consumer has no offset store transactions")
         result: _T = await transactor.transact(pq, messages, fn)
+        self._committed = True
         return result
+
+    @property
+    def transaction_committed(self) -> bool:
+        """Whether :meth:`transact` committed during this call: its messages are
+        finished, whatever the call does next."""
+        return getattr(self, "_committed", False)
 
     def transact_blocking(self, fn: Callable[[Any], _T]) -> _T:
         """:meth:`transact` from a plain ``def`` handler (a worker thread)."""

@@ -387,7 +387,7 @@ class WorkerPool:
                         cur.done = done
                         call = [messages[done]]
                         context = context_for(batch, suspend_ms)
-                        context._index = done  # transact() marks this call's message
+                        context._call = call  # what transact() marks: this call's message
                 elif is_async:
                     result = await consume(call, context)
                 elif lease_clock is None:
