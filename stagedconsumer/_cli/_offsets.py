@@ -93,6 +93,17 @@ def _format_stages(offsets: Mapping[StageKey, int]) -> str:
     return ", ".join(f"{format_stage_key(k)}={v}" for k, v in items)
 
 
+def _format_finished(progress: QueueProgress) -> str:
+    """The finished ranges above the consume offset (sparse progress and the marks of
+    exactly-once effects), ``"-"`` when none: ``12-15, 18 (5 messages)``."""
+    if not progress.finished:
+        return "-"
+    ranges = ", ".join(
+        str(first) if first == last else f"{first}-{last}" for first, last in progress.finished
+    )
+    return f"{ranges} ({progress.finished_count} messages)"
+
+
 def _progress_json(mq: MessageQueue, progress: QueueProgress | None) -> dict[str, Any]:
     return {
         "topic": mq.topic,
@@ -105,6 +116,7 @@ def _progress_json(mq: MessageQueue, progress: QueueProgress | None) -> dict[str
                 key=lambda kv: (kv[0].strategy_id, kv[0].group_id or ""),
             )
         ],
+        "finished": [list(pair) for pair in progress.finished] if progress else [],
     }
 
 
@@ -184,11 +196,17 @@ async def _show(args: argparse.Namespace) -> int:
     table.add_column("Queue")
     table.add_column("Consume offset", justify="right")
     table.add_column("Stage offsets")
+    table.add_column("Finished above")
     if lags is not None:
         table.add_column("Lag", justify="right")
     for mq, value in progress.items():
         offset = "-" if value.consume_offset is None else str(value.consume_offset)
-        row = [escape(str(mq)), offset, escape(_format_stages(value.stage_offsets))]
+        row = [
+            escape(str(mq)),
+            offset,
+            escape(_format_stages(value.stage_offsets)),
+            _format_finished(value),
+        ]
         if lags is not None:
             row.append(str(lags[mq]) if mq in lags else "?")
         table.add_row(*row)
@@ -297,7 +315,13 @@ def _planned(
             consume = args.to_offset
         for key, value in args.stage_offset or ():
             stages[key] = value
-        plan[mq] = QueueProgress(consume_offset=consume, stage_offsets=stages)
+        # The messages that finished above an unchanged consume offset stay finished.
+        keep = current is not None and consume == current.consume_offset
+        plan[mq] = QueueProgress(
+            consume_offset=consume,
+            stage_offsets=stages,
+            finished=current.finished if keep and current is not None else (),
+        )
     return plan
 
 
