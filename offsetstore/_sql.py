@@ -1164,7 +1164,9 @@ class SqlOffsetStore(StageOffsetStore):
             t.c.consumer_group == group, t.c.topic == mq.topic, t.c.queue_id == mq.queue_id
         )
         if self._backend != "sqlite":  # SQLite: BEGIN IMMEDIATE already serializes writers
-            stmt = stmt.with_for_update(read=share)
+            # PostgreSQL: FOR KEY SHARE, the lightest lock that a claim's FOR UPDATE waits for.
+            pg_share = share and self._backend == "postgresql"
+            stmt = stmt.with_for_update(read=share, key_share=pg_share)
         return conn.execute(stmt).first()
 
     async def transact(
@@ -1190,33 +1192,44 @@ class SqlOffsetStore(StageOffsetStore):
         ]
         highest = max(offsets)
 
+        def already(done: set[int]) -> AlreadyFinishedError:
+            return AlreadyFinishedError(
+                f"group {group!r}: {mq} offsets {sorted(done)} already finished: their"
+                " effects were committed before",
+                offsets=done,
+            )
+
         def run() -> _T:
-            with self._write_transaction() as conn:
-                row = self._lock_row(conn, group, mq, share=True)
-                if fence is not None and (row is None or int(row.fence) > fence):
-                    raise StoreFencedError(
-                        f"group {group!r}: {mq} was claimed with fencing token"
-                        f" {'(none)' if row is None else row.fence} > {fence}: this member"
-                        " lost the queue, its transaction was not committed",
-                        queues=(mq,),
-                    )
-                done = self._done_offsets(conn, group, mq, row, offsets)
+            try:
+                with self._write_transaction() as conn:
+                    row = self._lock_row(conn, group, mq, share=True)
+                    if fence is not None and (row is None or int(row.fence) > fence):
+                        raise StoreFencedError(
+                            f"group {group!r}: {mq} was claimed with fencing token"
+                            f" {'(none)' if row is None else row.fence} > {fence}: this"
+                            " member lost the queue, its transaction was not committed",
+                            queues=(mq,),
+                        )
+                    done = self._committed_offsets(row, offsets)
+                    if done:
+                        raise already(done)
+                    # A mark that exists fails the insert (primary key): looked up then.
+                    conn.execute(sa.insert(m), rows)
+                    self._marked[(group, mq)] = max(highest, self._marked.get((group, mq), -1))
+                    try:
+                        return fn(conn)
+                    except sa_exc.DBAPIError as exc:
+                        if _is_deadlock(exc):
+                            raise
+                        raise _HandlerFailed(exc) from exc
+                    except Exception as exc:
+                        raise _HandlerFailed(exc) from exc
+            except sa_exc.IntegrityError as exc:
+                with self._engine.connect() as conn:
+                    done = self._marked_offsets(conn, group, mq, offsets)
                 if done:
-                    raise AlreadyFinishedError(
-                        f"group {group!r}: {mq} offsets {sorted(done)} already finished:"
-                        " their effects were committed before",
-                        offsets=done,
-                    )
-                conn.execute(sa.insert(m), rows)
-                self._marked[(group, mq)] = max(highest, self._marked.get((group, mq), -1))
-                try:
-                    return fn(conn)
-                except sa_exc.DBAPIError as exc:
-                    if _is_deadlock(exc):
-                        raise
-                    raise _HandlerFailed(exc) from exc
-                except Exception as exc:
-                    raise _HandlerFailed(exc) from exc
+                    raise already(done) from exc
+                raise
 
         try:
             return await self._run(
@@ -1227,16 +1240,20 @@ class SqlOffsetStore(StageOffsetStore):
         except _HandlerFailed as failed:
             raise failed.exc from None
 
-    def _done_offsets(
-        self, conn: sa.Connection, group: str, mq: MessageQueue, row: Any, offsets: Sequence[int]
+    def _committed_offsets(self, row: Any, offsets: Sequence[int]) -> set[int]:
+        """Those of ``offsets`` that the stored progress ``row`` says finished: below
+        its consume offset or in its finished ranges."""
+        if row is None or row.consume_offset is None:
+            return set()
+        base = int(row.consume_offset)
+        ranges = decode_finished(base, row.finished) if self._version >= 3 else ()
+        return {o for o in offsets if o < base or any(f <= o <= last for f, last in ranges)}
+
+    def _marked_offsets(
+        self, conn: sa.Connection, group: str, mq: MessageQueue, offsets: Sequence[int]
     ) -> set[int]:
-        """Those of ``offsets`` that finished already: below the stored consume offset,
-        in its finished ranges, or marked."""
+        """Those of ``offsets`` that have a finished mark."""
         done: set[int] = set()
-        if row is not None and row.consume_offset is not None:
-            base = int(row.consume_offset)
-            ranges = decode_finished(base, row.finished) if self._version >= 3 else ()
-            done.update(o for o in offsets if o < base or any(f <= o <= last for f, last in ranges))
         m = self._marks
         marked = conn.execute(
             sa.select(m.c.queue_offset).where(
