@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{ratio:.2f}x",
         )
     console.print(table)
-    print_reproduce(console, "benchmarks.exactly_once", argv)
+    print_reproduce(console, "exactly_once", argv)
     return 0
 
 

@@ -409,6 +409,16 @@ class SqlOffsetStore(StageOffsetStore):
         self._operation_timeout = operation_timeout
         self._engine = self._create_engine(connect_timeout, dict(engine_options or {}))
         self._write_stmt = self._build_write_statement()
+        self._pg_mark_stmt = sa.text(
+            f"WITH p AS (SELECT fence, consume_offset, finished FROM {self._progress.name}"
+            " WHERE consumer_group = :g AND topic = :t AND queue_id = :q FOR KEY SHARE),"
+            f" ins AS (INSERT INTO {self._marks.name}"
+            " (consumer_group, topic, queue_id, queue_offset)"
+            " SELECT :g, :t, :q, o FROM p, unnest(CAST(:offsets AS BIGINT[])) AS o"
+            " WHERE p.fence <= :fence RETURNING 1)"
+            " SELECT p.fence, p.consume_offset, p.finished, (SELECT count(*) FROM ins) AS marked"
+            " FROM p"
+        )
         self._overwrite_stmt = self._build_overwrite_statement()
         self._setup_lock = threading.Lock()
         # One SQLite database in memory is one connection: serialize its users.
@@ -1202,7 +1212,22 @@ class SqlOffsetStore(StageOffsetStore):
         def run() -> _T:
             try:
                 with self._write_transaction() as conn:
-                    row = self._lock_row(conn, group, mq, share=True)
+                    if self._backend == "postgresql" and self._version >= 3:
+                        # Lock, check and mark in one round trip.
+                        row = conn.execute(
+                            self._pg_mark_stmt,
+                            {
+                                "g": group,
+                                "t": mq.topic,
+                                "q": mq.queue_id,
+                                "offsets": list(offsets),
+                                "fence": _NO_FENCE if fence is None else fence,
+                            },
+                        ).first()
+                        marked = row is not None and int(row.marked) == len(offsets)
+                    else:
+                        row = self._lock_row(conn, group, mq, share=True)
+                        marked = False
                     if fence is not None and (row is None or int(row.fence) > fence):
                         raise StoreFencedError(
                             f"group {group!r}: {mq} was claimed with fencing token"
@@ -1212,9 +1237,10 @@ class SqlOffsetStore(StageOffsetStore):
                         )
                     done = self._committed_offsets(row, offsets)
                     if done:
-                        raise already(done)
+                        raise already(done)  # (rolls back the marks inserted above)
                     # A mark that exists fails the insert (primary key): looked up then.
-                    conn.execute(sa.insert(m), rows)
+                    if not marked:
+                        conn.execute(sa.insert(m), rows)
                     self._marked[(group, mq)] = max(highest, self._marked.get((group, mq), -1))
                     try:
                         return fn(conn)
@@ -1380,6 +1406,10 @@ class SqlOffsetStore(StageOffsetStore):
                     conn.execute(stmt, upserts)
 
         await self._run(f"resetting the progress of group {group!r}", write, writes=True)
+
+
+_NO_FENCE: Final = (1 << 63) - 1
+"""The fence passed when a transaction has none: every stored fence is below it."""
 
 
 class _HandlerFailed(Exception):
