@@ -57,9 +57,8 @@ _T = TypeVar("_T")
 class _Transactional:
     """What the three contexts share: :meth:`transact`."""
 
-    __slots__ = ("_batch", "_call", "_committed")
+    __slots__ = ("_batch", "_committed")
     _batch: Any
-    _call: Sequence[Message]
     _committed: bool
 
     async def transact(self, fn: Callable[[Any], _T]) -> _T:
@@ -87,13 +86,11 @@ class _Transactional:
             raise RuntimeError(
                 "transact() works on the context a consumer passes to a handler call"
             )
-        # A run's calls (one message each, on one batch) set their own messages.
-        messages = getattr(self, "_call", None) or batch.messages
         pq = batch.process_queue
         transactor = pq.transactor
         if transactor is None:
             raise RuntimeError("transact(): this consumer has no offset store transactions")
-        result: _T = await transactor.transact(pq, messages, fn)
+        result: _T = await transactor.transact(pq, transactor.messages_of(self, batch), fn)
         self._committed = True
         return result
 

@@ -636,6 +636,7 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         state=state,
         store=consumer.offset_store,
         fence_of=membership.ownership.epoch if membership is not None else None,
+        runs=consumer._service.active_runs,
     )
     consumer._pulls = consumer._queues.pulls = PullService(
         state=state,

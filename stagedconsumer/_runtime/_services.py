@@ -109,6 +109,7 @@ class ConsumeService(abc.ABC):
         self.source = source
         self.state = state
         self.options = options
+        self.active_runs = []
         concurrent = self.mode is ConsumeMode.CONCURRENT
         self.max_reconsume_times = options.effective_max_reconsume_times(concurrent=concurrent)
         self.flow = FlowControl(
@@ -169,6 +170,10 @@ class ConsumeService(abc.ABC):
 
     transactor: Any = None
     """What ``context.transact`` calls (set by the consumer)."""
+    active_runs: list[Any]
+    """The workers' runs (``_workers._Run``): a run's calls share one batch, and the
+    call in progress is ``run.batch.messages[run.done]`` while ``run.context`` is its
+    context (what ``context.transact`` marks)."""
 
     context_for: Callable[[Batch, int], Any]
     """Builds the context handed to the listener with a batch: ``(batch, suspend

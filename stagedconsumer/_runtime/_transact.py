@@ -36,10 +36,21 @@ class Transactor:
         state: ConsumerState,
         store: StageOffsetStore,
         fence_of: Callable[[MessageQueue], int | None] | None,
+        runs: Sequence[Any] = (),
     ) -> None:
+        self.runs = runs
         self.state = state
         self.store = store
         self.fence_of = fence_of
+
+    def messages_of(self, context: object, batch: Batch) -> Sequence[Message]:
+        """The messages of the handler call of ``context`` (on ``batch``): a run's call
+        has one message of the run's batch, any other call the whole batch."""
+        for run in self.runs:
+            if run.context is context and run.batch is batch:
+                done: int = run.done
+                return batch.messages[done : done + 1]
+        return batch.messages
 
     async def transact(
         self, pq: ProcessQueue, messages: Sequence[Message], fn: Callable[[Any], _T]

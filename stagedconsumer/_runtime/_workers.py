@@ -221,7 +221,11 @@ class WorkerPool:
         """The worker loop; with runs, driven by :func:`_drive`."""
         if self.runs:
             run = _Run(slot)
-            await _drive(self, self._work(slot, run), run)
+            self.service.active_runs.append(run)  # transact() finds its call's message
+            try:
+                await _drive(self, self._work(slot, run), run)
+            finally:
+                self.service.active_runs.remove(run)
         else:
             await self._work(slot, None)
 
@@ -387,7 +391,6 @@ class WorkerPool:
                         cur.done = done
                         call = [messages[done]]
                         context = context_for(batch, suspend_ms)
-                        context._call = call  # what transact() marks: this call's message
                 elif is_async:
                     result = await consume(call, context)
                 elif lease_clock is None:
