@@ -46,11 +46,12 @@ class Transactor:
     def messages_of(self, context: object, batch: Batch) -> Sequence[Message]:
         """The messages of the handler call of ``context`` (on ``batch``): a run's call
         has one message of the run's batch, any other call the whole batch."""
+        messages: list[Message] = batch.messages
         for run in self.runs:
             if run.context is context and run.batch is batch:
                 done: int = run.done
-                return batch.messages[done : done + 1]
-        return batch.messages
+                return messages[done : done + 1]
+        return messages
 
     async def transact(
         self, pq: ProcessQueue, messages: Sequence[Message], fn: Callable[[Any], _T]
