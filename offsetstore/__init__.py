@@ -10,6 +10,7 @@ holds that in line.
 from typing import TYPE_CHECKING, Any
 
 from ._abc import StageOffsetStore as StageOffsetStore
+from ._exceptions import AlreadyFinishedError as AlreadyFinishedError
 from ._exceptions import OffsetStoreError as OffsetStoreError
 from ._exceptions import StoreCommitError as StoreCommitError
 from ._exceptions import StoreConfigurationError as StoreConfigurationError
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from ._sql import SqlOffsetStore as SqlOffsetStore
 
 __all__ = (
+    "AlreadyFinishedError",
     "MemoryOffsetStore",
     "OffsetStoreError",
     "QueueProgress",

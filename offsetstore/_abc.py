@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ._exceptions import StoreConfigurationError, StoreFencedError
 from ._types import (
@@ -18,16 +19,23 @@ from ._types import (
 
 __all__ = ("StageOffsetStore",)
 
+_T = TypeVar("_T")
+
 
 class _Row:
-    __slots__ = ("consume_offset", "stage_offsets")
+    __slots__ = ("consume_offset", "finished", "stage_offsets")
 
     def __init__(self) -> None:
         self.consume_offset: int | None = None
         self.stage_offsets: dict[StageKey, int] = {}
+        self.finished: tuple[tuple[int, int], ...] = ()
 
     def progress(self) -> QueueProgress:
-        return QueueProgress(consume_offset=self.consume_offset, stage_offsets=self.stage_offsets)
+        return QueueProgress(
+            consume_offset=self.consume_offset,
+            stage_offsets=self.stage_offsets,
+            finished=self.finished,
+        )
 
 
 class StageOffsetStore(abc.ABC):
@@ -111,6 +119,8 @@ class StageOffsetStore(abc.ABC):
         row = self._row(group, mq)
         if increase_only and row.consume_offset is not None and offset < row.consume_offset:
             return
+        if offset != row.consume_offset:
+            row.finished = tuple((f, last) for f, last in row.finished if f > offset)
         row.consume_offset = offset
 
     def update_stage_offset(
@@ -142,6 +152,7 @@ class StageOffsetStore(abc.ABC):
         row = self._row(group, mq)
         row.consume_offset = progress.consume_offset
         row.stage_offsets = dict(progress.stage_offsets)
+        row.finished = progress.finished
 
     async def read_progress(
         self,
@@ -255,6 +266,35 @@ class StageOffsetStore(abc.ABC):
                 " written: another consumer took over the queue (newer fencing token)",
                 queues=fenced,
             )
+
+    # -- exactly-once effects -----------------------------------------------------------
+
+    async def transact(
+        self,
+        group: str,
+        mq: MessageQueue,
+        offsets: Sequence[int],
+        fn: Callable[[Any], _T],
+        *,
+        fence: int | None = None,
+    ) -> _T:
+        """Run ``fn(connection)`` in one transaction with the finished marks of the
+        messages at ``offsets`` of ``mq``, and return what it returns.
+
+        The transaction checks first that ``fence`` (the queue lock's epoch, ``None``
+        outside a consumer group) is still the queue's: otherwise
+        :class:`~offsetstore.StoreFencedError`, and nothing is done. A message that
+        already has its mark raises :class:`~offsetstore.AlreadyFinishedError`
+        (nothing is done either). When ``fn`` raises, nothing is committed and its
+        exception propagates. Marks are read back by :meth:`claim` and
+        :meth:`read_progress` as ``finished`` ranges, and deleted by the progress
+        commits that pass them.
+
+        Handlers call it through their context (``await context.transact(fn)``);
+        the default implementation raises
+        :class:`~offsetstore.StoreConfigurationError`.
+        """
+        raise StoreConfigurationError(f"{type(self).__name__} does not support transact()")
 
     def remove_offset(self, group: str, mq: MessageQueue) -> None:
         """Forget the in-memory progress of ``mq`` (its stored progress stays)."""

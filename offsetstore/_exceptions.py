@@ -11,7 +11,9 @@ The tree::
     │                                server (not retriable; raised by load() and by
     │                                any write)
     ├── StoreCommitError             a write failed (retriable unless the data is bad)
-    └── StoreFencedError             a write carried a stale fencing token (not retriable)
+    ├── StoreFencedError             a write carried a stale fencing token (not retriable)
+    └── AlreadyFinishedError         a transaction's message already has its finished
+                                     mark: its effect was committed before
 
 Driver and SQLAlchemy errors are wrapped at the boundary (``raise ... from exc``).
 """
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from ._types import MessageQueue
 
 __all__ = (
+    "AlreadyFinishedError",
     "OffsetStoreError",
     "StoreCommitError",
     "StoreConfigurationError",
@@ -93,3 +96,13 @@ class StoreFencedError(OffsetStoreError):
         super().__init__(message, retriable=False)
         self.queues: frozenset[MessageQueue] = frozenset(queues)
         """The queues whose write was refused: their writer no longer owns them."""
+
+
+class AlreadyFinishedError(OffsetStoreError):
+    """A transaction (``transact``) found a finished mark of one of its messages: the
+    effect of that message was committed before, so nothing was done (not retriable;
+    the consumer counts the message as finished)."""
+
+    def __init__(self, message: str, *, offsets: Iterable[int] = ()) -> None:
+        super().__init__(message, retriable=False)
+        self.offsets: frozenset[int] = frozenset(offsets)

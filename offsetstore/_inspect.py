@@ -13,7 +13,7 @@ from typing import Final
 
 import attrs
 
-from ._types import MessageQueue, QueueProgress, StageKey, check_offset
+from ._types import MessageQueue, QueueProgress, StageKey, check_offset, decode_finished
 
 __all__ = ("MAX_FENCE", "StoredRow", "fence_problem")
 
@@ -61,6 +61,9 @@ class StoredRow:
     raw_stage_offsets: str
     fence: int
     problems: tuple[str, ...]
+    finished: tuple[tuple[int, int], ...] = ()
+    """Ranges of finished offsets above the consume offset (sparse progress and the
+    finished marks of exactly-once effects), first and last offset of each."""
 
     @property
     def corrupt(self) -> bool:
@@ -74,7 +77,11 @@ class StoredRow:
         """The row's progress, ``None`` when a part of it cannot be read."""
         if not self.consume_offset_readable or self.stage_offsets is None:
             return None
-        return QueueProgress(consume_offset=self.consume_offset, stage_offsets=self.stage_offsets)
+        return QueueProgress(
+            consume_offset=self.consume_offset,
+            stage_offsets=self.stage_offsets,
+            finished=self.finished,
+        )
 
 
 def decode_row(
@@ -83,6 +90,7 @@ def decode_row(
     stage_text: object,
     fence: object,
     decode_stages: Callable[[str], dict[StageKey, int]],
+    finished_text: object = None,
 ) -> StoredRow:
     """A :class:`StoredRow` from the stored columns; ``decode_stages`` decodes the
     stage offsets' text (raising ``ValueError`` / ``TypeError`` on anything else)."""
@@ -102,6 +110,12 @@ def decode_row(
     except (TypeError, ValueError) as exc:
         problems.append(f"stage offsets cannot be read: {exc}")
         stages = None
+    finished: tuple[tuple[int, int], ...] = ()
+    if finished_text is not None and readable:
+        try:
+            finished = decode_finished(consume, str(finished_text))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"finished ranges cannot be read: {exc}")
     fence_value = int(fence)  # type: ignore[call-overload]
     problem = fence_problem(fence_value)
     if problem is not None:
@@ -115,4 +129,5 @@ def decode_row(
         raw_stage_offsets=str(stage_text),
         fence=fence_value,
         problems=tuple(problems),
+        finished=finished,
     )

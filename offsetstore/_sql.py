@@ -4,12 +4,20 @@ Layout (``prefix`` defaults to ``stagedconsumer_``)::
 
     <prefix>schema     component VARCHAR(64) PK, version INT
                        one row ("offsetstore", SCHEMA_VERSION); load() migrates
-                       older versions (1 -> 2 added the fence column)
+                       older versions (1 -> 2 added the fence column, 2 -> 3 the
+                       finished column and the marks table)
     <prefix>progress   consumer_group, topic, queue_id   (primary key)
                        consume_offset BIGINT NULL
                        stage_offsets  TEXT  JSON [[strategy_id, group_id|null, offset], ...]
                        fence BIGINT NOT NULL DEFAULT 0   (schema version 2) the highest
                        fencing token (queue lock epoch) that claimed the queue
+                       finished TEXT NULL   (schema version 3) sparse progress: ranges of
+                       finished offsets above consume_offset, "gap+length,..." (see
+                       offsetstore._types.encode_finished); NULL: none
+    <prefix>marks      consumer_group, topic, queue_id, queue_offset   (primary key)
+                       (schema version 3) finished marks written by transact() in the
+                       transaction of a handler's effects; deleted by the progress
+                       commit whose consume offset passes them
 
 One row per queue holds the whole unit of progress (consume offset and the stage
 offsets of every stage key of the queue), so writing one queue's progress is a single
@@ -40,7 +48,7 @@ import shlex
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
@@ -48,6 +56,7 @@ from typing import Any, Final, TypeVar
 
 import anyio.lowlevel
 import anyio.to_thread
+import attrs
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 from sqlalchemy.dialects import mysql as mysql_dialect
@@ -56,6 +65,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from ._abc import StageOffsetStore, _check_reset_entry
 from ._exceptions import (
+    AlreadyFinishedError,
     OffsetStoreError,
     StoreCommitError,
     StoreConfigurationError,
@@ -64,13 +74,22 @@ from ._exceptions import (
     StoreUnavailableError,
 )
 from ._inspect import StoredRow, decode_row, fence_problem
-from ._types import MessageQueue, QueueProgress, StageKey, check_offset
+from ._types import (
+    MessageQueue,
+    QueueProgress,
+    StageKey,
+    check_offset,
+    decode_finished,
+    encode_finished,
+    merge_marks,
+)
 
 __all__ = ("SCHEMA_VERSION", "SqlOffsetStore", "schema_sql")
 
-SCHEMA_VERSION: Final = 2
-"""Version 2 added the ``fence`` column (fencing tokens of consumer groups)."""
-"""Version of the table layout this module writes and reads."""
+SCHEMA_VERSION: Final = 3
+"""Version of the table layout this module writes and reads. Version 2 added the
+``fence`` column (fencing tokens of consumer groups), version 3 the ``finished``
+column (sparse progress) and the marks table (exactly-once effects)."""
 
 _COMPONENT: Final = "offsetstore"
 _DEADLOCK_RETRIES: Final = 3
@@ -116,7 +135,7 @@ def _name_column(length: int) -> sa.types.TypeEngine[str]:
     return sa.String(length).with_variant(_Utf8Bytes(length * 4), "mysql", "mariadb")
 
 
-def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table]:
+def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
     metadata = sa.MetaData()
     schema = sa.Table(
         f"{prefix}schema",
@@ -138,9 +157,23 @@ def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table]:
             nullable=False,
         ),
         sa.Column("fence", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column(
+            "finished",
+            sa.Text().with_variant(mysql_dialect.MEDIUMTEXT(), "mysql", "mariadb"),
+            nullable=True,
+        ),
         mysql_engine="InnoDB",
     )
-    return metadata, schema, progress
+    marks = sa.Table(
+        f"{prefix}marks",
+        metadata,
+        sa.Column("consumer_group", _name_column(255), primary_key=True),
+        sa.Column("topic", _name_column(255), primary_key=True),
+        sa.Column("queue_id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("queue_offset", sa.BigInteger, primary_key=True, autoincrement=False),
+        mysql_engine="InnoDB",
+    )
+    return metadata, schema, progress, marks
 
 
 # -- encoding of stage offsets -------------------------------------------------------------
@@ -370,7 +403,14 @@ class SqlOffsetStore(StageOffsetStore):
         self._table_prefix = table_prefix
         self._read_only = read_only
         self._create_tables = create_tables and not read_only
-        self._metadata, self._schema_table, self._progress = _build_tables(table_prefix)
+        self._metadata, self._schema_table, self._progress, self._marks = _build_tables(
+            table_prefix
+        )
+        self._version = SCHEMA_VERSION
+        """The schema version of the tables (older ones are read by a read-only store)."""
+        self._marked: dict[tuple[str, MessageQueue], int] = {}
+        """Queues that may have finished marks, with the highest one: the progress
+        commits that pass them delete them."""
         if operation_timeout is not None and operation_timeout <= 0:
             raise StoreConfigurationError(
                 f"operation_timeout must be > 0 or None, got {operation_timeout!r}"
@@ -378,6 +418,16 @@ class SqlOffsetStore(StageOffsetStore):
         self._operation_timeout = operation_timeout
         self._engine = self._create_engine(connect_timeout, dict(engine_options or {}))
         self._write_stmt = self._build_write_statement()
+        self._pg_mark_stmt = sa.text(
+            f"WITH p AS (SELECT fence, consume_offset, finished FROM {self._progress.name}"
+            " WHERE consumer_group = :g AND topic = :t AND queue_id = :q FOR KEY SHARE),"
+            f" ins AS (INSERT INTO {self._marks.name}"
+            " (consumer_group, topic, queue_id, queue_offset)"
+            " SELECT :g, :t, :q, o FROM p, unnest(CAST(:offsets AS BIGINT[])) AS o"
+            " WHERE p.fence <= :fence RETURNING 1)"
+            " SELECT p.fence, p.consume_offset, p.finished, (SELECT count(*) FROM ins) AS marked"
+            " FROM p"
+        )
         self._overwrite_stmt = self._build_overwrite_statement()
         self._setup_lock = threading.Lock()
         # One SQLite database in memory is one connection: serialize its users.
@@ -470,6 +520,7 @@ class SqlOffsetStore(StageOffsetStore):
             return mstmt.on_duplicate_key_update(
                 [
                     ("stage_offsets", sa.case((take, new.stage_offsets), else_=t.c.stage_offsets)),
+                    ("finished", sa.case((take, new.finished), else_=t.c.finished)),
                     (
                         "consume_offset",
                         sa.case((take, new.consume_offset), else_=t.c.consume_offset),
@@ -483,6 +534,7 @@ class SqlOffsetStore(StageOffsetStore):
             set_={
                 "consume_offset": excluded.consume_offset,
                 "stage_offsets": excluded.stage_offsets,
+                "finished": excluded.finished,
             },
             where=sa.or_(
                 t.c.consume_offset.is_(None),
@@ -500,6 +552,7 @@ class SqlOffsetStore(StageOffsetStore):
             return mstmt.on_duplicate_key_update(
                 consume_offset=mstmt.inserted.consume_offset,
                 stage_offsets=mstmt.inserted.stage_offsets,
+                finished=mstmt.inserted.finished,
             )
         stmt = (pg_dialect.insert if self._backend == "postgresql" else sqlite_dialect.insert)(t)
         return stmt.on_conflict_do_update(
@@ -507,6 +560,7 @@ class SqlOffsetStore(StageOffsetStore):
             set_={
                 "consume_offset": stmt.excluded.consume_offset,
                 "stage_offsets": stmt.excluded.stage_offsets,
+                "finished": stmt.excluded.finished,
             },
         )
 
@@ -750,9 +804,14 @@ class SqlOffsetStore(StageOffsetStore):
                 f" this stagedconsumer's {SCHEMA_VERSION}: upgrade stagedconsumer"
             )
         if self._read_only:
-            return  # version 1 tables read as well: the fence column is never read
+            # Older tables read as well: the fence column is never read, and the
+            # finished column and the marks table are not read before version 3.
+            self._version = version
+            return
         if version < 2:
             self._migrate_to_2()
+        if version < 3:
+            self._migrate_to_3()
         self._check_writable()
 
     async def init_schema(self) -> list[str]:
@@ -763,7 +822,7 @@ class SqlOffsetStore(StageOffsetStore):
             raise StoreConfigurationError("init_schema() needs a store with create_tables=True")
 
         def state() -> tuple[list[str], int | None]:
-            names = (self._schema_table.name, self._progress.name)
+            names = (self._schema_table.name, self._progress.name, self._marks.name)
             if self._missing_sqlite_file() is not None:
                 return list(names), None
             with self._engine.connect() as conn:
@@ -788,8 +847,8 @@ class SqlOffsetStore(StageOffsetStore):
                 done.append(f"migrated the tables from schema version {before} to {after}")
             if not done:
                 done.append(
-                    f"nothing to do: tables {self._schema_table.name} and {self._progress.name}"
-                    f" are at schema version {after}"
+                    f"nothing to do: tables {self._schema_table.name}, {self._progress.name}"
+                    f" and {self._marks.name} are at schema version {after}"
                 )
             return done
 
@@ -859,6 +918,37 @@ class SqlOffsetStore(StageOffsetStore):
                 .values(version=2)
             )
 
+    def _migrate_to_3(self) -> None:
+        """Version 2 -> 3: add the ``finished`` column and the marks table (idempotent;
+        processes may race)."""
+        t = self._progress
+        with self._engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
+        if "finished" not in columns:
+            kind = "MEDIUMTEXT" if self._backend == "mysql" else "TEXT"
+            try:
+                with self._write_transaction() as conn:
+                    conn.exec_driver_sql(f"ALTER TABLE {t.name} ADD COLUMN finished {kind} NULL")
+            except (sa_exc.ProgrammingError, sa_exc.OperationalError):
+                with self._engine.connect() as conn:
+                    columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
+                if "finished" not in columns:
+                    raise
+        try:
+            with self._write_transaction() as conn:
+                self._marks.create(conn, checkfirst=True)
+        except (sa_exc.ProgrammingError, sa_exc.OperationalError, sa_exc.IntegrityError):
+            with self._engine.connect() as conn:
+                if not sa.inspect(conn).has_table(self._marks.name):
+                    raise
+        schema = self._schema_table
+        with self._write_transaction() as conn:
+            conn.execute(
+                sa.update(schema)
+                .where(schema.c.component == _COMPONENT, schema.c.version < 3)
+                .values(version=3)
+            )
+
     @contextmanager
     def _write_transaction(self) -> Iterator[sa.Connection]:
         """A transaction that writes (SQLite: ``BEGIN IMMEDIATE``, so writers queue on
@@ -901,7 +991,8 @@ class SqlOffsetStore(StageOffsetStore):
         there. When only its stage offsets are corrupt, the error gives the command
         that repairs the row."""
         result: dict[MessageQueue, QueueProgress] = {}
-        for topic, queue_id, consume_offset, stage_text in rows:
+        for topic, queue_id, consume_offset, stage_text, *rest in rows:
+            finished_text = rest[0] if rest else None
             mq = MessageQueue(str(topic), int(queue_id))
             repair = ""
             try:
@@ -913,9 +1004,11 @@ class SqlOffsetStore(StageOffsetStore):
                         raise
                     unreadable_stages.add(mq)
                     stage_offsets = {}
+                offset = None if consume_offset is None else int(consume_offset)
                 progress = QueueProgress(
-                    consume_offset=None if consume_offset is None else int(consume_offset),
+                    consume_offset=offset,
                     stage_offsets=stage_offsets,
+                    finished=decode_finished(offset, finished_text),
                 )
             except (ValueError, TypeError) as exc:
                 repair = repair or self._repair_hint(group, mq, consume_offset)
@@ -968,11 +1061,45 @@ class SqlOffsetStore(StageOffsetStore):
 
     def _select(self, group: str) -> sa.Select[Any]:
         t = self._progress
+        columns = [t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets]
+        if self._version >= 3:
+            columns.append(t.c.finished)
         return (
-            sa.select(t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets)
-            .where(t.c.consumer_group == group)
-            .order_by(t.c.topic, t.c.queue_id)
+            sa.select(*columns).where(t.c.consumer_group == group).order_by(t.c.topic, t.c.queue_id)
         )
+
+    def _read_marks(
+        self, conn: sa.Connection, group: str, mq: MessageQueue | None, topic: str | None = None
+    ) -> dict[MessageQueue, list[int]]:
+        """The finished marks of ``group`` (of ``mq``, or of ``topic``, when given)."""
+        if self._version < 3:
+            return {}
+        m = self._marks
+        stmt = sa.select(m.c.topic, m.c.queue_id, m.c.queue_offset).where(
+            m.c.consumer_group == group
+        )
+        if mq is not None:
+            stmt = stmt.where(m.c.topic == mq.topic, m.c.queue_id == mq.queue_id)
+        elif topic is not None:
+            stmt = stmt.where(m.c.topic == topic)
+        result: dict[MessageQueue, list[int]] = {}
+        for row_topic, queue_id, offset in conn.execute(stmt):
+            result.setdefault(MessageQueue(str(row_topic), int(queue_id)), []).append(int(offset))
+        return result
+
+    def _with_marks(
+        self,
+        group: str,
+        progress: dict[MessageQueue, QueueProgress],
+        marks: Mapping[MessageQueue, list[int]],
+    ) -> dict[MessageQueue, QueueProgress]:
+        for mq, offsets in marks.items():
+            merged = merge_marks(progress.get(mq), offsets)
+            if merged is not None:
+                progress[mq] = merged
+            if not self._read_only:
+                self._marked[(group, mq)] = max(offsets)
+        return progress
 
     async def _read_stored(self, group: str, mq: MessageQueue) -> QueueProgress | None:
         t = self._progress
@@ -981,7 +1108,8 @@ class SqlOffsetStore(StageOffsetStore):
         def read() -> QueueProgress | None:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
-            return self._rows_to_progress(group, rows).get(mq)
+                marks = self._read_marks(conn, group, mq)
+            return self._with_marks(group, self._rows_to_progress(group, rows), marks).get(mq)
 
         return await self._run(f"reading the progress of {mq} ({group})", read, writes=False)
 
@@ -995,7 +1123,8 @@ class SqlOffsetStore(StageOffsetStore):
         def read() -> dict[MessageQueue, QueueProgress]:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
-            return self._rows_to_progress(group, rows)
+                marks = self._read_marks(conn, group, None, topic)
+            return self._with_marks(group, self._rows_to_progress(group, rows), marks)
 
         return await self._run(f"listing the progress of group {group!r}", read, writes=False)
 
@@ -1025,10 +1154,11 @@ class SqlOffsetStore(StageOffsetStore):
         ones included and marked (:attr:`StoredRow.problems`), for an operator: never
         raises for a row it cannot read (``stagedconsumer offsets show``)."""
         t = self._progress
+        columns = [t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets, t.c.fence]
+        if self._version >= 3:
+            columns.append(t.c.finished)
         stmt = (
-            sa.select(t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets, t.c.fence)
-            .where(t.c.consumer_group == group)
-            .order_by(t.c.topic, t.c.queue_id)
+            sa.select(*columns).where(t.c.consumer_group == group).order_by(t.c.topic, t.c.queue_id)
         )
         if topic is not None:
             stmt = stmt.where(t.c.topic == topic)
@@ -1036,12 +1166,20 @@ class SqlOffsetStore(StageOffsetStore):
         def read() -> list[StoredRow]:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
-            return [
-                decode_row(
-                    MessageQueue(str(r[0]), int(r[1])), r[2], r[3], r[4], decode_stage_offsets
+                marks = self._read_marks(conn, group, None, topic)
+            decoded = []
+            for r in rows:
+                mq = MessageQueue(str(r[0]), int(r[1]))
+                row = decode_row(
+                    mq, r[2], r[3], r[4], decode_stage_offsets, r[5] if len(r) > 5 else None
                 )
-                for r in rows
-            ]
+                progress = row.progress()
+                if mq in marks and progress is not None:
+                    merged = merge_marks(progress, marks[mq])
+                    if merged is not None:
+                        row = attrs.evolve(row, finished=merged.finished)
+                decoded.append(row)
+            return decoded
 
         return await self._run(f"listing the stored rows of group {group!r}", read, writes=False)
 
@@ -1066,8 +1204,22 @@ class SqlOffsetStore(StageOffsetStore):
         items = sorted(progress.items(), key=_queue_order)
         stmt = self._overwrite_stmt
 
+        m = self._marks
+
         def write() -> None:
             with self._write_transaction() as conn:
+                for mq, _ in items:
+                    # As in a reset: the plan's finished ranges hold what stays finished
+                    # (the marks included), and the marks are consumed again otherwise.
+                    if self._version >= 3:
+                        conn.execute(
+                            sa.delete(m).where(
+                                m.c.consumer_group == group,
+                                m.c.topic == mq.topic,
+                                m.c.queue_id == mq.queue_id,
+                            )
+                        )
+                    self._marked.pop((group, mq), None)
                 if items:
                     conn.execute(stmt, [self._params(group, mq, value) for mq, value in items])
                 for mq, fence in sorted(fences.items(), key=_queue_order):
@@ -1092,6 +1244,7 @@ class SqlOffsetStore(StageOffsetStore):
             "queue_id": mq.queue_id,
             "consume_offset": progress.consume_offset,
             "stage_offsets": encode_stage_offsets(progress.stage_offsets),
+            "finished": encode_finished(progress.consume_offset, progress.finished),
         }
 
     async def persist_all(self, group: str, mqs: Iterable[MessageQueue]) -> None:
@@ -1134,6 +1287,8 @@ class SqlOffsetStore(StageOffsetStore):
                         # for the whole statement (the convoy effect).
                         time.sleep(_GIL_PAUSE)
                     conn.execute(stmt, params[start : start + _WRITE_CHUNK])
+                folded = self._fold_marks(conn, group, items)
+            self._folded(group, folded)
 
         await self._run(
             f"persisting the progress of {len(items)} queue(s) of group {group!r}",
@@ -1141,15 +1296,169 @@ class SqlOffsetStore(StageOffsetStore):
             writes=True,
         )
 
-    def _lock_row(self, conn: sa.Connection, group: str, mq: MessageQueue) -> Any:
-        """The row of ``mq`` (consume offset, stage offsets, fence), locked for update."""
+    def _fold_marks(
+        self, conn: sa.Connection, group: str, items: Iterable[tuple[MessageQueue, QueueProgress]]
+    ) -> list[MessageQueue]:
+        """Delete the finished marks below the consume offsets just written (only of
+        queues that may have some); returns the queues left with none."""
+        marked = self._marked
+        if not marked:
+            return []
+        m = self._marks
+        folded = []
+        for mq, value in items:
+            highest = marked.get((group, mq))
+            if highest is None or value.consume_offset is None:
+                continue
+            conn.execute(
+                sa.delete(m).where(
+                    m.c.consumer_group == group,
+                    m.c.topic == mq.topic,
+                    m.c.queue_id == mq.queue_id,
+                    m.c.queue_offset < value.consume_offset,
+                )
+            )
+            if highest < value.consume_offset:
+                folded.append(mq)
+        return folded
+
+    def _folded(self, group: str, mqs: Iterable[MessageQueue]) -> None:
+        for mq in mqs:
+            self._marked.pop((group, mq), None)
+
+    def _lock_row(
+        self, conn: sa.Connection, group: str, mq: MessageQueue, *, share: bool = False
+    ) -> Any:
+        """The row of ``mq`` (consume offset, stage offsets, fence, finished), locked for
+        update (``share``: against updates only, so transactions of one queue run side
+        by side while a claim, which updates the fence, waits for them)."""
         t = self._progress
-        stmt = sa.select(t.c.consume_offset, t.c.stage_offsets, t.c.fence).where(
+        columns = [t.c.consume_offset, t.c.stage_offsets, t.c.fence]
+        if self._version >= 3:
+            columns.append(t.c.finished)
+        stmt = sa.select(*columns).where(
             t.c.consumer_group == group, t.c.topic == mq.topic, t.c.queue_id == mq.queue_id
         )
         if self._backend != "sqlite":  # SQLite: BEGIN IMMEDIATE already serializes writers
-            stmt = stmt.with_for_update()
+            # PostgreSQL: FOR KEY SHARE, the lightest lock that a claim's FOR UPDATE waits for.
+            pg_share = share and self._backend == "postgresql"
+            stmt = stmt.with_for_update(read=share, key_share=pg_share)
         return conn.execute(stmt).first()
+
+    async def transact(
+        self,
+        group: str,
+        mq: MessageQueue,
+        offsets: Sequence[int],
+        fn: Callable[[sa.Connection], _T],
+        *,
+        fence: int | None = None,
+    ) -> _T:
+        """:meth:`StageOffsetStore.transact`: ``fn(connection)`` runs in a worker thread
+        with a :class:`sqlalchemy.Connection` in the transaction that writes the
+        marks. The fence check takes a shared lock on the queue's progress row, so a
+        new owner's claim (which raises the fence) waits for transactions in progress
+        and then sees their marks; once it committed, the old owner's transactions
+        fail the check. Its statements are retried (``fn`` too) on a deadlock;
+        anything ``fn`` raises propagates as it is, nothing committed."""
+        m = self._marks
+        rows = [
+            {"consumer_group": group, "topic": mq.topic, "queue_id": mq.queue_id, "queue_offset": o}
+            for o in offsets
+        ]
+        highest = max(offsets)
+
+        def already(done: set[int]) -> AlreadyFinishedError:
+            return AlreadyFinishedError(
+                f"group {group!r}: {mq} offsets {sorted(done)} already finished: their"
+                " effects were committed before",
+                offsets=done,
+            )
+
+        def run() -> _T:
+            try:
+                with self._write_transaction() as conn:
+                    if self._backend == "postgresql" and self._version >= 3:
+                        # Lock, check and mark in one round trip.
+                        row = conn.execute(
+                            self._pg_mark_stmt,
+                            {
+                                "g": group,
+                                "t": mq.topic,
+                                "q": mq.queue_id,
+                                "offsets": list(offsets),
+                                "fence": _NO_FENCE if fence is None else fence,
+                            },
+                        ).first()
+                        marked = row is not None and int(row.marked) == len(offsets)
+                    else:
+                        row = self._lock_row(conn, group, mq, share=True)
+                        marked = False
+                    if fence is not None and (row is None or int(row.fence) > fence):
+                        raise StoreFencedError(
+                            f"group {group!r}: {mq} was claimed with fencing token"
+                            f" {'(none)' if row is None else row.fence} > {fence}: this"
+                            " member lost the queue, its transaction was not committed",
+                            queues=(mq,),
+                        )
+                    done = self._committed_offsets(row, offsets)
+                    if done:
+                        raise already(done)  # (rolls back the marks inserted above)
+                    # A mark that exists fails the insert (primary key): looked up then.
+                    if not marked:
+                        conn.execute(sa.insert(m), rows)
+                    self._marked[(group, mq)] = max(highest, self._marked.get((group, mq), -1))
+                    try:
+                        return fn(conn)
+                    except sa_exc.DBAPIError as exc:
+                        if _is_deadlock(exc):
+                            raise
+                        raise _HandlerFailed(exc) from exc
+                    except Exception as exc:
+                        raise _HandlerFailed(exc) from exc
+            except sa_exc.IntegrityError as exc:
+                with self._engine.connect() as conn:
+                    done = self._marked_offsets(conn, group, mq, offsets)
+                if done:
+                    raise already(done) from exc
+                raise
+
+        try:
+            return await self._run(
+                f"a transaction of {mq} ({group}) at offsets {offsets[0]}..{offsets[-1]}",
+                run,
+                writes=True,
+            )
+        except _HandlerFailed as failed:
+            raise failed.exc from None
+
+    def _committed_offsets(self, row: Any, offsets: Sequence[int]) -> set[int]:
+        """Those of ``offsets`` that the stored progress ``row`` says finished: below
+        its consume offset or in its finished ranges."""
+        if row is None or row.consume_offset is None:
+            return set()
+        base = int(row.consume_offset)
+        ranges = decode_finished(base, row.finished) if self._version >= 3 else ()
+        return {o for o in offsets if o < base or any(f <= o <= last for f, last in ranges)}
+
+    def _marked_offsets(
+        self, conn: sa.Connection, group: str, mq: MessageQueue, offsets: Sequence[int]
+    ) -> set[int]:
+        """Those of ``offsets`` that have a finished mark."""
+        done: set[int] = set()
+        m = self._marks
+        marked = conn.execute(
+            sa.select(m.c.queue_offset).where(
+                m.c.consumer_group == group,
+                m.c.topic == mq.topic,
+                m.c.queue_id == mq.queue_id,
+                m.c.queue_offset >= min(offsets),
+                m.c.queue_offset <= max(offsets),
+            )
+        )
+        wanted = set(offsets)
+        done.update(int(o) for (o,) in marked if int(o) in wanted)
+        return done
 
     async def _claim_stored(self, group: str, mq: MessageQueue, fence: int) -> QueueProgress | None:
         t = self._progress
@@ -1181,8 +1490,14 @@ class SqlOffsetStore(StageOffsetStore):
                                 queues=(mq,),
                             )
                         conn.execute(sa.update(t).where(*where).values(fence=fence))
-                        rows = [(mq.topic, mq.queue_id, row.consume_offset, row.stage_offsets)]
-                        return self._rows_to_progress(group, rows)[mq]
+                        rows = [
+                            (mq.topic, mq.queue_id, row.consume_offset, row.stage_offsets)
+                            + ((row.finished,) if self._version >= 3 else ())
+                        ]
+                        marks = self._read_marks(conn, group, mq)
+                        return self._with_marks(group, self._rows_to_progress(group, rows), marks)[
+                            mq
+                        ]
                 except sa_exc.IntegrityError:
                     if attempt:  # a concurrent claim inserted the row first: look again
                         raise
@@ -1212,6 +1527,11 @@ class SqlOffsetStore(StageOffsetStore):
                 ]
                 if params:
                     conn.execute(stmt, params)
+                # The marks of a fenced queue are its new owner's to fold.
+                folded = self._fold_marks(
+                    conn, group, [(mq, progress[mq]) for mq in queues if mq not in fenced]
+                )
+            self._folded(group, folded)
             return fenced
 
         return await self._run(
@@ -1227,10 +1547,21 @@ class SqlOffsetStore(StageOffsetStore):
         items = sorted(progress.items(), key=_queue_order)
         stmt = self._overwrite_stmt
 
+        m = self._marks
+
         def write() -> None:
             upserts = [self._params(group, mq, value) for mq, value in items if value is not None]
             with self._write_transaction() as conn:
                 for mq, value in items:
+                    # An operator's reset: its messages are consumed again.
+                    conn.execute(
+                        sa.delete(m).where(
+                            m.c.consumer_group == group,
+                            m.c.topic == mq.topic,
+                            m.c.queue_id == mq.queue_id,
+                        )
+                    )
+                    self._marked.pop((group, mq), None)
                     if value is None:
                         conn.execute(
                             sa.delete(t).where(
@@ -1243,6 +1574,19 @@ class SqlOffsetStore(StageOffsetStore):
                     conn.execute(stmt, upserts)
 
         await self._run(f"resetting the progress of group {group!r}", write, writes=True)
+
+
+_NO_FENCE: Final = (1 << 63) - 1
+"""The fence passed when a transaction has none: every stored fence is below it."""
+
+
+class _HandlerFailed(Exception):
+    """What ``fn`` of :meth:`SqlOffsetStore.transact` raised, carried past the store's
+    error wrapping."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 def _queue_order(item: tuple[MessageQueue, object]) -> tuple[str, int]:
@@ -1327,10 +1671,10 @@ def schema_sql(dialect: str, table_prefix: str = "stagedconsumer_") -> str:
             f"unknown SQL dialect {dialect!r}: use one of {', '.join(_DDL_DIALECTS)}"
         )
     SqlOffsetStore("sqlite://", table_prefix=table_prefix, create_tables=False)  # checks it
-    _, schema, progress = _build_tables(table_prefix)
+    _, schema, progress, marks = _build_tables(table_prefix)
     statements = [
         str(sa.schema.CreateTable(table).compile(dialect=make())).strip()
-        for table in (schema, progress)
+        for table in (schema, progress, marks)
     ]
     statements.append(
         f"INSERT INTO {schema.name} (component, version) VALUES ('{_COMPONENT}', {SCHEMA_VERSION})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 import attrs
@@ -13,9 +13,13 @@ __all__ = (
     "QueueProgress",
     "ReadOffsetType",
     "StageKey",
+    "check_finished",
+    "merge_marks",
     "check_offset",
     "check_stage_offset",
     "check_stage_offsets",
+    "decode_finished",
+    "encode_finished",
 )
 
 
@@ -120,13 +124,54 @@ def _check_consume_offset(
         check_offset("consume offset", value)
 
 
+def check_finished(value: object) -> tuple[tuple[int, int], ...]:
+    """``value`` (ranges ``(first, last)`` of finished offsets) as a tuple of int pairs
+    in ascending order, neither overlapping nor touching; ``TypeError`` or
+    ``ValueError`` naming the first bad entry otherwise."""
+    if not value:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+        raise TypeError(f"finished ranges must be a sequence of (first, last), got {value!r}")
+    result: list[tuple[int, int]] = []
+    previous = -2
+    for entry in value:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"finished range {entry!r} is not a (first, last) pair")
+        first, last = entry
+        check_offset("finished range start", first)
+        check_offset("finished range end", last)
+        if last < first or first <= previous + 1:
+            raise ValueError(
+                f"finished ranges must ascend without overlapping or touching, got {value!r}"
+            )
+        result.append((first, last))
+        previous = last
+    return tuple(result)
+
+
+def _check_progress_finished(
+    instance: QueueProgress,
+    _attribute: attrs.Attribute[tuple[tuple[int, int], ...]],
+    value: tuple[tuple[int, int], ...],
+) -> None:
+    if value and (instance.consume_offset is None or value[0][0] < instance.consume_offset):
+        raise ValueError(
+            f"finished ranges {value!r} must not start below the consume offset"
+            f" {instance.consume_offset!r}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class QueueProgress:
     """The progress of one queue of one consumer group, committed as one unit.
 
     ``consume_offset`` is where consumption resumes (every message below it
     finished; ``None`` when only stage offsets were recorded); ``stage_offsets``
-    holds, per stage key, the stage offset at ``consume_offset``.
+    holds, per stage key, the stage offset at ``consume_offset``; ``finished``
+    (sparse progress) the ranges ``(first, last)`` of offsets from
+    ``consume_offset`` on whose messages finished too, in ascending order: no message
+    of a range is handed to a handler again (they are assigned their stages, in
+    staged mode, when consumption passes them).
 
     Checked when built: ``consume_offset`` an int >= 0 or ``None``, ``stage_offsets``
     a mapping of :class:`StageKey` to int >= 0 (a bool is not an offset);
@@ -138,13 +183,76 @@ class QueueProgress:
     """Where consumption resumes: every message below it finished."""
     stage_offsets: Mapping[StageKey, int] = attrs.field(factory=dict, converter=_freeze)
     """Per stage key, the stage offset at ``consume_offset``."""
+    finished: tuple[tuple[int, int], ...] = attrs.field(
+        default=(), converter=check_finished, validator=_check_progress_finished
+    )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, QueueProgress):
             return NotImplemented
-        return self.consume_offset == other.consume_offset and dict(self.stage_offsets) == dict(
-            other.stage_offsets
+        return (
+            self.consume_offset == other.consume_offset
+            and self.finished == other.finished
+            and dict(self.stage_offsets) == dict(other.stage_offsets)
         )
 
     def __hash__(self) -> int:
-        return hash((self.consume_offset, frozenset(self.stage_offsets.items())))
+        return hash((self.consume_offset, self.finished, frozenset(self.stage_offsets.items())))
+
+    @property
+    def finished_count(self) -> int:
+        """How many offsets the ``finished`` ranges span."""
+        return sum(last - first + 1 for first, last in self.finished)
+
+
+def merge_marks(progress: QueueProgress | None, marks: Iterable[int]) -> QueueProgress | None:
+    """``progress`` with the finished marks ``marks`` (offsets, exactly-once effects)
+    above its consume offset joined to its ``finished`` ranges (a mark next to a
+    range, or to the next mark, extends it)."""
+    if progress is None or progress.consume_offset is None:
+        return progress
+    base = progress.consume_offset
+    above = sorted({offset for offset in marks if offset >= base})
+    if not above:
+        return progress
+    points: list[tuple[int, int]] = sorted([*progress.finished, *((o, o) for o in above)])
+    merged: list[list[int]] = []
+    for first, last in points:
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    return attrs.evolve(progress, finished=tuple((f, last) for f, last in merged))
+
+
+def encode_finished(consume_offset: int | None, finished: Sequence[tuple[int, int]]) -> str | None:
+    """Compact text of finished ranges: ``gap+length`` per range, comma separated,
+    each gap counted from the previous range's last offset (the first from the
+    consume offset) and the length less one; ``None`` for no range."""
+    if not finished or consume_offset is None:
+        return None
+    parts = []
+    previous = consume_offset
+    for first, last in finished:
+        parts.append(f"{first - previous}+{last - first}")
+        previous = last
+    return ",".join(parts)
+
+
+def decode_finished(consume_offset: int | None, text: str | None) -> tuple[tuple[int, int], ...]:
+    """Inverse of :func:`encode_finished`; ``ValueError`` on anything else."""
+    if not text:
+        return ()
+    if consume_offset is None:
+        raise ValueError(f"finished ranges {text[:80]!r} without a consume offset")
+    result = []
+    previous = consume_offset
+    for part in text.split(","):
+        gap_text, _, length_text = part.partition("+")
+        if not (gap_text.isdigit() and length_text.isdigit()):
+            raise ValueError(f"bad finished range {part!r}")
+        first = previous + int(gap_text)
+        last = first + int(length_text)
+        result.append((first, last))
+        previous = last
+    return check_finished(result)

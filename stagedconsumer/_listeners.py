@@ -14,8 +14,8 @@ from __future__ import annotations
 import abc
 import enum
 import inspect
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -56,8 +56,64 @@ class ConsumeOrderlyStatus(enum.Enum):
     ``suspend_current_queue_time_millis`` (as raising does)."""
 
 
+_T = TypeVar("_T")
+
+
+class _Transactional:
+    """What the three contexts share: :meth:`transact`."""
+
+    __slots__ = ("_batch", "_committed")
+    _batch: Any
+    _committed: bool
+
+    async def transact(self, fn: Callable[[Any], _T]) -> _T:
+        """Run ``fn(connection)`` in one transaction of the offset store's database that
+        also marks this call's messages finished, and return what ``fn`` returned:
+        the handler's database writes are committed together with its messages'
+        completion, so exactly once (exactly-once effects).
+
+        With :class:`~offsetstore.SqlOffsetStore`, ``fn`` runs in a worker thread with
+        a :class:`sqlalchemy.Connection` inside the transaction (do not commit it);
+        with :class:`~offsetstore.MemoryOffsetStore`, on the event loop with ``None``.
+        In a consumer group the transaction first checks that this member still
+        owns the queue (its lock's epoch is the queue's fence): if another member
+        took it over, :class:`~offsetstore.StoreFencedError` is raised and nothing
+        is committed; the new owner handles the messages. Once it committed, the
+        messages count as finished whatever the handler does next (a handler that
+        raises afterwards is not called on them again), and no message whose mark
+        exists is handed to a handler again, after a restart or a hand-over too.
+        If ``fn`` raises, nothing is committed and the exception propagates. Call it
+        at most once per handler call. A plain ``def`` handler, running in a worker
+        thread, calls :meth:`transact_blocking` instead.
+        """
+        batch = getattr(self, "_batch", None)
+        if batch is None:
+            raise RuntimeError(
+                "transact() works on the context a consumer passes to a handler call"
+            )
+        pq = batch.process_queue
+        transactor = pq.transactor
+        if transactor is None:
+            raise RuntimeError("transact(): this consumer has no offset store transactions")
+        result: _T = await transactor.transact(pq, transactor.messages_of(self, batch), fn)
+        self._committed = True
+        return result
+
+    @property
+    def transaction_committed(self) -> bool:
+        """Whether :meth:`transact` committed during this call: its messages are
+        finished, whatever the call does next."""
+        return getattr(self, "_committed", False)
+
+    def transact_blocking(self, fn: Callable[[Any], _T]) -> _T:
+        """:meth:`transact` from a plain ``def`` handler (a worker thread)."""
+        import anyio.from_thread
+
+        return anyio.from_thread.run(self.transact, fn)
+
+
 @attrs.define(kw_only=True, eq=False)
-class ConsumeConcurrentlyContext:
+class ConsumeConcurrentlyContext(_Transactional):
     """Passed to :meth:`MessageListenerConcurrently.consume_message`.
 
     ``delay_level_when_next_consume``: 0 (default) lets the retry delay grow with
@@ -80,7 +136,7 @@ class ConsumeConcurrentlyContext:
 
 
 @attrs.define(kw_only=True, eq=False)
-class ConsumeOrderlyContext:
+class ConsumeOrderlyContext(_Transactional):
     """Passed to :meth:`MessageListenerOrderly.consume_message`.
 
     ``suspend_current_queue_time_millis`` is how long the queue waits before a
@@ -95,7 +151,7 @@ class ConsumeOrderlyContext:
 
 
 @attrs.define(kw_only=True, eq=False)
-class ConsumeStagedConcurrentlyContext:
+class ConsumeStagedConcurrentlyContext(_Transactional):
     """Passed to :meth:`MessageListenerStagedConcurrently.consume_message`.
 
     ``stage_index`` is the stage of every message of the batch (``-1``: the tail,
@@ -147,6 +203,7 @@ class _BatchLike(Protocol):
 def _concurrently_context(batch: _BatchLike, suspend_millis: int) -> ConsumeConcurrentlyContext:
     del suspend_millis  # no local retry in concurrent mode
     context: ConsumeConcurrentlyContext = _new(ConsumeConcurrentlyContext)
+    context._batch = batch
     context.message_queue = batch.process_queue.message_queue
     context.delay_level_when_next_consume = 0
     context.ack_index = 2**31 - 1
@@ -155,6 +212,7 @@ def _concurrently_context(batch: _BatchLike, suspend_millis: int) -> ConsumeConc
 
 def _orderly_context(batch: _BatchLike, suspend_millis: int) -> ConsumeOrderlyContext:
     context: ConsumeOrderlyContext = _new(ConsumeOrderlyContext)
+    context._batch = batch
     context.message_queue = batch.process_queue.message_queue
     context.suspend_current_queue_time_millis = suspend_millis
     return context
@@ -162,6 +220,7 @@ def _orderly_context(batch: _BatchLike, suspend_millis: int) -> ConsumeOrderlyCo
 
 def _staged_context(batch: _BatchLike, suspend_millis: int) -> ConsumeStagedConcurrentlyContext:
     context: ConsumeStagedConcurrentlyContext = _new(ConsumeStagedConcurrentlyContext)
+    context._batch = batch
     context.message_queue = batch.process_queue.message_queue
     context.stage_index = batch.stage_index
     context.strategy_id = batch.strategy_id

@@ -128,6 +128,13 @@ class ConsumerOptions:
     """Seconds between commits of progress to the offset store; also how often the
     max offset (for lag) of a queue that is not pulled, paused or held by flow
     control, is asked of the source."""
+    sparse_progress_max_ranges: int = attrs.field(default=128, validator=_int_range(0, 65535))
+    """Sparse progress: each progress commit records, beside a queue's committed
+    offset, the runs of messages above it that already finished (so that they are not
+    handed to a handler again after a restart or a hand-over), at most this many runs
+    per queue: past that, the lowest ones (the rest come again; counted in
+    :attr:`~stagedconsumer.ConsumerStatistics.sparse_progress_truncated`). ``0``
+    records the committed offset alone."""
     shutdown_timeout: float = attrs.field(default=30.0, validator=_finite_positive)
     """Seconds that leaving ``async with`` waits for in-flight handlers; calls still
     running then are abandoned (their messages are not committed and come again)."""

@@ -27,7 +27,7 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -102,6 +102,18 @@ def _format_stages(offsets: Mapping[StageKey, int]) -> str:
     return ", ".join(f"{format_stage_key(k)}={v}" for k, v in items)
 
 
+def _format_finished(finished: Sequence[tuple[int, int]]) -> str:
+    """The finished ranges above the consume offset (sparse progress and the marks of
+    exactly-once effects), ``"-"`` when none: ``12-15, 18 (5 messages)``."""
+    if not finished:
+        return "-"
+    ranges = ", ".join(
+        str(first) if first == last else f"{first}-{last}" for first, last in finished
+    )
+    count = sum(last - first + 1 for first, last in finished)
+    return f"{ranges} ({count} messages)"
+
+
 def _store(args: argparse.Namespace, *, read_only: bool = False) -> SqlOffsetStore:
     # Imported here: SQLAlchemy is needed by these commands only, not by the others.
     from offsetstore import SqlOffsetStore
@@ -167,6 +179,7 @@ def _row_json(row: StoredRow, lag: int | None, with_lag: bool) -> dict[str, Any]
             )
         ],
         "fence": row.fence,
+        "finished": [list(pair) for pair in row.finished],
     }
     if stages is None:
         entry["raw_stage_offsets"] = row.raw_stage_offsets
@@ -227,6 +240,7 @@ async def _stored_rows(store: StageOffsetStore, group: str, topic: str | None) -
             raw_stage_offsets="",
             fence=0,
             problems=(),
+            finished=p.finished,
         )
         for mq, p in sorted(progress.items(), key=lambda item: (item[0].topic, item[0].queue_id))
     ]
@@ -283,6 +297,7 @@ async def _show(args: argparse.Namespace) -> int:
     table.add_column("Consume offset", justify="right")
     table.add_column("Stage offsets")
     table.add_column("Fence", justify="right")
+    table.add_column("Finished above")
     if lags is not None:
         table.add_column("Lag", justify="right")
     if corrupt:
@@ -310,7 +325,7 @@ def _row_cells(
     else:
         stages = escape(_format_stages(row.stage_offsets))
     fence = f"[red]{row.fence}[/]" if row.fence_corrupt else str(row.fence)
-    cells = [escape(str(row.queue)), offset, stages, fence]
+    cells = [escape(str(row.queue)), offset, stages, fence, _format_finished(row.finished)]
     if lags is not None:
         cells.append(str(lags[row.queue]) if row.queue in lags else "?")
     if corrupt_column:
@@ -454,7 +469,13 @@ def _planned(
             consume = args.to_offset
         for key, value in args.stage_offset or ():
             stages[key] = value
-        plan[mq] = QueueProgress(consume_offset=consume, stage_offsets=stages)
+        # The messages that finished above an unchanged consume offset stay finished.
+        keep = row is not None and row.consume_offset_readable and consume == row.consume_offset
+        plan[mq] = QueueProgress(
+            consume_offset=consume,
+            stage_offsets=stages,
+            finished=row.finished if keep and row is not None else (),
+        )
     if refused:
         raise _PlanError(
             f"corrupt progress row(s): {', '.join(refused)}. Pass --force to repair them"
@@ -682,6 +703,7 @@ _GRANTS = """\
 -- and ALTER, which the consumer never uses once the tables exist at this version.
 {comment}GRANT SELECT ON {schema} TO {role};
 {comment}GRANT SELECT, INSERT, UPDATE ON {progress} TO {role};
+{comment}GRANT SELECT, INSERT, DELETE ON {marks} TO {role};
 """
 
 
@@ -716,6 +738,7 @@ async def _init(args: argparse.Namespace) -> int:
                 _GRANTS.format(
                     schema=f"{prefix}schema",
                     progress=f"{prefix}progress",
+                    marks=f"{prefix}marks",
                     role=args.grant_to or "ROLE",
                     comment="" if args.grant_to else "-- ",
                 )

@@ -36,6 +36,13 @@ The committed stage offset of a stage key is its stage counter *at* the committe
 consume offset, so that a restart from committed progress assigns every message
 the same stage it had before.
 
+Sparse progress: besides the committed offset, :meth:`ProcessQueue.finished_ranges`
+gives the runs of messages above it that already finished. A queue built with
+``finished`` (those ranges, from committed progress) treats a message of a range as
+finished when it arrives: it is assigned its stage as any other (so stage offsets
+count it), never handed to a handler, and counts as finished for its stage's
+barrier and for the committed offset (:attr:`ProcessQueue.skipped_count` counts them).
+
 Nothing here reads a clock, logs or awaits: times are passed in.
 """
 
@@ -313,6 +320,11 @@ class ProcessQueueStatistics:
     """Whether handing out batches is paused (``PushConsumer.pause``)."""
     key_count: int = 0
     """Key-ordered mode: keys with messages cached or in a handler."""
+    skipped_count: int = 0
+    """Messages that arrived already finished (recorded by sparse progress, or by an
+    exactly-once effect's mark) and were not handed to a handler."""
+    finished_above: int = 0
+    """Messages above the committed offset that finished (what sparse progress records)."""
 
     @property
     def lag(self) -> int | None:
@@ -392,6 +404,8 @@ class ProcessQueue:
         "_order_stages",
         "_pending_count",
         "_plan",
+        "_skip",
+        "_skip_at",
         "_stage_offsets",
         "_suspended_count",
         "_topic",
@@ -408,6 +422,9 @@ class ProcessQueue:
         "paused",
         "ready_lanes",
         "ready_retries",
+        "skipped_count",
+        "transacted",
+        "transactor",
     )
 
     def __init__(
@@ -420,6 +437,7 @@ class ProcessQueue:
         plan: StagePlan | None = None,
         flow_control: FlowControl | None = None,
         key_of: Callable[[Message], str | None] | None = None,
+        finished: Sequence[tuple[int, int]] = (),
     ) -> None:
         if start_offset < 0:
             raise ValueError(f"start_offset must be >= 0, got {start_offset}")
@@ -481,6 +499,19 @@ class ProcessQueue:
         """Batches are handed out while the clock is before this: the lease deadline,
         or never while paused or dropped (the one thing the dispatcher checks)."""
         self._keyed: dict[str, _Lane] = {}
+        # Ranges (first, last) of offsets that finished before this queue was built
+        # (sparse progress); None once the queue is past the last one.
+        skip = sorted((first, last) for first, last in finished if last >= start_offset)
+        self._skip: list[tuple[int, int]] | None = skip or None
+        self._skip_at = 0
+        self.skipped_count = 0
+        """Messages that arrived already finished (sparse progress) and were not
+        handed to a handler."""
+        self.transactor: object = None
+        """The shell's: what ``transact`` of a handler's context calls."""
+        self.transacted: set[int] | None = None
+        """Offsets of pending messages whose finished mark the shell committed
+        (exactly-once effects): finished whatever their handler call returns."""
         if mode is ConsumeMode.KEY_ORDERED:
             pass  # lanes come and go with their keys (see _put_keyed)
         elif mode is not ConsumeMode.STAGED:
@@ -511,8 +542,16 @@ class ProcessQueue:
         when a stage callback failed on a message (it and the rest are held, see
         :attr:`assignment_error`).
         """
+        if self._skip is not None:
+            return self._put_skipping(messages, highest_offset, now)
         if self._plan is None and self._key_of is None:
             return self._put_unstaged(messages, highest_offset, now)
+        return self._put_assigned(messages, highest_offset, now)
+
+    def _put_assigned(
+        self, messages: Sequence[Message], highest_offset: int | None, now: float | None
+    ) -> Effects:
+        """:meth:`put_messages` for staged and key-ordered mode."""
         before = self.committed_offset
         if self._held:  # the queue stopped at a held message: the new ones wait behind it
             effects = self._hold(messages, 0, self.highest_offset)
@@ -540,9 +579,144 @@ class ProcessQueue:
         self._held_bytes = 0
         self.assignment_error = None
         before = self.committed_offset
+        if self._skip is not None:
+            self.highest_offset = held[0].queue_offset - 1
+            self._skip_at = 0  # held offsets were looked up already: from the start
+            return self._put_skipping(held, None, now)
         put = self._put_keyed if self._key_of is not None else self._put_staged
         effects = put(held, held[0].queue_offset - 1, now)
         return effects | self._committed_since(before)
+
+    # -- sparse progress -------------------------------------------------------
+
+    def _already_finished(self, offset: int) -> bool:
+        """Whether ``offset`` is in a range given as ``finished`` (offsets asked in
+        ascending order)."""
+        skip = self._skip
+        assert skip is not None
+        i = self._skip_at
+        while i < len(skip) and skip[i][1] < offset:
+            i += 1
+        self._skip_at = i
+        return i < len(skip) and skip[i][0] <= offset
+
+    def _put_skipping(
+        self, messages: Sequence[Message], highest_offset: int | None, now: float | None
+    ) -> Effects:
+        """:meth:`put_messages` while ranges of finished offsets lie ahead: messages in
+        them join the queue finished, the others as usual."""
+        before = self.committed_offset
+        effects = NOTHING
+        plain: list[Message] = []
+        for message in messages:
+            offset = message.queue_offset
+            if offset <= self.highest_offset or not self._already_finished(offset):
+                plain.append(message)
+                continue
+            if plain:
+                effects |= self._put_plain(plain, now)
+                plain = []
+            effects |= self._put_finished(message)
+        if plain:
+            effects |= self._put_plain(plain, now)
+        if highest_offset is not None and highest_offset > self.highest_offset:
+            self.highest_offset = highest_offset
+        skip = self._skip
+        if skip is not None and self.highest_offset >= skip[-1][1]:
+            self._skip = None  # past the last range: back to the plain path
+        self._pop_finished_head()
+        return effects | self._committed_since(before)
+
+    def _put_plain(self, messages: Sequence[Message], now: float | None) -> Effects:
+        if self._plan is None and self._key_of is None:
+            return self._put_unstaged(messages, None, now)
+        return self._put_assigned(messages, None, now)
+
+    def _put_finished(self, message: Message) -> Effects:
+        """Add ``message``, which finished before the queue was built: in staged mode
+        assigned its stage (stage offsets count it), finished at once."""
+        offset = message.queue_offset
+        if self._held:  # behind a held message: it waits with the rest
+            return self._hold((message,), 0, self.highest_offset)
+        order_lanes = self._order_lanes
+        if order_lanes is not None and self._key_of is None:
+            try:
+                lane, _epoch, stage_offset = self._assign(message)
+            except _AssignError as error:
+                self.assignment_error = error.failure
+                return self._hold((message,), 0, self.highest_offset)
+            order_lanes.append(lane)
+            self._order_stages.append(stage_offset)
+        self._order.append(offset)
+        self._finished.add(offset)
+        self.highest_offset = offset
+        self.skipped_count += 1
+        return NOTHING
+
+    def _pop_finished_head(self) -> None:
+        order = self._order
+        finished = self._finished
+        order_lanes = self._order_lanes
+        while order and order[0] in finished:
+            finished.remove(order.popleft())
+            if order_lanes is not None:
+                order_lanes.popleft().committed_stage_offset = self._order_stages.popleft() + 1
+
+    def finished_ranges(self, limit: int) -> tuple[tuple[tuple[int, int], ...], bool]:
+        """Runs ``(first, last)`` of finished offsets above :attr:`committed_offset`, in
+        offset order (no unfinished message lies within a run), at most ``limit`` of
+        them: the lowest ones, and whether some were left out. The ranges given as
+        ``finished`` that the queue has not reached yet are among them."""
+        ranges, cut = self._seen_ranges(limit)
+        skip = self._skip
+        if skip is None or cut:
+            return ranges, cut
+        ahead = [
+            (max(first, self.highest_offset + 1), last)
+            for first, last in skip[self._skip_at :]
+            if last > self.highest_offset
+        ]
+        if not ahead:
+            return ranges, cut
+        merged = list(ranges)
+        if merged and ahead[0][0] == merged[-1][1] + 1 and not self._order_ends_unfinished():
+            merged[-1] = (merged[-1][0], ahead.pop(0)[1])
+        merged += ahead
+        if len(merged) > limit:
+            return tuple(merged[:limit]), True
+        return tuple(merged), False
+
+    def _order_ends_unfinished(self) -> bool:
+        order = self._order
+        return bool(order) and order[-1] not in self._finished
+
+    def _seen_ranges(self, limit: int) -> tuple[tuple[tuple[int, int], ...], bool]:
+        finished = self._finished
+        if not finished:
+            return (), False
+        if limit <= 0:
+            return (), True
+        ranges: list[tuple[int, int]] = []
+        first = last = -1
+        seen = 0
+        for offset in self._order:
+            if offset in finished:
+                if first < 0:
+                    first = offset
+                last = offset
+                seen += 1
+            elif first >= 0:
+                ranges.append((first, last))
+                first = -1
+                if len(ranges) == limit:
+                    return tuple(ranges), seen < len(finished)
+                if seen == len(finished):
+                    break
+        if first >= 0:
+            if len(ranges) == limit:
+                return tuple(ranges), True
+            ranges.append((first, last))
+        return tuple(ranges), False
 
     def _hold(self, messages: Sequence[Message], start: int, highest: int) -> Effects:
         """Hold ``messages[start:]`` (those above ``highest``) behind the held ones."""
@@ -1219,6 +1393,11 @@ class ProcessQueue:
         return MappingProxyType(offsets)
 
     @property
+    def finished_above(self) -> int:
+        """Finished messages above :attr:`committed_offset` (see :meth:`finished_ranges`)."""
+        return len(self._finished)
+
+    @property
     def unfinished_count(self) -> int:
         return self._cached_count + self._pending_count + len(self._held)
 
@@ -1327,6 +1506,8 @@ class ProcessQueue:
             stage_offsets=self.committed_stage_offsets,
             dropped=self.dropped,
             held_count=len(self._held),
+            skipped_count=self.skipped_count,
+            finished_above=len(self._finished),
             max_offset=self.max_offset,
             paused=self.paused,
             key_count=len(self._keyed),

@@ -77,6 +77,15 @@ class ConsumerStatistics:
     """Times a queue's offset was no longer stored when pulled: the broker's retention
     (``StreamRetention``) removed entries this group had not consumed. Each logged
     (WARNING); the queue went on where ``consume_from_where`` says."""
+    skipped_finished: int = 0
+    """Messages not handed to a handler because they had finished before (sparse
+    progress or an exactly-once effect's mark, read when the queue was taken)."""
+    sparse_progress_truncated: int = 0
+    """Progress commits of a queue whose finished messages above the committed offset
+    made more runs than ``sparse_progress_max_ranges``: the runs past it were left
+    out (their messages come again after a restart or a hand-over)."""
+    transactions: int = 0
+    """Committed ``context.transact`` calls (exactly-once effects)."""
 
     @property
     def paused_queues(self) -> list[MessageQueue]:

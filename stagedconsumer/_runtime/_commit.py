@@ -72,10 +72,12 @@ class ProgressCommitter:
         fences: Callable[[], Mapping[MessageQueue, int]] | None = None,
         on_fenced: Callable[[Mapping[MessageQueue, int]], None] | None = None,
         hold: Callable[[Mapping[MessageQueue, int]], Awaitable[None]] | None = None,
+        max_ranges: int = 128,
     ) -> None:
         self.hold = hold
         """Told the committed offsets of every held queue after each periodic commit
         (the source's retention keeps what they have not passed)."""
+        self.max_ranges = max_ranges
         self.state = state
         self.store = store
         self.queues = queues
@@ -163,15 +165,33 @@ class ProgressCommitter:
         store = self.store
         group = self.state.group
         changed: list[tuple[QueueState, QueueProgress]] = []
+        max_ranges = self.max_ranges
         for state in states:
             persisted = state.persisted
             pq = state.pq
-            # Stage offsets move only when the committed offset does, so comparing
-            # the offset alone finds every change (cheap with thousands of queues).
-            if persisted is not None and persisted.consume_offset == pq.committed_offset:
+            # Stage offsets move only when the committed offset does, and the finished
+            # messages above it only grow while it stays, so comparing the offset and
+            # their number finds every change (cheap with thousands of queues).
+            finished_count = pq.finished_above
+            if (
+                persisted is not None
+                and persisted.consume_offset == pq.committed_offset
+                and state.finished_count == finished_count
+            ):
                 continue
+            state.finished_count = finished_count
+            if finished_count and max_ranges:
+                ranges, cut = pq.finished_ranges(max_ranges)
+                if cut:
+                    self.state.sparse_progress_truncated += 1
+            else:
+                ranges = ()
+                if finished_count:
+                    self.state.sparse_progress_truncated += 1
             progress = QueueProgress(
-                consume_offset=pq.committed_offset, stage_offsets=pq.committed_stage_offsets
+                consume_offset=pq.committed_offset,
+                stage_offsets=pq.committed_stage_offsets,
+                finished=ranges,
             )
             if progress != persisted:
                 store.update_progress(group, state.mq, progress)

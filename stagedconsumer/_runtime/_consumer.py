@@ -47,6 +47,7 @@ from ._services import ConsumeService
 from ._shapes import check_hook, check_queue_listener
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
+from ._transact import Transactor
 from ._watchdog import LoopWatchdog
 from ._workers import WORKER_BATCH_LOCAL, WORKER_CALL_LOCAL, WORKER_CODE, WorkerPool
 
@@ -664,6 +665,13 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         hold=functools.partial(consumer.source.hold_offsets, consumer.group)
         if type(consumer.source).hold_offsets is not MessageSource.hold_offsets
         else None,
+        max_ranges=options.sparse_progress_max_ranges,
+    )
+    consumer._service.transactor = Transactor(
+        state=state,
+        store=consumer.offset_store,
+        fence_of=membership.ownership.epoch if membership is not None else None,
+        runs=consumer._service.active_runs,
     )
     consumer._pulls = consumer._queues.pulls = PullService(
         state=state,

@@ -87,24 +87,30 @@ class QueueTable:
         as RocketMQ does: see :meth:`correct_past_end`."""
         progress = await self.store.read_progress(self.group, mq)
         stage_offsets: Mapping[Any, int]
+        finished: tuple[tuple[int, int], ...] = ()
         if progress is None or progress.consume_offset is None:
             start = await self._start_without_progress(mq)
             stage_offsets = progress.stage_offsets if progress else {}
         else:
             start = progress.consume_offset
             stage_offsets = progress.stage_offsets
+            finished = progress.finished
             max_offset = await self.source.max_offset(mq)
             if start > max_offset:
                 progress = await self.correct_past_end(mq, start, max_offset, stage_offsets)
                 start = max_offset
+                finished = ()
         is_retry = mq.topic.startswith(RETRY_PREFIX)
         if is_retry:  # retry queues are consumed concurrently, whatever the mode
-            pq = self.service.new_process_queue(mq, start, {})
+            pq = self.service.new_process_queue(mq, start, {}, finished)
         else:
-            pq = self.service.new_process_queue(mq, start, stage_offsets)
+            pq = self.service.new_process_queue(mq, start, stage_offsets, finished)
         state = QueueState(mq, pq, tag_filter, is_retry)
         if progress is not None and progress.consume_offset is not None:
-            state.persisted = QueueProgress(consume_offset=start, stage_offsets=stage_offsets)
+            state.persisted = QueueProgress(
+                consume_offset=start, stage_offsets=stage_offsets, finished=finished
+            )
+            state.finished_count = -1  # the first commit writes them as the queue sees them
         # else: nothing stored yet; the first commit stores where consumption started,
         # so that the queue's next owner resumes there instead of asking the source.
         if self.committer is not None:
@@ -387,11 +393,17 @@ class QueueTable:
             timed_out_calls=state.timed_out_calls,
             undecodable_entries=state.undecodable_entries,
             trimmed_offsets=state.trimmed_offsets,
+            skipped_finished=state.skipped_released
+            + sum(queue.pq.skipped_count for queue in self.states.values()),
+            sparse_progress_truncated=state.sparse_progress_truncated,
+            transactions=state.transactions,
             queues={mq: self.states[mq].pq.statistics() for mq in self.sorted()},
         )
 
     def forget(self, mq: MessageQueue) -> None:
         state = self.states.pop(mq, None)
+        if state is not None:
+            self.state.skipped_released += state.pq.skipped_count
         if state is not None and self.pulls is not None:
             self.pulls.stop(state)
             state.pq.drop()

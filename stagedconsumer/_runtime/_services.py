@@ -110,6 +110,7 @@ class ConsumeService(abc.ABC):
         self.source = source
         self.state = state
         self.options = options
+        self.active_runs = []
         concurrent = self.mode is ConsumeMode.CONCURRENT
         self.max_reconsume_times = options.effective_max_reconsume_times(concurrent=concurrent)
         self.flow = FlowControl(
@@ -147,10 +148,15 @@ class ConsumeService(abc.ABC):
         )
 
     def new_process_queue(
-        self, mq: MessageQueue, start_offset: int, stage_offsets: Mapping[StageKey, int]
+        self,
+        mq: MessageQueue,
+        start_offset: int,
+        stage_offsets: Mapping[StageKey, int],
+        finished: Sequence[tuple[int, int]] = (),
     ) -> ProcessQueue:
-        """The process queue of ``mq`` (of this mode), resuming at ``start_offset``."""
-        return ProcessQueue(
+        """The process queue of ``mq`` (of this mode), resuming at ``start_offset``
+        (the messages of the ``finished`` ranges above it finished already)."""
+        pq = ProcessQueue(
             mq,
             self.mode,
             start_offset=start_offset,
@@ -158,7 +164,17 @@ class ConsumeService(abc.ABC):
             plan=self.plan,
             flow_control=self.flow,
             key_of=self.key_of,
+            finished=finished,
         )
+        pq.transactor = self.transactor
+        return pq
+
+    transactor: Any = None
+    """What ``context.transact`` calls (set by the consumer)."""
+    active_runs: list[Any]
+    """The workers' runs (``_workers._Run``): a run's calls share one batch, and the
+    call in progress is ``run.batch.messages[run.done]`` while ``run.context`` is its
+    context (what ``context.transact`` marks)."""
 
     context_for: Callable[[Batch, int], Any]
     """Builds the context handed to the listener with a batch: ``(batch, suspend

@@ -50,6 +50,12 @@ class ConsumerState:
     """Poison entries moved to the group's dead-letter queue."""
     trimmed_offsets: int = 0
     """Pulls that found their offset no longer stored (retention trimmed it)."""
+    skipped_released: int = 0
+    """Messages skipped as already finished by queues since released."""
+    sparse_progress_truncated: int = 0
+    """Queue progress commits whose finished ranges were cut at the bound."""
+    transactions: int = 0
+    """Committed ``context.transact`` calls."""
     started: bool = False
     stopping: bool = False
     """Shutdown began: workers take no new batch, loops wind down."""
@@ -83,3 +89,5 @@ class QueueState:
     unpaused: anyio.Event | None = None
     """Set when the pull loop may go on after the queue was paused."""
     persisted: QueueProgress | None = None
+    finished_count: int = 0
+    """How many finished messages above the committed offset the last commit saw."""

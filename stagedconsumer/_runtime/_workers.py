@@ -17,6 +17,8 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from offsetstore import AlreadyFinishedError
+
 from .._core import NO_LEASE, READY, Batch, Dispatcher, EraseStatus, ProcessQueue
 from .._exceptions import LeaseEndedError
 from .._listeners import is_async_callable
@@ -27,6 +29,7 @@ from ._services import ConsumeService
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
 from ._threads import ThreadRunner
+from ._transact import Transactor
 
 __all__ = ("WorkerPool",)
 
@@ -218,7 +221,11 @@ class WorkerPool:
         """The worker loop; with runs, driven by :func:`_drive`."""
         if self.runs:
             run = _Run(slot)
-            await _drive(self, self._work(slot, run), run)
+            self.service.active_runs.append(run)  # transact() finds its call's message
+            try:
+                await _drive(self, self._work(slot, run), run)
+            finally:
+                self.service.active_runs.remove(run)
         else:
             await self._work(slot, None)
 
@@ -505,7 +512,26 @@ class WorkerPool:
         hook_ctx: ConsumeMessageContext | None,
     ) -> None:
         """A failed handler call: the service judges it, the dispatcher applies the
-        settlement in one call, the signals act on its effects."""
+        settlement in one call, the signals act on its effects. A call whose messages'
+        finished marks were committed (``context.transact``) is a success: its
+        effects are in, and its messages are not handed to a handler again."""
+        if batch.process_queue.transacted and Transactor.settled_as_finished(batch):
+            if error is not None and not isinstance(error, AlreadyFinishedError):
+                logger.warning(
+                    "group %s: a handler call on %s offsets %d..%d failed (%r) after its"
+                    " transaction committed: its messages count as finished",
+                    self.state.group,
+                    batch.message_queue,
+                    batch.messages[0].queue_offset,
+                    batch.messages[-1].queue_offset,
+                    error,
+                )
+            self.state.consumed_ok += len(batch.messages)
+            if hook_ctx is not None:
+                hook_ctx.success = True
+            effects = self.dispatcher.finish(batch, _SUCCESS)
+            self.signals.apply(batch.process_queue, effects)
+            return
         settlement = await self.service.settle_failure(batch, context, error, result)
         if hook_ctx is None:
             effects = self.dispatcher.settle(batch, settlement)

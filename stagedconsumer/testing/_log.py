@@ -374,8 +374,16 @@ def _now_in_thread() -> float:
         return math.nan
 
 
+def _committed(context: object) -> bool:
+    """Whether the call's ``context.transact`` committed: its messages finished then,
+    whatever the call did next (raised, was cancelled, returned a failure)."""
+    return bool(getattr(context, "transaction_committed", False))
+
+
 def judge(result: object, context: object, count: int) -> tuple[Outcome, int]:
     """The outcome of a call that returned ``result`` and how many messages it acked."""
+    if _committed(context):
+        return Outcome.SUCCESS, count
     if result in _FAILURE_STATUSES:
         return Outcome.RETURNED_FAILURE, 0
     acked = count
@@ -446,10 +454,14 @@ class RecordingListener(MessageListener):
         try:
             result = await self.inner.consume_message(msgs, context)  # type: ignore[attr-defined]
         except anyio.get_cancelled_exc_class():
-            log.end_call(call, anyio.current_time(), Outcome.CANCELLED)
+            if _committed(context):  # its transaction finished its messages
+                log.end_call(call, anyio.current_time(), Outcome.SUCCESS, acked=len(msgs))
+            else:
+                log.end_call(call, anyio.current_time(), Outcome.CANCELLED)
             raise
         except BaseException as error:
-            log.end_call(call, anyio.current_time(), Outcome.RAISED, error=error)
+            outcome = Outcome.SUCCESS if _committed(context) else Outcome.RAISED
+            log.end_call(call, anyio.current_time(), outcome, error=error, acked=len(msgs))
             raise
         outcome, acked = judge(result, context, len(msgs))
         log.end_call(call, anyio.current_time(), outcome, acked=acked)
@@ -461,7 +473,8 @@ class RecordingListener(MessageListener):
         try:
             result = self.inner.consume_message(msgs, context)  # type: ignore[attr-defined]
         except BaseException as error:
-            log.end_call(call, _now_in_thread(), Outcome.RAISED, error=error)
+            outcome = Outcome.SUCCESS if _committed(context) else Outcome.RAISED
+            log.end_call(call, _now_in_thread(), outcome, error=error, acked=len(msgs))
             raise
         outcome, acked = judge(result, context, len(msgs))
         log.end_call(call, _now_in_thread(), outcome, acked=acked)

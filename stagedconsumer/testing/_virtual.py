@@ -14,14 +14,14 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
 import attrs
 
-from offsetstore import MemoryOffsetStore, QueueProgress
+from offsetstore import MemoryOffsetStore, QueueProgress, StoreUnavailableError
 
 from .._listeners import (
     ConsumeConcurrentlyStatus,
@@ -86,6 +86,9 @@ class VirtualRun:
     """The ``MemoryBroker`` the run sent to and consumed from."""
     store: MemoryOffsetStore
     """The ``MemoryOffsetStore`` holding the run's committed progress."""
+    crash_progress: tuple[Mapping[MessageQueue, QueueProgress], ...] = ()
+    """For each crash, the progress the store held when it came (what the restart
+    resumed from): consume offsets, stage offsets, finished ranges and marks."""
 
     @property
     def wall_ms_per_1000_messages(self) -> float:
@@ -105,10 +108,27 @@ class _Broker(MemoryBroker):
         self.call_log.record_dead_letter(message, anyio.current_time())
 
 
+_T = TypeVar("_T")
+
+
 class _CrashableStore(MemoryOffsetStore):
-    """Once ``crashed``, writes vanish: a dead process persists nothing."""
+    """Once ``crashed``, writes vanish: a dead process persists nothing (and its
+    transactions fail)."""
 
     crashed = False
+
+    async def transact(
+        self,
+        group: str,
+        mq: MessageQueue,
+        offsets: Sequence[int],
+        fn: Callable[[Any], _T],
+        *,
+        fence: int | None = None,
+    ) -> _T:
+        if self.crashed:
+            raise StoreUnavailableError("the process crashed")
+        return await super().transact(group, mq, offsets, fn, fence=fence)
 
     async def _write_stored(
         self, group: str, progress: Mapping[MessageQueue, QueueProgress]
@@ -449,6 +469,7 @@ def run_virtual(
     points = sorted(crash_at)
     wanted = set(index)
     state = {"crashes": 0, "completed": False}
+    crash_progress: list[Mapping[MessageQueue, QueueProgress]] = []
 
     async def main() -> None:
         ended = 0
@@ -504,6 +525,7 @@ def run_virtual(
                 return
             points.pop(0)
             state["crashes"] += 1
+            crash_progress.append(await store.list_progress(group))
             if state["completed"]:
                 return
             log.run += 1
@@ -539,4 +561,5 @@ def run_virtual(
         completed=bool(state["completed"]),
         broker=broker,
         store=store,
+        crash_progress=tuple(crash_progress),
     )

@@ -53,7 +53,7 @@ def drop_tables(url: str, prefix: str) -> None:
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
-            for suffix in ("progress", "schema"):
+            for suffix in ("progress", "schema", "marks"):
                 conn.execute(sa.text(f"DROP TABLE IF EXISTS {prefix}{suffix}"))
     finally:
         engine.dispose()

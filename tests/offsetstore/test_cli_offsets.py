@@ -130,6 +130,7 @@ def test_show_json_of_one_topic(store_url: str, capsys: pytest.CaptureFixture[st
         ],
         "fence": 0,
         "corrupt": [],
+        "finished": [],
     }
 
 
@@ -591,3 +592,36 @@ def test_clear_stage_offsets_repairs_a_row_whose_stage_offsets_cannot_be_read(
         StageKey("vip", ""): 0,
     }
     assert main(show) == 0
+
+
+def test_show_gives_the_finished_messages_above_the_consume_offset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'progress.db'}"
+    mq = MessageQueue("orders", 0)
+
+    async def fill() -> None:
+        store = SqlOffsetStore(url)
+        try:
+            store.update_progress(GROUP, mq, QueueProgress(consume_offset=10, finished=[(12, 15)]))
+            await store.persist_all(GROUP, [mq])
+            await store.transact(GROUP, mq, [18], lambda connection: None)  # a mark
+        finally:
+            await store.aclose()
+
+    anyio.run(fill)
+    base = ["offsets", "show", "--store", url, "--group", GROUP]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "Finished above" in out
+    assert "12-15, 18 (5 messages)" in out
+    assert main([*base, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["queues"][0]["finished"] == [[12, 15], [18, 18]]
+    # A reset that keeps the consume offset keeps them finished; one that moves it
+    # (consume them again) drops them.
+    reset = ["offsets", "reset", "--store", url, "--group", GROUP, "--topic", "orders", "--yes"]
+    assert main([*reset, "--stage-offset", "default=3"]) == 0
+    assert _stored(url)[mq].finished == ((12, 15), (18, 18))
+    assert main([*reset, "--to-offset", "5"]) == 0
+    # (--to-offset drops the stage offsets too, as seek() does)
+    assert _stored(url)[mq] == QueueProgress(consume_offset=5)

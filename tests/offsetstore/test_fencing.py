@@ -87,19 +87,24 @@ async def test_unfenced_persist_still_works_and_increase_only_holds(backend: Bac
         assert (await store.list_progress(GROUP))[MQ].consume_offset == 10
 
 
-async def test_schema_version_1_is_migrated(sql_backend: Backend) -> None:
-    assert SCHEMA_VERSION == 2
+@pytest.mark.parametrize("old_version", [1, 2])
+async def test_older_schema_versions_are_migrated(sql_backend: Backend, old_version: int) -> None:
+    assert SCHEMA_VERSION == 3
     assert sql_backend.url is not None
     prefix = sql_backend.prefix
-    # A version-1 database: today's tables without the fence column.
+    # An older database: today's tables without what later versions added (version
+    # 2: the fence column; version 3: the finished column and the marks table).
     async with sql_backend.new_store() as first:
         first.update_progress(GROUP, MQ, QueueProgress(consume_offset=42))
         await first.persist_all(GROUP, [MQ])
     engine = sa.create_engine(sql_backend.url)
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(f"ALTER TABLE {prefix}progress DROP COLUMN fence"))
-            conn.execute(sa.text(f"UPDATE {prefix}schema SET version = 1"))
+            conn.execute(sa.text(f"DROP TABLE {prefix}marks"))
+            conn.execute(sa.text(f"ALTER TABLE {prefix}progress DROP COLUMN finished"))
+            if old_version < 2:
+                conn.execute(sa.text(f"ALTER TABLE {prefix}progress DROP COLUMN fence"))
+            conn.execute(sa.text(f"UPDATE {prefix}schema SET version = {old_version}"))
     finally:
         engine.dispose()
     store = sql_backend.new_store()
@@ -107,14 +112,18 @@ async def test_schema_version_1_is_migrated(sql_backend: Backend) -> None:
     async with store:
         assert (await store.list_progress(GROUP))[MQ].consume_offset == 42
         assert await store.claim(GROUP, MQ, 1) == QueueProgress(consume_offset=42)
-        store.update_progress(GROUP, MQ, QueueProgress(consume_offset=43))
+        store.update_progress(GROUP, MQ, QueueProgress(consume_offset=43, finished=[(45, 47)]))
         await store.persist_fenced(GROUP, {MQ: 1})
         with pytest.raises(StoreFencedError):
             await store.claim(GROUP, MQ, 0)
+        await store.transact(GROUP, MQ, [48], lambda conn: None, fence=1)
+        assert (await store.read_progress(GROUP, MQ, ReadOffsetType.READ_FROM_STORE)) == (
+            QueueProgress(consume_offset=43, finished=[(45, 48)])
+        )
     engine = sa.create_engine(sql_backend.url)
     try:
         with engine.connect() as conn:
             version = conn.execute(sa.text(f"SELECT version FROM {prefix}schema")).scalar_one()
     finally:
         engine.dispose()
-    assert version == 2
+    assert version == 3

@@ -15,7 +15,10 @@ and, with ``"log_takeovers": true`` in the config, one line per queue it takes:
 
 Prints ``READY <client_id>`` once started; leaves gracefully on SIGTERM. Optional
 ``"consumer_options"`` in the config are passed on to ``ConsumerOptions`` (for
-example the gray release settings).
+example the gray release settings). With ``"effects_table"``, each handler call
+inserts one row per message (queue id, offset, pid) into that table through
+``context.transact_blocking`` (exactly-once effects), writing its ``E`` lines inside
+the transaction.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import anyio
+import sqlalchemy as sa
 
 from offsetstore import SqlOffsetStore
 from stagedconsumer import (
@@ -100,6 +104,35 @@ class LoggingStagedListener(MessageListenerStagedConcurrently):
             self._log.write("E", message, context.stage_index)
 
 
+class TransactingStagedListener(LoggingStagedListener):
+    """:class:`LoggingStagedListener` whose calls commit an effect row per message
+    with their messages' finished marks."""
+
+    def __init__(self, log: EventLog, cost: float, table: str) -> None:
+        super().__init__(log, cost)
+        self._insert = sa.insert(
+            sa.table(table, sa.column("queue_id"), sa.column("queue_offset"), sa.column("pid"))
+        )
+
+    def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        for message in msgs:
+            self._log.write("S", message, context.stage_index)
+        time.sleep(self._cost * random.uniform(0.5, 1.5))
+        rows = [
+            {"queue_id": m.queue_id, "queue_offset": m.queue_offset, "pid": os.getpid()}
+            for m in msgs
+        ]
+
+        def effects(connection: sa.Connection) -> None:
+            connection.execute(self._insert, rows)
+            for message in msgs:  # before the commit: never later than the finish
+                self._log.write("E", message, context.stage_index)
+
+        context.transact_blocking(effects)
+
+
 async def run(config: dict[str, Any]) -> None:
     group_options = GroupOptions(**config["group_options"])
     stop = anyio.Event()
@@ -123,7 +156,11 @@ async def run(config: dict[str, Any]) -> None:
         consumer = PushConsumer(
             config["group"],
             broker,
-            LoggingStagedListener(log, config["cost"]),
+            (
+                TransactingStagedListener(log, config["cost"], config["effects_table"])
+                if config.get("effects_table")
+                else LoggingStagedListener(log, config["cost"])
+            ),
             offset_store=store,
             options=ConsumerOptions(
                 persist_consumer_offset_interval=config["persist_interval"],
