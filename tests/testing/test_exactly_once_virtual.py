@@ -230,7 +230,7 @@ def listener_for(mode: str, sizes: list[int], effects: Effects) -> MessageListen
 @pytest.mark.timeout(600)
 @settings(max_examples=25)
 @given(
-    st.sampled_from(["staged", "orderly", "concurrent"]),
+    st.sampled_from(["staged", "orderly"]),  # they retry in place (see the docs)
     messages(topic="t", queues=st.integers(1, 2), keys=st.sampled_from([("a",), ("b",), ()])),
     stage_definitions(),
     failure_schedules(),
