@@ -152,7 +152,8 @@ class MemoryOffsetStore(StageOffsetStore):
         self, group: str, topic: str | None
     ) -> dict[MessageQueue, QueueProgress]:
         result: dict[MessageQueue, QueueProgress] = {}
-        for (g, mq), _value in sorted(self._stored.items(), key=lambda item: item[0][1]):
+        keys = {*self._stored, *self._marks}
+        for g, mq in sorted(keys, key=lambda key: key[1]):
             if g == group and (topic is None or mq.topic == topic):
                 progress = self._with_marks(group, mq)
                 assert progress is not None

@@ -154,7 +154,7 @@ def _check_progress_finished(
     _attribute: attrs.Attribute[tuple[tuple[int, int], ...]],
     value: tuple[tuple[int, int], ...],
 ) -> None:
-    if value and (instance.consume_offset is None or value[0][0] < instance.consume_offset):
+    if value and instance.consume_offset is not None and value[0][0] < instance.consume_offset:
         raise ValueError(
             f"finished ranges {value!r} must not start below the consume offset"
             f" {instance.consume_offset!r}"
@@ -171,7 +171,8 @@ class QueueProgress:
     (sparse progress) the ranges ``(first, last)`` of offsets from
     ``consume_offset`` on whose messages finished too, in ascending order: no message
     of a range is handed to a handler again (they are assigned their stages, in
-    staged mode, when consumption passes them).
+    staged mode, when consumption passes them). Without a consume offset, ``finished``
+    holds finished marks of transactions made before any progress was committed.
 
     Checked when built: ``consume_offset`` an int >= 0 or ``None``, ``stage_offsets``
     a mapping of :class:`StageKey` to int >= 0 (a bool is not an offset);
@@ -207,11 +208,12 @@ class QueueProgress:
 
 def merge_marks(progress: QueueProgress | None, marks: Iterable[int]) -> QueueProgress | None:
     """``progress`` with the finished marks ``marks`` (offsets, exactly-once effects)
-    above its consume offset joined to its ``finished`` ranges (a mark next to a
-    range, or to the next mark, extends it)."""
-    if progress is None or progress.consume_offset is None:
-        return progress
-    base = progress.consume_offset
+    from its consume offset on joined to its ``finished`` ranges (a mark next to a
+    range, or to the next mark, extends it). Without a consume offset (none committed
+    yet, or no progress at all) every mark counts."""
+    if progress is None:
+        progress = QueueProgress(consume_offset=None)
+    base = progress.consume_offset if progress.consume_offset is not None else 0
     above = sorted({offset for offset in marks if offset >= base})
     if not above:
         return progress

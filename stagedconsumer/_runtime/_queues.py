@@ -91,6 +91,8 @@ class QueueTable:
         if progress is None or progress.consume_offset is None:
             start = await self._start_without_progress(mq)
             stage_offsets = progress.stage_offsets if progress else {}
+            # marks of transactions committed before any progress was
+            finished = progress.finished if progress else ()
         else:
             start = progress.consume_offset
             stage_offsets = progress.stage_offsets
@@ -106,6 +108,8 @@ class QueueTable:
         else:
             pq = self.service.new_process_queue(mq, start, stage_offsets, finished)
         state = QueueState(mq, pq, tag_filter, is_retry)
+        if progress is not None and progress.consume_offset is None and finished:
+            state.finished_count = -1  # the first commit records the marks as ranges
         if progress is not None and progress.consume_offset is not None:
             state.persisted = QueueProgress(
                 consume_offset=start, stage_offsets=stage_offsets, finished=finished

@@ -21,6 +21,8 @@ import anyio
 import anyio.from_thread
 import attrs
 
+from offsetstore import AlreadyFinishedError
+
 from .._core import DEFAULT_STRATEGY
 from .._listeners import (
     ConsumeConcurrentlyContext,
@@ -374,9 +376,12 @@ def _now_in_thread() -> float:
         return math.nan
 
 
-def _committed(context: object) -> bool:
+def _committed(context: object, error: BaseException | None = None) -> bool:
     """Whether the call's ``context.transact`` committed: its messages finished then,
-    whatever the call did next (raised, was cancelled, returned a failure)."""
+    whatever the call did next (raised, was cancelled, returned a failure); or it
+    found them finished before (``AlreadyFinishedError``): the consumer finishes them."""
+    if isinstance(error, AlreadyFinishedError):
+        return True
     return bool(getattr(context, "transaction_committed", False))
 
 
@@ -460,7 +465,7 @@ class RecordingListener(MessageListener):
                 log.end_call(call, anyio.current_time(), Outcome.CANCELLED)
             raise
         except BaseException as error:
-            outcome = Outcome.SUCCESS if _committed(context) else Outcome.RAISED
+            outcome = Outcome.SUCCESS if _committed(context, error) else Outcome.RAISED
             log.end_call(call, anyio.current_time(), outcome, error=error, acked=len(msgs))
             raise
         outcome, acked = judge(result, context, len(msgs))
@@ -473,7 +478,7 @@ class RecordingListener(MessageListener):
         try:
             result = self.inner.consume_message(msgs, context)  # type: ignore[attr-defined]
         except BaseException as error:
-            outcome = Outcome.SUCCESS if _committed(context) else Outcome.RAISED
+            outcome = Outcome.SUCCESS if _committed(context, error) else Outcome.RAISED
             log.end_call(call, _now_in_thread(), outcome, error=error, acked=len(msgs))
             raise
         outcome, acked = judge(result, context, len(msgs))
