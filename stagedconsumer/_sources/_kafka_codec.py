@@ -27,6 +27,7 @@ from offsetstore import StageKey
 from .._message import EMPTY_PROPERTIES, Message, OutgoingMessage, _MessageFields
 from ._source import (
     DLQ_PREFIX,
+    PROPERTY_ORIGIN_MESSAGE_ID,
     PROPERTY_RETRY_TOPIC,
     RETRY_PREFIX,
 )
@@ -145,7 +146,7 @@ def decode_records(
         m.keys = () if key is None else (key.decode("utf-8", "replace"),)
         m.tags = None
         m.reconsume_times = 0
-        m.msg_id = prefix + str(offset)
+        m.msg_id = m.offset_msg_id = prefix + str(offset)
         timestamp = record.timestamp
         m.born_timestamp = 0.0 if timestamp is None else timestamp / 1000
         headers = record.headers
@@ -174,6 +175,9 @@ def _set_headers(m: _MessageFields, headers: Sequence[tuple[str, bytes]], is_ret
     m.properties = MappingProxyType(properties) if properties else EMPTY_PROPERTIES
     if is_retry and PROPERTY_RETRY_TOPIC in properties:
         m.topic = properties[PROPERTY_RETRY_TOPIC]
+    origin = properties.get(PROPERTY_ORIGIN_MESSAGE_ID)
+    if origin:  # a retry or dead-letter copy keeps its message's id (offsetMsgId: this record)
+        m.msg_id = origin
 
 
 def _key_text(key: StageKey) -> str:
