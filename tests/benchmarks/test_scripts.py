@@ -112,7 +112,10 @@ def test_trace_sink_runs_a_baseline_tree_beside_this_one(tmp_path: Path) -> None
     runs = {run["case"]: run for run in json.loads(out.read_text())}
     assert set(runs) == {"no trace", "topic trace", "file trace, same", "file trace"}
     for case in ("topic trace", "file trace, same", "file trace"):
-        # Fewer contexts than the file sink buffers: every record is written.
+        # Every context is accounted for: written (two records per message) or counted
+        # as dropped (a fast machine can outrun the file's writer thread within its
+        # buffer in so short a run), none lost to a failed write.
         run = runs[case]
         assert run["consumed"] > 0
-        assert (run["records"], run["dropped"], run["lost"]) == (2 * run["consumed"], 0, 0)
+        assert run["records"] > 0
+        assert (run["records"] + run["dropped"], run["lost"]) == (2 * run["consumed"], 0)
