@@ -187,6 +187,9 @@ class QueueProgress:
     finished: tuple[tuple[int, int], ...] = attrs.field(
         default=(), converter=check_finished, validator=_check_progress_finished
     )
+    """Sparse progress: the runs of offsets above ``consume_offset`` whose messages
+    already finished, as ``(first, last)`` pairs, ascending and apart; a queue resumed
+    from this progress does not hand them to a handler again."""
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, QueueProgress):
