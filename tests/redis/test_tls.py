@@ -285,4 +285,9 @@ async def test_the_operator_commands_take_tls_files(
     assert "group g: 0 live member(s)" in capsys.readouterr().out
     # the server's CA but no client certificate: refused, with the TLS reason
     assert await anyio.to_thread.run_sync(main, [*show, *tls[:2]]) == 1
-    assert "(TLS: " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # TLS 1.3 asks for the client's certificate after the client finished its side of
+    # the handshake: the server's alert (the TLS reason) usually arrives, but the
+    # server may close first, and the client then sees a reset connection
+    assert "(TLS: " in err or "Connection reset by peer" in err, err
+    assert "cannot connect to Redis" in err
