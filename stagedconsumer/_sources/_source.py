@@ -134,7 +134,9 @@ class SendBackResult(enum.Enum):
     """Where a message handed back by a consumer went."""
 
     RETRY = "retry"
+    """Sent to the group's retry topic, to come back after its delay."""
     DLQ = "dlq"
+    """Sent to the group's dead-letter topic (its attempts were used up)."""
 
 
 class MessageSource(abc.ABC):
