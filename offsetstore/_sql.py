@@ -449,14 +449,17 @@ class SqlOffsetStore(StageOffsetStore):
 
     @property
     def table_prefix(self) -> str:
+        """The prefix of the store's table names."""
         return self._table_prefix
 
     @property
     def progress_table_name(self) -> str:
+        """The name of the progress table (one row per group, topic and queue)."""
         return self._progress.name
 
     @property
     def schema_table_name(self) -> str:
+        """The name of the table that records the schema's version."""
         return self._schema_table.name
 
     def __repr__(self) -> str:
