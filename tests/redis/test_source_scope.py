@@ -23,6 +23,7 @@ from stagedconsumer import (
     ConsumeConcurrentlyContext,
     ConsumeFromWhere,
     ConsumerOptions,
+    ConsumerStatistics,
     Message,
     MessageListenerConcurrently,
     PushConsumer,
@@ -46,14 +47,14 @@ class Collect(MessageListenerConcurrently):
 
 async def _consume(
     broker: RedisBroker, store: SqlOffsetStore, options: ConsumerOptions | None = None
-) -> tuple[Collect, int]:
+) -> tuple[Collect, ConsumerStatistics]:
     listener = Collect()
     consumer = PushConsumer(GROUP, broker, listener, offset_store=store, options=options)
     consumer.subscribe("t")
     async with consumer:
         await consumer.wait_caught_up(timeout=20)
-        beyond = consumer.statistics().offsets_beyond_end
-    return listener, beyond
+        statistics = consumer.statistics()
+    return listener, statistics
 
 
 async def _send(broker: RedisBroker, prefix: str, count: int) -> None:
@@ -80,13 +81,14 @@ async def test_a_fresh_namespace_with_the_same_group_and_store_consumes_its_mess
             await second.create_topic("t", 4)
             await _send(second, "new", 200)  # the same offsets in each queue as before
             async with SqlOffsetStore(url) as store:
-                listener, beyond = await _consume(second, store)
-                sources = await store.list_sources(GROUP)
+                listener, statistics = await _consume(second, store)
         finally:
             await second.delete_namespace()
     # It consumed 0 of them: the first namespace's offsets were taken for its own.
     assert sorted(listener.seen) == sorted(b"new %d" % i for i in range(200))
-    assert beyond == 0
+    assert statistics.offsets_beyond_end == 0
+    async with SqlOffsetStore(url, read_only=True) as store:
+        sources = await store.list_sources(GROUP)
     assert sources == sorted([first.source_id(), second.source_id()])
     assert second.source_id() == f"redis://127.0.0.1:6379/0#{second_ns}"
 
@@ -120,11 +122,11 @@ async def test_a_flushed_namespace_is_reported_and_corrected_per_consume_from_wh
             await _send(broker, "again", 10)
             with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
                 async with SqlOffsetStore(url) as store:
-                    listener, beyond = await _consume(broker, store, options)
+                    listener, statistics = await _consume(broker, store, options)
         finally:
             await broker.delete_namespace()
     assert listener.seen == expected
-    assert beyond == 1
+    assert statistics.offsets_beyond_end == 1
     (warning,) = [
         r.getMessage() for r in caplog.records if "beyond the queue's end" in r.getMessage()
     ]
