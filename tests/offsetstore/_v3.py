@@ -3,10 +3,9 @@ version created them, for migration tests."""
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from sqlalchemy.dialects import mysql as mysql_dialect
 
 from offsetstore._sql import _name_column
