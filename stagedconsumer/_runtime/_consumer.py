@@ -154,8 +154,8 @@ class PushConsumer:
             offset_store if offset_store is not None else default_offset_store(source)
         )
         """Where its progress is committed (the default store of its source when none
-        was given), bound to the source's ``source_id()``: a store keeping another
-        source's progress raises ``StoreConfigurationError`` here."""
+        was given), bound to the source's ``source_id()`` (``StoreConfigurationError``
+        for a store of another source)."""
         self.offset_store.bind_source(source.source_id())
         self._default_store = offset_store is None and source.default_offset_store() is None
         self._state = ConsumerState(group=group, mode="")

@@ -157,22 +157,7 @@ class QueueTable:
         counting, as after ``stagedconsumer offsets reset --to-offset``)."""
         where = self.options.consume_from_where
         is_retry = mq.topic.startswith(RETRY_PREFIX)
-        target = max_offset
-        try:
-            if is_retry or where is ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET:
-                target = min(await self.source.min_offset(mq), max_offset)
-            elif where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP:
-                timestamp = self.options.consume_timestamp
-                assert timestamp is not None  # checked by ConsumerOptions
-                target = min(await self.source.offset_for_timestamp(mq, timestamp), max_offset)
-        except SourceError as exc:
-            logger.warning(
-                "group %s: finding where %s goes on failed (%s); from its max offset %d",
-                self.group,
-                mq,
-                exc,
-                max_offset,
-            )
+        target = await self._go_on_at(mq, is_retry, None, max_offset, fallback=max_offset)
         self.state.offsets_beyond_end += 1
         logger.warning(
             "group %s: committed consume offset %d of %s is beyond the queue's end (max"
@@ -188,6 +173,42 @@ class QueueTable:
         progress = QueueProgress(consume_offset=target, stage_offsets=stage_offsets)
         await self.store.reset_progress(self.group, {mq: progress})
         return progress
+
+    async def _go_on_at(
+        self,
+        mq: MessageQueue,
+        is_retry: bool,
+        first: int | None,
+        end: int,
+        *,
+        fallback: int,
+    ) -> int:
+        """Where ``consume_from_where`` says a queue whose position is lost goes on,
+        within ``[first, end]``: ``CONSUME_FROM_FIRST_OFFSET`` (and retry queues) at
+        ``first`` (the queue's first offset; ``None``: ask the source),
+        ``CONSUME_FROM_LAST_OFFSET`` at ``end``, ``CONSUME_FROM_TIMESTAMP`` at
+        the first message born at ``consume_timestamp`` or later; at ``fallback`` when
+        the source cannot say (logged)."""
+        where = self.options.consume_from_where
+        try:
+            if not is_retry and where is ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET:
+                return end
+            if first is None:
+                first = min(await self.source.min_offset(mq), end)
+            if is_retry or where is ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET:
+                return first
+            timestamp = self.options.consume_timestamp
+            assert timestamp is not None  # checked by ConsumerOptions
+            return min(max(await self.source.offset_for_timestamp(mq, timestamp), first), end)
+        except SourceError as exc:
+            logger.warning(
+                "group %s: finding where %s goes on failed (%s); from offset %d",
+                self.group,
+                mq,
+                exc,
+                fallback,
+            )
+            return fallback
 
     async def on_past_end(self, state: QueueState, offset: int, max_offset: int) -> int:
         """The pull loop of ``state`` found its ``offset`` beyond the queue's
@@ -220,22 +241,8 @@ class QueueTable:
         mq = state.mq
         first, max_offset = result.next_offset, result.max_offset
         where = self.options.consume_from_where
-        target = first
-        try:
-            if not state.is_retry and where is ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET:
-                target = max(max_offset, first)
-            elif not state.is_retry and where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP:
-                timestamp = self.options.consume_timestamp
-                assert timestamp is not None  # checked by ConsumerOptions
-                target = max(await self.source.offset_for_timestamp(mq, timestamp), first)
-        except SourceError as exc:
-            logger.warning(
-                "group %s: finding where %s goes on failed (%s); from its first offset %d",
-                self.group,
-                mq,
-                exc,
-                first,
-            )
+        end = max(max_offset, first)
+        target = await self._go_on_at(mq, state.is_retry, first, end, fallback=first)
         self.state.trimmed_offsets += 1
         logger.warning(
             "group %s: offset %d of %s is no longer stored: the broker removed its entries"

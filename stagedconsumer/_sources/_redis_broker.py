@@ -433,7 +433,7 @@ class RedisBroker(MessageSource):
         )
         self._bad_retries = 0
         self._source_id = source_id_of(
-            source_id if source_id is not None else redis_source_id(url, namespace, cluster=cluster)
+            source_id or redis_source_id(url, namespace, cluster=cluster)
         )
 
     def source_id(self) -> str:
