@@ -5,6 +5,8 @@ database keeping the progress of several sources apart."""
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -24,7 +26,7 @@ from stagedconsumer import MemoryBroker, MessageListenerConcurrently, MessageQue
 from stagedconsumer._cli import main
 
 from ._v3 import create_v3
-from .conftest import Backend
+from .conftest import Backend, _backend_fixture
 
 T0, T1 = MessageQueue("t", 0), MessageQueue("t", 1)
 DEFAULT = StageKey("default")
@@ -212,3 +214,39 @@ def test_show_and_reset_name_the_source(tmp_path: Path, capsys: pytest.CaptureFi
     assert main([*show, "--json"]) == 0
     queues = json.loads(capsys.readouterr().out)["queues"]
     assert [(q["source"], q["consume_offset"]) for q in queues] == [(A, 50), (B, 0)]
+
+
+@pytest.fixture
+async def postgres_backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    async for value in _backend_fixture("postgres", tmp_path):
+        yield value
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+async def test_a_least_privilege_role_adopts_migrated_progress_with_the_same_grants(
+    postgres_backend: Backend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After ``offsets init`` migrated a version 3 database (as the tables' owner), a
+    role with only the grants ``--sql`` prints adopts the rows, finished marks
+    included, for its source."""
+    url, prefix = postgres_backend.url, postgres_backend.prefix
+    assert url is not None
+    create_v3(url, prefix, *_v3_rows())
+    init = ["offsets", "init", "--store", url, "--table-prefix", prefix]
+    assert await anyio.to_thread.run_sync(main, init) == 0
+    role = f"sc_app_{uuid.uuid4().hex[:10]}"
+    sql = ["offsets", "init", "--sql", "--dialect", "postgresql", "--table-prefix", prefix,
+           "--grant-to", role]  # fmt: skip
+    assert await anyio.to_thread.run_sync(main, sql) == 0
+    grants = [line for line in capsys.readouterr().out.splitlines() if line.startswith("GRANT")]
+    _run_printed_sql(url, f"CREATE ROLE {role} LOGIN;\n" + ";\n".join(grants) + "\n")
+    try:
+        role_url = sa.make_url(url).set(username=role, password=None)
+        async with SqlOffsetStore(role_url, table_prefix=prefix, source=A) as store:
+            assert await store.adopt_unscoped_progress("g") == 2
+            assert (await store.read_progress("g", T1)) == QueueProgress(
+                consume_offset=5, finished=[(8, 8)]
+            )
+    finally:
+        _run_printed_sql(url, f"DROP OWNED BY {role};\nDROP ROLE {role};\n")
