@@ -997,7 +997,7 @@ class SqlOffsetStore(StageOffsetStore):
         for table in (self._progress, self._marks):
             try:
                 self._add_source_key(table)
-            except (sa_exc.ProgrammingError, sa_exc.OperationalError, sa_exc.IntegrityError):
+            except sa_exc.DBAPIError:
                 if not self._has_source(table):  # else another process was first
                     raise
         schema = self._schema_table

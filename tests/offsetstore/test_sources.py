@@ -250,3 +250,21 @@ async def test_a_least_privilege_role_adopts_migrated_progress_with_the_same_gra
             )
     finally:
         _run_printed_sql(url, f"DROP OWNED BY {role};\nDROP ROLE {role};\n")
+
+
+@pytest.mark.anyio
+async def test_stores_racing_to_migrate_a_v3_database_all_start(sql_backend: Backend) -> None:
+    url, prefix = sql_backend.url, sql_backend.prefix
+    assert url is not None
+    create_v3(url, prefix, *_v3_rows())
+    stores = [SqlOffsetStore(url, table_prefix=prefix, source=A) for _ in range(4)]
+    try:
+        async with anyio.create_task_group() as tg:
+            for store in stores:
+                tg.start_soon(store.load)
+        adopted = [await store.adopt_unscoped_progress("g") for store in stores]
+        assert sorted(adopted) == [0, 0, 0, 2]
+        assert (await stores[0].read_progress("g", T0)) is not None
+    finally:
+        for store in stores:
+            await store.aclose()
