@@ -96,7 +96,7 @@ class Backend:
         engine = sa.create_engine(self.url)
         try:
             with engine.begin() as conn:
-                for table in ("progress", "schema"):
+                for table in ("progress", "schema", "marks"):
                     conn.execute(sa.text(f"DROP TABLE IF EXISTS {self.prefix}{table}"))
         finally:
             engine.dispose()

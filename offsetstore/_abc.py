@@ -261,11 +261,7 @@ class StageOffsetStore(abc.ABC):
             return
         fenced = await self._write_fenced(group, batch, tokens)
         if fenced:
-            raise StoreFencedError(
-                f"group {group!r}: progress of {', '.join(map(str, sorted(fenced)))} not"
-                " written: another consumer took over the queue (newer fencing token)",
-                queues=fenced,
-            )
+            raise _fenced_error(group, fenced)
 
     # -- exactly-once effects -----------------------------------------------------------
 
@@ -351,6 +347,15 @@ class StageOffsetStore(abc.ABC):
                 self.remove_offset(group, mq)
             else:
                 self.update_progress(group, mq, value)
+
+
+def _fenced_error(group: str, fenced: set[MessageQueue]) -> StoreFencedError:
+    """What :meth:`StageOffsetStore.persist_fenced` raises for the queues it did not write."""
+    return StoreFencedError(
+        f"group {group!r}: progress of {', '.join(map(str, sorted(fenced)))} not"
+        " written: another consumer took over the queue (newer fencing token)",
+        queues=fenced,
+    )
 
 
 def _check_reset_entry(mq: object, value: object) -> None:
