@@ -6,7 +6,8 @@ processing of every parameter of every row. Here each chunk of rows is one
 statement whose values go to the server in one piece:
 
 - PostgreSQL: the rows as one JSON array parameter, unpacked with
-  ``json_array_elements`` into ``INSERT ... SELECT ... ON CONFLICT DO UPDATE ...
+  ``jsonb_array_elements`` (parsed once; ``json`` would parse each element again
+  for every field read) into ``INSERT ... SELECT ... ON CONFLICT DO UPDATE ...
   WHERE`` (one parameter: psycopg adapts a list of Python values element by element,
   JSON is built by the C encoder);
 - MariaDB/MySQL: a multi-row ``INSERT ... VALUES ... ON DUPLICATE KEY UPDATE`` with
@@ -14,6 +15,9 @@ statement whose values go to the server in one piece:
   strings: exact bytes whatever the connection's character set or ``sql_mode``);
 - SQLite: a multi-row ``INSERT ... VALUES ... ON CONFLICT DO UPDATE ... WHERE``
   with ``?`` parameters (the driver binds them in C).
+
+A fenced commit first reads (and, on the servers, locks) the fences of its rows the
+same way, a chunk per statement (:meth:`BulkUpsert.lock_statements`).
 
 The increase-only rule is the one of the single-row statement: a row is replaced
 (consume offset, stage offsets and finished ranges together) when its stored consume
@@ -119,14 +123,7 @@ class BulkUpsert:
             yield from self._sqlite(rows)
 
     def _postgresql(self, rows: Sequence[BulkRow]) -> Iterator[tuple[str, Any]]:
-        # Strings as TEXT: a cast to VARCHAR(n) would cut a longer value silently,
-        # where the insert into the column refuses it.
-        casts = ", ".join(
-            f"e->>{i}"
-            if isinstance(c.type, sa.String)
-            else f"CAST(e->>{i} AS {c.type.compile(dialect=self.dialect)})"
-            for i, c in enumerate(self.columns)
-        )
+        casts = ", ".join(self._postgresql_values(self.columns))
         sql = (
             f"{self._head} SELECT {casts}"
             " FROM jsonb_array_elements(CAST(%(rows)s AS jsonb)) AS e"
@@ -149,6 +146,78 @@ class BulkUpsert:
                 params.extend(key)
                 params += (c, s, f)
             yield f"{self._head} VALUES {', '.join([one] * len(chunk))}{tail}", tuple(params)
+
+    def lock_statements(self, keys: Sequence[tuple[Any, ...]]) -> Iterator[tuple[str, Any]]:
+        """``(sql, parameters)`` selecting the key values and fence of the stored rows
+        of ``keys``, a chunk per statement, locked for update (SQLite: not locked,
+        ``BEGIN IMMEDIATE`` already serializes writers). Rows come back in key
+        order within a chunk; a key with no row is not in the result."""
+        if self.backend == "postgresql":
+            yield from self._postgresql_lock(keys)
+        elif self.backend == "mysql":
+            yield from self._mysql_lock(keys)
+        else:
+            yield from self._sqlite_lock(keys)
+
+    def _postgresql_values(self, columns: Sequence[sa.Column[Any]]) -> list[str]:
+        """The elements of a JSON array ``e`` as values of ``columns``. Strings stay
+        TEXT: a cast to VARCHAR(n) would cut a longer value silently, where the insert
+        into the column refuses it."""
+        return [
+            f"e->>{i}"
+            if isinstance(c.type, sa.String)
+            else f"CAST(e->>{i} AS {c.type.compile(dialect=self.dialect)})"
+            for i, c in enumerate(columns)
+        ]
+
+    def _postgresql_lock(self, keys: Sequence[tuple[Any, ...]]) -> Iterator[tuple[str, Any]]:
+        p = [f"p.{name}" for name in self.key_names]
+        order = ", ".join(p)
+        values = self._postgresql_values(self.key_columns)
+        on = " AND ".join(f"{column} = {v}" for column, v in zip(p, values, strict=True))
+        sql = (
+            f"SELECT {order}, p.fence"
+            f" FROM jsonb_array_elements(CAST(%(keys)s AS jsonb)) AS e JOIN {self.table} AS p"
+            f" ON {on} ORDER BY {order} FOR UPDATE OF p"
+        )
+        dumps = json.JSONEncoder(separators=(",", ":")).encode
+        for start in range(0, len(keys), _ROWS_PER_STATEMENT):
+            document = dumps([list(key) for key in keys[start : start + _ROWS_PER_STATEMENT]])
+            yield sql, {"keys": document}
+
+    def _mysql_lock(self, keys: Sequence[tuple[Any, ...]]) -> Iterator[tuple[str, Any]]:
+        order = ", ".join(f"p.{name}" for name in self.key_names)
+        for start in range(0, len(keys), _ROWS_PER_STATEMENT):
+            wanted = ",".join(
+                f"({','.join(map(_mysql_literal, key))})"
+                for key in keys[start : start + _ROWS_PER_STATEMENT]
+            )
+            sql = (
+                f"SELECT {order}, p.fence FROM {self.table} AS p"
+                f" WHERE ({order}) IN ({wanted}) ORDER BY {order} FOR UPDATE"
+            )
+            yield sql, None
+
+    def _sqlite_lock(self, keys: Sequence[tuple[Any, ...]]) -> Iterator[tuple[str, Any]]:
+        width = len(self.key_columns)
+        per = max(1, min(_ROWS_PER_STATEMENT, _sqlite_max_variables() // width))
+        names = [f"k{i}" for i in range(width)]
+        on = " AND ".join(
+            f"p.{column} = e.{name}" for column, name in zip(self.key_names, names, strict=True)
+        )
+        one = f"({', '.join('?' * width)})"
+        order = ", ".join(f"p.{name}" for name in self.key_names)
+        for start in range(0, len(keys), per):
+            chunk = keys[start : start + per]
+            # CROSS JOIN: each key looked up in the primary key, in this order.
+            yield (
+                (
+                    f"WITH e({', '.join(names)}) AS (VALUES {', '.join([one] * len(chunk))})"
+                    f" SELECT {order}, p.fence FROM e CROSS JOIN {self.table} AS p WHERE {on}"
+                    f" ORDER BY {order}"
+                ),
+                tuple(value for key in chunk for value in key),
+            )
 
     def _mysql(self, rows: Sequence[BulkRow]) -> Iterator[tuple[str, Any]]:
         tail = self._on_conflict()

@@ -97,9 +97,6 @@ _DEADLOCK_RETRIES: Final = 3
 _SNAPSHOT_CHUNK: Final = 500
 _FOLD_CHUNK: Final = 100
 """Queues whose marks one ``DELETE`` folds."""
-_LOCK_CHUNK: Final = 300
-"""Queues whose rows one ``SELECT ... FOR UPDATE`` of a fenced commit locks (3 key
-parameters each: within SQLite's oldest limit of 999)."""
 _PING_AFTER_IDLE: Final = 1.0
 """Seconds a pooled connection may rest before its checkout pings the server."""
 _GIL_PAUSE: Final = 0.001
@@ -1407,24 +1404,20 @@ class SqlOffsetStore(StageOffsetStore):
         """Lock the stored rows of ``queues`` (SQLite: ``BEGIN IMMEDIATE`` already
         serializes writers) and return those whose fence is higher than their token
         in ``fences``. A queue with no row is not fenced."""
-        t = self._progress
-        keys = [t.c[name] for name in self._key_names]
         by_key = {self._key(group, mq): mq for mq in queues}
         fenced: set[MessageQueue] = set()
-        wanted = list(by_key)
-        for start in range(0, len(wanted), _LOCK_CHUNK):
-            stmt = (
-                sa.select(*keys, t.c.fence)
-                .where(sa.tuple_(*keys).in_(wanted[start : start + _LOCK_CHUNK]))
-                .order_by(*keys)
-            )
-            if self._backend != "sqlite":
-                stmt = stmt.with_for_update()
-            for *key, fence in conn.execute(stmt):
-                mq = by_key[tuple(key)]
+        for sql, params in self._bulk_upsert().lock_statements(list(by_key)):
+            for *key, fence in conn.exec_driver_sql(sql, params):
+                mq = by_key[self._stored_key(key)]
                 if int(fence) > fences[mq]:
                     fenced.add(mq)
         return fenced
+
+    def _stored_key(self, values: Sequence[Any]) -> tuple[Any, ...]:
+        """Key values as a driver returns them (MariaDB: bytes) as :meth:`_key` has them."""
+        return tuple(
+            bytes(v).decode("utf-8") if isinstance(v, (bytes, bytearray)) else v for v in values
+        )
 
     def _fold_marks(
         self, conn: sa.Connection, group: str, items: Iterable[tuple[MessageQueue, int | None]]

@@ -37,9 +37,9 @@ def _stores(backend: Backend) -> tuple[StageOffsetStore, StageOffsetStore]:
 async def test_a_large_fenced_commit_refuses_exactly_the_queues_claimed_since(
     backend: Backend,
 ) -> None:
-    queues = [MessageQueue(f"T{i % 3}", i) for i in range(650)]  # more than a lock chunk
-    claimed_by_new = set(queues[::16])
-    never_stored = set(queues[5::50]) - claimed_by_new
+    queues = [MessageQueue(f"T{i % 3}", i) for i in range(2050)]  # more than a lock chunk
+    claimed_by_new = set(queues[::64])
+    never_stored = set(queues[5::100]) - claimed_by_new
     old, new = _stores(backend)
     async with old, new:
         for mq in queues:
