@@ -428,10 +428,12 @@ class SqlOffsetStore(StageOffsetStore):
         progress is still that is not written again)."""
         self._pg_mark_stmt = sa.text(self._pg_mark_sql(lambda name: f":{name}"))
         self._pg_begin_mark_sql: str | None = None
-        """BEGIN and the mark statement as one query, bound by the driver's client-side
-        cursor: transact()'s first round trip on PostgreSQL through psycopg (3)."""
+        """BEGIN and the execution of the prepared mark statement as one query, bound by
+        the driver's client-side cursor: transact()'s first round trip on PostgreSQL
+        through psycopg (3); ``_pg_prepare_mark_sql`` prepares it on a connection."""
+        self._pg_prepare_mark_sql = ""
         if self._backend == "postgresql" and self._url.get_driver_name() == "psycopg":
-            self._pg_begin_mark_sql = "BEGIN; " + self._pg_mark_sql(lambda name: f"%({name})s")
+            self._pg_begin_mark_sql, self._pg_prepare_mark_sql = self._pg_prepared_mark()
         self._overwrite_stmt = self._build_overwrite_statement()
         self._setup_lock = threading.Lock()
         # One SQLite database in memory is one connection: serialize its users.
@@ -536,6 +538,26 @@ class SqlOffsetStore(StageOffsetStore):
             " SELECT p.fence, p.consume_offset, p.finished, (SELECT count(*) FROM ins) AS marked"
             " FROM p"
         )
+
+    def _pg_prepared_mark(self) -> tuple[str, str]:
+        """(``BEGIN`` and ``EXECUTE`` of the mark statement, its ``PREPARE``). Prepared
+        once per connection: sent in the simple query protocol (several statements in
+        one query), it would otherwise be parsed and planned on every call, which
+        costs the server more than running it."""
+        name = f"{self._table_prefix}mark"
+        names = [f"k{i}" for i in range(len(self._key_names))] + ["offsets", "fence"]
+        position = {n: f"${i}" for i, n in enumerate(names, 1)}
+        t = self._progress
+        dialect = self._engine.dialect
+        types = [
+            "text" if isinstance(t.c[k].type, sa.String) else t.c[k].type.compile(dialect=dialect)
+            for k in self._key_names
+        ] + ["bigint[]", "bigint"]
+        prepare = (
+            f"PREPARE {name} ({', '.join(types)}) AS {self._pg_mark_sql(position.__getitem__)}"
+        )
+        arguments = ", ".join(f"%({n})s" for n in names)
+        return f"BEGIN; EXECUTE {name} ({arguments})", prepare
 
     def _build_overwrite_statement(self) -> sa.Executable:
         t = self._progress
@@ -1593,19 +1615,33 @@ class SqlOffsetStore(StageOffsetStore):
     def _pg_begin_and_mark(
         self, conn: sa.Connection, driver_conn: Any, params: dict[str, Any]
     ) -> Any:
-        """``BEGIN`` and the mark statement (:meth:`_pg_mark_sql`) sent as one query
-        (one round trip) on ``driver_conn``, a psycopg connection in autocommit mode;
-        the row it returns or ``None``. Several statements in one query need the
-        simple query protocol, so the parameters are bound by psycopg's client-side
-        cursor (its quoting, not ours). Driver errors come out as SQLAlchemy's, as
-        from ``conn.execute``."""
+        """``BEGIN`` and the mark statement (:meth:`_pg_mark_sql`, prepared on the
+        connection at its first use) sent as one query (one round trip) on
+        ``driver_conn``, a psycopg connection in autocommit mode; the row it returns
+        or ``None``. Several statements in one query need the simple query protocol,
+        so the parameters are bound by psycopg's client-side cursor (its quoting, not
+        ours). Driver errors come out as SQLAlchemy's, as from ``conn.execute``."""
         sql = self._pg_begin_mark_sql
         assert sql is not None
         dialect = self._engine.dialect
         dbapi = dialect.loaded_dbapi
+        info = conn.connection.info
         cursor = dbapi.ClientCursor(driver_conn)
         try:
-            cursor.execute(sql, params)
+            for attempt in range(2):
+                if not info.get("stagedconsumer_mark_prepared"):
+                    cursor.execute(self._pg_prepare_mark_sql)  # autocommit: outlives transactions
+                    info["stagedconsumer_mark_prepared"] = True
+                try:
+                    cursor.execute(sql, params)
+                    break
+                except dbapi.Error as exc:
+                    if attempt or getattr(exc, "sqlstate", None) != "26000":
+                        raise
+                    # No such prepared statement (a pooler reset the session): end the
+                    # failed transaction, prepare it again, begin again.
+                    driver_conn.rollback()
+                    info.pop("stagedconsumer_mark_prepared", None)
             cursor.nextset()  # past BEGIN's result
             row = cursor.fetchone()
         except dbapi.Error as exc:

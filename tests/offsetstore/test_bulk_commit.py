@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from offsetstore import (
     MemoryOffsetStore,
     QueueProgress,
+    ReadOffsetType,
     SqlOffsetStore,
     StageKey,
     StageOffsetStore,
@@ -250,3 +251,11 @@ async def test_transactions_leave_pooled_connections_as_they_found_them(
         with pytest.raises(StoreFencedError):
             await store.transact(GROUP, mq, [1], fail, fence=4)
         assert not autocommit()
+        # The session lost its prepared statements (a pooler's reset): prepared again.
+        with store._engine.connect() as conn:
+            conn.exec_driver_sql("DEALLOCATE ALL")
+        assert await store.transact(GROUP, mq, [1], lambda connection: 2, fence=5) == 2
+        assert not autocommit()
+        assert await store.read_progress(GROUP, mq, ReadOffsetType.READ_FROM_STORE) == (
+            QueueProgress(consume_offset=None, finished=[(0, 1)])
+        )
