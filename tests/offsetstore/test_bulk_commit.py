@@ -9,30 +9,21 @@ import pytest
 import sqlalchemy as sa
 
 from offsetstore import (
-    MemoryOffsetStore,
     QueueProgress,
     ReadOffsetType,
     SqlOffsetStore,
     StageKey,
-    StageOffsetStore,
     StoreFencedError,
 )
 from stagedconsumer import MessageQueue
 
 from .conftest import Backend
+from .test_transact import marks_left, stores
 
 pytestmark = pytest.mark.anyio
 
 GROUP = "g"
 ODD_NAMES = ["plain", "it's", 'say "hi"', "back\\slash", "100%", "ünïcødé", "emoji 🙂", ""]
-
-
-def _stores(backend: Backend) -> tuple[StageOffsetStore, StageOffsetStore]:
-    old, new = backend.new_store(), backend.new_store()
-    if isinstance(old, MemoryOffsetStore) and isinstance(new, MemoryOffsetStore):
-        new._fences = old._fences
-        new._marks = old._marks
-    return old, new
 
 
 async def test_a_large_fenced_commit_refuses_exactly_the_queues_claimed_since(
@@ -41,7 +32,7 @@ async def test_a_large_fenced_commit_refuses_exactly_the_queues_claimed_since(
     queues = [MessageQueue(f"T{i % 3}", i) for i in range(2050)]  # more than a lock chunk
     claimed_by_new = set(queues[::64])
     never_stored = set(queues[5::100]) - claimed_by_new
-    old, new = _stores(backend)
+    old, new = stores(backend)
     async with old, new:
         for mq in queues:
             if mq not in never_stored:
@@ -105,17 +96,6 @@ async def test_a_bulk_commit_keeps_names_exact_and_consume_offsets_increase_only
         assert await reader.list_progress(GROUP) == expected
 
 
-def _marks_left(store: SqlOffsetStore) -> int:
-    engine = sa.create_engine(store._url)
-    try:
-        with engine.connect() as conn:
-            return int(
-                conn.execute(sa.select(sa.func.count()).select_from(store._marks)).scalar_one()
-            )
-    finally:
-        engine.dispose()
-
-
 async def test_one_commit_folds_the_marks_of_many_queues(sql_backend: Backend) -> None:
     queues = [MessageQueue("T", i) for i in range(130)]  # more than one delete's queues
     store = sql_backend.new_store()
@@ -126,14 +106,14 @@ async def test_one_commit_folds_the_marks_of_many_queues(sql_backend: Backend) -
         await store.persist_all(GROUP, queues)
         for mq in queues:
             await store.transact(GROUP, mq, [0, 1], lambda connection: None)
-        assert _marks_left(store) == 2 * len(queues)
+        assert marks_left(store) == 2 * len(queues)
         # Progress unchanged, marks above it: nothing to fold yet.
         await store.persist_all(GROUP, queues)
-        assert _marks_left(store) == 2 * len(queues)
+        assert marks_left(store) == 2 * len(queues)
         for mq in queues[:-1]:
             store.update_progress(GROUP, mq, QueueProgress(consume_offset=2))
         await store.persist_all(GROUP, queues)
-        assert _marks_left(store) == 2  # those of the queue whose progress did not move
+        assert marks_left(store) == 2  # those of the queue whose progress did not move
         reader = sql_backend.new_store()
         assert (await reader.read_progress(GROUP, queues[-1])) == QueueProgress(
             consume_offset=0, finished=[(0, 1)]
