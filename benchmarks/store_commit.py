@@ -2,8 +2,11 @@
 
 1. Time to persist the progress of 1, 100 and 10,000 queues (each with two stage
    keys) in one ``persist_all``: the first commit (rows inserted) and the steady
-   state (every row updated, increase-only upsert), median of ``--repeat`` runs. The
-   baseline, measured in the same run, is :class:`MemoryOffsetStore` (no I/O).
+   state (every row updated, increase-only upsert), median of ``--repeat`` runs; then
+   the steady state when 1 % of the queues moved (the others are as committed), and
+   ``persist_fenced`` of every queue (the consumer-group commit: each row's fence
+   checked, every row updated). The baseline, measured in the same run, is
+   :class:`MemoryOffsetStore` (no I/O).
 2. Event-loop responsiveness while 10,000-queue commits run back to back: a ticker
    sleeping 1 ms records how late it wakes up, next to the same ticker on an idle
    loop (the baseline).
@@ -96,7 +99,7 @@ class Backend:
         engine = sa.create_engine(self.url)
         try:
             with engine.begin() as conn:
-                for table in ("progress", "schema"):
+                for table in ("progress", "schema", "marks"):
                     conn.execute(sa.text(f"DROP TABLE IF EXISTS {self.prefix}{table}"))
         finally:
             engine.dispose()
@@ -113,8 +116,9 @@ def _fill(store: StageOffsetStore, queues: Sequence[MessageQueue], base: int) ->
         )
 
 
-async def _commit_times(backend: Backend, n: int, repeat: int) -> tuple[float, float, float]:
-    """(first commit, median and best steady-state commit) in seconds for ``n`` queues."""
+async def _commit_times(backend: Backend, n: int, repeat: int) -> dict[str, float]:
+    """First commit, median and best steady-state commit, median commit with 1 % of the
+    queues changed and median fenced commit, in seconds, for ``n`` queues."""
     store = backend.store()
     queues = [MessageQueue(f"topic{i % 10}", i // 10) for i in range(n)]
     try:
@@ -129,9 +133,33 @@ async def _commit_times(backend: Backend, n: int, repeat: int) -> tuple[float, f
             start = time.perf_counter()
             await store.persist_all(GROUP, queues)
             steady.append(time.perf_counter() - start)
+        few = []
+        moved = queues[:: max(1, len(queues) // max(1, n // 100))]
+        for r in range(repeat):
+            for mq in moved:
+                store.update_offset(GROUP, mq, 3000 + r)
+            start = time.perf_counter()
+            await store.persist_all(GROUP, queues)
+            few.append(time.perf_counter() - start)
+        fenced = []
+        tokens = dict.fromkeys(queues, 1)
+        for r in range(repeat):
+            _fill(store, queues, 4000 + r)
+            start = time.perf_counter()
+            await store.persist_fenced(GROUP, tokens)
+            fenced.append(time.perf_counter() - start)
         stored = await store.list_progress(GROUP, "topic3")
         assert len(stored) == len([q for q in queues if q.topic == "topic3"])
-        return first, statistics.median(steady), min(steady)
+        assert all(
+            p.consume_offset is not None and p.consume_offset >= 4000 for p in stored.values()
+        )
+        return {
+            "first_s": first,
+            "steady_s": statistics.median(steady),
+            "best_s": min(steady),
+            "few_s": statistics.median(few),
+            "fenced_s": statistics.median(fenced),
+        }
     finally:
         await store.aclose()
         backend.drop()
@@ -256,27 +284,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     commit_rows: list[dict[str, Any]] = []
     for backend in backends:
         for n in args.sizes:
-            first, steady, best = await _commit_times(backend, n, args.repeat)
-            commit_rows.append(
-                {
-                    "backend": backend.name,
-                    "queues": n,
-                    "first_s": first,
-                    "steady_s": steady,
-                    "best_s": best,
-                }
-            )
+            times = await _commit_times(backend, n, args.repeat)
+            commit_rows.append({"backend": backend.name, "queues": n, **times})
             console.print(
-                f"{backend.name:>8} {n:>6} queues: first {first * 1000:8.1f} ms,"
-                f" steady median {steady * 1000:8.1f} ms, best {best * 1000:8.1f} ms",
+                f"{backend.name:>8} {n:>6} queues: first {times['first_s'] * 1000:8.1f} ms,"
+                f" steady median {times['steady_s'] * 1000:8.1f} ms,"
+                f" best {times['best_s'] * 1000:8.1f} ms",
                 highlight=False,
             )
 
     table = Table(
         title="persist_all: ms per commit of N queues (first = insert; steady = upsert,"
-        f" median / best of {args.repeat}); x memory = steady median / MemoryOffsetStore's"
+        f" median / best of {args.repeat}); x memory = steady median / MemoryOffsetStore's;"
+        " 1 % changed = steady with 1 % of the queues moved; fenced = persist_fenced, every"
+        " row checked and updated (medians)"
     )
-    for column in ("backend", "queues", "first ms", "steady ms (median / best)", "x memory"):
+    for column in (
+        "backend",
+        "queues",
+        "first ms",
+        "steady ms (median / best)",
+        "x memory",
+        "1 % changed ms",
+        "fenced ms",
+    ):
         table.add_column(column, justify="left" if column == "backend" else "right")
     memory = {r["queues"]: r["steady_s"] for r in commit_rows if r["backend"] == "memory"}
     for row in commit_rows:
@@ -288,6 +319,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{row['first_s'] * 1000:,.1f}",
             f"{row['steady_s'] * 1000:,.1f} / {row['best_s'] * 1000:,.1f}",
             f"{ratio:,.1f}",
+            f"{row['few_s'] * 1000:,.1f}",
+            f"{row['fenced_s'] * 1000:,.1f}",
         )
     console.print(table)
 

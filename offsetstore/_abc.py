@@ -367,11 +367,7 @@ class StageOffsetStore(abc.ABC):
         await self._resolve_scope(group)
         fenced = await self._write_fenced(group, batch, tokens)
         if fenced:
-            raise StoreFencedError(
-                f"group {group!r}: progress of {', '.join(map(str, sorted(fenced)))} not"
-                " written: another consumer took over the queue (newer fencing token)",
-                queues=fenced,
-            )
+            raise _fenced_error(group, fenced)
 
     # -- exactly-once effects -----------------------------------------------------------
 
@@ -474,6 +470,15 @@ def _check_source(source: object) -> None:
 SOURCE_MAX_LENGTH = 191
 """The longest source identity a store keeps (MariaDB/MySQL bound the length of the
 SQL store's primary key); sources shorten longer identities with a hash."""
+
+
+def _fenced_error(group: str, fenced: set[MessageQueue]) -> StoreFencedError:
+    """What :meth:`StageOffsetStore.persist_fenced` raises for the queues it did not write."""
+    return StoreFencedError(
+        f"group {group!r}: progress of {', '.join(map(str, sorted(fenced)))} not"
+        " written: another consumer took over the queue (newer fencing token)",
+        queues=fenced,
+    )
 
 
 def _check_reset_entry(mq: object, value: object) -> None:

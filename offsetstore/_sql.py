@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import anyio.lowlevel
 import anyio.to_thread
@@ -68,7 +68,8 @@ from sqlalchemy.dialects import mysql as mysql_dialect
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ._abc import SOURCE_MAX_LENGTH, UNSCOPED, StageOffsetStore, _check_reset_entry
+from ._abc import SOURCE_MAX_LENGTH, UNSCOPED, StageOffsetStore, _check_reset_entry, _fenced_error
+from ._bulk import BulkRow, BulkUpsert
 from ._exceptions import (
     AlreadyFinishedError,
     OffsetStoreError,
@@ -100,7 +101,10 @@ column (sparse progress) and the marks table (exactly-once effects), version 4 t
 _COMPONENT: Final = "offsetstore"
 _DEADLOCK_RETRIES: Final = 3
 _SNAPSHOT_CHUNK: Final = 500
-_WRITE_CHUNK: Final = 200
+_FOLD_CHUNK: Final = 100
+"""Queues whose marks one ``DELETE`` folds."""
+_PING_AFTER_IDLE: Final = 1.0
+"""Seconds a pooled connection may rest before its checkout pings the server."""
 _GIL_PAUSE: Final = 0.001
 _CREATE_ATTEMPTS: Final = 3
 """Tries at creating the tables when stores race to: one per table, and one more."""
@@ -438,18 +442,19 @@ class SqlOffsetStore(StageOffsetStore):
             )
         self._operation_timeout = operation_timeout
         self._engine = self._create_engine(connect_timeout, dict(engine_options or {}))
-        self._write_stmt = self._build_write_statement()
-        self._pg_mark_stmt = sa.text(
-            f"WITH p AS (SELECT fence, consume_offset, finished FROM {self._progress.name}"
-            " WHERE source = :s AND consumer_group = :g AND topic = :t AND queue_id = :q"
-            " FOR KEY SHARE),"
-            f" ins AS (INSERT INTO {self._marks.name}"
-            " (source, consumer_group, topic, queue_id, queue_offset)"
-            " SELECT :s, :g, :t, :q, o FROM p, unnest(CAST(:offsets AS BIGINT[])) AS o"
-            " WHERE p.fence <= :fence RETURNING 1)"
-            " SELECT p.fence, p.consume_offset, p.finished, (SELECT count(*) FROM ins) AS marked"
-            " FROM p"
-        )
+        self._key_names = [c.name for c in self._progress.primary_key.columns]
+        self._bulk: BulkUpsert | None = None
+        self._written: dict[tuple[str, MessageQueue], _Raw] = {}
+        """The progress this store last committed per queue (a queue whose in-memory
+        progress is still that is not written again)."""
+        self._pg_mark_stmt = sa.text(self._pg_mark_sql(lambda name: f":{name}"))
+        self._pg_begin_mark_sql: str | None = None
+        """BEGIN and the execution of the prepared mark statement as one query, bound by
+        the driver's client-side cursor: transact()'s first round trip on PostgreSQL
+        through psycopg (3); ``_pg_prepare_mark_sql`` prepares it on a connection."""
+        self._pg_prepare_mark_sql = ""
+        if self._backend == "postgresql" and self._url.get_driver_name() == "psycopg":
+            self._pg_begin_mark_sql, self._pg_prepare_mark_sql = self._pg_prepared_mark()
         self._overwrite_stmt = self._build_overwrite_statement()
         self._setup_lock = threading.Lock()
         # One SQLite database in memory is one connection: serialize its users.
@@ -509,7 +514,9 @@ class SqlOffsetStore(StageOffsetStore):
                 connect_args.update(read_timeout=io_timeout, write_timeout=io_timeout)
             options.setdefault("isolation_level", "READ COMMITTED")
         connect_args.update(options.pop("connect_args", {}))
-        options.setdefault("pool_pre_ping", self._backend != "sqlite")
+        # A server's connection is pinged on checkout after it rested (see
+        # _ping_when_idle), unless the caller chose SQLAlchemy's ping on every checkout.
+        idle_ping = self._backend != "sqlite" and "pool_pre_ping" not in options
         try:
             engine = sa.create_engine(self._url, connect_args=connect_args, **options)
         except ImportError as exc:
@@ -520,6 +527,8 @@ class SqlOffsetStore(StageOffsetStore):
             ) from exc
         except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, TypeError) as exc:
             raise StoreConfigurationError(f"cannot use offset store URL {self.url}: {exc}") from exc
+        if idle_ping:
+            _ping_when_idle(engine, _PING_AFTER_IDLE)
         if self._backend == "sqlite":
             _configure_sqlite(
                 engine,
@@ -529,46 +538,50 @@ class SqlOffsetStore(StageOffsetStore):
             )
         return engine
 
-    def _build_write_statement(self) -> sa.Executable:
-        """The increase-only upsert of one queue's progress, for executemany."""
-        t = self._progress
-        keys = [t.c.source, t.c.consumer_group, t.c.topic, t.c.queue_id]
-        if self._backend == "mysql":
-            mstmt = mysql_dialect.insert(t)
-            new = mstmt.inserted
-            take = sa.or_(
-                t.c.consume_offset.is_(None),
-                sa.and_(new.consume_offset.is_not(None), new.consume_offset >= t.c.consume_offset),
-            )
-            # MySQL evaluates the assignments left to right and later ones see earlier
-            # results: stage_offsets must be decided before consume_offset changes.
-            return mstmt.on_duplicate_key_update(
-                [
-                    ("stage_offsets", sa.case((take, new.stage_offsets), else_=t.c.stage_offsets)),
-                    ("finished", sa.case((take, new.finished), else_=t.c.finished)),
-                    (
-                        "consume_offset",
-                        sa.case((take, new.consume_offset), else_=t.c.consume_offset),
-                    ),
-                ]
-            )
-        stmt = (pg_dialect.insert if self._backend == "postgresql" else sqlite_dialect.insert)(t)
-        excluded = stmt.excluded
-        return stmt.on_conflict_do_update(
-            index_elements=keys,
-            set_={
-                "consume_offset": excluded.consume_offset,
-                "stage_offsets": excluded.stage_offsets,
-                "finished": excluded.finished,
-            },
-            where=sa.or_(
-                t.c.consume_offset.is_(None),
-                sa.and_(
-                    excluded.consume_offset.is_not(None),
-                    excluded.consume_offset >= t.c.consume_offset,
-                ),
-            ),
+    def _pg_mark_sql(self, param: Callable[[str], str]) -> str:
+        """PostgreSQL: lock the progress row of a queue against a claim (``FOR KEY
+        SHARE``), insert the finished marks of ``offsets`` if its fence is at most
+        ``fence``, and return the row (fence, consume offset, finished) with the number
+        of marks inserted: no row when the queue has none. Parameters: the key values
+        ``k0``, ``k1``, ... (:meth:`_key`), ``offsets`` and ``fence``; ``param`` writes
+        a parameter in the driver's style."""
+        prep = self._engine.dialect.identifier_preparer
+        keys = [param(f"k{i}") for i in range(len(self._key_names))]
+        where = " AND ".join(
+            f"{prep.quote(name)} = {value}"
+            for name, value in zip(self._key_names, keys, strict=True)
         )
+        columns = ", ".join(prep.quote(name) for name in [*self._key_names, "queue_offset"])
+        return (
+            f"WITH p AS (SELECT fence, consume_offset, finished"
+            f" FROM {prep.format_table(self._progress)} WHERE {where} FOR KEY SHARE),"
+            f" ins AS (INSERT INTO {prep.format_table(self._marks)} ({columns})"
+            f" SELECT {', '.join(keys)}, o FROM p,"
+            f" unnest(CAST({param('offsets')} AS BIGINT[])) AS o"
+            f" WHERE p.fence <= {param('fence')} RETURNING 1)"
+            " SELECT p.fence, p.consume_offset, p.finished, (SELECT count(*) FROM ins) AS marked"
+            " FROM p"
+        )
+
+    def _pg_prepared_mark(self) -> tuple[str, str]:
+        """(``BEGIN`` and ``EXECUTE`` of the mark statement, its ``PREPARE``). Prepared
+        once per connection: sent in the simple query protocol (several statements in
+        one query), it would otherwise be parsed and planned on every call, which
+        costs the server more than running it."""
+        name = f"{self._table_prefix}mark"
+        names = [f"k{i}" for i in range(len(self._key_names))] + ["offsets", "fence"]
+        position = {n: f"${i}" for i, n in enumerate(names, 1)}
+        t = self._progress
+        dialect = self._engine.dialect
+        types = [
+            "text" if isinstance(t.c[k].type, sa.String) else t.c[k].type.compile(dialect=dialect)
+            for k in self._key_names
+        ] + ["bigint[]", "bigint"]
+        prepare = (
+            f"PREPARE {name} ({', '.join(types)}) AS {self._pg_mark_sql(position.__getitem__)}"
+        )
+        arguments = ", ".join(f"%({n})s" for n in names)
+        return f"BEGIN; EXECUTE {name} ({arguments})", prepare
 
     def _build_overwrite_statement(self) -> sa.Executable:
         t = self._progress
@@ -632,6 +645,7 @@ class SqlOffsetStore(StageOffsetStore):
         try:
             if not self._loaded:
                 self._setup()
+            lost: sa_exc.DBAPIError | None = None
             for attempt in range(_DEADLOCK_RETRIES):
                 try:
                     with self._serialized():
@@ -639,7 +653,21 @@ class SqlOffsetStore(StageOffsetStore):
                 except sa_exc.DBAPIError as exc:
                     if attempt + 1 < _DEADLOCK_RETRIES and _is_deadlock(exc):
                         continue
+                    if exc.connection_invalidated and lost is None:
+                        # A pooled connection the server had closed (no ping on a
+                        # connection that just rested, see _ping_when_idle): once
+                        # more, on a new one. Every call is safe to repeat: writes
+                        # are increase-only or idempotent, and a transaction that did
+                        # commit finds its marks.
+                        lost = exc
+                        continue
+                    if lost is not None and isinstance(
+                        exc, (sa_exc.OperationalError, sa_exc.InterfaceError)
+                    ):
+                        raise lost from None  # no new connection either: the first loss
                     raise
+            if lost is not None:
+                raise lost
             raise AssertionError("unreachable")  # pragma: no cover
         except OffsetStoreError:
             raise
@@ -1177,6 +1205,7 @@ class SqlOffsetStore(StageOffsetStore):
 
     def _source_bound(self) -> None:
         self._marked.clear()
+        self._written.clear()
 
     async def _adopt_stored(self, group: str) -> int:
         t, m = self._progress, self._marks
@@ -1438,95 +1467,214 @@ class SqlOffsetStore(StageOffsetStore):
                         .values(fence=fence)
                     )
 
-        await self._run(f"repairing the progress of group {group!r}", write, writes=True)
+        try:
+            await self._run(f"repairing the progress of group {group!r}", write, writes=True)
+        finally:
+            self._forget_written(group, [*progress, *fences])
         for mq, value in progress.items():
             self.update_progress(group, mq, value)
 
+    def _key(self, group: str, mq: MessageQueue) -> tuple[Any, ...]:
+        """The primary key values of the progress row of ``mq`` of ``group``, in the
+        order of the table's key columns (the marks table's key begins with them)."""
+        return (self._scope_of(group), group, mq.topic, mq.queue_id)
+
     def _params(self, group: str, mq: MessageQueue, progress: QueueProgress) -> dict[str, Any]:
-        return {
-            "source": self._scope_of(group),
-            "consumer_group": group,
-            "topic": mq.topic,
-            "queue_id": mq.queue_id,
-            "consume_offset": progress.consume_offset,
-            "stage_offsets": encode_stage_offsets(progress.stage_offsets),
-            "finished": encode_finished(progress.consume_offset, progress.finished),
-        }
+        params = dict(zip(self._key_names, self._key(group, mq), strict=True))
+        params["consume_offset"] = progress.consume_offset
+        params["stage_offsets"] = encode_stage_offsets(progress.stage_offsets)
+        params["finished"] = encode_finished(progress.consume_offset, progress.finished)
+        return params
+
+    def _bulk_upsert(self) -> BulkUpsert:
+        bulk = self._bulk
+        if bulk is None:
+            bulk = self._bulk = BulkUpsert(self._progress, self._backend, self._engine.dialect)
+        return bulk
+
+    async def _snapshot(
+        self, group: str, mqs: Iterable[MessageQueue], *, all_of_them: bool
+    ) -> _Snapshot:
+        """Copy the in-memory progress of ``mqs``, yielding to the event loop every
+        ``_SNAPSHOT_CHUNK`` queues (a commit of 10,000 queues never holds the loop for
+        more than a few milliseconds). Each queue's progress is copied as one unit;
+        queues are independent, so a queue updated while the snapshot runs is simply
+        written with its newer value.
+
+        A queue whose progress is what this store last committed for it, and that has
+        no finished marks to fold, is left out (``all_of_them``: kept, but marked
+        ``clean``, to be checked without being written)."""
+        raw: dict[MessageQueue, _Raw] = {}
+        clean: set[MessageQueue] = set()
+        table = self._table
+        written = self._written
+        marked = self._marked
+        for count, mq in enumerate(mqs, 1):
+            key = (group, mq)
+            row = table.get(key)
+            if row is not None:
+                last = written.get(key)
+                if (
+                    last is not None
+                    and last[0] == row.consume_offset
+                    and last[2] == row.finished
+                    and last[1] == row.stage_offsets
+                    and key not in marked
+                ):
+                    if all_of_them:
+                        raw[mq] = last
+                        clean.add(mq)
+                else:
+                    raw[mq] = (row.consume_offset, dict(row.stage_offsets), row.finished)
+            if count % _SNAPSHOT_CHUNK == 0:
+                await anyio.lowlevel.checkpoint()
+        return _Snapshot(raw, clean)
 
     async def persist_all(self, group: str, mqs: Iterable[MessageQueue]) -> None:
         """Write the in-memory progress of ``mqs`` to the database in one transaction.
 
-        As :meth:`StageOffsetStore.persist_all`, but the snapshot of the in-memory
-        table yields to the event loop every ``_SNAPSHOT_CHUNK`` queues, so a commit of
-        10,000 queues never holds the loop for more than a few milliseconds. Each
-        queue's progress is still copied as one unit; queues are independent, so a
-        queue updated while the snapshot runs is simply written with its newer value.
-        """
-        batch: dict[MessageQueue, QueueProgress] = {}
-        table = self._table
-        for count, mq in enumerate(mqs, 1):
-            row = table.get((group, mq))
-            if row is not None:
-                batch[mq] = row.progress()
-            if count % _SNAPSHOT_CHUNK == 0:
-                await anyio.lowlevel.checkpoint()
+        As :meth:`StageOffsetStore.persist_all`; the queues whose progress did not
+        change since this store committed it are not written again (see
+        :meth:`_snapshot`)."""
+        batch = await self._snapshot(group, mqs, all_of_them=False)
         if batch:
             await self._resolve_scope(group)
             await self._write_stored(group, batch)
 
+    async def persist_fenced(self, group: str, fences: Mapping[MessageQueue, int]) -> None:
+        """:meth:`StageOffsetStore.persist_fenced`: the fence of every queue of
+        ``fences`` is checked; of those that pass, only the ones whose progress
+        changed since this store committed it are written again."""
+        batch = await self._snapshot(group, fences, all_of_them=True)
+        if not batch:
+            return
+        await self._resolve_scope(group)
+        fenced = await self._write_fenced(group, batch, {mq: fences[mq] for mq in batch})
+        if fenced:
+            raise _fenced_error(group, fenced)
+
+    def remove_offset(self, group: str, mq: MessageQueue) -> None:
+        super().remove_offset(group, mq)
+        self._written.pop((group, mq), None)
+
+    def _forget_written(self, group: str, mqs: Iterable[MessageQueue]) -> None:
+        """The stored progress of ``mqs`` was set by other means: write it next time."""
+        for mq in mqs:
+            self._written.pop((group, mq), None)
+
     async def _write_stored(
         self, group: str, progress: Mapping[MessageQueue, QueueProgress]
     ) -> None:
-        items = list(progress.items())
-        stmt = self._write_stmt
+        await self._write_progress(group, _Snapshot.of(progress), None)
 
-        def write() -> None:
-            # Everything but the snapshot above runs here, off the event loop: with
-            # 10,000 queues, sorting and encoding alone take tens of milliseconds.
-            # Sorted, so concurrent writers lock rows in the same order (no deadlocks).
-            items.sort(key=_queue_order)
-            params = [self._params(group, mq, value) for mq, value in items]
+    async def _write_fenced(
+        self,
+        group: str,
+        progress: Mapping[MessageQueue, QueueProgress],
+        fences: Mapping[MessageQueue, int],
+    ) -> set[MessageQueue]:
+        return await self._write_progress(group, _Snapshot.of(progress), fences)
+
+    async def _write_progress(
+        self, group: str, batch: _Snapshot, fences: Mapping[MessageQueue, int] | None
+    ) -> set[MessageQueue]:
+        """Write ``batch`` (but its clean queues) in one transaction, increase-only;
+        with ``fences``, lock the rows first and skip (and return) those whose stored
+        fence is higher than their token."""
+        raw = batch.raw
+        clean = batch.clean
+
+        def write() -> set[MessageQueue]:
+            # Everything but the snapshot runs here, off the event loop: with 10,000
+            # queues, sorting and encoding alone take milliseconds. Sorted, so
+            # concurrent writers lock rows in the same order.
+            items = sorted(raw.items(), key=_queue_order)
+            key = self._key
+            fenced: set[MessageQueue] = set()
             with self._write_transaction() as conn:
-                for start in range(0, len(params), _WRITE_CHUNK):
-                    if start:
-                        # Drivers drop and retake the GIL around every row; without
-                        # a real pause the event loop's thread can wait for the GIL
-                        # for the whole statement (the convoy effect).
+                if fences is not None:
+                    fenced = self._fenced_queues(conn, group, [mq for mq, _ in items], fences)
+                rows: list[BulkRow] = [
+                    (key(group, mq), c, encode_stage_offsets(s), encode_finished(c, f))
+                    for mq, (c, s, f) in items
+                    if mq not in clean and mq not in fenced
+                ]
+                for n, (sql, params) in enumerate(self._bulk_upsert().statements(rows)):
+                    if n:
+                        # Drivers drop and retake the GIL while they work; without a
+                        # real pause the event loop's thread can wait for the GIL for
+                        # the whole commit (the convoy effect).
                         time.sleep(_GIL_PAUSE)
-                    conn.execute(stmt, params[start : start + _WRITE_CHUNK])
-                folded = self._fold_marks(conn, group, items)
+                    conn.exec_driver_sql(sql, params)
+                # The marks of a fenced queue are its new owner's to fold.
+                folded = self._fold_marks(
+                    conn, group, [(mq, value[0]) for mq, value in items if mq not in fenced]
+                )
             self._folded(group, folded)
+            return fenced
 
-        await self._run(
-            f"persisting the progress of {len(items)} queue(s) of group {group!r}",
-            write,
-            writes=True,
+        what = f"persisting the progress of {len(raw)} queue(s) of group {group!r}"
+        fenced = await self._run(
+            f"{what} (fenced)" if fences is not None else what, write, writes=True
+        )
+        written = self._written
+        for mq, value in raw.items():
+            if mq not in fenced:
+                written[(group, mq)] = value
+        return fenced
+
+    def _fenced_queues(
+        self,
+        conn: sa.Connection,
+        group: str,
+        queues: Sequence[MessageQueue],
+        fences: Mapping[MessageQueue, int],
+    ) -> set[MessageQueue]:
+        """Lock the stored rows of ``queues`` (SQLite: ``BEGIN IMMEDIATE`` already
+        serializes writers) and return those whose fence is higher than their token
+        in ``fences``. A queue with no row is not fenced."""
+        by_key = {self._key(group, mq): mq for mq in queues}
+        fenced: set[MessageQueue] = set()
+        for sql, params in self._bulk_upsert().lock_statements(list(by_key)):
+            for *key, fence in conn.exec_driver_sql(sql, params):
+                mq = by_key[self._stored_key(key)]
+                if int(fence) > fences[mq]:
+                    fenced.add(mq)
+        return fenced
+
+    def _stored_key(self, values: Sequence[Any]) -> tuple[Any, ...]:
+        """Key values as a driver returns them (MariaDB: bytes) as :meth:`_key` has them."""
+        return tuple(
+            bytes(v).decode("utf-8") if isinstance(v, (bytes, bytearray)) else v for v in values
         )
 
     def _fold_marks(
-        self, conn: sa.Connection, group: str, items: Iterable[tuple[MessageQueue, QueueProgress]]
+        self, conn: sa.Connection, group: str, items: Iterable[tuple[MessageQueue, int | None]]
     ) -> list[MessageQueue]:
         """Delete the finished marks below the consume offsets just written (only of
-        queues that may have some); returns the queues left with none."""
+        queues that may have some), ``_FOLD_CHUNK`` queues per statement; returns the
+        queues left with none."""
         marked = self._marked
         if not marked:
             return []
         m = self._marks
+        keys = [m.c[name] for name in self._key_names]
         folded = []
-        for mq, value in items:
+        below = []
+        for mq, consume_offset in items:
             highest = marked.get((group, mq))
-            if highest is None or value.consume_offset is None:
+            if highest is None or consume_offset is None:
                 continue
-            conn.execute(
-                sa.delete(m).where(
-                    *self._owned(m, group),
-                    m.c.topic == mq.topic,
-                    m.c.queue_id == mq.queue_id,
-                    m.c.queue_offset < value.consume_offset,
+            below.append(
+                sa.and_(
+                    *(c == v for c, v in zip(keys, self._key(group, mq), strict=True)),
+                    m.c.queue_offset < consume_offset,
                 )
             )
-            if highest < value.consume_offset:
+            if highest < consume_offset:
                 folded.append(mq)
+        for start in range(0, len(below), _FOLD_CHUNK):
+            conn.execute(sa.delete(m).where(sa.or_(*below[start : start + _FOLD_CHUNK])))
         return folded
 
     def _folded(self, group: str, mqs: Iterable[MessageQueue]) -> None:
@@ -1569,17 +1717,12 @@ class SqlOffsetStore(StageOffsetStore):
         fail the check. Its statements are retried (``fn`` too) on a deadlock;
         anything ``fn`` raises propagates as it is, nothing committed."""
         m = self._marks
-        rows = [
-            {
-                "source": self._scope_of(group),
-                "consumer_group": group,
-                "topic": mq.topic,
-                "queue_id": mq.queue_id,
-                "queue_offset": o,
-            }
-            for o in offsets
-        ]
+        key = dict(zip(self._key_names, self._key(group, mq), strict=True))
+        rows = [{**key, "queue_offset": o} for o in offsets]
         highest = max(offsets)
+        mark_params = {f"k{i}": value for i, value in enumerate(key.values())}
+        mark_params["offsets"] = list(offsets)
+        mark_params["fence"] = _NO_FENCE if fence is None else fence
 
         def already(done: set[int]) -> AlreadyFinishedError:
             return AlreadyFinishedError(
@@ -1590,20 +1733,14 @@ class SqlOffsetStore(StageOffsetStore):
 
         def run() -> _T:
             try:
-                with self._write_transaction() as conn:
-                    if self._backend == "postgresql" and self._version >= 4:
+                with self._mark_transaction() as (conn, driver_conn):
+                    if driver_conn is not None:
+                        # Begin, lock, check and mark in one round trip.
+                        row = self._pg_begin_and_mark(conn, driver_conn, mark_params)
+                        marked = row is not None and int(row.marked) == len(offsets)
+                    elif self._backend == "postgresql" and self._version >= 4:
                         # Lock, check and mark in one round trip.
-                        row = conn.execute(
-                            self._pg_mark_stmt,
-                            {
-                                "s": self._scope_of(group),
-                                "g": group,
-                                "t": mq.topic,
-                                "q": mq.queue_id,
-                                "offsets": list(offsets),
-                                "fence": _NO_FENCE if fence is None else fence,
-                            },
-                        ).first()
+                        row = conn.execute(self._pg_mark_stmt, mark_params).first()
                         marked = row is not None and int(row.marked) == len(offsets)
                     else:
                         row = self._lock_row(conn, group, mq, share=True)
@@ -1645,6 +1782,90 @@ class SqlOffsetStore(StageOffsetStore):
             )
         except _HandlerFailed as failed:
             raise failed.exc from None
+
+    @contextmanager
+    def _mark_transaction(self) -> Iterator[tuple[sa.Connection, Any]]:
+        """The transaction of :meth:`transact`: a write transaction, and the driver's
+        connection when its first statement is to begin it (PostgreSQL through
+        psycopg, see :meth:`_pg_begin_and_mark`), else ``None``.
+
+        psycopg sends ``BEGIN`` on its own, a round trip before the first statement,
+        unless the connection is in autocommit mode: for the transaction, it is
+        switched to autocommit (the server's transaction, begun by our ``BEGIN``, is
+        then committed or rolled back by SQLAlchemy as any other: psycopg ends a
+        transaction in progress whatever the mode), and switched back before the
+        connection returns to the pool; a connection that cannot be switched back is
+        discarded rather than pooled."""
+        if self._pg_begin_mark_sql is None or self._version < 3:
+            with self._write_transaction() as conn:
+                yield conn, None
+            return
+        with self._engine.connect() as conn:
+            driver_conn = conn.connection.dbapi_connection
+            assert driver_conn is not None
+            driver_conn.autocommit = True
+            try:
+                with conn.begin():
+                    yield conn, driver_conn
+            finally:
+                self._end_autocommit(conn, driver_conn)
+
+    def _end_autocommit(self, conn: sa.Connection, driver_conn: Any) -> None:
+        if conn.invalidated or driver_conn.closed:
+            return
+        try:
+            driver_conn.rollback()  # nothing to do unless a transaction was left open
+            driver_conn.autocommit = False
+        except Exception as exc:
+            conn.invalidate(exc)
+
+    def _pg_begin_and_mark(
+        self, conn: sa.Connection, driver_conn: Any, params: dict[str, Any]
+    ) -> Any:
+        """``BEGIN`` and the mark statement (:meth:`_pg_mark_sql`, prepared on the
+        connection at its first use) sent as one query (one round trip) on
+        ``driver_conn``, a psycopg connection in autocommit mode; the row it returns
+        or ``None``. Several statements in one query need the simple query protocol,
+        so the parameters are bound by psycopg's client-side cursor (its quoting, not
+        ours). Driver errors come out as SQLAlchemy's, as from ``conn.execute``."""
+        sql = self._pg_begin_mark_sql
+        assert sql is not None
+        dialect = self._engine.dialect
+        dbapi = dialect.loaded_dbapi
+        info = conn.connection.info
+        cursor = dbapi.ClientCursor(driver_conn)
+        try:
+            for attempt in range(2):
+                if not info.get("stagedconsumer_mark_prepared"):
+                    cursor.execute(self._pg_prepare_mark_sql)  # autocommit: outlives transactions
+                    info["stagedconsumer_mark_prepared"] = True
+                try:
+                    cursor.execute(sql, params)
+                    break
+                except dbapi.Error as exc:
+                    if attempt or getattr(exc, "sqlstate", None) != "26000":
+                        raise
+                    # No such prepared statement (a pooler reset the session): end the
+                    # failed transaction, prepare it again, begin again.
+                    driver_conn.rollback()
+                    info.pop("stagedconsumer_mark_prepared", None)
+            cursor.nextset()  # past BEGIN's result
+            row = cursor.fetchone()
+        except dbapi.Error as exc:
+            invalidated = bool(dialect.is_disconnect(exc, driver_conn, cursor))
+            if invalidated:
+                conn.invalidate(exc)
+            raise sa_exc.DBAPIError.instance(
+                sql,
+                params,
+                exc,
+                dbapi.Error,
+                connection_invalidated=invalidated,
+                dialect=dialect,
+            ) from exc
+        finally:
+            cursor.close()
+        return None if row is None else _MarkRow(*row)
 
     def _committed_offsets(self, row: Any, offsets: Sequence[int]) -> set[int]:
         """Those of ``offsets`` that the stored progress ``row`` says finished: below
@@ -1718,42 +1939,12 @@ class SqlOffsetStore(StageOffsetStore):
                         raise
             raise AssertionError("unreachable")  # pragma: no cover
 
-        return await self._run(f"claiming {mq} ({group}) with fence {fence}", claim, writes=True)
-
-    async def _write_fenced(
-        self,
-        group: str,
-        progress: Mapping[MessageQueue, QueueProgress],
-        fences: Mapping[MessageQueue, int],
-    ) -> set[MessageQueue]:
-        stmt = self._write_stmt
-        queues = sorted(progress)
-
-        def write() -> set[MessageQueue]:
-            fenced: set[MessageQueue] = set()
-            with self._write_transaction() as conn:
-                # Lock each row (sorted: no deadlocks), then write those not fenced off.
-                for mq in queues:
-                    row = self._lock_row(conn, group, mq)
-                    if row is not None and int(row.fence) > fences[mq]:
-                        fenced.add(mq)
-                params = [
-                    self._params(group, mq, progress[mq]) for mq in queues if mq not in fenced
-                ]
-                if params:
-                    conn.execute(stmt, params)
-                # The marks of a fenced queue are its new owner's to fold.
-                folded = self._fold_marks(
-                    conn, group, [(mq, progress[mq]) for mq in queues if mq not in fenced]
-                )
-            self._folded(group, folded)
-            return fenced
-
-        return await self._run(
-            f"persisting the progress of {len(queues)} queue(s) of group {group!r} (fenced)",
-            write,
-            writes=True,
-        )
+        try:
+            return await self._run(
+                f"claiming {mq} ({group}) with fence {fence}", claim, writes=True
+            )
+        finally:
+            self._forget_written(group, (mq,))
 
     async def _overwrite_stored(
         self, group: str, progress: Mapping[MessageQueue, QueueProgress | None]
@@ -1788,7 +1979,19 @@ class SqlOffsetStore(StageOffsetStore):
                 if upserts:
                     conn.execute(stmt, upserts)
 
-        await self._run(f"resetting the progress of group {group!r}", write, writes=True)
+        try:
+            await self._run(f"resetting the progress of group {group!r}", write, writes=True)
+        finally:
+            self._forget_written(group, progress)
+
+
+class _MarkRow(NamedTuple):
+    """What the mark statement returns (:meth:`SqlOffsetStore._pg_mark_sql`)."""
+
+    fence: int
+    consume_offset: int | None
+    finished: str | None
+    marked: int
 
 
 _NO_FENCE: Final = (1 << 63) - 1
@@ -1804,10 +2007,86 @@ class _HandlerFailed(Exception):
         self.exc = exc
 
 
+_Raw = tuple["int | None", dict[StageKey, int], tuple[tuple[int, int], ...]]
+"""A queue's progress as copied from the in-memory table: (consume offset, stage
+offsets, finished ranges)."""
+
+
+class _Snapshot(Mapping[MessageQueue, QueueProgress]):
+    """Progress of queues to commit, as copied from the in-memory table (``raw``).
+
+    A mapping of :class:`QueueProgress` for overrides of ``_write_stored`` (built on
+    access only: at 10,000 queues, building them all costs as much as the commit's
+    SQL). ``clean`` holds the queues whose progress this store committed already: a
+    fenced commit checks their fence without writing them."""
+
+    __slots__ = ("clean", "raw")
+
+    def __init__(self, raw: dict[MessageQueue, _Raw], clean: set[MessageQueue]) -> None:
+        self.raw = raw
+        self.clean = clean
+
+    @classmethod
+    def of(cls, progress: Mapping[MessageQueue, QueueProgress]) -> _Snapshot:
+        if isinstance(progress, _Snapshot):
+            return progress
+        raw = {
+            mq: (value.consume_offset, dict(value.stage_offsets), value.finished)
+            for mq, value in progress.items()
+        }
+        return cls(raw, set())
+
+    def __getitem__(self, mq: MessageQueue) -> QueueProgress:
+        consume_offset, stage_offsets, finished = self.raw[mq]
+        return QueueProgress(
+            consume_offset=consume_offset, stage_offsets=stage_offsets, finished=finished
+        )
+
+    def __iter__(self) -> Iterator[MessageQueue]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
 def _queue_order(item: tuple[MessageQueue, object]) -> tuple[str, int]:
     # A key function: attrs' generated ordering of MessageQueue is ~30x slower.
     mq = item[0]
     return (mq.topic, mq.queue_id)
+
+
+def _ping_when_idle(engine: sa.Engine, idle: float) -> None:
+    """Ping a pooled connection on checkout only when it rested ``idle`` seconds or more.
+
+    SQLAlchemy's ``pool_pre_ping`` pings on every checkout: a round trip before each
+    transaction, a fifth of a one-row transaction's time. A connection back in the
+    pool for less than a second is taken as alive; should the server have closed it
+    meanwhile, the statement fails as a lost connection, the pool drops it (and the
+    connections older than it), and the store's call is tried once more on a new
+    one (:meth:`SqlOffsetStore._call`). A rested connection that fails its ping is
+    replaced before use, as with ``pool_pre_ping``."""
+    dialect = engine.dialect
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(_dbapi_connection: Any, record: Any) -> None:
+        record.info["stagedconsumer_rested_since"] = time.monotonic()
+
+    @sa.event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
+        if record is not None:
+            record.info["stagedconsumer_rested_since"] = time.monotonic()
+
+    @sa.event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("stagedconsumer_rested_since")
+        if since is not None and time.monotonic() - since < idle:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as exc:
+            if dialect.is_disconnect(exc, dbapi_connection, None):
+                raise sa_exc.DisconnectionError(f"ping failed: {exc}") from exc
+            raise
 
 
 def _configure_sqlite(engine: sa.Engine, *, memory: bool, read_only: bool, wait: float) -> None:
