@@ -246,16 +246,21 @@ class ConcurrentlyConsumeService(ConsumeService):
         else:
             if error is not None:
                 logger.warning(
-                    "group %s: handler failed on %d message(s) of %s; sending them back",
+                    "group %s: handler failed on %d message(s) of %s; %s",
                     self.group,
                     len(messages),
                     mq,
+                    "retrying them here"
+                    if self.options.retry_in_place
+                    else "sending them back",
                     exc_info=error,
                 )
             elif result is not ConsumeConcurrentlyStatus.RECONSUME_LATER:
                 self._not_a_status(result, ConsumeConcurrentlyStatus, "RECONSUME_LATER")
             failed = messages
         state.consumed_failed += len(failed)
+        if self.options.retry_in_place:
+            return await self._retry_in_place(batch, succeeded, failed, context)
         kept: list[Message] = []
         retried: list[Message] = []
         dead: list[Message] = []
@@ -290,6 +295,44 @@ class ConcurrentlyConsumeService(ConsumeService):
             dead=dead,
             suspended=kept,
             retry_at=anyio.current_time() + SEND_BACK_FAILED_DELAY if kept else 0.0,
+        )
+
+    async def _retry_in_place(
+        self,
+        batch: Batch,
+        succeeded: Sequence[Message],
+        failed: Sequence[Message],
+        context: ConsumeConcurrentlyContext,
+    ) -> Settlement:
+        """``retry_in_place``: the failed messages stay in their queue and are retried
+        after ``suspend_current_queue_time_millis``; those that used up their attempts
+        (or asked for it with a negative delay level) go to the dead-letter queue."""
+        mq = batch.process_queue.message_queue
+        if context.delay_level_when_next_consume < 0:
+            suspended, exhausted = [], list(failed)
+        else:
+            suspended, exhausted = split_exhausted(failed, self.max_reconsume_times)
+        dead: list[Message] = []
+        for message in exhausted:
+            try:
+                await self.source.send_to_dlq(self.group, self._handed_back(message, mq))
+            except SourceError as exc:
+                logger.warning(
+                    "group %s: could not move %s to the DLQ (%s); retrying it",
+                    self.group,
+                    message.msg_id,
+                    exc,
+                )
+                suspended.append(message)
+                continue
+            dead.append(message)
+        self.state.dead_lettered += len(dead)
+        delay = clamp_suspend_millis(self.options.suspend_current_queue_time_millis) / 1000
+        return Settlement(
+            succeeded=succeeded,
+            dead=dead,
+            suspended=suspended,
+            retry_at=anyio.current_time() + delay if suspended else 0.0,
         )
 
 

@@ -10,6 +10,7 @@ call whose messages are all there as a success, whatever it returned or raised
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -20,6 +21,8 @@ from .._message import Message, MessageQueue
 from ._state import ConsumerState
 
 __all__ = ("Transactor",)
+
+logger = logging.getLogger("stagedconsumer")
 
 _T = TypeVar("_T")
 _PRUNE_AT = 1024
@@ -37,8 +40,12 @@ class Transactor:
         store: StageOffsetStore,
         fence_of: Callable[[MessageQueue], int | None] | None,
         runs: Sequence[Any] = (),
+        retry_copies: bool = False,
     ) -> None:
         self.runs = runs
+        self.retry_copies = retry_copies
+        """Whether failed messages go to the retry queue as copies (concurrent mode
+        without ``retry_in_place``): said once, at the first transaction."""
         self.state = state
         self.store = store
         self.fence_of = fence_of
@@ -75,6 +82,16 @@ class Transactor:
             raise
         self._mark(pq, offsets)
         self.state.transactions += 1
+        if self.retry_copies:
+            self.retry_copies = False
+            logger.warning(
+                "group %s: a concurrent listener commits effects with transact() while"
+                " its failed messages go to the retry queue %%RETRY%%%s as copies: after a"
+                " crash, a message and its copy can both commit their effect. Set"
+                " ConsumerOptions(retry_in_place=True) for effects exactly once",
+                self.state.group,
+                self.state.group,
+            )
         return result
 
     @staticmethod
