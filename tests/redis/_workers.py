@@ -4,6 +4,7 @@ killed by the multi-process Redis tests (the ``workers`` fixture)."""
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -50,7 +51,11 @@ class Workers:
         proc = self.procs[name]
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
+            # readline() alone would wait past the deadline for a worker that prints
+            # nothing (one whose start waits on a queue's claim, say)
+            if not select.select([proc.stdout], [], [], left)[0]:
+                break
             line = proc.stdout.readline()
             if line.startswith("READY "):
                 self.client_ids[name] = line.split()[1]
