@@ -250,9 +250,7 @@ class ConcurrentlyConsumeService(ConsumeService):
                     self.group,
                     len(messages),
                     mq,
-                    "retrying them here"
-                    if self.options.retry_in_place
-                    else "sending them back",
+                    "retrying them here" if self.options.retry_in_place else "sending them back",
                     exc_info=error,
                 )
             elif result is not ConsumeConcurrentlyStatus.RECONSUME_LATER:
@@ -308,6 +306,8 @@ class ConcurrentlyConsumeService(ConsumeService):
         after ``suspend_current_queue_time_millis``; those that used up their attempts
         (or asked for it with a negative delay level) go to the dead-letter queue."""
         mq = batch.process_queue.message_queue
+        suspended: list[Message]
+        exhausted: list[Message]
         if context.delay_level_when_next_consume < 0:
             suspended, exhausted = [], list(failed)
         else:
