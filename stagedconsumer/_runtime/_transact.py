@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from offsetstore import AlreadyFinishedError, StageOffsetStore, StoreFencedError
 
 from .._core import Batch, ProcessQueue
 from .._message import Message, MessageQueue
 from ._state import ConsumerState
+
+if TYPE_CHECKING:
+    from ._services import ConsumeService
 
 __all__ = ("Transactor",)
 
@@ -39,11 +42,12 @@ class Transactor:
         state: ConsumerState,
         store: StageOffsetStore,
         fence_of: Callable[[MessageQueue], int | None] | None,
-        runs: Sequence[Any] = (),
-        retry_copies: bool = False,
+        service: ConsumeService | None = None,
     ) -> None:
-        self.runs = runs
-        self.retry_copies = retry_copies
+        self.runs: Sequence[Any] = () if service is None else service.active_runs
+        self.retry_copies: bool = service is not None and (
+            service.retry_queues and not service.options.retry_in_place
+        )
         """Whether failed messages go to the retry queue as copies (concurrent mode
         without ``retry_in_place``): said once, at the first transaction."""
         self.state = state

@@ -247,7 +247,7 @@ class FailsFirstThenCommits(MessageListenerConcurrently):
 
 @pytest.mark.parametrize(("in_place", "effects"), [(False, 2), (True, 1)])
 def test_a_retry_copy_can_commit_an_effect_twice_unless_retried_in_place(
-    in_place: bool, effects: int
+    in_place: bool, effects: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The message fails once: concurrent mode copies it to the retry topic, and the
     # consumer dies right after that call, before any progress commit. The restart
@@ -265,6 +265,9 @@ def test_a_retry_copy_can_commit_an_effect_twice_unless_retried_in_place(
     assert listener.committed == [origin_id(run.sent[0])] * effects
     retried = [c for c in run.log.calls if c.queue.topic.startswith("%RETRY%")]
     assert bool(retried) is not in_place
+    # Without retry_in_place, the first transaction of a concurrent consumer warns.
+    warned = [r for r in caplog.records if "retry_in_place=True" in r.getMessage()]
+    assert len(warned) == (0 if in_place else 1)
 
 
 @pytest.mark.timeout(120)
