@@ -206,6 +206,35 @@ class ConsumeService(abc.ABC):
             treated_as,
         )
 
+    async def _dead_letter(
+        self, exhausted: Sequence[Message], mq: MessageQueue, suspended: list[Message]
+    ) -> list[Message]:
+        """Move ``exhausted`` to the dead-letter queue; those it could not move are
+        appended to ``suspended`` (retried here). Returns those moved."""
+        dead: list[Message] = []
+        for message in exhausted:
+            try:
+                await self.source.send_to_dlq(self.group, self._handed_back(message, mq))
+            except SourceError as exc:
+                logger.warning(
+                    "group %s: could not move %s to the DLQ (%s); retrying it",
+                    self.group,
+                    message.msg_id,
+                    exc,
+                )
+                suspended.append(message)
+                continue
+            dead.append(message)
+        self.state.dead_lettered += len(dead)
+        return dead
+
+    @staticmethod
+    def _retry_at(suspend_millis: int, suspended: Sequence[Message]) -> float:
+        """When suspended messages are retried (0.0 when there are none)."""
+        if not suspended:
+            return 0.0
+        return anyio.current_time() + clamp_suspend_millis(suspend_millis) / 1000
+
     @abc.abstractmethod
     async def settle_failure(
         self, batch: Batch, context: Any, error: Exception | None, result: object
@@ -312,27 +341,12 @@ class ConcurrentlyConsumeService(ConsumeService):
             suspended, exhausted = [], list(failed)
         else:
             suspended, exhausted = split_exhausted(failed, self.max_reconsume_times)
-        dead: list[Message] = []
-        for message in exhausted:
-            try:
-                await self.source.send_to_dlq(self.group, self._handed_back(message, mq))
-            except SourceError as exc:
-                logger.warning(
-                    "group %s: could not move %s to the DLQ (%s); retrying it",
-                    self.group,
-                    message.msg_id,
-                    exc,
-                )
-                suspended.append(message)
-                continue
-            dead.append(message)
-        self.state.dead_lettered += len(dead)
-        delay = clamp_suspend_millis(self.options.suspend_current_queue_time_millis) / 1000
+        dead = await self._dead_letter(exhausted, mq, suspended)
         return Settlement(
             succeeded=succeeded,
             dead=dead,
             suspended=suspended,
-            retry_at=anyio.current_time() + delay if suspended else 0.0,
+            retry_at=self._retry_at(self.options.suspend_current_queue_time_millis, suspended),
         )
 
 
@@ -368,28 +382,11 @@ class OrderlyConsumeService(ConsumeService):
             self._not_a_status(result, ConsumeOrderlyStatus, "SUSPEND_CURRENT_QUEUE_A_MOMENT")
         self.state.consumed_failed += len(messages)
         suspended, exhausted = split_exhausted(messages, self.max_reconsume_times)
-        dead: list[Message] = []
-        for message in exhausted:
-            try:
-                await self.source.send_to_dlq(
-                    self.group, self._handed_back(message, batch.process_queue.message_queue)
-                )
-            except SourceError as exc:
-                logger.warning(
-                    "group %s: could not move %s to the DLQ (%s); retrying it",
-                    self.group,
-                    message.msg_id,
-                    exc,
-                )
-                suspended.append(message)
-                continue
-            dead.append(message)
-        self.state.dead_lettered += len(dead)
-        delay = clamp_suspend_millis(context.suspend_current_queue_time_millis) / 1000
+        dead = await self._dead_letter(exhausted, batch.process_queue.message_queue, suspended)
         return Settlement(
             dead=dead,
             suspended=suspended,
-            retry_at=anyio.current_time() + delay if suspended else 0.0,
+            retry_at=self._retry_at(context.suspend_current_queue_time_millis, suspended),
         )
 
 

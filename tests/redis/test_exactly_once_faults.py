@@ -35,23 +35,18 @@ from tests._postgres_server import PostgresServer, postgres_binaries
 from tests.conftest import require_service
 
 from ._events import Event, check_stages_and_barrier, read_events, starts_by_message
-from ._workers import Workers
+from ._workers import FAST_GROUP_OPTIONS, Workers, produce
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(240)]
 
 QUEUES = 8
 PER_QUEUE = 300
-LOCK_TTL = 3.0
+GROUP_OPTIONS = FAST_GROUP_OPTIONS
+LOCK_TTL = GROUP_OPTIONS["lock_ttl"]
 PERSIST_INTERVAL = 0.5
 COMMIT_WINDOW = PERSIST_INTERVAL + 2.0
 """How long before a fault a message may have finished and still not be committed:
 the interval, plus a commit's own time on a loaded machine."""
-GROUP_OPTIONS = {
-    "lock_ttl": LOCK_TTL,
-    "lock_renew_interval": 0.5,
-    "rebalance_interval": 0.5,
-    "member_ttl": 1.5,
-}
 
 
 @pytest.fixture
@@ -82,16 +77,6 @@ def _has_user(name: str) -> bool:
 def store_url(postgres: PostgresServer) -> tuple[str, str]:
     """The workers' offset store: on the test's own server (its data go with it)."""
     return postgres.url, "eo_"
-
-
-async def _produce(broker: RedisBroker, per_queue: int, seconds: float) -> None:
-    """Send ``per_queue`` messages to every queue, spread over ``seconds``."""
-    chunk = 10
-    rounds = per_queue // chunk
-    for _ in range(rounds):
-        for q in range(QUEUES):
-            await broker.send_many("t", [b"x"] * chunk, queue_id=q)
-        await anyio.sleep(seconds / rounds)
 
 
 async def _wait_all_committed(store: SqlOffsetStore, group: str, timeout: float) -> None:
@@ -128,7 +113,7 @@ async def _run_with_faults(
         for name in ("a", "b", "c"):
             workers.wait_ready(name)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_produce, broker, PER_QUEUE, 8.0)
+            tg.start_soon(produce, broker, QUEUES, PER_QUEUE, 8.0)
             await anyio.sleep(1.0)
             faults["kill a"] = time.time()
             workers.procs["a"].kill()  # SIGKILL mid-stream

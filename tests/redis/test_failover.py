@@ -22,19 +22,14 @@ from stagedconsumer import MessageQueue
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
-from ._workers import Workers, lock_owners
+from ._workers import FAST_GROUP_OPTIONS, Workers, lock_owners, produce
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
 QUEUES = 8
 PER_QUEUE = 300
-LOCK_TTL = 3.0
-GROUP_OPTIONS = {
-    "lock_ttl": LOCK_TTL,
-    "lock_renew_interval": 0.5,
-    "rebalance_interval": 0.5,
-    "member_ttl": 1.5,
-}
+GROUP_OPTIONS = FAST_GROUP_OPTIONS
+LOCK_TTL = GROUP_OPTIONS["lock_ttl"]
 
 
 @pytest.fixture
@@ -44,16 +39,6 @@ async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
             yield broker
         finally:
             await broker.delete_namespace()
-
-
-async def _produce(broker: RedisBroker, per_queue: int, seconds: float) -> None:
-    """Send ``per_queue`` messages to every queue, spread over ``seconds``."""
-    chunk = 10
-    rounds = per_queue // chunk
-    for _ in range(rounds):
-        for q in range(QUEUES):
-            await broker.send_many("t", [b"x"] * chunk, queue_id=q)
-        await anyio.sleep(seconds / rounds)
 
 
 async def _wait_all_committed(
@@ -93,7 +78,7 @@ async def test_sigkilled_member_queues_move_within_lock_expiry_nothing_lost(
                 await anyio.sleep(0.1)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_produce, broker, PER_QUEUE, 1.0)
+            tg.start_soon(produce, broker, QUEUES, PER_QUEUE, 1.0)
             await anyio.sleep(1.5)
             owners = await lock_owners(broker, group, QUEUES)
             victim = workers.client_ids["a"]
