@@ -123,7 +123,16 @@ class ConsumerOptions:
     suspend_current_queue_time_millis: int = attrs.field(
         default=1000, validator=_int_range(10, 30000)
     )
-    """Orderly and staged: wait before a failed batch is retried."""
+    """Orderly and staged (and concurrent with ``retry_in_place``): wait before a
+    failed batch is retried."""
+    retry_in_place: bool = attrs.field(default=False, validator=_bool)
+    """Concurrent mode: retry a failed message in its own queue, after
+    ``suspend_current_queue_time_millis`` (as orderly and staged mode do; the
+    dead-letter queue after ``max_reconsume_times`` attempts), instead of handing it
+    to the group's retry queue ``%RETRY%<group>``. Exactly-once effects
+    (``context.transact``) need it: a copy in the retry queue is a second message, and
+    after a crash both it and the original can commit an effect. The failed message
+    holds its queue's committed offset while it waits. Ignored in the other modes."""
     persist_consumer_offset_interval: float = attrs.field(default=5.0, validator=_finite_positive)
     """Seconds between commits of progress to the offset store; also how often the
     max offset (for lag) of a queue that is not pulled, paused or held by flow

@@ -689,7 +689,7 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         state=state,
         store=consumer.offset_store,
         fence_of=membership.ownership.epoch if membership is not None else None,
-        runs=consumer._service.active_runs,
+        service=consumer._service,
     )
     consumer._pulls = consumer._queues.pulls = PullService(
         state=state,

@@ -206,6 +206,35 @@ class ConsumeService(abc.ABC):
             treated_as,
         )
 
+    async def _dead_letter(
+        self, exhausted: Sequence[Message], mq: MessageQueue, suspended: list[Message]
+    ) -> list[Message]:
+        """Move ``exhausted`` to the dead-letter queue; those it could not move are
+        appended to ``suspended`` (retried here). Returns those moved."""
+        dead: list[Message] = []
+        for message in exhausted:
+            try:
+                await self.source.send_to_dlq(self.group, self._handed_back(message, mq))
+            except SourceError as exc:
+                logger.warning(
+                    "group %s: could not move %s to the DLQ (%s); retrying it",
+                    self.group,
+                    message.msg_id,
+                    exc,
+                )
+                suspended.append(message)
+                continue
+            dead.append(message)
+        self.state.dead_lettered += len(dead)
+        return dead
+
+    @staticmethod
+    def _retry_at(suspend_millis: int, suspended: Sequence[Message]) -> float:
+        """When suspended messages are retried (0.0 when there are none)."""
+        if not suspended:
+            return 0.0
+        return anyio.current_time() + clamp_suspend_millis(suspend_millis) / 1000
+
     @abc.abstractmethod
     async def settle_failure(
         self, batch: Batch, context: Any, error: Exception | None, result: object
@@ -246,16 +275,19 @@ class ConcurrentlyConsumeService(ConsumeService):
         else:
             if error is not None:
                 logger.warning(
-                    "group %s: handler failed on %d message(s) of %s; sending them back",
+                    "group %s: handler failed on %d message(s) of %s; %s",
                     self.group,
                     len(messages),
                     mq,
+                    "retrying them here" if self.options.retry_in_place else "sending them back",
                     exc_info=error,
                 )
             elif result is not ConsumeConcurrentlyStatus.RECONSUME_LATER:
                 self._not_a_status(result, ConsumeConcurrentlyStatus, "RECONSUME_LATER")
             failed = messages
         state.consumed_failed += len(failed)
+        if self.options.retry_in_place:
+            return await self._retry_in_place(batch, succeeded, failed, context)
         kept: list[Message] = []
         retried: list[Message] = []
         dead: list[Message] = []
@@ -292,6 +324,31 @@ class ConcurrentlyConsumeService(ConsumeService):
             retry_at=anyio.current_time() + SEND_BACK_FAILED_DELAY if kept else 0.0,
         )
 
+    async def _retry_in_place(
+        self,
+        batch: Batch,
+        succeeded: Sequence[Message],
+        failed: Sequence[Message],
+        context: ConsumeConcurrentlyContext,
+    ) -> Settlement:
+        """``retry_in_place``: the failed messages stay in their queue and are retried
+        after ``suspend_current_queue_time_millis``; those that used up their attempts
+        (or asked for it with a negative delay level) go to the dead-letter queue."""
+        mq = batch.process_queue.message_queue
+        suspended: list[Message]
+        exhausted: list[Message]
+        if context.delay_level_when_next_consume < 0:
+            suspended, exhausted = [], list(failed)
+        else:
+            suspended, exhausted = split_exhausted(failed, self.max_reconsume_times)
+        dead = await self._dead_letter(exhausted, mq, suspended)
+        return Settlement(
+            succeeded=succeeded,
+            dead=dead,
+            suspended=suspended,
+            retry_at=self._retry_at(self.options.suspend_current_queue_time_millis, suspended),
+        )
+
 
 class OrderlyConsumeService(ConsumeService):
     """Orderly mode: one batch at a time per queue, in offset order. A failed batch is
@@ -325,28 +382,11 @@ class OrderlyConsumeService(ConsumeService):
             self._not_a_status(result, ConsumeOrderlyStatus, "SUSPEND_CURRENT_QUEUE_A_MOMENT")
         self.state.consumed_failed += len(messages)
         suspended, exhausted = split_exhausted(messages, self.max_reconsume_times)
-        dead: list[Message] = []
-        for message in exhausted:
-            try:
-                await self.source.send_to_dlq(
-                    self.group, self._handed_back(message, batch.process_queue.message_queue)
-                )
-            except SourceError as exc:
-                logger.warning(
-                    "group %s: could not move %s to the DLQ (%s); retrying it",
-                    self.group,
-                    message.msg_id,
-                    exc,
-                )
-                suspended.append(message)
-                continue
-            dead.append(message)
-        self.state.dead_lettered += len(dead)
-        delay = clamp_suspend_millis(context.suspend_current_queue_time_millis) / 1000
+        dead = await self._dead_letter(exhausted, batch.process_queue.message_queue, suspended)
         return Settlement(
             dead=dead,
             suspended=suspended,
-            retry_at=anyio.current_time() + delay if suspended else 0.0,
+            retry_at=self._retry_at(context.suspend_current_queue_time_millis, suspended),
         )
 
 

@@ -10,8 +10,9 @@ call whose messages are all there as a success, whatever it returned or raised
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from offsetstore import AlreadyFinishedError, StageOffsetStore, StoreFencedError
 
@@ -19,7 +20,12 @@ from .._core import Batch, ProcessQueue
 from .._message import Message, MessageQueue
 from ._state import ConsumerState
 
+if TYPE_CHECKING:
+    from ._services import ConsumeService
+
 __all__ = ("Transactor",)
+
+logger = logging.getLogger("stagedconsumer")
 
 _T = TypeVar("_T")
 _PRUNE_AT = 1024
@@ -36,9 +42,14 @@ class Transactor:
         state: ConsumerState,
         store: StageOffsetStore,
         fence_of: Callable[[MessageQueue], int | None] | None,
-        runs: Sequence[Any] = (),
+        service: ConsumeService | None = None,
     ) -> None:
-        self.runs = runs
+        self.runs: Sequence[Any] = () if service is None else service.active_runs
+        self.retry_copies: bool = service is not None and (
+            service.retry_queues and not service.options.retry_in_place
+        )
+        """Whether failed messages go to the retry queue as copies (concurrent mode
+        without ``retry_in_place``): said once, at the first transaction."""
         self.state = state
         self.store = store
         self.fence_of = fence_of
@@ -75,6 +86,16 @@ class Transactor:
             raise
         self._mark(pq, offsets)
         self.state.transactions += 1
+        if self.retry_copies:
+            self.retry_copies = False
+            logger.warning(
+                "group %s: a concurrent listener commits effects with transact() while"
+                " its failed messages go to the retry queue %%RETRY%%%s as copies: after a"
+                " crash, a message and its copy can both commit their effect. Set"
+                " ConsumerOptions(retry_in_place=True) for effects exactly once",
+                self.state.group,
+                self.state.group,
+            )
         return result
 
     @staticmethod

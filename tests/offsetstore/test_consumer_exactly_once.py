@@ -14,6 +14,7 @@ import pytest
 from offsetstore import QueueProgress, StageKey
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
+    ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     MemoryBroker,
     Message,
@@ -113,3 +114,42 @@ async def test_plain_def_handlers_transact_from_their_threads() -> None:
 async def test_transact_outside_a_handler_call_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="context a consumer passes"):
         await ConsumeConcurrentlyContext(message_queue=MQ).transact(lambda connection: None)
+
+
+class FailsOnceBeforeTransact(MessageListenerConcurrently):
+    """Fails its first call on offset 1 before transacting; writes an effect per
+    message otherwise (in the store's transaction)."""
+
+    def __init__(self) -> None:
+        self.effects: list[int] = []
+        self.failed = False
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        if any(m.queue_offset == 1 for m in msgs) and not self.failed:
+            self.failed = True
+            raise RuntimeError("failed before its transaction")
+        await context.transact(lambda connection: self.effects.extend(m.queue_offset for m in msgs))
+
+
+async def test_a_concurrent_listener_retried_in_place_commits_each_effect_once(
+    backend: Backend,
+) -> None:
+    broker = MemoryBroker()
+    broker.create_topic("t", 1)
+    for _ in range(5):
+        broker.send("t", b"x", queue_id=0)
+    listener = FailsOnceBeforeTransact()
+    options = ConsumerOptions(retry_in_place=True, suspend_current_queue_time_millis=10)
+    async with backend.new_store() as store:
+        consumer = PushConsumer("g", broker, listener, offset_store=store, options=options)
+        consumer.subscribe("t")
+        async with consumer:
+            await consumer.wait_caught_up()
+            stats = consumer.statistics()
+        assert listener.failed
+        assert sorted(listener.effects) == list(range(5))  # offset 1 once, in place
+        assert stats.sent_back == 0
+        assert stats.transactions == 5
+        assert (await store.list_progress("g"))[MQ].consume_offset == 5

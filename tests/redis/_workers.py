@@ -4,6 +4,7 @@ killed by the multi-process Redis tests (the ``workers`` fixture)."""
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -11,11 +12,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from stagedconsumer import MessageQueue, RedisBroker
 
-__all__ = ("Workers", "lock_owners")
+__all__ = ("FAST_GROUP_OPTIONS", "Workers", "lock_owners", "produce")
 
 ROOT = Path(__file__).resolve().parents[2]
+
+FAST_GROUP_OPTIONS = {
+    "lock_ttl": 3.0,
+    "lock_renew_interval": 0.5,
+    "rebalance_interval": 0.5,
+    "member_ttl": 1.5,
+}
+"""Group options of the fault tests: a dead or frozen member's queues move in seconds."""
+
+
+async def produce(broker: RedisBroker, queues: int, per_queue: int, seconds: float) -> None:
+    """Send ``per_queue`` messages to every queue of topic ``t``, spread over
+    ``seconds``."""
+    chunk = 10
+    rounds = per_queue // chunk
+    for _ in range(rounds):
+        for q in range(queues):
+            await broker.send_many("t", [b"x"] * chunk, queue_id=q)
+        await anyio.sleep(seconds / rounds)
 
 
 async def lock_owners(broker: RedisBroker, group: str, queues: int) -> dict[int, str | None]:
@@ -50,7 +72,11 @@ class Workers:
         proc = self.procs[name]
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
+            # readline() alone would wait past the deadline for a worker that prints
+            # nothing (one whose start waits on a queue's claim, say)
+            if not select.select([proc.stdout], [], [], left)[0]:
+                break
             line = proc.stdout.readline()
             if line.startswith("READY "):
                 self.client_ids[name] = line.split()[1]

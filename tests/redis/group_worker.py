@@ -18,7 +18,7 @@ Prints ``READY <client_id>`` once started; leaves gracefully on SIGTERM. Optiona
 example the gray release settings). With ``"effects_table"``, each handler call
 inserts one row per message (queue id, offset, pid) into that table through
 ``context.transact_blocking`` (exactly-once effects), writing its ``E`` lines inside
-the transaction.
+the transaction. SIGUSR1 dumps every thread's stack to standard error.
 """
 
 from __future__ import annotations
@@ -184,6 +184,9 @@ async def run(config: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = json.loads(argv[1])
     anyio.run(run, config, backend=config.get("backend", "asyncio"))

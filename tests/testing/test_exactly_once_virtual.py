@@ -33,6 +33,8 @@ from stagedconsumer import (
     MessageQueue,
 )
 from stagedconsumer.testing import (
+    FailureKind,
+    FailureSchedule,
     MessageSpec,
     StagePlan,
     VirtualRun,
@@ -226,11 +228,54 @@ def listener_for(mode: str, sizes: list[int], effects: Effects) -> MessageListen
     return Transactional()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@settings(max_examples=25)
+class FailsFirstThenCommits(MessageListenerConcurrently):
+    """Fails its first call before its transaction; commits an effect on the next."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.committed: list[str] = []
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("failed before its transaction")
+        ids = [origin_id(m) for m in msgs]
+        await context.transact(lambda connection: self.committed.extend(ids))
+
+
+@pytest.mark.parametrize(("in_place", "effects"), [(False, 2), (True, 1)])
+def test_a_retry_copy_can_commit_an_effect_twice_unless_retried_in_place(
+    in_place: bool, effects: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The message fails once: concurrent mode copies it to the retry topic, and the
+    # consumer dies right after that call, before any progress commit. The restart
+    # delivers the original again and the copy comes too: each commits its effect.
+    # Retried in place, the message has one copy, and its mark stops a second effect.
+    listener = FailsFirstThenCommits()
+    run = run_virtual(
+        listener,
+        [MessageSpec(topic="t", queue_id=0)],
+        options=ConsumerOptions(retry_in_place=in_place),
+        crash_at=[1],
+    )
+    assert run.completed
+    assert run.crashes == 1
+    assert listener.committed == [origin_id(run.sent[0])] * effects
+    retried = [c for c in run.log.calls if c.queue.topic.startswith("%RETRY%")]
+    assert bool(retried) is not in_place
+    # Without retry_in_place, the first transaction of a concurrent consumer warns.
+    warned = [r for r in caplog.records if "retry_in_place=True" in r.getMessage()]
+    assert len(warned) == (0 if in_place else 1)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60)  # ~10 ms each: every mode retries in place
 @given(
-    st.sampled_from(["staged", "orderly"]),  # they retry in place (see the docs)
+    # Concurrent mode with retry_in_place: a failed message is retried in its queue
+    # rather than copied to the retry topic (see the test above).
+    st.sampled_from(["staged", "orderly", "concurrent"]),
     messages(topic="t", queues=st.integers(1, 2), keys=st.sampled_from([("a",), ("b",), ()])),
     stage_definitions(),
     failure_schedules(),
@@ -262,6 +307,7 @@ def test_effects_happen_exactly_once_under_failures_and_crashes(
         consume_message_batch_max_size=batch,
         persist_consumer_offset_interval=2.0,
         sparse_progress_max_ranges=max_ranges,
+        retry_in_place=True,
     )
     run = run_virtual(
         listener, specs, options=options, failures=failures, costs=costs, crash_at=crash_at
@@ -269,24 +315,37 @@ def test_effects_happen_exactly_once_under_failures_and_crashes(
     assert run.completed
     dead = {origin_id(d.message) for d in run.log.dead_letters}
     counts = collections.Counter(effects.committed)
-    # Concurrent mode sends a failed message back to the retry topic: a new message in
-    # another queue. If the process dies after the send-back and before the commit of
-    # the original's queue, both are delivered and each commits its effect once (a
-    # documented limit: key such effects on the origin message id).
-    resent = {
-        origin_id(m)
-        for call in run.log.calls
-        if call.queue.topic.startswith("%RETRY%")
-        for m in call.messages
-    }
     expected = {origin_id(m): 0 if origin_id(m) in dead else 1 for m in run.sent}
-    got = {origin_id(m): counts[origin_id(m)] for m in run.sent}
-    for key in resent & set(got):
-        if run.crashes and got[key] == 2:
-            got[key] = 1
-    assert got == expected
+    assert {origin_id(m): counts[origin_id(m)] for m in run.sent} == expected
+    assert not [c for c in run.log.calls if c.queue.topic.startswith("%RETRY%")]
     assert redelivered_recorded(run) == []
     if isinstance(listener, MessageListenerStagedConcurrently):
         assert_staged(run.log, StagePlan.of(listener, run.sent), within_runs=True)
     if mode == "orderly" and not run.crashes:
         assert_orderly(run.log)
+
+
+def test_retry_in_place_waits_the_suspend_time_then_dead_letters() -> None:
+    # Concurrent mode with retry_in_place: a failing message is retried in its own
+    # queue every suspend_current_queue_time_millis, the other messages go on, and
+    # after max_reconsume_times retries it goes to the dead-letter queue.
+    always = FailureSchedule.of({(0, n): FailureKind.RAISE for n in (1, 2, 3)})
+    options = ConsumerOptions(
+        retry_in_place=True, max_reconsume_times=2, suspend_current_queue_time_millis=2500
+    )
+    run = run_virtual(
+        Concurrent(),
+        [MessageSpec(topic="t", queue_id=0) for _ in range(3)],
+        options=options,
+        failures=always,
+    )
+    assert run.completed
+    first = [c for c in run.log.calls if c.messages[0].queue_offset == 0]
+    assert [(c.queue.topic, c.attempt, c.start) for c in first] == [
+        ("t", 1, 0.0),
+        ("t", 2, 2.5),
+        ("t", 3, 5.0),
+    ]
+    assert [d.message.queue_offset for d in run.log.dead_letters] == [0]
+    assert all(c.succeeded for c in run.log.calls if c.messages[0].queue_offset != 0)
+    assert_at_least_once(run.log, run.sent)
