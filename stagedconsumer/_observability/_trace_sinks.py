@@ -33,6 +33,7 @@ __all__ = ("FileTraceSink", "SourceTraceSink", "TraceSink", "TraceSinkFull")
 logger = logging.getLogger("stagedconsumer.trace")
 
 _LOG_EVERY = 10.0
+_HANDOVER_TIMEOUT = 0.001
 
 
 class TraceSink(abc.ABC):
@@ -140,6 +141,9 @@ class FileTraceSink(TraceSink):
         self._line_contexts = 0  # contexts in them
         self._queued_contexts = 0  # contexts given and not written yet (taken or not)
         self._woken = False  # a token is in _wake that the thread has not acted on
+        # write_nowait waits on _taken for the thread to take what it queued
+        self._taken: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._handing_over = False
         self._given = 0  # messages given to the writer (queued), and written or lost
         self._finished = 0
         self._thread: threading.Thread | None = None
@@ -157,9 +161,18 @@ class FileTraceSink(TraceSink):
 
     def write_nowait(self, message: TraceMessage) -> bool:
         """Queue ``message``'s line for the writer thread; raises
-        :class:`TraceSinkFull` when ``queue_size`` contexts already wait for it."""
+        :class:`TraceSinkFull` when ``queue_size`` contexts already wait for it.
+
+        Each time the queued lines pass another ``batch_size`` contexts, the thread is
+        woken and this call waits until it has taken them, for at most 1 ms: a thread
+        waiting for the interpreter lock does not get it while this one takes it back
+        after every short release (the event loop's ``epoll`` calls at full speed), so
+        this call hands the lock over. At most ``queue_size / batch_size`` such waits
+        time out while the disk stalls, before messages are dropped.
+        """
         contexts = message.contexts or message.body.count(FIELD_SPLITOR) or 1
         line = (message.to_json() + "\n").encode()
+        batch = self.batch_size
         with self._lock:
             if self._queued_contexts >= self.queue_size:
                 raise TraceSinkFull(f"{self._queued_contexts} trace contexts wait for {self.path}")
@@ -168,11 +181,19 @@ class FileTraceSink(TraceSink):
             self._lines.append(line)
             self._given += 1
             self._queued_contexts += contexts
-            self._line_contexts += contexts
-            if self._woken or self._line_contexts < self.batch_size:
+            before = self._line_contexts
+            self._line_contexts = after = before + contexts
+            if after < batch or before // batch == after // batch:
                 return True
-            self._woken = True
-        self._wake.put(None)
+            wake = not self._woken
+            self._woken = self._handing_over = True
+        if wake:
+            self._wake.put(None)
+        try:
+            self._taken.get(timeout=_HANDOVER_TIMEOUT)
+        except queue.Empty:
+            with self._lock:
+                self._handing_over = False
         return True
 
     async def write(self, message: TraceMessage) -> None:
@@ -226,6 +247,9 @@ class FileTraceSink(TraceSink):
             self._lines = []
             self._line_contexts = 0
             self._woken = False
+            if self._handing_over:
+                self._handing_over = False
+                self._taken.put(None)
             return lines, contexts, self._stopping
 
     def _run(self) -> None:
