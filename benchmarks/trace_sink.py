@@ -10,7 +10,11 @@ as fast as the consumer takes them (at most ``--backlog`` unconsumed), for
   traced (one ``SubBefore`` and one ``SubAfter`` record per message);
 - ``topic trace``: ``ConsumeMessageTraceHook()``, to the embedded broker's trace topic
   (appended in memory where a batch fills up): what the trace costs with a sink
-  that costs next to nothing.
+  that costs next to nothing;
+- ``file sink alone`` (a second table): ``--sink-messages`` trace messages of 10
+  ``SubBefore`` records handed to ``FileTraceSink.write_nowait`` in a row, then a
+  flush: the sink's CPU time per context, its encoding and its writer thread together
+  (with ``--baseline``, for both trees).
 
 Columns: messages consumed per second, trace records found in the file per second
 (both over the time from the start until the consumer has stopped and its trace
@@ -51,6 +55,8 @@ TOPIC = "bench"
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One run, in this process: returns its measures (imports ``stagedconsumer`` from
     wherever ``PYTHONPATH`` points)."""
+    if spec["trace"] == "sink":
+        return _sink_alone(spec)
     from collections.abc import Sequence as Seq
 
     import anyio
@@ -148,9 +154,48 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _sink_alone(spec: dict[str, Any]) -> dict[str, Any]:
+    """The file sink without a consumer: ``spec["sink_messages"]`` trace messages of 10
+    ``SubBefore`` records each given to ``FileTraceSink.write_nowait`` in a row, then a
+    flush; the process's CPU time (both threads) per context, best of 5."""
+    import anyio
+
+    import stagedconsumer
+    from stagedconsumer import FileTraceSink
+    from stagedconsumer._observability._trace_codec import TraceMessage
+
+    fields = ["SubBefore", "1700000000000", "DefaultRegion", "bench", "0" * 32, "A" * 32]
+    record = "\u0001".join([*fields, "0", "", "-1", "0", "1700000000000", TOPIC, "3", "123", "1"])
+    count = spec["sink_messages"]
+    messages = [
+        TraceMessage(
+            topic="RMQ_SYS_TRACE_TOPIC",
+            keys=tuple(f"{i * 10 + k:032X}" for k in range(10)),
+            body=(record + FIELD_SPLITOR) * 10,
+            contexts=10,
+        )
+        for i in range(count)
+    ]
+
+    async def run() -> float:
+        sink = FileTraceSink(spec["trace_path"], queue_size=10 * count)
+        best = float("inf")
+        for _ in range(5):
+            cpu = time.process_time()
+            for message in messages:
+                sink.write_nowait(message)
+            await sink.flush()
+            best = min(best, time.process_time() - cpu)
+        await sink.aclose()
+        return best
+
+    cpu = anyio.run(run)
+    return {"contexts": 10 * count, "cpu_seconds": cpu, "module": stagedconsumer.__file__}
+
+
 def _run_case(tree: Path, spec: dict[str, Any], directory: str | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        if spec["trace"] == "file":
+        if spec["trace"] in ("file", "sink"):
             spec = {**spec, "trace_path": str(Path(tmp) / "trace.jsonl")}
         else:
             spec = {**spec, "trace_path": None}
@@ -182,6 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backlog", type=int, default=10_000, help="most messages unconsumed")
     parser.add_argument("--baseline", type=Path, help="a checkout to measure as the baseline")
     parser.add_argument("--baseline-label", default="baseline")
+    parser.add_argument(
+        "--sink-messages",
+        type=int,
+        default=20_000,
+        help="trace messages (10 contexts each) of the 'file sink alone' case; 0 skips it",
+    )
     parser.add_argument("--dir", help="where the trace files go (a temporary directory in it)")
     parser.add_argument("--json", type=Path, help="also write every run as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -203,7 +254,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline is not None:
         cases.append((f"file trace, {args.baseline_label}", args.baseline.resolve(), "file"))
     cases.append(("file trace", here, "file"))
-    spec = {"seconds": args.seconds, "queues": args.queues, "backlog": args.backlog}
+    if args.sink_messages > 0:
+        if args.baseline is not None:
+            cases.append(
+                (f"file sink alone, {args.baseline_label}", args.baseline.resolve(), "sink")
+            )
+        cases.append(("file sink alone", here, "sink"))
+    spec = {
+        "seconds": args.seconds,
+        "queues": args.queues,
+        "backlog": args.backlog,
+        "sink_messages": args.sink_messages,
+    }
     load_before = os.getloadavg()[0]
     runs: list[dict[str, Any]] = []
     for round_ in range(1, args.rounds + 1):
@@ -228,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for run in runs:
+        if "consumed" not in run:
+            continue  # the file sink alone: the table below
         traced = "records" in run
         table.add_row(
             run["case"],
@@ -241,6 +305,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     console = Console()
     console.print(table)
+    alone = [run for run in runs if "consumed" not in run]
+    if alone:
+        sink_table = Table(
+            title=f"The file sink alone: {args.sink_messages:,} trace messages of 10 contexts"
+            " given to FileTraceSink.write_nowait, then a flush (best of 5)"
+        )
+        for column in ("case", "round", "CPU µs/context (both threads)", "contexts/CPU-s"):
+            sink_table.add_column(column, justify="left" if column == "case" else "right")
+        for run in alone:
+            per_context = run["cpu_seconds"] / run["contexts"]
+            sink_table.add_row(
+                run["case"],
+                str(run["round"]),
+                f"{1e6 * per_context:.2f}",
+                f"{1 / per_context:,.0f}" if per_context else "",
+            )
+        console.print(sink_table)
     console.print(
         f"python {platform.python_version()}, {os.cpu_count()} CPUs (shared); every run a"
         f" process of its own, cases interleaved round by round; 1-minute load average"

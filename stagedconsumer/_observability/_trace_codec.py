@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Iterable
+from json.encoder import encode_basestring_ascii as _json_str
 
 import attrs
 
@@ -407,8 +408,18 @@ class TraceMessage:
         return cls(topic=message.topic, keys=message.keys, body=message.body.decode("utf-8"))
 
     def to_json(self) -> str:
-        """One JSON line, as `FileTraceSink` writes it."""
-        return json.dumps({"topic": self.topic, "keys": list(self.keys), "body": self.body})
+        """One JSON line, as `FileTraceSink` writes it: ``json.dumps({"topic": ...,
+        "keys": [...], "body": ...})``, the same text,
+        built with the JSON module's C string encoder (no dict, no list, no encoder
+        object per message)."""
+        try:
+            keys = ", ".join(map(_json_str, self.keys))
+            return (
+                f'{{"topic": {_json_str(self.topic)}, "keys": [{keys}],'
+                f' "body": {_json_str(self.body)}}}'
+            )
+        except TypeError:  # a field that is not a str: what json.dumps makes of it
+            return json.dumps({"topic": self.topic, "keys": list(self.keys), "body": self.body})
 
     @classmethod
     def from_json(cls, line: str) -> TraceMessage:

@@ -10,10 +10,10 @@ import contextlib
 import inspect
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ __all__ = ("FileTraceSink", "SourceTraceSink", "TraceSink", "TraceSinkFull")
 logger = logging.getLogger("stagedconsumer.trace")
 
 _LOG_EVERY = 10.0
+_HANDOVER_TIMEOUT = 0.001
 
 
 class TraceSink(abc.ABC):
@@ -90,16 +91,20 @@ class FileTraceSink(TraceSink):
 
     ``stagedconsumer trace MSG_ID_OR_KEY --trace-file PATH`` reads it.
 
-    A writer thread of its own appends the lines: :meth:`write_nowait` (which the
-    dispatcher calls right where a batch of contexts fills up) only queues the
-    message, and wakes the thread once the queued messages hold ``batch_size`` trace
-    contexts (default 256), or when the dispatcher flushes (every
-    ``flush_interval``, and when the consumer or producer stops). The thread writes
-    everything queued with one ``write`` call: whole lines appended to the file
-    (opened once, in append mode), so several sinks, of one process or several, may
-    share a file. When ``queue_size`` contexts (default 16384) wait for the thread,
-    the disk is not keeping up: further messages are dropped until it catches up,
-    their contexts counted in the dispatcher's ``dropped`` (and the consumer's
+    :meth:`write_nowait` (which the dispatcher calls right where a batch of contexts
+    fills up) encodes the message's line (the JSON module's C string encoder) and
+    appends the bytes to a list; a writer thread of its own, woken once the queued
+    lines hold ``batch_size`` trace contexts (default 256), or when the dispatcher
+    flushes (every ``flush_interval``, and when the consumer or producer stops), takes
+    the whole list and writes it with one ``write`` call: whole lines appended to the
+    file (opened once, in append mode), so several sinks, of one process or several,
+    may share a file. The thread does no encoding: it holds the interpreter lock only
+    to take the list and join it, and not while it writes, so a consumer that keeps
+    the lock busy does not hold it back (a thread that encoded under the lock would
+    have to win it back after every switch interval, and fell behind a busy no-op
+    consumer). When ``queue_size`` contexts (default 16384) wait for the thread, the
+    disk is not keeping up: further messages are dropped until it catches up, their
+    contexts counted in the dispatcher's ``dropped`` (and the consumer's
     ``trace_records_dropped``). A write that fails (the disk full, the file not
     writable) loses its contexts, counted in the dispatcher's ``write_errors`` and
     ``lost`` and logged; the next batch opens the file again. Ordering guarantee:
@@ -119,32 +124,35 @@ class FileTraceSink(TraceSink):
         self.path = Path(path)
         self.queue_size = queue_size
         self.batch_size = batch_size
-        # Guards what both threads update: the queue and the counters below.
+        self._write_errors = 0
+        self._lost = 0
+        self._last_error_log = -_LOG_EVERY
+        self._reset()
+        _FILE_SINKS.add(self)
+
+    def _reset(self) -> None:
+        """The state both threads share, fresh: guarded by ``_lock`` (``_done`` waits
+        on it); ``_wake`` (a C-level queue: waiting and waking take no Python code)
+        holds a token for each time the thread was woken."""
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
-        self._wake = threading.Event()
-        self._queue: deque[tuple[TraceMessage, int]] = deque()
-        self._queued_contexts = 0
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._lines: list[bytes] = []  # encoded lines not taken by the thread yet
+        self._line_contexts = 0  # contexts in them
+        self._queued_contexts = 0  # contexts given and not written yet (taken or not)
+        self._woken = False  # a token is in _wake that the thread has not acted on
+        # write_nowait waits on _taken for the thread to take what it queued
+        self._taken: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._handing_over = False
         self._given = 0  # messages given to the writer (queued), and written or lost
         self._finished = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._write_errors = 0
-        self._lost = 0
-        self._last_error_log = -_LOG_EVERY
-        _FILE_SINKS.add(self)
 
     def _after_fork(self) -> None:
         """In a forked child: no writer thread there, and what the parent queued is
         the parent's to write."""
-        self._lock = threading.Lock()
-        self._done = threading.Condition(self._lock)
-        self._wake = threading.Event()
-        self._queue.clear()
-        self._queued_contexts = 0
-        self._given = self._finished = 0
-        self._thread = None
-        self._stopping = False
+        self._reset()
 
     async def prepare(self, owner: ConsumerView | ProducerView) -> None:
         with self._lock:
@@ -152,20 +160,40 @@ class FileTraceSink(TraceSink):
                 self._start()
 
     def write_nowait(self, message: TraceMessage) -> bool:
-        """Queue ``message`` for the writer thread; raises :class:`TraceSinkFull`
-        when ``queue_size`` contexts already wait for it."""
+        """Queue ``message``'s line for the writer thread; raises
+        :class:`TraceSinkFull` when ``queue_size`` contexts already wait for it.
+
+        Each time the queued lines pass another ``batch_size`` contexts, the thread is
+        woken and this call waits until it has taken them, for at most 1 ms: a thread
+        waiting for the interpreter lock does not get it while this one takes it back
+        after every short release (the event loop's ``epoll`` calls at full speed), so
+        this call hands the lock over. At most ``queue_size / batch_size`` such waits
+        time out while the disk stalls, before messages are dropped.
+        """
         contexts = message.contexts or message.body.count(FIELD_SPLITOR) or 1
+        line = (message.to_json() + "\n").encode()
+        batch = self.batch_size
         with self._lock:
             if self._queued_contexts >= self.queue_size:
                 raise TraceSinkFull(f"{self._queued_contexts} trace contexts wait for {self.path}")
             if self._thread is None:
                 self._start()
-            self._queue.append((message, contexts))
+            self._lines.append(line)
             self._given += 1
             self._queued_contexts += contexts
-            wake = self._queued_contexts >= self.batch_size
-        if wake and not self._wake.is_set():
-            self._wake.set()
+            before = self._line_contexts
+            self._line_contexts = after = before + contexts
+            if after < batch or before // batch == after // batch:
+                return True
+            wake = not self._woken
+            self._woken = self._handing_over = True
+        if wake:
+            self._wake.put(None)
+        try:
+            self._taken.get(timeout=_HANDOVER_TIMEOUT)
+        except queue.Empty:
+            with self._lock:
+                self._handing_over = False
         return True
 
     async def write(self, message: TraceMessage) -> None:
@@ -177,7 +205,7 @@ class FileTraceSink(TraceSink):
             target = self._given
             if self._finished >= target or self._thread is None:
                 return
-        self._wake.set()
+        self._wake.put(None)
         await anyio.to_thread.run_sync(self._wait_finished, target, abandon_on_cancel=True)
 
     async def aclose(self) -> None:
@@ -189,7 +217,7 @@ class FileTraceSink(TraceSink):
             if thread is None:
                 return
             self._stopping = True
-        self._wake.set()
+        self._wake.put(None)
         await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
 
     def write_failures(self) -> tuple[int, int]:
@@ -209,38 +237,50 @@ class FileTraceSink(TraceSink):
         )
         self._thread.start()
 
+    def _take(self, *, everything: bool) -> tuple[list[bytes], int, bool]:
+        """The lines queued (none unless a batch's worth is, without ``everything``),
+        their contexts, and whether the thread should stop once they are written."""
+        with self._lock:
+            lines, contexts = self._lines, self._line_contexts
+            if not everything and contexts < self.batch_size and not self._stopping:
+                return [], 0, False
+            self._lines = []
+            self._line_contexts = 0
+            self._woken = False
+            if self._handing_over:
+                self._handing_over = False
+                self._taken.put(None)
+            return lines, contexts, self._stopping
+
     def _run(self) -> None:
-        """The writer thread: sleeps until woken, then writes everything queued."""
+        """The writer thread: sleeps until woken, then writes everything queued (and
+        again while a batch's worth queued up meanwhile)."""
         file: Any = None
         try:
             while True:
-                self._wake.wait()
-                self._wake.clear()
-                with self._lock:
-                    batch = list(self._queue)
-                    self._queue.clear()
-                    stopping = self._stopping
-                if batch:
-                    file = self._write(file, batch)
-                elif stopping:
-                    return
+                self._wake.get()
+                lines, contexts, stopping = self._take(everything=True)
+                while lines:
+                    file = self._write(file, lines, contexts)
+                    lines, contexts, stopping = self._take(everything=False)
                 if stopping:
-                    self._wake.set()  # again, until nothing is left
+                    return
         finally:
             if file is not None:
                 file.close()
             with self._done:
                 self._thread = None
-                if self._queue:  # given after it last looked, or it died
+                if self._lines:  # given after it last looked, or it died
                     self._start()
+                    self._woken = True
+                    self._wake.put(None)
                 self._done.notify_all()
 
-    def _write(self, file: Any, batch: list[tuple[TraceMessage, int]]) -> Any:
-        """Append the lines of ``batch``; returns the file, open (``None`` after a
-        failure: the next batch opens it again)."""
-        contexts = sum(count for _, count in batch)
+    def _write(self, file: Any, lines: list[bytes], contexts: int) -> Any:
+        """Append ``lines``; returns the file, open (``None`` after a failure: the next
+        batch opens it again)."""
         try:
-            data = "".join([message.to_json() + "\n" for message, _ in batch]).encode()
+            data = b"".join(lines)
             if file is None:
                 file = self.path.open("ab", buffering=0)
             view = memoryview(data)
@@ -266,7 +306,7 @@ class FileTraceSink(TraceSink):
                 )
         with self._done:
             self._queued_contexts -= contexts
-            self._finished += len(batch)
+            self._finished += len(lines)
             self._done.notify_all()
         return file
 

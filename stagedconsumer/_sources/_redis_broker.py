@@ -230,6 +230,48 @@ topic's gray queue) for retries of gray traffic."""
 _DEFAULT_RETENTION = StreamRetention()
 
 
+def _check_options(
+    *,
+    url: object,
+    namespace: object,
+    group_options: object,
+    timeouts: dict[str, object],
+    read_ahead: object,
+    cluster: object,
+    poison_entries: object,
+    retention: object,
+    check_acl: object,
+) -> None:
+    """Raise :class:`~stagedconsumer.ConfigurationError` for the first option of
+    :class:`RedisBroker` that is not valid."""
+    if not isinstance(url, str) or not url:
+        raise ConfigurationError(f"url must be a redis:// URL string, got {type(url).__name__}")
+    if not namespace or not isinstance(namespace, str):
+        raise ConfigurationError(f"namespace must be a non-empty string, got {namespace!r}")
+    if group_options is not None and not isinstance(group_options, GroupOptions):
+        raise ConfigurationError(
+            f"group_options must be GroupOptions or None, got"
+            f" {type(group_options).__name__} {group_options!r}"
+            " (use GroupOptions(lock_ttl=..., ...))"
+        )
+    for name, seconds in timeouts.items():
+        _check_seconds(name, seconds)
+    if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+        raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
+    if not isinstance(cluster, bool):
+        raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
+    if poison_entries not in ("dead-letter", "stop"):
+        raise ConfigurationError(
+            f"poison_entries must be 'dead-letter' or 'stop', got {poison_entries!r}"
+        )
+    if retention is not None and not isinstance(retention, StreamRetention):
+        raise ConfigurationError(
+            f"retention must be StreamRetention or None, got {type(retention).__name__}"
+        )
+    if not isinstance(check_acl, bool):
+        raise ConfigurationError(f"check_acl must be True or False, got {check_acl!r}")
+
+
 class RedisBroker(MessageSource):
     """Topics of N queues on Redis Streams: producer, message source and group coordinator.
 
@@ -354,24 +396,24 @@ class RedisBroker(MessageSource):
         check_acl: bool = True,
         source_id: str | None = None,
     ) -> None:
-        if not isinstance(url, str) or not url:
-            raise ConfigurationError(f"url must be a redis:// URL string, got {type(url).__name__}")
-        if not namespace or not isinstance(namespace, str):
-            raise ConfigurationError(f"namespace must be a non-empty string, got {namespace!r}")
-        if group_options is not None and not isinstance(group_options, GroupOptions):
-            raise ConfigurationError(
-                f"group_options must be GroupOptions or None, got"
-                f" {type(group_options).__name__} {group_options!r}"
-                " (use GroupOptions(lock_ttl=..., ...))"
-            )
-        _check_seconds("send_timeout", send_timeout)
-        _check_seconds("socket_timeout", socket_timeout)
-        _check_seconds("connect_timeout", connect_timeout)
+        _check_options(
+            url=url,
+            namespace=namespace,
+            group_options=group_options,
+            timeouts={
+                "send_timeout": send_timeout,
+                "socket_timeout": socket_timeout,
+                "connect_timeout": connect_timeout,
+            },
+            read_ahead=read_ahead,
+            cluster=cluster,
+            poison_entries=poison_entries,
+            retention=retention,
+            check_acl=check_acl,
+        )
         self.connect_timeout = connect_timeout
         """Entering the broker waits this long at most for Redis to answer ``PING``
         (retrying refused connections meanwhile)."""
-        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
-            raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
         self.read_ahead = read_ahead
         """Entries read per ``XRANGE`` at least (see :meth:`pull`); 0: only what a
         pull asks for."""
@@ -382,18 +424,8 @@ class RedisBroker(MessageSource):
         (``"sc"`` by default): brokers with different namespaces share one Redis."""
         self.send_timeout = send_timeout
         """How long ``send`` retries a lost connection on its queue, in seconds."""
-        if not isinstance(cluster, bool):
-            raise ConfigurationError(f"cluster must be True or False, got {cluster!r}")
         self.cluster = cluster
         """Whether ``url`` is a node of a Redis Cluster (see the class documentation)."""
-        if poison_entries not in ("dead-letter", "stop"):
-            raise ConfigurationError(
-                f"poison_entries must be 'dead-letter' or 'stop', got {poison_entries!r}"
-            )
-        if retention is not None and not isinstance(retention, StreamRetention):
-            raise ConfigurationError(
-                f"retention must be StreamRetention or None, got {type(retention).__name__}"
-            )
         self.retention = retention
         """How long the streams this broker writes keep their entries (``None``: for
         ever; see :class:`StreamRetention`)."""
@@ -402,11 +434,41 @@ class RedisBroker(MessageSource):
         self.poison_entries: Literal["dead-letter", "stop"] = poison_entries
         """What a pull does at an entry with the broker's fields that cannot be decoded
         (see the class documentation)."""
-        if not isinstance(check_acl, bool):
-            raise ConfigurationError(f"check_acl must be True or False, got {check_acl!r}")
         self.check_acl = check_acl
         """Entering checks that the Redis user may run every command the broker needs
         on the keys of its namespace (see the class documentation)."""
+        self._connect(url, socket_timeout, connect_timeout, cluster, ssl)
+        self._topic_cache: dict[str, int] = {}
+        self._attached: dict[str, _Attached] = {}
+        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
+        self._id_seq = itertools.count()
+        self._coordinator = RedisCoordinator(
+            self._connection, group_options or GroupOptions(), namespace=namespace
+        )
+        self._bad_retries = 0
+        self._source_id = source_id_of(
+            source_id or redis_source_id(url, namespace, cluster=cluster)
+        )
+
+    def source_id(self) -> str:
+        """``redis://host:port/db#namespace`` (``redis-cluster://host:port#namespace``
+        for a cluster), without credentials, or the ``source_id=`` given: the
+        identity offset stores key this broker's progress by. Set ``source_id`` to
+        the old identity when the same data moves to another address (a new host,
+        a restored backup), so that groups resume where they were."""
+        return self._source_id
+
+    def _connect(
+        self,
+        url: str,
+        socket_timeout: float,
+        connect_timeout: float,
+        cluster: bool,
+        ssl: ssl_module.SSLContext | RedisTLS | bool | None,
+    ) -> None:
+        """The connection (no round trip yet: entering the broker connects) and the
+        Lua scripts run on it."""
         connection = RedisConnection(
             url,
             socket_timeout=socket_timeout,
@@ -423,26 +485,6 @@ class RedisBroker(MessageSource):
         self._delay_script = RedisScript(connection, DELAY_LUA)
         self._min_offset_script = RedisScript(connection, MIN_OFFSET_LUA)
         self._offset_for_time_script = RedisScript(connection, OFFSET_FOR_TIME_LUA)
-        self._topic_cache: dict[str, int] = {}
-        self._attached: dict[str, _Attached] = {}
-        self._round_robin: dict[str, itertools.count[int]] = {}
-        self._id_prefix = f"{os.getpid():08X}{id(self) & 0xFFFFFFFF:08X}"
-        self._id_seq = itertools.count()
-        self._coordinator = RedisCoordinator(
-            connection, group_options or GroupOptions(), namespace=namespace
-        )
-        self._bad_retries = 0
-        self._source_id = source_id_of(
-            source_id or redis_source_id(url, namespace, cluster=cluster)
-        )
-
-    def source_id(self) -> str:
-        """``redis://host:port/db#namespace`` (``redis-cluster://host:port#namespace``
-        for a cluster), without credentials, or the ``source_id=`` given: the
-        identity offset stores key this broker's progress by. Set ``source_id`` to
-        the old identity when the same data moves to another address (a new host,
-        a restored backup), so that groups resume where they were."""
-        return self._source_id
 
     @property
     def tls(self) -> ssl_module.SSLContext | None:
@@ -825,81 +867,113 @@ class RedisBroker(MessageSource):
             if attached is not None:
                 return await self._pull_attached(mq, attached, offset, max_count, timeout)
         stream = self._stream_key(topic, queue_id)
-        seq = self._seq_key(topic, queue_id)
+        what = f"pulling {mq} at {offset}"
+        count = max(max_count, self.read_ahead)
+        entries = await self._read(mq, stream, offset, count, timeout, what)
+        if not entries:
+            return await self._pulled_nothing(mq, stream, offset, what)
+        try:
+            messages = _decode_entries(topic, queue_id, entries)
+        except Exception:  # a foreign or a poison entry: one by one
+            return await self._pull_entry_by_entry(mq, stream, entries, max_count)
+        end = messages[-1].queue_offset + 1
+        if messages[0].queue_offset == offset and end - offset == len(messages):
+            # Consecutive from ``offset`` on: ``end`` is the max offset when the
+            # read came back short, a lower bound when it was full.
+            return self._serve(topic, queue_id, messages, end, max_count)
+        return await self._pulled_with_gaps(mq, stream, offset, entries, messages, max_count)
+
+    async def _read(
+        self, mq: MessageQueue, stream: str, offset: int, count: int, timeout: float, what: str
+    ) -> Any:
+        """The raw entries of ``stream`` from ``offset`` on, up to ``count`` (one
+        ``XRANGE``); when there are none, waits up to ``timeout`` seconds for some
+        (``XREAD BLOCK``). On a retry queue, due retries are released into it first
+        (and while waiting, by the time the next one is due)."""
+        topic, queue_id = mq.topic, mq.queue_id
         release_keys: list[str] | None = None
         if topic.startswith(RETRY_PREFIX):
             group = topic[len(RETRY_PREFIX) :]
             release_keys = [
                 self._delay_key(group, queue_id),
-                seq,
+                self._seq_key(topic, queue_id),
                 stream,
                 self._bad_delay_key(group, queue_id),
                 self._times_key(topic, queue_id),
                 self._floors_key(topic, queue_id),
             ]
         deadline = time.monotonic() + timeout if timeout > 0 else 0.0
-        what = f"pulling {mq} at {offset}"
         start = b"%d-0" % (offset + 1)
-        count = max(max_count, self.read_ahead)
         connection = self._connection
         while True:
             wait_ms = -1
             if release_keys is not None:
-                release = functools.partial(
-                    self._release_script,
-                    keys=release_keys,
-                    args=[_RELEASE_BATCH, *self._retention_args],
-                )
-                released = await self._connection.call(what, release)
-                wait_ms = int(released[0])
-                if int(released[1]):
-                    self._trimmed_live(mq, int(released[1]), int(released[2]))
-                if len(released) > 3:
-                    self._moved_bad_retries(release_keys, released[3:])
+                wait_ms = await self._release_retries(mq, release_keys, what)
             entries = await connection.call(
                 what, lambda: connection.execute("XRANGE", stream, start, "+", "COUNT", count)
             )
             if entries or not timeout:
-                break
+                return entries
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                break
+                return entries
             block = min(remaining, _MAX_BLOCK)
             if wait_ms >= 0:
                 block = min(block, max(wait_ms, 1) / 1000)
             wait = functools.partial(self._wait_for_entries, stream, offset, count, block)
-            entries = await self._connection.call(what, wait)
+            entries = await connection.call(what, wait)
             if entries:
-                break
-        if entries:
-            try:
-                messages = _decode_entries(topic, queue_id, entries)
-            except Exception:  # a foreign or a poison entry: one by one
-                return await self._pull_entry_by_entry(mq, stream, entries, max_count)
-            end = messages[-1].queue_offset + 1
-            if messages[0].queue_offset == offset and end - offset == len(messages):
-                # Consecutive from ``offset`` on: ``end`` is the max offset when the
-                # read came back short, a lower bound when it was full.
-                return self._serve(topic, queue_id, messages, end, max_count)
-            # Entries were deleted (XDEL, MAXLEN), or one is foreign: the counter
-            # tells, every entry the broker wrote is below it.
-            max_offset = int(
-                await connection.call(what, lambda: connection.execute("GET", seq)) or 0
+                return entries
+
+    async def _release_retries(self, mq: MessageQueue, keys: list[str], what: str) -> int:
+        """Move the due retries of a retry queue into its stream (the release script);
+        returns how many ms until the next one is due (-1: none waits)."""
+        release = functools.partial(
+            self._release_script, keys=keys, args=[_RELEASE_BATCH, *self._retention_args]
+        )
+        released = await self._connection.call(what, release)
+        if int(released[1]):
+            self._trimmed_live(mq, int(released[1]), int(released[2]))
+        if len(released) > 3:
+            self._moved_bad_retries(keys, released[3:])
+        return int(released[0])
+
+    async def _pulled_with_gaps(
+        self,
+        mq: MessageQueue,
+        stream: str,
+        offset: int,
+        entries: Sequence[Any],
+        messages: list[Message],
+        max_count: int,
+    ) -> PullResult:
+        """:meth:`pull` when the messages read are not consecutive from ``offset``:
+        entries were deleted (``XDEL``, ``MAXLEN``), or one is foreign. The counter
+        tells: every entry the broker wrote is below it."""
+        topic, queue_id = mq.topic, mq.queue_id
+        max_offset = await self._counter(mq, f"pulling {mq} at {offset}")
+        if messages[-1].queue_offset + 1 > max_offset:
+            return await self._pull_entry_by_entry(
+                mq, stream, entries, max_count, max_offset=max_offset
             )
-            if end > max_offset:
-                return await self._pull_entry_by_entry(
-                    mq, stream, entries, max_count, max_offset=max_offset
-                )
-            first = messages[0].queue_offset
-            if first > offset and await self._first_stored(mq, stream) >= first:
-                # Not a hole (XDEL) after stored entries: the head of the stream up
-                # to ``first`` was trimmed (retention): the consumer decides.
-                self._keep(topic, queue_id, first, messages, max_offset)
-                return PullResult(
-                    messages=[], next_offset=first, max_offset=max_offset, offset_moved=True
-                )
-            return self._serve(topic, queue_id, messages, max_offset, max_count)
-        max_offset = int(await connection.call(what, lambda: connection.execute("GET", seq)) or 0)
+        first = messages[0].queue_offset
+        if first > offset and await self._first_stored(mq, stream) >= first:
+            # Not a hole (XDEL) after stored entries: the head of the stream up to
+            # ``first`` was trimmed (retention): the consumer decides.
+            self._keep(topic, queue_id, first, messages, max_offset)
+            return PullResult(
+                messages=[], next_offset=first, max_offset=max_offset, offset_moved=True
+            )
+        return self._serve(topic, queue_id, messages, max_offset, max_count)
+
+    async def _pulled_nothing(
+        self, mq: MessageQueue, stream: str, offset: int, what: str
+    ) -> PullResult:
+        """:meth:`pull` when ``stream`` has no entry from ``offset`` on: caught up, or
+        trimmed past ``offset`` (then the result moves the offset to the end)."""
+        connection = self._connection
+        max_offset = await self._counter(mq, what)
+        start = b"%d-0" % (offset + 1)
         if offset < max_offset and not await connection.call(
             what, lambda: connection.execute("XRANGE", stream, start, "+", "COUNT", 1)
         ):
@@ -909,6 +983,12 @@ class RedisBroker(MessageSource):
                 messages=[], next_offset=max_offset, max_offset=max_offset, offset_moved=True
             )
         return PullResult(messages=[], next_offset=min(offset, max_offset), max_offset=max_offset)
+
+    async def _counter(self, mq: MessageQueue, what: str) -> int:
+        """The queue's counter: one past the last offset the broker wrote to it."""
+        connection = self._connection
+        seq = self._seq_key(mq.topic, mq.queue_id)
+        return int(await connection.call(what, lambda: connection.execute("GET", seq)) or 0)
 
     async def _pull_entry_by_entry(
         self,
@@ -929,12 +1009,7 @@ class RedisBroker(MessageSource):
         field names and sizes, not its values."""
         topic, queue_id = mq.topic, mq.queue_id
         if max_offset is None:
-            seq = self._seq_key(topic, queue_id)
-            execute = self._connection.execute
-            max_offset = int(
-                await self._connection.call(f"pulling {mq}", functools.partial(execute, "GET", seq))
-                or 0
-            )
+            max_offset = await self._counter(mq, f"pulling {mq}")
         messages: list[Message] = []
         undecodable: list[UndecodableEntry] = []
         stop: SourceError | None = None
@@ -1267,6 +1342,38 @@ class RedisBroker(MessageSource):
         (the other applications write these streams). Failed messages go through the
         group's retry queue as usual. Returns the topic's queues.
         """
+        keys = self._check_attach(topic, stream_keys, body_field, decode)
+        missing, lacking = await self._inspect_streams(keys, body_field if decode is None else None)
+        # Warnings, not errors: a stream may be created after its consumer starts, and
+        # entries of one stream may differ; but either is most often a typo.
+        if missing:
+            logger.warning(
+                "attach_stream(%r): no stream %s exists (yet); attached anyway: its queue"
+                " gets messages once something writes there (check the key for a typo)",
+                topic,
+                ", ".join(missing),
+            )
+        if lacking:
+            logger.warning(
+                "attach_stream(%r): the last entry of %s has no field %r: such entries"
+                " are consumed with an empty body and every field as a property (give the"
+                " body's field name as body_field=..., or a decode=...)",
+                topic,
+                "; ".join(lacking),
+                body_field,
+            )
+        self._attached[topic] = _Attached(keys, decode or default_entry_decoder(body_field))
+        return [MessageQueue(topic, i) for i in range(len(keys))]
+
+    def _check_attach(
+        self,
+        topic: object,
+        stream_keys: Sequence[str] | str,
+        body_field: object,
+        decode: object,
+    ) -> tuple[str, ...]:
+        """The stream keys of :meth:`attach_stream`'s arguments, checked (raises
+        :class:`~stagedconsumer.ConfigurationError`)."""
         if not topic or not isinstance(topic, str):
             raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
         if _is_system(topic):
@@ -1289,6 +1396,14 @@ class RedisBroker(MessageSource):
             raise ConfigurationError(
                 f"topic {topic!r} is attached to {list(previous.stream_keys)} already"
             )
+        return keys
+
+    async def _inspect_streams(
+        self, keys: Sequence[str], body_field: str | None
+    ) -> tuple[list[str], list[str]]:
+        """The keys among ``keys`` that do not exist, and (with ``body_field``) those
+        whose last entry lacks that field, described with its field names; raises
+        :class:`~stagedconsumer.ConfigurationError` for a key that is not a stream."""
         execute = self._connection.execute
         missing: list[str] = []
         lacking: list[str] = []
@@ -1301,7 +1416,7 @@ class RedisBroker(MessageSource):
                 raise ConfigurationError(f"key {key!r} is a {kind}, not a stream")
             if kind == "none":
                 missing.append(key)
-            elif decode is None:
+            elif body_field is not None:
                 last = await self._retrying(
                     f"reading the last entry of stream {key}",
                     functools.partial(execute, "XREVRANGE", key, "+", "-", "COUNT", 1),
@@ -1310,26 +1425,7 @@ class RedisBroker(MessageSource):
                 if names and body_field.encode() not in names:
                     fields = ", ".join(repr(n.decode(errors="replace")) for n in names)
                     lacking.append(f"{key} (fields {fields})")
-        # Warnings, not errors: a stream may be created after its consumer starts, and
-        # entries of one stream may differ; but either is most often a typo.
-        if missing:
-            logger.warning(
-                "attach_stream(%r): no stream %s exists (yet); attached anyway: its queue"
-                " gets messages once something writes there (check the key for a typo)",
-                topic,
-                ", ".join(missing),
-            )
-        if lacking:
-            logger.warning(
-                "attach_stream(%r): the last entry of %s has no field %r: such entries"
-                " are consumed with an empty body and every field as a property (give the"
-                " body's field name as body_field=..., or a decode=...)",
-                topic,
-                "; ".join(lacking),
-                body_field,
-            )
-        self._attached[topic] = _Attached(keys, decode or default_entry_decoder(body_field))
-        return [MessageQueue(topic, i) for i in range(len(keys))]
+        return missing, lacking
 
     def _check_not_attached(self, topic: str) -> None:
         if topic in self._attached:

@@ -110,7 +110,18 @@ def test_trace_sink_runs_a_baseline_tree_beside_this_one(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reproduce: python -m benchmarks.trace_sink" in result.stdout.replace("\n", " ")
     runs = {run["case"]: run for run in json.loads(out.read_text())}
-    assert set(runs) == {"no trace", "topic trace", "file trace, same", "file trace"}
+    assert set(runs) == {
+        "no trace",
+        "topic trace",
+        "file trace, same",
+        "file trace",
+        "file sink alone, same",
+        "file sink alone",
+    }
+    assert "The file sink alone" in result.stdout
+    for case in ("file sink alone, same", "file sink alone"):
+        assert runs[case]["contexts"] == 200_000  # 20,000 messages of 10 contexts
+        assert runs[case]["cpu_seconds"] > 0
     for case in ("topic trace", "file trace, same", "file trace"):
         # Every context is accounted for: written (two records per message) or counted
         # as dropped (a fast machine can outrun the file's writer thread within its

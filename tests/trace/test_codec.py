@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from stagedconsumer._observability._trace_codec import (
     FIELD_SPLITOR,
     TraceBean,
     TraceContext,
+    TraceMessage,
     TraceType,
     decode_trace_data,
     encode_trace_context,
@@ -450,3 +453,15 @@ def test_round_trip(contexts: list[TraceContext]) -> None:
     decoded = decode_trace_data(data)
     expected = [attrs.evolve(c, beans=[bean]) for c in contexts for bean in c.beans]
     assert [attrs.asdict(d) for d in decoded] == [attrs.asdict(e) for e in expected]
+
+
+@given(st.text(), st.lists(st.text(), max_size=4), st.text())
+def test_a_trace_message_line_is_what_json_dumps_makes(
+    topic: str, keys: list[str], body: str
+) -> None:
+    # Any text: separators, quotes, backslashes, control characters, non-ASCII, lone
+    # surrogates; the file sink's lines are read back with json.loads.
+    message = TraceMessage(topic=topic, keys=tuple(keys), body=body)
+    line = message.to_json()
+    assert line == json.dumps({"topic": topic, "keys": keys, "body": body})
+    assert TraceMessage.from_json(line) == message
