@@ -19,10 +19,16 @@ import anyio
 import attrs
 import sniffio
 
-from .._core import retry_delay_seconds
+from .._core import DELAY_LEVELS, retry_delay_seconds
 from .._exceptions import ConfigurationError, InvalidMessageError, SourceError, UnknownTopicError
 from .._message import Message, MessageQueue, OutgoingMessage
-from ._kafka_codec import TopicNames, decode_records, delay_until_ms, encode_headers
+from ._kafka_codec import (
+    TopicNames,
+    decode_records,
+    delay_until_ms,
+    encode_headers,
+    poison_entry,
+)
 from ._kafka_group import KafkaCoordinator, KafkaOffsetStore
 from ._selectors import MessageQueueSelector
 from ._source import (
@@ -31,6 +37,7 @@ from ._source import (
     MessageSource,
     PullResult,
     SendBackResult,
+    UndecodableEntry,
     dlq_topic,
     is_spent,
     origin_properties,
@@ -61,6 +68,9 @@ class KafkaBrokerStatistics:
     """Commits read back without this project's metadata: made by another Kafka
     client, or by a broker that does not keep commit metadata (Tansu 0.6 does not):
     their stage offsets are unknown."""
+    retry_paused: int
+    """Retry partitions paused now: their head is not due yet, nothing is fetched
+    from them until it is."""
 
 
 class SelectMessageQueueByKafkaKey(MessageQueueSelector):
@@ -137,7 +147,12 @@ class KafkaBroker(MessageSource):
     progress goes into the group's offset commits, the stage offsets in the commit's
     metadata (see :class:`KafkaOffsetStore`). Topics keep their names; a group's
     retry topic is ``<retry_prefix><group>`` and its dead-letter topic
-    ``<dlq_prefix><group>``, made on first use with ``retry_partitions`` partitions.
+    ``<dlq_prefix><group>``, made on first use: the retry topic with
+    ``retry_partitions`` partitions per delay level (18 levels), the dead-letter
+    topic with ``retry_partitions`` partitions. A message handed back goes to a
+    partition of its delay level, so every retry partition holds records of one delay
+    in the order they are due; a retry partition whose head is not due is paused
+    (nothing fetched from it) until it is.
 
     - ``session_timeout``, ``heartbeat_interval``: the group member's session (Kafka:
       ``session.timeout.ms``, ``heartbeat.interval.ms``).
@@ -195,6 +210,8 @@ class KafkaBroker(MessageSource):
         self._ahead: dict[Any, _Ahead] = {}
         self._assigned: set[Any] = set()
         self._topics: dict[str, tuple[float, int]] = {}
+        self._waiting: dict[Any, tuple[int, float]] = {}
+        """Paused retry partitions: the offset of their head and when it is due (s)."""
         self._coordinator: KafkaCoordinator | None = None
         self._store: StageOffsetStore | None = None
         self._closed = False
@@ -308,7 +325,8 @@ class KafkaBroker(MessageSource):
         name = self.names.kafka(topic)
         count = await self._partition_count(name)
         if count is None and topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
-            await self.create_topic(topic, self.retry_partitions)
+            levels = len(DELAY_LEVELS) if topic.startswith(RETRY_PREFIX) else 1
+            await self.create_topic(topic, levels * self.retry_partitions)
             count = await self._partition_count(name)
         if count is None:
             raise UnknownTopicError(f"topic {topic!r} does not exist in Kafka ({name!r})")
@@ -342,6 +360,11 @@ class KafkaBroker(MessageSource):
                 del self._ahead[tp]
             return result
         _, fetcher, _ = await self._clients()
+        if tp in self._waiting and not await self._head_due(fetcher, tp, offset, timeout):
+            high = fetcher.highwater(tp)  # the head at offset is stored: the end is past it
+            return PullResult(
+                messages=(), next_offset=offset, max_offset=max(high or 0, offset + 1)
+            )
         async with self._lock(tp):
             self.pulls += 1
             ahead = self._ahead.pop(tp, None)
@@ -356,15 +379,32 @@ class KafkaBroker(MessageSource):
             if records is None:  # offset out of range: high is where to go on
                 return PullResult(messages=(), next_offset=high, max_offset=high)
             if records and is_retry:
-                records = await self._due(tp, records, timeout)
+                records = self._due(fetcher, tp, records)
             if not records:
                 return PullResult(messages=(), next_offset=offset, max_offset=max(high, offset))
-            messages = decode_records(mq.topic, mq.queue_id, tp.topic, records)
+            bad: list[tuple[Any, Exception]] = []
+            messages = decode_records(mq.topic, mq.queue_id, tp.topic, records, bad)
+            if bad:
+                return self._poisoned(mq, tp, records[:max_count], high)
             ahead = _Ahead(messages)
             result = ahead.take(offset, max_count, high)
             if ahead.messages:
                 self._ahead[tp] = ahead
             return result
+
+    def _poisoned(self, mq: MessageQueue, tp: Any, records: list[Any], high: int) -> PullResult:
+        """A pull whose records hold poison records: the messages and the poison
+        records among ``records`` (no read-ahead; the next pull seeks)."""
+        bad: list[tuple[Any, Exception]] = []
+        messages = decode_records(mq.topic, mq.queue_id, tp.topic, records, bad)
+        self._positions.pop(tp, None)
+        next_offset = records[-1].offset + 1
+        return PullResult(
+            messages=messages,
+            next_offset=next_offset,
+            max_offset=max(high, next_offset),
+            undecodable=[poison_entry(mq.topic, mq.queue_id, tp.topic, r, e) for r, e in bad],
+        )
 
     async def _fetch(
         self, fetcher: Any, tp: Any, offset: int, count: int, timeout: float
@@ -416,20 +456,39 @@ class KafkaBroker(MessageSource):
         for other, position in list(self._positions.items()):
             if other in self._assigned:
                 fetcher.seek(other, position)
+        waiting = [other for other in self._waiting if other in self._assigned]
+        if waiting:  # a new assignment resumes every partition
+            fetcher.pause(*waiting)
 
-    async def _due(self, tp: Any, records: list[Any], timeout: float) -> list[Any]:
-        """The records of a retry partition up to the first not yet due. When its
-        head is not due, waits until it is (at most ``timeout``) and returns nothing:
-        the partition is paused until its head is due, no polling meanwhile."""
+    def _due(self, fetcher: Any, tp: Any, records: list[Any]) -> list[Any]:
+        """The records of a retry partition up to the first not yet due; from that
+        one on the partition is paused (the fetcher fetches nothing of it) until its
+        due time (:meth:`_head_due`)."""
         now_ms = time.time() * 1000
         for i, record in enumerate(records):
             due = delay_until_ms(record)
             if due is not None and due > now_ms:
                 self._positions.pop(tp, None)  # the fetcher read past it: seek back next time
-                if i == 0:
-                    await anyio.sleep(min(timeout, (due - now_ms) / 1000))
+                self._waiting[tp] = (record.offset, due / 1000)
+                fetcher.pause(tp)
                 return records[:i]
         return records
+
+    async def _head_due(self, fetcher: Any, tp: Any, offset: int, timeout: float) -> bool:
+        """Whether a pull of the paused retry partition ``tp`` at ``offset`` goes on
+        to fetch: after waiting (at most ``timeout``, without any fetch) for its head
+        to be due. A pull at another offset (the consumer moved) resumes at once."""
+        head, due = self._waiting[tp]
+        if head == offset:
+            wait = due - time.time()
+            if wait > timeout:
+                await anyio.sleep(timeout)
+                return False
+            if wait > 0:
+                await anyio.sleep(wait)
+        if self._waiting.pop(tp, None) is not None:
+            fetcher.resume(tp)
+        return True
 
     async def max_offset(self, mq: MessageQueue) -> int:
         _, fetcher, _ = await self._clients()
@@ -533,7 +592,13 @@ class KafkaBroker(MessageSource):
             return SendBackResult.DLQ
         due = time.time() + retry_delay_seconds(message.reconsume_times, delay_level)
         queues = await self.get_queues(retry_topic(group))
-        mq = queues[zlib.crc32(message.msg_id.encode()) % len(queues)]
+        # the partitions of the message's delay level (RocketMQ's level rule), then
+        # by message id: a retry partition holds records of one delay, due in order
+        level = delay_level if delay_level > 0 else 3 + message.reconsume_times
+        level = max(1, min(level, len(DELAY_LEVELS)))
+        spread = self.retry_partitions
+        index = (level - 1) * spread + zlib.crc32(message.msg_id.encode()) % spread
+        mq = queues[index % len(queues)]
         await self._produce(
             mq,
             [(message, origin_properties(message), message.reconsume_times + 1, round(due * 1000))],
@@ -548,6 +613,20 @@ class KafkaBroker(MessageSource):
             mq,
             [(message, origin_properties(message), message.reconsume_times, None)],
             round(message.born_timestamp * 1000),
+        )
+
+    async def send_undecodable_to_dlq(self, group: str, entry: UndecodableEntry) -> None:
+        """The poison record's body, key and properties (``DECODE_ERROR``,
+        ``POISON_STREAM``, ``POISON_ENTRY_ID``), its headers as stored under
+        ``raw:<name>`` (UTF-8, undecodable bytes replaced)."""
+        message = entry.message
+        properties = origin_properties(message)
+        for name, value in entry.fields:
+            properties["raw:" + name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        queues = await self.get_queues(dlq_topic(group))
+        mq = queues[zlib.crc32(message.msg_id.encode()) % len(queues)]
+        await self._produce(
+            mq, [(message, properties, 0, None)], round(message.born_timestamp * 1000)
         )
 
     # -- groups -----------------------------------------------------------------------
@@ -573,4 +652,5 @@ class KafkaBroker(MessageSource):
             seeks=self.seeks,
             metadata_overflows=self.metadata_overflows,
             metadata_missing=self.metadata_missing,
+            retry_paused=len(self._waiting),
         )

@@ -27,9 +27,13 @@ from offsetstore import StageKey
 from .._message import EMPTY_PROPERTIES, Message, OutgoingMessage, _MessageFields
 from ._source import (
     DLQ_PREFIX,
+    PROPERTY_DECODE_ERROR,
     PROPERTY_ORIGIN_MESSAGE_ID,
+    PROPERTY_POISON_ENTRY_ID,
+    PROPERTY_POISON_STREAM,
     PROPERTY_RETRY_TOPIC,
     RETRY_PREFIX,
+    UndecodableEntry,
 )
 
 __all__ = (
@@ -42,6 +46,7 @@ __all__ = (
     "decode_records",
     "encode_headers",
     "encode_metadata",
+    "poison_entry",
 )
 
 HEADER_TAGS = "TAGS"
@@ -123,12 +128,18 @@ def delay_until_ms(record: Any) -> int | None:
 
 
 def decode_records(
-    topic: str, partition: int, kafka_topic: str, records: Iterable[Any]
+    topic: str,
+    partition: int,
+    kafka_topic: str,
+    records: Iterable[Any],
+    bad: list[tuple[Any, Exception]] | None = None,
 ) -> list[Message]:
     """``records`` (aiokafka ``ConsumerRecord``\\ s of one partition) as messages of
     queue ``topic#partition``. Records of a retry topic get back the topic they were
     first sent to (``RETRY_TOPIC``). Built as ``_MessageFields`` made ``Message``\\ s
-    (see there): the hot path of every pull."""
+    (see there): the hot path of every pull. A record whose reserved headers cannot
+    be read (``KEYS`` not a JSON list of strings, ``RECONSUME_TIMES`` not an int:
+    a poison record) is left out and added to ``bad`` with the error."""
     out: list[Message] = []
     append = out.append
     is_retry = topic.startswith(RETRY_PREFIX)
@@ -151,7 +162,13 @@ def decode_records(
         m.born_timestamp = 0.0 if timestamp is None else timestamp / 1000
         headers = record.headers
         if headers:
-            _set_headers(m, headers, is_retry)
+            try:
+                _set_headers(m, headers, is_retry)
+            except (ValueError, TypeError) as exc:
+                if bad is None:
+                    raise
+                bad.append((record, exc))
+                continue
         else:
             m.properties = empty
         m.__class__ = Message
@@ -167,7 +184,10 @@ def _set_headers(m: _MessageFields, headers: Sequence[tuple[str, bytes]], is_ret
             if name == HEADER_TAGS:
                 m.tags = text
             elif name == HEADER_KEYS:
-                m.keys = tuple(json.loads(text))
+                keys = json.loads(text)
+                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                    raise ValueError(f"header KEYS is not a JSON list of strings: {text[:100]!r}")
+                m.keys = tuple(keys)
             elif name == HEADER_RECONSUME_TIMES:
                 m.reconsume_times = int(text)
         else:
@@ -178,6 +198,33 @@ def _set_headers(m: _MessageFields, headers: Sequence[tuple[str, bytes]], is_ret
     origin = properties.get(PROPERTY_ORIGIN_MESSAGE_ID)
     if origin:  # a retry or dead-letter copy keeps its message's id (offsetMsgId: this record)
         m.msg_id = origin
+
+
+def poison_entry(
+    topic: str, partition: int, kafka_topic: str, record: Any, exc: Exception
+) -> UndecodableEntry:
+    """The :class:`UndecodableEntry` of a poison record: its body and key as stored,
+    ``DECODE_ERROR``, ``POISON_STREAM`` (the Kafka topic) and ``POISON_ENTRY_ID``
+    (``<partition>@<offset>``); its headers as stored in ``fields``."""
+    error = f"{type(exc).__name__}: {exc}"[:1000]
+    offset = record.offset
+    key = record.key
+    message = Message(
+        topic=topic,
+        queue_id=partition,
+        queue_offset=offset,
+        body=record.value or b"",
+        keys=() if key is None else (key.decode("utf-8", "replace"),),
+        properties={
+            PROPERTY_DECODE_ERROR: error,
+            PROPERTY_POISON_STREAM: kafka_topic,
+            PROPERTY_POISON_ENTRY_ID: f"{partition}@{offset}",
+        },
+        msg_id=f"{kafka_topic}-{partition}@{offset}",
+        born_timestamp=(record.timestamp or 0) / 1000,
+    )
+    fields = tuple((name.encode(), value or b"") for name, value in record.headers or ())
+    return UndecodableEntry(offset=offset, error=error, message=message, fields=fields)
 
 
 def _key_text(key: StageKey) -> str:
