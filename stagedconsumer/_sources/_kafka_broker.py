@@ -64,6 +64,10 @@ class KafkaBrokerStatistics:
     metadata_overflows: int
     """Stage keys left out of offset commits whose metadata would have passed
     ``metadata_limit`` bytes (their stage assignment is not kept)."""
+    finished_overflows: int
+    """Sparse progress: finished ranges left out of offset commits whose metadata
+    would have passed ``metadata_limit`` bytes (their messages come again after a
+    hand-over)."""
     metadata_missing: int
     """Commits read back without this project's metadata: made by another Kafka
     client, or by a broker that does not keep commit metadata (Tansu 0.6 does not):
@@ -218,6 +222,7 @@ class KafkaBroker(MessageSource):
         self.pulls = 0
         self.seeks = 0
         self.metadata_overflows = 0
+        self.finished_overflows = 0
         self.metadata_missing = 0
 
     # -- clients ----------------------------------------------------------------------
@@ -651,6 +656,7 @@ class KafkaBroker(MessageSource):
             pulls=self.pulls,
             seeks=self.seeks,
             metadata_overflows=self.metadata_overflows,
+            finished_overflows=self.finished_overflows,
             metadata_missing=self.metadata_missing,
             retry_paused=len(self._waiting),
         )

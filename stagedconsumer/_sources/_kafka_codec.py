@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from offsetstore import StageKey
+from offsetstore import QueueProgress, StageKey
+from offsetstore._types import decode_finished, encode_finished
 
 from .._message import EMPTY_PROPERTIES, Message, OutgoingMessage, _MessageFields
 from ._source import (
@@ -45,7 +46,9 @@ __all__ = (
     "decode_metadata",
     "decode_records",
     "encode_headers",
+    "decode_progress",
     "encode_metadata",
+    "encode_progress",
     "poison_entry",
 )
 
@@ -61,6 +64,8 @@ refused by the broker."""
 
 _METADATA_JSON = "sc1:"
 _METADATA_ZLIB = "sc1z:"
+_PROGRESS_TEXT = "sc2:"
+_PROGRESS_ZLIB = "sc2z:"
 
 _LEGAL = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -268,6 +273,69 @@ def encode_metadata(
         dropped += cut
         if not items:
             return "", dropped
+
+
+def _stage_json(stage_offsets: Mapping[StageKey, int]) -> str:
+    items = sorted((_key_text(key), offset) for key, offset in stage_offsets.items())
+    return json.dumps(dict(items), separators=(",", ":"))
+
+
+def _packed(payload: str, limit: int) -> str | None:
+    """``sc2:<payload>``, or compressed ``sc2z:...``, whichever fits ``limit`` bytes."""
+    text = _PROGRESS_TEXT + payload
+    if len(text.encode()) <= limit:
+        return text
+    packed = _PROGRESS_ZLIB + base64.b64encode(zlib.compress(payload.encode(), 9)).decode("ascii")
+    return packed if len(packed) <= limit else None
+
+
+def encode_progress(progress: QueueProgress, limit: int = METADATA_LIMIT) -> tuple[str, int, int]:
+    """The commit metadata of ``progress`` (its stage offsets and, sparse progress,
+    its finished ranges above the consume offset), the stage keys and the finished
+    ranges left out to fit ``limit`` bytes.
+
+    Without finished ranges: :func:`encode_metadata`. With them:
+    ``sc2:<ranges>;<stage offsets JSON>``, the ranges as the SQL store writes them
+    (``gap+length``, comma separated), zlib-compressed and base64 (``sc2z:``) when
+    longer than ``limit``. When even compressed it does not fit, the highest ranges
+    are left out first (their messages come again: at-least-once), then, with no
+    range left, stage keys as :func:`encode_metadata` leaves them out."""
+    ranges = list(progress.finished)
+    if ranges and progress.consume_offset is not None:
+        stages = _stage_json(progress.stage_offsets)
+        keep = len(ranges)
+        while keep:
+            finished = encode_finished(progress.consume_offset, ranges[:keep])
+            text = _packed(f"{finished};{stages}", limit)
+            if text is not None:
+                return text, 0, len(ranges) - keep
+            # cut in proportion to the overrun, at least one range a round
+            size = len(_PROGRESS_TEXT) + len(finished or "") + 1 + len(stages)
+            keep = min(keep - 1, keep * limit // max(size, 1))
+    text, dropped = encode_metadata(progress.stage_offsets, limit)
+    return text, dropped, len(ranges)
+
+
+def decode_progress(
+    consume_offset: int, metadata: str | None
+) -> tuple[dict[StageKey, int], tuple[tuple[int, int], ...]]:
+    """The stage offsets and finished ranges in a commit's metadata (none of either
+    for anything this project did not write)."""
+    if not metadata or not metadata.startswith((_PROGRESS_TEXT, _PROGRESS_ZLIB)):
+        return decode_metadata(metadata), ()
+    try:
+        if metadata.startswith(_PROGRESS_TEXT):
+            payload = metadata[len(_PROGRESS_TEXT) :]
+        else:
+            raw = base64.b64decode(metadata[len(_PROGRESS_ZLIB) :])
+            payload = zlib.decompress(raw).decode()
+        finished_text, sep, stages = payload.partition(";")
+        if not sep:
+            return {}, ()
+        finished = decode_finished(consume_offset, finished_text)
+    except (ValueError, TypeError, zlib.error):
+        return {}, ()
+    return decode_metadata(_METADATA_JSON + stages), finished
 
 
 def decode_metadata(metadata: str | None) -> dict[StageKey, int]:
