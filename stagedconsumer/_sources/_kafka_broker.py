@@ -22,6 +22,7 @@ import sniffio
 from .._core import DELAY_LEVELS, retry_delay_seconds
 from .._exceptions import ConfigurationError, InvalidMessageError, SourceError, UnknownTopicError
 from .._message import Message, MessageQueue, OutgoingMessage
+from .._observability._traceparent import with_traceparent
 from ._kafka_codec import (
     TopicNames,
     decode_records,
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
 __all__ = ("KafkaBroker", "KafkaBrokerStatistics", "SelectMessageQueueByKafkaKey")
 
 _TOPIC_CACHE_SECONDS = 30.0
+_FETCH_MS = 1000
+"""How long a pull with a shorter timeout waits for a fetch when records may be
+stored (the partition's end is not known, or is past the offset asked for)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -431,9 +435,13 @@ class KafkaBroker(MessageSource):
                 fetcher.seek(tp, offset)
                 self._positions[tp] = offset
             try:
-                fetched = await fetcher.getmany(
-                    tp, timeout_ms=int(timeout * 1000), max_records=count
-                )
+                wait_ms = int(timeout * 1000)
+                fetched = await fetcher.getmany(tp, timeout_ms=wait_ms, max_records=count)
+                high = fetcher.highwater(tp)
+                if not fetched and wait_ms < _FETCH_MS and (high is None or offset < high):
+                    # records may be stored that no fetch has brought yet: a pull
+                    # without (or with a short) wait still gets them
+                    fetched = await fetcher.getmany(tp, timeout_ms=_FETCH_MS, max_records=count)
             except (NoOffsetForPartitionError, IllegalStateError):
                 # another pull assigned a partition meanwhile: seek and go on
                 fetcher.seek(tp, offset)
@@ -554,6 +562,34 @@ class KafkaBroker(MessageSource):
             )
             for m, offset in zip(messages, stored, strict=True)
         ]
+
+    async def send(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        keys: Sequence[str] | str = (),
+        tags: str | None = None,
+        properties: Mapping[str, str] | None = None,
+        queue_id: int | None = None,
+    ) -> Message:
+        """Write one record to ``topic`` and return it as stored (what message trace's
+        ``SourceTraceSink`` writes the trace topic with; applications use
+        :class:`~stagedconsumer.Producer`). The partition: ``queue_id``, else the one
+        Kafka's producers choose for the first key (murmur2), else the first. When
+        OpenTelemetry is loaded and a span is current, its context is added as the
+        W3C ``traceparent`` property."""
+        outgoing = OutgoingMessage.of(body, keys=keys, tags=tags, properties=properties)
+        outgoing.properties = dict(with_traceparent(outgoing.properties) or {})
+        queues = await self.get_queues(topic)
+        if queue_id is not None:
+            mq = MessageQueue(topic, queue_id)
+        elif outgoing.keys:
+            mq = SelectMessageQueueByKafkaKey().select(queues, outgoing, None)
+        else:
+            mq = queues[0]
+        (stored,) = await self.append(mq, [outgoing])
+        return stored
 
     async def _produce(
         self,
