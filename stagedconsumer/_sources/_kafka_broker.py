@@ -105,16 +105,23 @@ class SelectMessageQueueByKafkaKey(MessageQueueSelector):
 class _Ahead:
     """Messages fetched ahead for one partition, served to the pulls that follow."""
 
-    __slots__ = ("messages", "offset")
+    __slots__ = ("messages", "offset", "start")
 
     def __init__(self, messages: list[Message]) -> None:
         self.messages = messages
+        self.start = 0
+        """The first message not yet served."""
         self.offset = -1
         """The offset the next pull must ask for to be served from here."""
 
+    def __bool__(self) -> bool:
+        return self.start < len(self.messages)
+
     def take(self, offset: int, max_count: int, high: int | None) -> PullResult:
-        messages = self.messages
-        taken, self.messages = messages[:max_count], messages[max_count:]
+        start = self.start
+        end = start + max_count
+        taken = self.messages[start:end]
+        self.start = min(end, len(self.messages))
         next_offset = taken[-1].queue_offset + 1 if taken else offset
         self.offset = next_offset
         return PullResult(
@@ -365,7 +372,7 @@ class KafkaBroker(MessageSource):
         ahead = self._ahead.get(tp)
         if ahead is not None and ahead.offset == offset and self._fetcher is not None:
             result = ahead.take(offset, max_count, self._fetcher.highwater(tp))
-            if not ahead.messages:
+            if not ahead:
                 del self._ahead[tp]
             return result
         _, fetcher, _ = await self._clients()
@@ -379,7 +386,7 @@ class KafkaBroker(MessageSource):
             ahead = self._ahead.pop(tp, None)
             if ahead is not None and ahead.offset == offset:  # filled while we waited
                 result = ahead.take(offset, max_count, fetcher.highwater(tp))
-                if ahead.messages:
+                if ahead:
                     self._ahead[tp] = ahead
                 return result
             is_retry = mq.topic.startswith(RETRY_PREFIX)
@@ -397,7 +404,7 @@ class KafkaBroker(MessageSource):
                 return self._poisoned(mq, tp, records[:max_count], high)
             ahead = _Ahead(messages)
             result = ahead.take(offset, max_count, high)
-            if ahead.messages:
+            if ahead:
                 self._ahead[tp] = ahead
             return result
 

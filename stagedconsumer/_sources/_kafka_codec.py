@@ -132,6 +132,13 @@ def delay_until_ms(record: Any) -> int | None:
     return None
 
 
+_KEYS: dict[bytes, tuple[str]] = {}
+"""The ``keys`` tuple of each record key seen lately, shared by the messages of that
+key: one allocation (and one object for the garbage collector to track) less per
+message. Cleared when it passes ``_KEYS_MAX`` keys."""
+_KEYS_MAX = 8192
+
+
 def decode_records(
     topic: str,
     partition: int,
@@ -150,6 +157,9 @@ def decode_records(
     is_retry = topic.startswith(RETRY_PREFIX)
     prefix = f"{kafka_topic}-{partition}@"
     empty = EMPTY_PROPERTIES
+    keys_of = _KEYS
+    if len(keys_of) > _KEYS_MAX:
+        keys_of.clear()
     for record in records:
         m = _MessageFields()
         offset = record.offset
@@ -159,7 +169,13 @@ def decode_records(
         value = record.value
         m.body = b"" if value is None else value
         key = record.key
-        m.keys = () if key is None else (key.decode("utf-8", "replace"),)
+        if key is None:
+            m.keys = ()
+        else:
+            keys = keys_of.get(key)
+            if keys is None:
+                keys = keys_of[key] = (key.decode("utf-8", "replace"),)
+            m.keys = keys
         m.tags = None
         m.reconsume_times = 0
         m.msg_id = m.offset_msg_id = prefix + str(offset)

@@ -9,6 +9,7 @@ from stagedconsumer._sources._kafka_codec import (
     TopicNames,
     decode_metadata,
     decode_progress,
+    decode_records,
     encode_metadata,
     encode_progress,
 )
@@ -111,3 +112,29 @@ def test_the_store_counts_finished_ranges_left_out() -> None:
     _, kept = decode_progress(10, encoded[1])
     assert 0 < len(kept) < len(ranges)
     assert broker.statistics().finished_overflows == len(ranges) - len(kept)
+
+
+def test_messages_of_one_record_key_share_their_keys_tuple() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    records = [
+        ConsumerRecord(
+            topic="t",
+            partition=0,
+            offset=i,
+            timestamp=1000 + i,
+            timestamp_type=0,
+            key=b"k%d" % (i % 2),
+            value=b"v",
+            checksum=None,
+            serialized_key_size=2,
+            serialized_value_size=1,
+            headers=[],
+        )
+        for i in range(4)
+    ]
+    a, b, c, d = decode_records("t", 0, "t", records)
+    assert (a.keys, b.keys) == (("k0",), ("k1",))
+    assert a.keys is c.keys
+    assert b.keys is d.keys
+    assert [m.msg_id for m in (a, d)] == ["t-0@0", "t-0@3"]
