@@ -18,9 +18,9 @@ from stagedconsumer import (
     Message,
     MessageListenerConcurrently,
     MessageQueue,
-    Producer,
     PushConsumer,
 )
+from tests.kafka.conftest import send_messages
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]
 
@@ -49,9 +49,7 @@ async def test_offsets_reset_moves_a_stopped_kafka_groups_commits_within_the_par
     broker: KafkaBroker, name: str
 ) -> None:
     await broker.create_topic(name, 2)
-    async with Producer(broker) as producer:
-        for i in range(10):
-            await producer.send(name, b"%d" % i, queue_id=0)
+    await send_messages(broker, name, 10, queue_id=0)
     store = broker.default_offset_store()
     mq = MessageQueue(name, 0)
     await store.reset_progress(name, {mq: QueueProgress(consume_offset=8)})
@@ -83,9 +81,7 @@ async def test_offsets_reset_of_a_running_kafka_group_is_refused(
     broker: KafkaBroker, name: str
 ) -> None:
     await broker.create_topic(name, 1)
-    async with Producer(broker) as producer:
-        for i in range(5):
-            await producer.send(name, b"%d" % i)
+    await send_messages(broker, name, 5)
     consumer = PushConsumer(name, broker, Idle())
     consumer.subscribe(name)
     async with consumer:

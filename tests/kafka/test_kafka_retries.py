@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from benchmarks._tansu import TansuServer
-from stagedconsumer import KafkaBroker, Message, MessageQueue, Producer
+from stagedconsumer import KafkaBroker, Message, MessageQueue
 from stagedconsumer._core import DELAY_LEVELS
 from stagedconsumer._sources._source import (
     PROPERTY_DECODE_ERROR,
@@ -19,20 +19,20 @@ from stagedconsumer._sources._source import (
     PROPERTY_RETRY_TOPIC,
     SendBackResult,
 )
+from tests.kafka.conftest import send_messages
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]
 
 
 async def _send(broker: KafkaBroker, topic: str, n: int) -> list[Message]:
-    async with Producer(broker) as producer:
-        out = []
-        for i in range(n):
-            sent = await producer.send(
-                topic, b"m%d" % i, keys=[f"k{i}", "x"], tags="t", properties={"p": str(i)}
-            )
-            assert sent.message is not None
-            out.append(sent.message)
-        return out
+    return await send_messages(
+        broker,
+        topic,
+        n,
+        keys=lambda i: [f"k{i}", "x"],
+        tags="t",
+        properties=lambda i: {"p": str(i)},
+    )
 
 
 async def test_retry_partitions_are_per_delay_level_a_short_delay_passes_a_long_one(
