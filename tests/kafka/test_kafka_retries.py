@@ -4,12 +4,22 @@ until their head is due; dead-letter copies; poison records."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import anyio
 import pytest
 
 from benchmarks._tansu import TansuServer
-from stagedconsumer import KafkaBroker, Message, MessageQueue
+from stagedconsumer import (
+    ConsumeConcurrentlyContext,
+    ConsumerOptions,
+    KafkaBroker,
+    Message,
+    MessageListenerConcurrently,
+    MessageQueue,
+    PushConsumer,
+    UnknownTopicError,
+)
 from stagedconsumer._core import DELAY_LEVELS
 from stagedconsumer._sources._source import (
     PROPERTY_DECODE_ERROR,
@@ -136,3 +146,52 @@ async def test_a_poison_record_comes_beside_its_neighbours_and_goes_to_the_dead_
     # the pulls after it are served as before
     again = await broker.pull(mq, 2, 10, timeout=5)
     assert [m.body for m in again.messages] == [b"c"]
+
+
+class Collect(MessageListenerConcurrently):
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeConcurrentlyContext
+    ) -> None:
+        self.bodies.extend(m.body for m in msgs)
+
+
+@pytest.mark.slow
+async def test_a_consumer_moves_a_poison_record_to_the_dead_letters_and_goes_on(
+    broker: KafkaBroker, tansu: TansuServer, name: str
+) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    await broker.create_topic(name, 1)
+    plain = AIOKafkaProducer(bootstrap_servers=tansu.bootstrap)
+    await plain.start()
+    try:
+        for body, headers in ((b"a", []), (b"bad", [("RECONSUME_TIMES", b"x")]), (b"c", [])):
+            await plain.send_and_wait(name, body, partition=0, headers=headers)
+    finally:
+        await plain.stop()
+    listener = Collect()
+    options = ConsumerOptions(persist_consumer_offset_interval=0.2, pull_long_polling_timeout=0.5)
+    consumer = PushConsumer(name, broker, listener, options=options)
+    consumer.subscribe(name)
+    async with consumer:
+        with anyio.fail_after(30):
+            while len(listener.bodies) < 2 or not await _dead_letters(broker, name):
+                await anyio.sleep(0.1)
+        assert sorted(listener.bodies) == [b"a", b"c"]
+    (dead,) = await _dead_letters(broker, name)
+    assert dead.body == b"bad"
+    assert dead.properties[PROPERTY_DECODE_ERROR].startswith("ValueError")
+    assert dead.properties["raw:RECONSUME_TIMES"] == "x"
+    progress = await broker.default_offset_store().list_progress(name, name)
+    assert progress[MessageQueue(name, 0)].consume_offset == 3
+
+
+async def _dead_letters(broker: KafkaBroker, group: str) -> list[Message]:
+    try:
+        (dlq,) = await broker.get_queues("%DLQ%" + group)
+    except UnknownTopicError:
+        return []
+    return list((await broker.pull(dlq, 0, 10, timeout=0.1)).messages)
