@@ -386,6 +386,7 @@ class KafkaOffsetStore(StageOffsetStore):
         super().__init__()
         self.broker = broker
         self._own_broker = own_broker
+        self._warned_missing = False
 
     @property
     def url(self) -> str:
@@ -433,6 +434,15 @@ class KafkaOffsetStore(StageOffsetStore):
             # every commit of this store carries metadata: none means another client
             # committed, or the broker does not keep commit metadata (Tansu 0.6)
             self.broker.metadata_missing += 1
+            if not self._warned_missing:  # once per store: a broker that drops it drops all
+                self._warned_missing = True
+                logger.warning(
+                    "Kafka commit at offset %s read back without metadata (made by another"
+                    " client, or the broker keeps no commit metadata): resuming there with"
+                    " no stage offsets or finished ranges; counted in"
+                    " statistics().metadata_missing",
+                    found.offset,
+                )
         offset = int(found.offset)
         stage_offsets, finished = decode_progress(offset, found.metadata)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -98,7 +99,7 @@ async def test_offsets_reset_of_a_running_kafka_group_is_refused(
 
 
 async def test_the_store_resumes_at_the_offset_when_the_broker_drops_commit_metadata(
-    broker: KafkaBroker, name: str
+    broker: KafkaBroker, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Tansu 0.6 keeps no commit metadata: stage offsets and finished ranges do not come
     back, the offset does, and the store counts the commit (on Kafka, see the codec
@@ -110,8 +111,12 @@ async def test_the_store_resumes_at_the_offset_when_the_broker_drops_commit_meta
     )
     store = broker.default_offset_store()
     await store.reset_progress(name, {mq: written})
-    read = await broker.default_offset_store().list_progress(name, name)
+    with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
+        read = await broker.default_offset_store().list_progress(name, name)
+        await broker.default_offset_store().list_progress(name, name)
     assert read[mq].consume_offset == 4
     if read[mq] != written:  # the broker dropped the metadata
         assert read[mq] == QueueProgress(consume_offset=4)
-        assert broker.statistics().metadata_missing == 1
+        assert broker.statistics().metadata_missing == 2
+        warned = [r for r in caplog.records if "without metadata" in r.getMessage()]
+        assert len(warned) == 1  # once per store
