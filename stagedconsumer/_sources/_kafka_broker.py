@@ -228,6 +228,7 @@ class KafkaBroker(MessageSource):
         self._ahead: dict[Any, _Ahead] = {}
         self._assigned: set[Any] = set()
         self._topics: dict[str, tuple[float, int]] = {}
+        self._tps: dict[MessageQueue, Any] = {}
         self._waiting: dict[Any, tuple[int, float]] = {}
         """Paused retry partitions: the offset of their head and when it is due (s)."""
         self._coordinator: KafkaCoordinator | None = None
@@ -354,9 +355,12 @@ class KafkaBroker(MessageSource):
     # -- reading ----------------------------------------------------------------------
 
     def _tp(self, mq: MessageQueue) -> Any:
-        from aiokafka import TopicPartition
+        tp = self._tps.get(mq)
+        if tp is None:  # made once per queue: every pull asks
+            from aiokafka import TopicPartition
 
-        return TopicPartition(self.names.kafka(mq.topic), mq.queue_id)
+            tp = self._tps[mq] = TopicPartition(self.names.kafka(mq.topic), mq.queue_id)
+        return tp
 
     def _lock(self, tp: Any) -> anyio.Lock:
         lock = self._locks.get(tp)
