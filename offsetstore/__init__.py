@@ -9,6 +9,7 @@ holds that in line.
 
 from typing import TYPE_CHECKING, Any
 
+from ._abc import UNSCOPED as UNSCOPED
 from ._abc import StageOffsetStore as StageOffsetStore
 from ._exceptions import AlreadyFinishedError as AlreadyFinishedError
 from ._exceptions import OffsetStoreError as OffsetStoreError
@@ -39,6 +40,7 @@ __all__ = (
     "StoreFencedError",
     "StoreReadOnlyError",
     "StoreUnavailableError",
+    "UNSCOPED",
 )
 
 _LAZY = frozenset({"SqlOffsetStore"})

@@ -17,7 +17,12 @@ from ._types import (
     check_stage_offsets,
 )
 
-__all__ = ("StageOffsetStore",)
+__all__ = ("UNSCOPED", "StageOffsetStore")
+
+UNSCOPED = ""
+"""The source of progress stored without one: rows written before schema version 4
+(or by a store bound to no source). A consumer's store adopts them for its source
+(:meth:`StageOffsetStore.adopt_unscoped_progress`)."""
 
 _T = TypeVar("_T")
 
@@ -59,10 +64,107 @@ class StageOffsetStore(abc.ABC):
     :meth:`_write_fenced`: each stored row then carries a fence, the highest fencing
     token (queue lock epoch) that claimed it, and writes with a lower token are
     refused, so a consumer that lost a queue cannot overwrite its new owner's progress.
+
+    **Sources.** Offsets mean something only on the log they count: the same group,
+    topic and queue on another Redis namespace, a flushed Redis or another broker are
+    other messages. So a store keeps the progress of one *source* (its
+    :attr:`source`, what its message source's ``source_id()`` says), given when it
+    is made (``source=``) or bound by the first consumer that uses it
+    (:meth:`bind_source`); durable
+    stores key their rows by it, beside group, topic and queue, so one database
+    serves many sources. A store bound to no source (a tool's, a script's) works on
+    the progress of the group's only source: the rows stored without one
+    (:data:`UNSCOPED`: schema version 3 and before) while no source has any; when
+    several sources have progress of the group, it raises
+    :class:`~offsetstore.StoreConfigurationError` naming them (pass ``source=``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, source: str | None = None) -> None:
         self._table: dict[tuple[str, MessageQueue], _Row] = {}
+        if source is not None:
+            _check_source(source)
+        self._source = source
+        self._unbound_scopes: dict[str, str] = {}
+        """Per group, the source an unbound store found last (see _resolve_scope)."""
+
+    # -- source ----------------------------------------------------------------------
+
+    @property
+    def source(self) -> str | None:
+        """The identity of the source whose progress this store keeps, ``None``
+        until bound (see the class documentation)."""
+        return self._source
+
+    def _scope_of(self, group: str) -> str:
+        """What the durable rows of ``group`` are keyed by: the store's source; for an
+        unbound store the one :meth:`_resolve_scope` found (:data:`UNSCOPED` else)."""
+        if self._source is not None:
+            return self._source
+        return self._unbound_scopes.get(group, UNSCOPED)
+
+    async def _resolve_scope(self, group: str) -> None:
+        """For an unbound store, find the source whose progress of ``group`` it works
+        on: the only one with stored progress of it (:data:`UNSCOPED` when none has
+        any); several raise :class:`~offsetstore.StoreConfigurationError`. Called by
+        every operation that reads or writes the durable part."""
+        if self._source is not None:
+            return
+        sources = sorted(set(await self._stored_sources(group)) - {UNSCOPED})
+        if len(sources) > 1:
+            raise StoreConfigurationError(
+                f"group {group!r} has stored progress of {len(sources)} sources"
+                f" ({', '.join(map(repr, sources))}): make the store with source=... to"
+                " say whose progress to use"
+            )
+        self._unbound_scopes[group] = sources[0] if sources else UNSCOPED
+
+    async def _stored_sources(self, group: str) -> list[str]:
+        """The sources with stored progress of ``group``; the default (a store
+        without sources) none."""
+        del group
+        return []
+
+    def bind_source(self, source: str) -> None:
+        """Keep the progress of ``source`` from now on (a consumer calls it with its
+        source's ``source_id()`` when it starts). Binding again to the same source
+        does nothing; a store bound to another source raises
+        :class:`~offsetstore.StoreConfigurationError` naming both: make one store
+        object per source (they may share a database). Binding forgets the in-memory
+        table (what was read or updated unbound belongs to no source)."""
+        _check_source(source)
+        if self._source == source:
+            return
+        if self._source is not None:
+            raise StoreConfigurationError(
+                f"{self!r} keeps the progress of source {self._source!r}; a consumer of"
+                f" source {source!r} needs a store of its own (it may use the same"
+                " database: progress is keyed by source)"
+            )
+        self._source = source
+        self._table.clear()
+        self._source_bound()
+
+    def _source_bound(self) -> None:  # noqa: B027 - optional hook
+        """Called when :meth:`bind_source` set the source (drop per-source caches)."""
+
+    async def adopt_unscoped_progress(self, group: str) -> int:
+        """Make the progress of ``group`` stored without a source (:data:`UNSCOPED`:
+        rows of schema version 3 and before) this store's source's, if that source
+        has none of ``group`` yet, in one transaction; returns how many queues' rows
+        it adopted (0 when unbound, or when there was nothing to adopt).
+
+        A consumer calls it when it starts: the first source to use a group after the
+        upgrade takes the group's old progress (every member of a group has the same
+        source, so the group resumes where it was); another source sees none of it.
+        The default (a store without sources) adopts nothing."""
+        if self._source is None:
+            return 0
+        return await self._adopt_stored(group)
+
+    async def _adopt_stored(self, group: str) -> int:
+        """Durable part of :meth:`adopt_unscoped_progress`; the default adopts nothing."""
+        del group
+        return 0
 
     # -- durable part (subclasses) ------------------------------------------------
 
@@ -170,6 +272,7 @@ class StageOffsetStore(abc.ABC):
                 return row.progress()
             if read_type is ReadOffsetType.READ_FROM_MEMORY:
                 return None
+        await self._resolve_scope(group)
         stored = await self._read_stored(group, mq)
         if stored is not None:
             self.update_progress(group, mq, stored)
@@ -207,6 +310,7 @@ class StageOffsetStore(abc.ABC):
             if row is not None:
                 batch[mq] = row.progress()
         if batch:
+            await self._resolve_scope(group)
             await self._write_stored(group, batch)
 
     # -- fencing (consumer groups across processes) ----------------------------------
@@ -235,6 +339,7 @@ class StageOffsetStore(abc.ABC):
         in-memory table (``None`` when there is none). Raises
         :class:`~offsetstore.StoreFencedError` when a newer owner already claimed it.
         """
+        await self._resolve_scope(group)
         progress = await self._claim_stored(group, mq, fence)
         if progress is None:
             self.remove_offset(group, mq)
@@ -259,6 +364,7 @@ class StageOffsetStore(abc.ABC):
                 tokens[mq] = fence
         if not batch:
             return
+        await self._resolve_scope(group)
         fenced = await self._write_fenced(group, batch, tokens)
         if fenced:
             raise StoreFencedError(
@@ -327,6 +433,7 @@ class StageOffsetStore(abc.ABC):
         self, group: str, topic: str | None = None
     ) -> dict[MessageQueue, QueueProgress]:
         """Every persisted progress of ``group`` (of one topic when given)."""
+        await self._resolve_scope(group)
         return await self._list_stored(group, topic)
 
     async def reset_progress(
@@ -345,12 +452,28 @@ class StageOffsetStore(abc.ABC):
         progress = dict(progress)
         for mq, value in progress.items():
             _check_reset_entry(mq, value)
+        await self._resolve_scope(group)
         await self._overwrite_stored(group, progress)
         for mq, value in progress.items():
             if value is None:
                 self.remove_offset(group, mq)
             else:
                 self.update_progress(group, mq, value)
+
+
+def _check_source(source: object) -> None:
+    if not isinstance(source, str) or not source:
+        raise StoreConfigurationError(f"a source must be a non-empty string, got {source!r}")
+    if len(source) > SOURCE_MAX_LENGTH:
+        raise StoreConfigurationError(
+            f"a source must be at most {SOURCE_MAX_LENGTH} characters, got {len(source)}:"
+            f" {source[:60]!r}..."
+        )
+
+
+SOURCE_MAX_LENGTH = 191
+"""The longest source identity a store keeps (MariaDB/MySQL bound the length of the
+SQL store's primary key); sources shorten longer identities with a hash."""
 
 
 def _check_reset_entry(mq: object, value: object) -> None:

@@ -106,3 +106,4 @@ class AlreadyFinishedError(OffsetStoreError):
     def __init__(self, message: str, *, offsets: Iterable[int] = ()) -> None:
         super().__init__(message, retriable=False)
         self.offsets: frozenset[int] = frozenset(offsets)
+        """The offsets of the messages that had already finished."""

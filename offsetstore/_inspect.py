@@ -64,6 +64,9 @@ class StoredRow:
     finished: tuple[tuple[int, int], ...] = ()
     """Ranges of finished offsets above the consume offset (sparse progress and the
     finished marks of exactly-once effects), first and last offset of each."""
+    source: str = ""
+    """The source the row belongs to (``''``: stored without one, before schema
+    version 4)."""
 
     @property
     def corrupt(self) -> bool:

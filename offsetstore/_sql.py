@@ -5,8 +5,13 @@ Layout (``prefix`` defaults to ``stagedconsumer_``)::
     <prefix>schema     component VARCHAR(64) PK, version INT
                        one row ("offsetstore", SCHEMA_VERSION); load() migrates
                        older versions (1 -> 2 added the fence column, 2 -> 3 the
-                       finished column and the marks table)
-    <prefix>progress   consumer_group, topic, queue_id   (primary key)
+                       finished column and the marks table, 3 -> 4 the source column)
+    <prefix>progress   source, consumer_group, topic, queue_id   (primary key)
+                       source VARCHAR(191) NOT NULL DEFAULT ''  (schema version 4) the
+                       identity of the message source (MessageSource.source_id()):
+                       offsets count the messages of one log; '' for rows stored
+                       without one (schema version 3 and before), adopted by the first
+                       source that uses their group (adopt_unscoped_progress)
                        consume_offset BIGINT NULL
                        stage_offsets  TEXT  JSON [[strategy_id, group_id|null, offset], ...]
                        fence BIGINT NOT NULL DEFAULT 0   (schema version 2) the highest
@@ -14,7 +19,7 @@ Layout (``prefix`` defaults to ``stagedconsumer_``)::
                        finished TEXT NULL   (schema version 3) sparse progress: ranges of
                        finished offsets above consume_offset, "gap+length,..." (see
                        offsetstore._types.encode_finished); NULL: none
-    <prefix>marks      consumer_group, topic, queue_id, queue_offset   (primary key)
+    <prefix>marks      source, consumer_group, topic, queue_id, queue_offset   (primary key)
                        (schema version 3) finished marks written by transact() in the
                        transaction of a handler's effects; deleted by the progress
                        commit whose consume offset passes them
@@ -63,7 +68,7 @@ from sqlalchemy.dialects import mysql as mysql_dialect
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ._abc import StageOffsetStore, _check_reset_entry
+from ._abc import SOURCE_MAX_LENGTH, UNSCOPED, StageOffsetStore, _check_reset_entry
 from ._exceptions import (
     AlreadyFinishedError,
     OffsetStoreError,
@@ -84,12 +89,13 @@ from ._types import (
     merge_marks,
 )
 
-__all__ = ("SCHEMA_VERSION", "SqlOffsetStore", "schema_sql")
+__all__ = ("SCHEMA_VERSION", "SqlOffsetStore", "migration_sql", "schema_sql")
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 """Version of the table layout this module writes and reads. Version 2 added the
 ``fence`` column (fencing tokens of consumer groups), version 3 the ``finished``
-column (sparse progress) and the marks table (exactly-once effects)."""
+column (sparse progress) and the marks table (exactly-once effects), version 4 the
+``source`` column, first in both primary keys (progress scoped by message source)."""
 
 _COMPONENT: Final = "offsetstore"
 _DEADLOCK_RETRIES: Final = 3
@@ -135,6 +141,14 @@ def _name_column(length: int) -> sa.types.TypeEngine[str]:
     return sa.String(length).with_variant(_Utf8Bytes(length * 4), "mysql", "mariadb")
 
 
+def _source_column() -> sa.Column[str]:
+    """The key column of schema version 4: the source's identity, ``''`` (UNSCOPED)
+    for rows of older versions (hence the server default)."""
+    return sa.Column(
+        "source", _name_column(SOURCE_MAX_LENGTH), primary_key=True, server_default=UNSCOPED
+    )
+
+
 def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
     metadata = sa.MetaData()
     schema = sa.Table(
@@ -147,6 +161,7 @@ def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Tabl
     progress = sa.Table(
         f"{prefix}progress",
         metadata,
+        _source_column(),
         sa.Column("consumer_group", _name_column(255), primary_key=True),
         sa.Column("topic", _name_column(255), primary_key=True),
         sa.Column("queue_id", sa.Integer, primary_key=True, autoincrement=False),
@@ -167,6 +182,7 @@ def _build_tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Tabl
     marks = sa.Table(
         f"{prefix}marks",
         metadata,
+        _source_column(),
         sa.Column("consumer_group", _name_column(255), primary_key=True),
         sa.Column("topic", _name_column(255), primary_key=True),
         sa.Column("queue_id", sa.Integer, primary_key=True, autoincrement=False),
@@ -354,6 +370,10 @@ class SqlOffsetStore(StageOffsetStore):
     anything it would have to write, and every write raises
     :class:`~offsetstore.StoreReadOnlyError` without touching the database.
 
+    Rows are keyed by :attr:`~offsetstore.StageOffsetStore.source` too (``source=``,
+    or bound by the first consumer: see :class:`~offsetstore.StageOffsetStore`), so
+    one database keeps the progress of groups of many brokers and namespaces apart.
+
     ``connect_timeout`` (seconds, default 10) bounds connecting to a server (and,
     for SQLite, waiting for a locked file). ``operation_timeout`` (seconds, default
     60, ``None``: no limit) bounds every call: a call that takes longer (a frozen
@@ -373,8 +393,9 @@ class SqlOffsetStore(StageOffsetStore):
         connect_timeout: float = 10.0,
         operation_timeout: float | None = 60.0,
         engine_options: Mapping[str, Any] | None = None,
+        source: str | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(source=source)
         if (
             not table_prefix.isascii()
             or not table_prefix.replace("_", "a").isalnum()
@@ -420,10 +441,11 @@ class SqlOffsetStore(StageOffsetStore):
         self._write_stmt = self._build_write_statement()
         self._pg_mark_stmt = sa.text(
             f"WITH p AS (SELECT fence, consume_offset, finished FROM {self._progress.name}"
-            " WHERE consumer_group = :g AND topic = :t AND queue_id = :q FOR KEY SHARE),"
+            " WHERE source = :s AND consumer_group = :g AND topic = :t AND queue_id = :q"
+            " FOR KEY SHARE),"
             f" ins AS (INSERT INTO {self._marks.name}"
-            " (consumer_group, topic, queue_id, queue_offset)"
-            " SELECT :g, :t, :q, o FROM p, unnest(CAST(:offsets AS BIGINT[])) AS o"
+            " (source, consumer_group, topic, queue_id, queue_offset)"
+            " SELECT :s, :g, :t, :q, o FROM p, unnest(CAST(:offsets AS BIGINT[])) AS o"
             " WHERE p.fence <= :fence RETURNING 1)"
             " SELECT p.fence, p.consume_offset, p.finished, (SELECT count(*) FROM ins) AS marked"
             " FROM p"
@@ -449,14 +471,17 @@ class SqlOffsetStore(StageOffsetStore):
 
     @property
     def table_prefix(self) -> str:
+        """The prefix of the store's table names."""
         return self._table_prefix
 
     @property
     def progress_table_name(self) -> str:
+        """The name of the progress table (one row per group, topic and queue)."""
         return self._progress.name
 
     @property
     def schema_table_name(self) -> str:
+        """The name of the table that records the schema's version."""
         return self._schema_table.name
 
     def __repr__(self) -> str:
@@ -507,7 +532,7 @@ class SqlOffsetStore(StageOffsetStore):
     def _build_write_statement(self) -> sa.Executable:
         """The increase-only upsert of one queue's progress, for executemany."""
         t = self._progress
-        keys = [t.c.consumer_group, t.c.topic, t.c.queue_id]
+        keys = [t.c.source, t.c.consumer_group, t.c.topic, t.c.queue_id]
         if self._backend == "mysql":
             mstmt = mysql_dialect.insert(t)
             new = mstmt.inserted
@@ -556,7 +581,7 @@ class SqlOffsetStore(StageOffsetStore):
             )
         stmt = (pg_dialect.insert if self._backend == "postgresql" else sqlite_dialect.insert)(t)
         return stmt.on_conflict_do_update(
-            index_elements=[t.c.consumer_group, t.c.topic, t.c.queue_id],
+            index_elements=[t.c.source, t.c.consumer_group, t.c.topic, t.c.queue_id],
             set_={
                 "consume_offset": stmt.excluded.consume_offset,
                 "stage_offsets": stmt.excluded.stage_offsets,
@@ -812,6 +837,8 @@ class SqlOffsetStore(StageOffsetStore):
             self._migrate_to_2()
         if version < 3:
             self._migrate_to_3()
+        if version < 4:
+            self._migrate_to_4()
         self._check_writable()
 
     async def init_schema(self) -> list[str]:
@@ -845,6 +872,8 @@ class SqlOffsetStore(StageOffsetStore):
                 done.append(f"recorded schema version {after} in {self._schema_table.name}")
             elif after != before:
                 done.append(f"migrated the tables from schema version {before} to {after}")
+                if before < 4 and after == SCHEMA_VERSION:
+                    done.append(self._unscoped_note())
             if not done:
                 done.append(
                     f"nothing to do: tables {self._schema_table.name}, {self._progress.name}"
@@ -855,6 +884,18 @@ class SqlOffsetStore(StageOffsetStore):
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed", retriable=False)
         return await self._in_thread("preparing the offset store", self._init_guarded, init)
+
+    def _unscoped_note(self) -> str:
+        t = self._progress
+        with self._engine.connect() as conn:
+            count = conn.execute(
+                sa.select(sa.func.count()).select_from(t).where(t.c.source == UNSCOPED)
+            ).scalar_one()
+        return (
+            f"added the source column to {t.name} and {self._marks.name}: {count} progress"
+            " row(s) have no source yet; each group's are adopted, in one transaction, by"
+            " the source of the first consumer of the group that starts (it logs it)"
+        )
 
     def _init_guarded(self, init: Callable[[], list[str]]) -> list[str]:
         try:
@@ -949,6 +990,68 @@ class SqlOffsetStore(StageOffsetStore):
                 .values(version=3)
             )
 
+    def _migrate_to_4(self) -> None:
+        """Version 3 -> 4: the ``source`` column, first in the primary key of the
+        progress and of the marks table; existing rows get ``''`` (UNSCOPED), adopted
+        later by the first source that uses their group. Each table changes in one
+        statement (MariaDB/MySQL: one ``ALTER TABLE``) or one transaction (SQLite,
+        whose keys cannot be altered, copies the table; PostgreSQL), so a reader
+        never sees it half done. Idempotent; processes may race."""
+        for table in (self._progress, self._marks):
+            try:
+                self._add_source_key(table)
+            except sa_exc.DBAPIError:
+                if not self._has_source(table):  # else another process was first
+                    raise
+        schema = self._schema_table
+        with self._write_transaction() as conn:
+            conn.execute(
+                sa.update(schema)
+                .where(schema.c.component == _COMPONENT, schema.c.version < 4)
+                .values(version=4)
+            )
+
+    def _has_source(self, table: sa.Table) -> bool:
+        with self._engine.connect() as conn:
+            return "source" in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
+
+    def _add_source_key(self, table: sa.Table) -> None:
+        if self._has_source(table):
+            return
+        keys = ", ".join(c.name for c in table.primary_key.columns)
+        name = table.name
+        if self._backend == "mysql":
+            with self._write_transaction() as conn:
+                conn.exec_driver_sql(
+                    f"ALTER TABLE {name} ADD COLUMN source VARBINARY({SOURCE_MAX_LENGTH * 4})"
+                    f" NOT NULL DEFAULT '' FIRST, DROP PRIMARY KEY, ADD PRIMARY KEY ({keys})"
+                )
+        elif self._backend == "postgresql":
+            with self._write_transaction() as conn:
+                pk = sa.inspect(conn).get_pk_constraint(name)["name"]
+                conn.exec_driver_sql(
+                    f"ALTER TABLE {name} ADD COLUMN source VARCHAR({SOURCE_MAX_LENGTH})"
+                    f" NOT NULL DEFAULT '', DROP CONSTRAINT {pk}, ADD PRIMARY KEY ({keys})"
+                )
+        else:
+            copy = table.to_metadata(sa.MetaData(), name=f"{name}_v4")
+            old = ", ".join(c.name for c in table.columns if c.name != "source")
+            with self._write_transaction() as conn:  # BEGIN IMMEDIATE: one at a time
+                if self._has_source_in(conn, name):
+                    return
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {copy.name}")
+                conn.execute(sa.schema.CreateTable(copy))
+                conn.exec_driver_sql(
+                    f"INSERT INTO {copy.name} (source, {old}) SELECT '', {old} FROM {name}"
+                )
+                conn.exec_driver_sql(f"DROP TABLE {name}")
+                conn.exec_driver_sql(f"ALTER TABLE {copy.name} RENAME TO {name}")
+
+    @staticmethod
+    def _has_source_in(conn: sa.Connection, name: str) -> bool:
+        rows = conn.exec_driver_sql(f"PRAGMA table_info({name})").all()
+        return any(row[1] == "source" for row in rows)
+
     @contextmanager
     def _write_transaction(self) -> Iterator[sa.Connection]:
         """A transaction that writes (SQLite: ``BEGIN IMMEDIATE``, so writers queue on
@@ -1033,6 +1136,8 @@ class SqlOffsetStore(StageOffsetStore):
         words = ["stagedconsumer", "offsets", "reset", "--store", self.url]
         if self._table_prefix != "stagedconsumer_":
             words += ["--table-prefix", self._table_prefix]
+        if self._scope_of(group):
+            words += ["--source", self._scope_of(group)]
         words += ["--group", group, "--topic", mq.topic, "--queue", str(mq.queue_id)]
         password = " (with the URL's password put back)" if self._url.password else ""
         if not readable:
@@ -1053,20 +1158,87 @@ class SqlOffsetStore(StageOffsetStore):
         words = ["stagedconsumer", "offsets", "reset", "--store", self.url]
         if self._table_prefix != "stagedconsumer_":
             words += ["--table-prefix", self._table_prefix]
+        if self._scope_of(group):
+            words += ["--source", self._scope_of(group)]
         words += ["--group", group, "--topic", mq.topic, "--queue", str(mq.queue_id), "--force"]
         return (
             f" ({problem}: the stored fence is corrupt and blocks the queue for every member;"
             f" with the group stopped, repair it with: {shlex.join(words)} --redis URL)"
         )
 
+    # -- the key: source, group, queue ------------------------------------------------
+
+    def _owned(self, table: sa.Table, group: str) -> list[sa.ColumnElement[bool]]:
+        """The rows of ``group`` of this store's source in ``table`` (tables before
+        schema version 4, read by a read-only store, have no source)."""
+        if self._version < 4:
+            return [table.c.consumer_group == group]
+        return [table.c.source == self._scope_of(group), table.c.consumer_group == group]
+
+    def _source_bound(self) -> None:
+        self._marked.clear()
+
+    async def _adopt_stored(self, group: str) -> int:
+        t, m = self._progress, self._marks
+        scope = self._scope_of(group)
+        if self._read_only or self._version < 4:
+            return 0
+
+        def adopt() -> int:
+            with self._write_transaction() as conn:
+                for table in (t, m):
+                    own = sa.select(table.c.topic).where(*self._owned(table, group)).limit(1)
+                    if conn.execute(own).first() is not None:
+                        return 0
+                queues: set[tuple[str, int]] = set()
+                for table in (t, m):
+                    legacy = (table.c.source == UNSCOPED, table.c.consumer_group == group)
+                    found = conn.execute(
+                        sa.select(table.c.topic, table.c.queue_id).distinct().where(*legacy)
+                    )
+                    queues.update((str(topic), int(queue)) for topic, queue in found)
+                if not queues:
+                    return 0
+                legacy = (t.c.source == UNSCOPED, t.c.consumer_group == group)
+                conn.execute(sa.update(t).where(*legacy).values(source=scope))
+                # The marks move by INSERT and DELETE: the grants a consumer has there.
+                names = [c.name for c in m.columns if c.name != "source"]
+                copied = sa.select(sa.literal(scope, m.c.source.type), *(m.c[n] for n in names))
+                legacy = (m.c.source == UNSCOPED, m.c.consumer_group == group)
+                conn.execute(sa.insert(m).from_select(["source", *names], copied.where(*legacy)))
+                conn.execute(sa.delete(m).where(*legacy))
+                return len(queues)
+
+        return await self._run(
+            f"adopting the progress of group {group!r} stored without a source",
+            adopt,
+            writes=True,
+        )
+
+    async def _stored_sources(self, group: str) -> list[str]:
+        return await self.list_sources(group)
+
+    async def list_sources(self, group: str) -> list[str]:
+        """The sources that have stored progress of ``group``, sorted (``''``,
+        :data:`~offsetstore.UNSCOPED`, for rows stored without one)."""
+        t = self._progress
+        if self._version < 4:
+            stmt = sa.select(sa.literal(UNSCOPED)).where(t.c.consumer_group == group).limit(1)
+        else:
+            stmt = sa.select(t.c.source).distinct().where(t.c.consumer_group == group)
+
+        def read() -> list[str]:
+            with self._engine.connect() as conn:
+                return sorted({str(source) for (source,) in conn.execute(stmt)})
+
+        return await self._run(f"listing the sources of group {group!r}", read, writes=False)
+
     def _select(self, group: str) -> sa.Select[Any]:
         t = self._progress
         columns = [t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets]
         if self._version >= 3:
             columns.append(t.c.finished)
-        return (
-            sa.select(*columns).where(t.c.consumer_group == group).order_by(t.c.topic, t.c.queue_id)
-        )
+        return sa.select(*columns).where(*self._owned(t, group)).order_by(t.c.topic, t.c.queue_id)
 
     def _read_marks(
         self, conn: sa.Connection, group: str, mq: MessageQueue | None, topic: str | None = None
@@ -1075,9 +1247,7 @@ class SqlOffsetStore(StageOffsetStore):
         if self._version < 3:
             return {}
         m = self._marks
-        stmt = sa.select(m.c.topic, m.c.queue_id, m.c.queue_offset).where(
-            m.c.consumer_group == group
-        )
+        stmt = sa.select(m.c.topic, m.c.queue_id, m.c.queue_offset).where(*self._owned(m, group))
         if mq is not None:
             stmt = stmt.where(m.c.topic == mq.topic, m.c.queue_id == mq.queue_id)
         elif topic is not None:
@@ -1136,6 +1306,7 @@ class SqlOffsetStore(StageOffsetStore):
         without stage offsets instead of raising, for an operator to overwrite them
         (``stagedconsumer offsets reset --clear-stage-offsets``). A row whose consume
         offset cannot be read still raises."""
+        await self._resolve_scope(group)
         stmt = self._select(group)
         if topic is not None:
             stmt = stmt.where(self._progress.c.topic == topic)
@@ -1149,39 +1320,72 @@ class SqlOffsetStore(StageOffsetStore):
         progress = await self._run(f"listing the progress of group {group!r}", read, writes=False)
         return progress, frozenset(unreadable)
 
-    async def inspect_progress(self, group: str, topic: str | None = None) -> list[StoredRow]:
+    async def inspect_progress(
+        self, group: str, topic: str | None = None, *, every_source: bool = False
+    ) -> list[StoredRow]:
         """Every stored row of ``group`` (of one topic when given) as it is, corrupt
         ones included and marked (:attr:`StoredRow.problems`), for an operator: never
-        raises for a row it cannot read (``stagedconsumer offsets show``)."""
+        raises for a row it cannot read (``stagedconsumer offsets show``). Rows of
+        this store's source, or with ``every_source`` of every source (each row's
+        :attr:`StoredRow.source` says which)."""
+        if not every_source:
+            await self._resolve_scope(group)
         t = self._progress
-        columns = [t.c.topic, t.c.queue_id, t.c.consume_offset, t.c.stage_offsets, t.c.fence]
-        if self._version >= 3:
-            columns.append(t.c.finished)
-        stmt = (
-            sa.select(*columns).where(t.c.consumer_group == group).order_by(t.c.topic, t.c.queue_id)
-        )
+        columns: list[sa.ColumnElement[Any]] = [
+            t.c.topic,
+            t.c.queue_id,
+            t.c.consume_offset,
+            t.c.stage_offsets,
+            t.c.fence,
+        ]
+        columns.append(t.c.finished if self._version >= 3 else sa.null())
+        columns.append(t.c.source if self._version >= 4 else sa.literal(UNSCOPED))
+        where = [t.c.consumer_group == group] if every_source else self._owned(t, group)
+        order = [t.c.source] if every_source and self._version >= 4 else []
+        stmt = sa.select(*columns).where(*where).order_by(*order, t.c.topic, t.c.queue_id)
         if topic is not None:
             stmt = stmt.where(t.c.topic == topic)
 
         def read() -> list[StoredRow]:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
-                marks = self._read_marks(conn, group, None, topic)
+                marks = self._read_marks_by_source(conn, group, topic, every_source)
             decoded = []
             for r in rows:
                 mq = MessageQueue(str(r[0]), int(r[1]))
-                row = decode_row(
-                    mq, r[2], r[3], r[4], decode_stage_offsets, r[5] if len(r) > 5 else None
-                )
+                row = decode_row(mq, r[2], r[3], r[4], decode_stage_offsets, r[5])
+                row = attrs.evolve(row, source=str(r[6]))
                 progress = row.progress()
-                if mq in marks and progress is not None:
-                    merged = merge_marks(progress, marks[mq])
+                queue_marks = marks.get((row.source, mq))
+                if queue_marks and progress is not None:
+                    merged = merge_marks(progress, queue_marks)
                     if merged is not None:
                         row = attrs.evolve(row, finished=merged.finished)
                 decoded.append(row)
             return decoded
 
         return await self._run(f"listing the stored rows of group {group!r}", read, writes=False)
+
+    def _read_marks_by_source(
+        self, conn: sa.Connection, group: str, topic: str | None, every_source: bool
+    ) -> dict[tuple[str, MessageQueue], list[int]]:
+        """The finished marks of ``group`` (of ``topic``), by source and queue."""
+        if not every_source or self._version < 4:
+            return {
+                (self._scope_of(group), mq): offsets
+                for mq, offsets in self._read_marks(conn, group, None, topic).items()
+            }
+        m = self._marks
+        stmt = sa.select(m.c.source, m.c.topic, m.c.queue_id, m.c.queue_offset).where(
+            m.c.consumer_group == group
+        )
+        if topic is not None:
+            stmt = stmt.where(m.c.topic == topic)
+        result: dict[tuple[str, MessageQueue], list[int]] = {}
+        for source, row_topic, queue_id, offset in conn.execute(stmt):
+            key = (str(source), MessageQueue(str(row_topic), int(queue_id)))
+            result.setdefault(key, []).append(int(offset))
+        return result
 
     async def repair_progress(
         self,
@@ -1200,6 +1404,7 @@ class SqlOffsetStore(StageOffsetStore):
             _check_reset_entry(mq, value)
         for mq, fence in fences.items():
             check_offset(f"fence of {mq}", fence)
+        await self._resolve_scope(group)
         t = self._progress
         items = sorted(progress.items(), key=_queue_order)
         stmt = self._overwrite_stmt
@@ -1214,7 +1419,7 @@ class SqlOffsetStore(StageOffsetStore):
                     if self._version >= 3:
                         conn.execute(
                             sa.delete(m).where(
-                                m.c.consumer_group == group,
+                                *self._owned(m, group),
                                 m.c.topic == mq.topic,
                                 m.c.queue_id == mq.queue_id,
                             )
@@ -1226,7 +1431,7 @@ class SqlOffsetStore(StageOffsetStore):
                     conn.execute(
                         sa.update(t)
                         .where(
-                            t.c.consumer_group == group,
+                            *self._owned(t, group),
                             t.c.topic == mq.topic,
                             t.c.queue_id == mq.queue_id,
                         )
@@ -1239,6 +1444,7 @@ class SqlOffsetStore(StageOffsetStore):
 
     def _params(self, group: str, mq: MessageQueue, progress: QueueProgress) -> dict[str, Any]:
         return {
+            "source": self._scope_of(group),
             "consumer_group": group,
             "topic": mq.topic,
             "queue_id": mq.queue_id,
@@ -1265,6 +1471,7 @@ class SqlOffsetStore(StageOffsetStore):
             if count % _SNAPSHOT_CHUNK == 0:
                 await anyio.lowlevel.checkpoint()
         if batch:
+            await self._resolve_scope(group)
             await self._write_stored(group, batch)
 
     async def _write_stored(
@@ -1312,7 +1519,7 @@ class SqlOffsetStore(StageOffsetStore):
                 continue
             conn.execute(
                 sa.delete(m).where(
-                    m.c.consumer_group == group,
+                    *self._owned(m, group),
                     m.c.topic == mq.topic,
                     m.c.queue_id == mq.queue_id,
                     m.c.queue_offset < value.consume_offset,
@@ -1337,7 +1544,7 @@ class SqlOffsetStore(StageOffsetStore):
         if self._version >= 3:
             columns.append(t.c.finished)
         stmt = sa.select(*columns).where(
-            t.c.consumer_group == group, t.c.topic == mq.topic, t.c.queue_id == mq.queue_id
+            *self._owned(t, group), t.c.topic == mq.topic, t.c.queue_id == mq.queue_id
         )
         if self._backend != "sqlite":  # SQLite: BEGIN IMMEDIATE already serializes writers
             # PostgreSQL: FOR KEY SHARE, the lightest lock that a claim's FOR UPDATE waits for.
@@ -1363,7 +1570,13 @@ class SqlOffsetStore(StageOffsetStore):
         anything ``fn`` raises propagates as it is, nothing committed."""
         m = self._marks
         rows = [
-            {"consumer_group": group, "topic": mq.topic, "queue_id": mq.queue_id, "queue_offset": o}
+            {
+                "source": self._scope_of(group),
+                "consumer_group": group,
+                "topic": mq.topic,
+                "queue_id": mq.queue_id,
+                "queue_offset": o,
+            }
             for o in offsets
         ]
         highest = max(offsets)
@@ -1378,11 +1591,12 @@ class SqlOffsetStore(StageOffsetStore):
         def run() -> _T:
             try:
                 with self._write_transaction() as conn:
-                    if self._backend == "postgresql" and self._version >= 3:
+                    if self._backend == "postgresql" and self._version >= 4:
                         # Lock, check and mark in one round trip.
                         row = conn.execute(
                             self._pg_mark_stmt,
                             {
+                                "s": self._scope_of(group),
                                 "g": group,
                                 "t": mq.topic,
                                 "q": mq.queue_id,
@@ -1449,7 +1663,7 @@ class SqlOffsetStore(StageOffsetStore):
         m = self._marks
         marked = conn.execute(
             sa.select(m.c.queue_offset).where(
-                m.c.consumer_group == group,
+                *self._owned(m, group),
                 m.c.topic == mq.topic,
                 m.c.queue_id == mq.queue_id,
                 m.c.queue_offset >= min(offsets),
@@ -1462,7 +1676,7 @@ class SqlOffsetStore(StageOffsetStore):
 
     async def _claim_stored(self, group: str, mq: MessageQueue, fence: int) -> QueueProgress | None:
         t = self._progress
-        where = (t.c.consumer_group == group, t.c.topic == mq.topic, t.c.queue_id == mq.queue_id)
+        where = (*self._owned(t, group), t.c.topic == mq.topic, t.c.queue_id == mq.queue_id)
 
         def claim() -> QueueProgress | None:
             for attempt in range(2):
@@ -1472,6 +1686,7 @@ class SqlOffsetStore(StageOffsetStore):
                         if row is None:
                             conn.execute(
                                 sa.insert(t).values(
+                                    source=self._scope_of(group),
                                     consumer_group=group,
                                     topic=mq.topic,
                                     queue_id=mq.queue_id,
@@ -1556,7 +1771,7 @@ class SqlOffsetStore(StageOffsetStore):
                     # An operator's reset: its messages are consumed again.
                     conn.execute(
                         sa.delete(m).where(
-                            m.c.consumer_group == group,
+                            *self._owned(m, group),
                             m.c.topic == mq.topic,
                             m.c.queue_id == mq.queue_id,
                         )
@@ -1565,7 +1780,7 @@ class SqlOffsetStore(StageOffsetStore):
                     if value is None:
                         conn.execute(
                             sa.delete(t).where(
-                                t.c.consumer_group == group,
+                                *self._owned(t, group),
                                 t.c.topic == mq.topic,
                                 t.c.queue_id == mq.queue_id,
                             )
@@ -1680,6 +1895,63 @@ def schema_sql(dialect: str, table_prefix: str = "stagedconsumer_") -> str:
         f"INSERT INTO {schema.name} (component, version) VALUES ('{_COMPONENT}', {SCHEMA_VERSION})"
     )
     lines = "\n".join(f"{statement};" for statement in statements).splitlines()
+    return "".join(f"{line.rstrip()}\n" for line in lines)
+
+
+def migration_sql(
+    dialect: str, table_prefix: str = "stagedconsumer_", from_version: int = 3
+) -> str:
+    """The SQL that migrates the offset store's tables from schema version
+    ``from_version`` (3, the only one this prints) to :data:`SCHEMA_VERSION` for
+    ``dialect``: what :meth:`SqlOffsetStore.load` would do, for a DBA to run
+    (``stagedconsumer offsets init --sql --from-version 3``). Version 4 puts the
+    ``source`` column first in the primary key of the progress and marks tables;
+    existing rows get ``''`` and are adopted by the first source that uses their
+    group. PostgreSQL: the primary key constraints are assumed to have their default
+    names (``<table>_pkey``)."""
+    if dialect not in _DDL_DIALECTS:
+        raise StoreConfigurationError(
+            f"unknown SQL dialect {dialect!r}: use one of {', '.join(_DDL_DIALECTS)}"
+        )
+    if from_version != 3:
+        raise StoreConfigurationError(
+            f"migration SQL is printed from schema version 3 only, not {from_version!r}:"
+            " run stagedconsumer offsets init --store URL, which migrates from any version"
+        )
+    SqlOffsetStore("sqlite://", table_prefix=table_prefix, create_tables=False)  # checks it
+    _, schema, progress, marks = _build_tables(table_prefix)
+    statements: list[str] = []
+    for table in (progress, marks):
+        keys = ", ".join(c.name for c in table.primary_key.columns)
+        name = table.name
+        if dialect in ("mysql", "mariadb"):
+            statements.append(
+                f"ALTER TABLE {name} ADD COLUMN source VARBINARY({SOURCE_MAX_LENGTH * 4})"
+                f" NOT NULL DEFAULT '' FIRST, DROP PRIMARY KEY, ADD PRIMARY KEY ({keys})"
+            )
+        elif dialect == "postgresql":
+            statements.append(
+                f"ALTER TABLE {name} ADD COLUMN source VARCHAR({SOURCE_MAX_LENGTH})"
+                f" NOT NULL DEFAULT '', DROP CONSTRAINT {name}_pkey, ADD PRIMARY KEY ({keys})"
+            )
+        else:
+            copy = table.to_metadata(sa.MetaData(), name=f"{name}_v4")
+            old = ", ".join(c.name for c in table.columns if c.name != "source")
+            create = sa.schema.CreateTable(copy).compile(dialect=sqlite_dialect.dialect())
+            statements += [
+                str(create).strip(),
+                f"INSERT INTO {copy.name} (source, {old}) SELECT '', {old} FROM {name}",
+                f"DROP TABLE {name}",
+                f"ALTER TABLE {copy.name} RENAME TO {name}",
+            ]
+    statements.append(
+        f"UPDATE {schema.name} SET version = {SCHEMA_VERSION}"
+        f" WHERE component = '{_COMPONENT}' AND version = 3"
+    )
+    body = "\n".join(f"{statement};" for statement in statements)
+    if dialect in ("sqlite", "postgresql"):  # transactional DDL: all or nothing
+        body = f"BEGIN;\n{body}\nCOMMIT;"
+    lines = body.splitlines()
     return "".join(f"{line.rstrip()}\n" for line in lines)
 
 

@@ -299,6 +299,7 @@ class MessageListenerOrderly(MessageListener):
     """
 
     ordering: Ordering = Ordering.BY_QUEUE
+    """What is kept in order: the whole queue (the default) or each message key."""
 
     @abc.abstractmethod
     def consume_message(

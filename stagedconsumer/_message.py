@@ -336,9 +336,13 @@ class OutgoingMessage:
     """
 
     body: bytes
+    """The payload."""
     keys: tuple[str, ...] = ()
+    """Business keys (RocketMQ's ``KEYS``): the key-ordered mode orders by the first."""
     tags: str | None = None
+    """The tag consumers filter on (``None``: no tag)."""
     properties: dict[str, str] = attrs.Factory(dict)
+    """User properties (names the library reserves are refused by :meth:`of`)."""
 
     @classmethod
     def of(

@@ -54,7 +54,7 @@ def main(backend: str, shutdown_timeout: float, seconds: float) -> None:
             running.wait_stopped()
     finally:
         stats = consumer.statistics()
-        stored = store._stored.get(("g", MessageQueue("t", 0)))
+        stored = store._stored.get(store._key("g", MessageQueue("t", 0)))
         print(
             f"left consumed_ok={stats.consumed_ok} abandoned={stats.abandoned_calls}"
             f" committed={None if stored is None else stored.consume_offset}",

@@ -88,7 +88,7 @@ class Collect(MessageListenerConcurrently):
 
 
 def committed(store: MemoryOffsetStore, group: str, mq: MessageQueue) -> int | None:
-    stored = store._stored.get((group, mq))
+    stored = store._stored.get(store._key(group, mq))
     return None if stored is None else stored.consume_offset
 
 

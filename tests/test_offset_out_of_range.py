@@ -1,10 +1,15 @@
-"""A committed consume offset beyond the queue's max offset (a store reused with a new
-broker, a broker that lost its messages): warned about with both numbers and
-corrected to the max offset, as RocketMQ's client does with ``OFFSET_ILLEGAL``."""
+"""A committed consume offset beyond the queue's max offset (a flushed Redis, a broker
+that lost its messages, an embedded broker refilled with less): warned about with the
+queue and both numbers, counted (``offsets_beyond_end``), and corrected where
+``consume_from_where`` says: the queue's first offset (the default; every message of
+the recreated queue is new to the group, none is skipped), its end
+(``CONSUME_FROM_LAST_OFFSET``, RocketMQ's client rule for ``OFFSET_ILLEGAL``), or
+``consume_timestamp``."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import pytest
 from offsetstore import MemoryOffsetStore, QueueProgress, SqlOffsetStore, StageKey
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
+    ConsumeFromWhere,
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
     MemoryBroker,
@@ -73,9 +79,15 @@ async def store_at(
     return store
 
 
-async def test_offset_beyond_the_max_is_warned_about_and_moved_to_the_max(
+def beyond_end_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "beyond the queue's end" in r.getMessage()]
+
+
+async def test_offset_beyond_the_end_is_warned_about_counted_and_consumed_from_the_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The default (CONSUME_FROM_FIRST_OFFSET): the queue was recreated, so its
+    messages are all new to the group: none is skipped (it was: 0 of 10 consumed)."""
     broker = broker_with(10)
     store = await store_at(500)
     listener = Recording()
@@ -86,14 +98,57 @@ async def test_offset_beyond_the_max_is_warned_about_and_moved_to_the_max(
             for i in range(5):
                 broker.send("t", b"new %d" % i)
             await consumer.wait_caught_up(timeout=10)
-    # RocketMQ's rule: go on from the max offset; what is sent from then on is consumed
-    assert listener.offsets == [10, 11, 12, 13, 14]
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert consumer.statistics().offsets_beyond_end == 1
+    assert listener.offsets == list(range(15))
+    warnings = beyond_end_warnings(caplog)
     assert len(warnings) == 1
-    assert "500" in warnings[0]
+    assert "offset 500 of t#0" in warnings[0]
     assert "max offset 10" in warnings[0]
-    assert "t#0" in warnings[0]
+    assert "going on from offset 0 (CONSUME_FROM_FIRST_OFFSET)" in warnings[0]
     assert (await store.read_progress("g", MQ)) == QueueProgress(consume_offset=15)
+
+
+async def test_from_last_offset_goes_on_from_the_end(caplog: pytest.LogCaptureFixture) -> None:
+    """CONSUME_FROM_LAST_OFFSET: RocketMQ's client rule for an offset out of range:
+    what is sent from then on is consumed."""
+    broker = broker_with(10)
+    store = await store_at(500)
+    listener = Recording()
+    options = ConsumerOptions(consume_from_where=ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET)
+    consumer = PushConsumer("g", broker, listener, offset_store=store, options=options)
+    consumer.subscribe("t")
+    with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
+        async with consumer:
+            for i in range(5):
+                broker.send("t", b"new %d" % i)
+            await consumer.wait_caught_up(timeout=10)
+            assert consumer.statistics().offsets_beyond_end == 1
+    assert listener.offsets == [10, 11, 12, 13, 14]
+    (warning,) = beyond_end_warnings(caplog)
+    assert "offset 500 of t#0" in warning
+    assert "max offset 10" in warning
+    assert "going on from offset 10 (CONSUME_FROM_LAST_OFFSET)" in warning
+
+
+async def test_from_timestamp_goes_on_from_the_first_message_born_then() -> None:
+    broker = broker_with(2)
+    (last,) = (await broker.pull(MQ, 1, 1)).messages
+    while time.time() <= last.born_timestamp:  # the clock's resolution
+        await anyio.sleep(0.001)
+    since = time.time()
+    broker.send("t", b"2")
+    broker.send("t", b"3")
+    store = await store_at(500)
+    listener = Recording()
+    options = ConsumerOptions(
+        consume_from_where=ConsumeFromWhere.CONSUME_FROM_TIMESTAMP, consume_timestamp=since
+    )
+    consumer = PushConsumer("g", broker, listener, offset_store=store, options=options)
+    consumer.subscribe("t")
+    async with consumer:
+        await consumer.wait_caught_up(timeout=10)
+        assert consumer.statistics().offsets_beyond_end == 1
+    assert listener.offsets == [2, 3]
 
 
 async def test_the_correction_is_stored_backwards_in_a_sql_store(tmp_path: Path) -> None:
@@ -122,8 +177,11 @@ async def test_stage_offsets_are_kept_across_the_correction() -> None:
         for _ in range(5):
             broker.send("t", b"x")
         await consumer.wait_caught_up(timeout=10)
-    # stage offsets 1..5 with definitions [2, 3]: stage 0, then 1, 1, 1, then the tail
-    assert sorted(listener.stages) == [(4, 0), (5, 1), (6, 1), (7, 1), (8, -1)]
+    # from the start, stage offsets 1..9 with definitions [2, 3]: stage 0, then 1, 1,
+    # 1, then the tail
+    assert sorted(listener.stages) == [
+        (0, 0), (1, 1), (2, 1), (3, 1), *((o, -1) for o in range(4, 9))
+    ]  # fmt: skip
 
 
 async def test_an_offset_at_the_max_is_not_corrected(caplog: pytest.LogCaptureFixture) -> None:
@@ -134,7 +192,8 @@ async def test_an_offset_at_the_max_is_not_corrected(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="stagedconsumer"):
         async with consumer:
             await consumer.wait_caught_up(timeout=10)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert consumer.statistics().offsets_beyond_end == 0
+    assert not beyond_end_warnings(caplog)
 
 
 class Swappable(MessageSource):
@@ -186,7 +245,8 @@ async def test_a_broker_that_loses_its_messages_while_consuming(
             for i in range(4):
                 source.inner.send("t", b"after %d" % i)
             await consumer.wait_caught_up(timeout=10)
-    assert listener.offsets == [*range(20), 3, 4, 5, 6]
+    # the recreated queue's 3 messages are new to the group: consumed, then the 4 sent
+    assert listener.offsets == [*range(20), *range(7)]
     warning = next(r.getMessage() for r in caplog.records if "beyond" in r.getMessage())
     assert "offset 20" in warning
     assert "max offset 3" in warning

@@ -13,6 +13,13 @@ from the source: ``show --redis URL`` reads it from a :class:`RedisBroker` (and
 exits 1, after printing the progress, when it cannot); without it there is no lag
 column (the embedded broker lives inside the consumer's process).
 
+Progress is kept per source (schema version 4): ``--source ID`` names it (a broker's
+``source_id()``, e.g. ``redis://127.0.0.1:6379/0#sc``). Without it ``show`` shows
+every source's rows (a Source column when there are several; with ``--redis URL``
+only that broker's, ``redis://host:port/db#namespace``, and rows stored without a
+source), and ``reset`` resets the group's only source (refused, naming them, when
+there are several).
+
 ``reset --redis URL`` checks against the broker, before anything is written: that
 the group has no live members (a running group is refused, naming them, unless
 ``--force``), that ``--queue`` ids are queues of the topic, and that ``--to-offset``
@@ -46,7 +53,7 @@ from offsetstore._inspect import StoredRow
 
 from .._exceptions import StagedConsumerError
 from .._message import MessageQueue
-from .._sources._redis_url import redact_url
+from .._sources._redis_url import redact_url, redis_source_id
 from ._redis_args import add_redis_arguments, operator_broker
 
 if TYPE_CHECKING:
@@ -120,8 +127,17 @@ def _store(args: argparse.Namespace, *, read_only: bool = False) -> SqlOffsetSto
 
     # Never create tables from an operator command: a mistyped URL should fail.
     return SqlOffsetStore(
-        args.store, table_prefix=args.table_prefix, create_tables=False, read_only=read_only
+        args.store,
+        table_prefix=args.table_prefix,
+        create_tables=False,
+        read_only=read_only,
+        source=_source_arg(args),
     )
+
+
+def _source_arg(args: argparse.Namespace) -> str | None:
+    """``--source``, else ``None`` (show: every source; reset: the group's only one)."""
+    return str(args.source) if args.source else None
 
 
 def _kafka_store(url: str) -> StageOffsetStore:
@@ -207,6 +223,7 @@ def _fail(console: Console, message: str) -> int:
 def _row_json(row: StoredRow, lag: int | None, with_lag: bool) -> dict[str, Any]:
     stages = row.stage_offsets
     entry: dict[str, Any] = {
+        "source": row.source,
         "topic": row.queue.topic,
         "queue_id": row.queue.queue_id,
         "consume_offset": row.consume_offset
@@ -236,6 +253,8 @@ def _repair_command(args: argparse.Namespace, url: str, row: StoredRow) -> str:
     words = ["stagedconsumer", "offsets", "reset", "--store", url]
     if args.table_prefix != "stagedconsumer_":
         words += ["--table-prefix", args.table_prefix]
+    if row.source:
+        words += ["--source", row.source]
     words += ["--group", args.group, "--topic", row.queue.topic, "--queue", str(row.queue.queue_id)]
     if row.stage_offsets is None and len(row.problems) == 1:
         words.append("--clear-stage-offsets")  # only the stage offsets: no --force needed
@@ -269,7 +288,7 @@ async def _stored_rows(store: StageOffsetStore, group: str, topic: str | None) -
     another store's (Kafka's commits) from its progress, which it keeps sound."""
     inspect = getattr(store, "inspect_progress", None)
     if inspect is not None:
-        rows: list[StoredRow] = await inspect(group, topic)
+        rows: list[StoredRow] = await inspect(group, topic, every_source=store.source is None)
         return rows
     progress = await store.list_progress(group, topic)
     return [
@@ -301,6 +320,11 @@ async def _show(args: argparse.Namespace) -> int:
         return _fail(err, str(exc))
     finally:
         await store.aclose()
+    if args.redis and not args.source:  # that broker's rows (and those without a source)
+        broker_source = redis_source_id(
+            args.redis, args.redis_namespace, cluster=args.redis_cluster
+        )
+        rows = [row for row in rows if row.source in ("", broker_source)]
     corrupt = any(row.corrupt for row in rows)
     lags: dict[MessageQueue, int] | None = None
     lag_error: str | None = None
@@ -330,7 +354,13 @@ async def _show(args: argparse.Namespace) -> int:
         url = _store_url(store, args)
         console.print(f"No stored progress for {where} in {escape(url)}.", highlight=False)
         return 0
+    sources = sorted({row.source for row in rows})
+    several = len(sources) > 1
+    if not several:
+        where += f", source [bold]{escape(sources[0] or '(none)')}[/]"
     table = Table(title=f"Progress of {where}", title_justify="left")
+    if several:
+        table.add_column("Source")
     table.add_column("Queue")
     table.add_column("Consume offset", justify="right")
     table.add_column("Stage offsets")
@@ -341,7 +371,7 @@ async def _show(args: argparse.Namespace) -> int:
     if corrupt:
         table.add_column("Corrupt")
     for row in rows:
-        table.add_row(*_row_cells(row, lags, corrupt))
+        table.add_row(*_row_cells(row, lags, corrupt, source_column=several))
     console.print(table)
     if corrupt:
         err.print(
@@ -352,7 +382,11 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 def _row_cells(
-    row: StoredRow, lags: Mapping[MessageQueue, int] | None, corrupt_column: bool
+    row: StoredRow,
+    lags: Mapping[MessageQueue, int] | None,
+    corrupt_column: bool,
+    *,
+    source_column: bool = False,
 ) -> list[str]:
     if not row.consume_offset_readable:
         offset = f"[red]{escape(str(row.raw_consume_offset))}[/]"
@@ -364,6 +398,8 @@ def _row_cells(
         stages = escape(_format_stages(row.stage_offsets))
     fence = f"[red]{row.fence}[/]" if row.fence_corrupt else str(row.fence)
     cells = [escape(str(row.queue)), offset, stages, fence, _format_finished(row.finished)]
+    if source_column:
+        cells.insert(0, escape(row.source) if row.source else "(none)")
     if lags is not None:
         cells.append(str(lags[row.queue]) if row.queue in lags else "?")
     if corrupt_column:
@@ -610,6 +646,17 @@ async def _reset(args: argparse.Namespace) -> int:
     kafka = args.store.startswith("kafka://")
     try:
         await _load(store)
+        list_sources = getattr(store, "list_sources", None)  # SQL: progress per source
+        if list_sources is not None and store.source is None:
+            sources = [source for source in await list_sources(args.group) if source]
+            if len(sources) > 1:
+                return _fail(
+                    err,
+                    f"group {args.group!r} has stored progress of {len(sources)} sources"
+                    f" ({', '.join(sources)}): say which with --source ID (or --redis URL)",
+                )
+            if sources:
+                store.bind_source(sources[0])
         stored = {row.queue: row for row in await _stored_rows(store, args.group, args.topic)}
         if args.stage_offset and not args.new_stage_key:
             # Kafka: the topic's commits (Tansu cannot list a group's every partition)
@@ -642,6 +689,10 @@ async def _reset(args: argparse.Namespace) -> int:
         if fences and (risk := _fence_risk(args, members)) is not None:
             return _fail(err, risk)
         console = _console()
+        console.print(
+            f"Source: {escape(store.source or '(none: progress stored without a source)')}",
+            highlight=False,
+        )
         console.print(_plan_table(args, plan, fences, stored))
         console.print(escape(_stage_plan_note(args)), highlight=False)
         if args.dry_run:
@@ -756,7 +807,7 @@ _GRANTS = """\
 
 
 async def _init(args: argparse.Namespace) -> int:
-    from offsetstore._sql import SqlOffsetStore, schema_sql
+    from offsetstore._sql import SqlOffsetStore, migration_sql, schema_sql
 
     err = _console(stderr=True)
     if args.sql:
@@ -771,10 +822,22 @@ async def _init(args: argparse.Namespace) -> int:
             except Exception as exc:  # any malformed URL
                 return _fail(err, f"malformed offset store URL: {exc}")
         try:
-            text = schema_sql(dialect, args.table_prefix)
+            if args.from_version is not None:
+                text = migration_sql(dialect, args.table_prefix, args.from_version)
+            else:
+                text = schema_sql(dialect, args.table_prefix)
         except OffsetStoreError as exc:
             return _fail(err, str(exc))
         prefix = args.table_prefix
+        if args.from_version is not None:
+            sys.stdout.write(
+                f"-- stagedconsumer offset store: migration from schema version"
+                f" {args.from_version} ({dialect}). Rows get source '' (none), adopted by"
+                " the first consumer of their group that starts (it logs it); the grants"
+                " do not change.\n"
+                f"{text}"
+            )
+            return 0
         sys.stdout.write(f"-- stagedconsumer offset store tables ({dialect})\n{text}")
         if dialect == "sqlite":
             sys.stdout.write(
@@ -852,6 +915,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         )
         sub.add_argument("--group", required=True, help="consumer group")
         sub.add_argument("--topic", required=topic_required, help="topic")
+        sub.add_argument(
+            "--source",
+            metavar="ID",
+            help="the source whose progress (a broker's source_id(), e.g."
+            " redis://127.0.0.1:6379/0#sc); default: show: every source (with --redis:"
+            " that broker's, redis://host:port/db#namespace, and rows without a source),"
+            " reset: the group's only one",
+        )
 
     init = commands.add_parser(
         "init",
@@ -881,6 +952,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--dialect",
         choices=("postgresql", "mysql", "mariadb", "sqlite"),
         help="the SQL dialect of --sql (default: the --store URL's)",
+    )
+    init.add_argument(
+        "--from-version",
+        type=int,
+        metavar="N",
+        help="with --sql: print the statements that migrate tables of schema version N"
+        " (3) to this version's instead of the CREATE TABLE statements",
     )
     init.add_argument(
         "--grant-to",

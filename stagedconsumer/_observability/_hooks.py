@@ -48,6 +48,7 @@ class ConsumeReturnType(enum.Enum):
     ``contextCode`` of a ``SubAfter`` trace record)."""
 
     SUCCESS = 0
+    """The handler returned success (``None`` or its mode's success status)."""
     TIME_OUT = 1
     """The call ran longer than ``consume_timeout`` (cancelled or abandoned)."""
     EXCEPTION = 2
@@ -181,16 +182,22 @@ class PullContext:
     """One pull that returned messages (for :meth:`ConsumeMessageHook.messages_pulled`)."""
 
     consumer_group: str
+    """The consumer's group."""
     message_queue: MessageQueue
+    """The queue pulled from."""
     messages: Sequence[Message]
     """The messages cached by this pull (after tag filtering)."""
     start_time: float
+    """When the pull started, on the event loop's clock (``anyio.current_time()``)."""
     end_time: float
+    """When the pull returned, on the event loop's clock."""
     wall_offset: float
+    """Wall-clock seconds minus loop time, for :meth:`wall`."""
     max_offset: int
     """The queue's next offset to be written, as reported by the source."""
 
     def wall(self, loop_time: float) -> float:
+        """``loop_time`` as seconds since the epoch."""
         return loop_time + self.wall_offset
 
 

@@ -84,9 +84,12 @@ class OpenTelemetrySendHook(SendMessageHook):
             "OpenTelemetrySendHook", tracer_provider, meter_provider, messaging_system
         )
         self.messaging_system = messaging_system
+        """The ``messaging.system`` attribute of the spans and metrics."""
         self._kafka = messaging_system == "kafka"
         self.spans = spans
+        """Whether a ``send`` span is started per call."""
         self.metrics = metrics
+        """Whether the semantic conventions' producer metrics are recorded."""
         self._duration = seconds_histogram(
             meter,
             "messaging.client.operation.duration",

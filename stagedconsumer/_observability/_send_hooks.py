@@ -90,6 +90,7 @@ class ProducerStatistics:
     """A snapshot of a :class:`~stagedconsumer.Producer`."""
 
     group: str
+    """The producer group."""
     sent: int
     """Messages stored."""
     send_calls: int

@@ -82,10 +82,15 @@ class TraceType(enum.Enum):
     ``SubAfter``)."""
 
     Pub = "Pub"
+    """A producer's send (one record per message sent)."""
     Recall = "Recall"
+    """RocketMQ 5's recall of a scheduled message (never written here)."""
     SubBefore = "SubBefore"
+    """A consumer call's start (one record per call, a bean per message)."""
     SubAfter = "SubAfter"
+    """A consumer call's end, with its cost and settlement."""
     EndTransaction = "EndTransaction"
+    """RocketMQ's transactional message end (never written here)."""
 
 
 @attrs.define(kw_only=True)
@@ -93,28 +98,36 @@ class TraceBean:
     """One message of a trace context (RocketMQ's ``TraceBean`` plus our fields)."""
 
     msg_id: str = ""
+    """The message id (RocketMQ's ``UNIQ_KEY``, stable across retries)."""
     topic: str = ""
+    """The topic the message was sent to or pulled from."""
     tags: str = ""
+    """The message's tag (``""`` when it has none)."""
     keys: str = ""
     """Business keys joined by a space."""
     store_host: str = ""
     """``Pub``: where the message was stored (see ``MessageSource.store_host``)."""
     body_length: int = 0
+    """The body's size in bytes."""
     retry_times: int = 0
+    """How many times the message was consumed before (``reconsume_times``)."""
     msg_type: int = 0
     """``Pub``: RocketMQ's ``MessageType`` ordinal (0 ``Normal_Msg``, 1
     ``Trans_Msg_Half``, 2 ``Trans_msg_Commit``, 3 ``Delay_Msg``, 4 ``Order_Msg``)."""
     offset_msg_id: str = ""
+    """The id of the stored entry (RocketMQ's ``offsetMsgId``; a Redis entry id)."""
     client_host: str = ""
     """``Pub``: the producer's host."""
     # Our additions.
     barrier_wait_ms: int | None = None
+    """``SubBefore``: how long the message waited at a stage barrier, in ms."""
     cached_timestamp: int | None = None
     """When the consumer cached the message (ms since the epoch)."""
     queue_id: int | None = None
     """``SubBefore``: the queue the message was pulled from; ``Pub``: the queue it
     was stored in (with ``queue_offset``)."""
     queue_offset: int | None = None
+    """The message's offset in its queue."""
 
 
 @attrs.define(kw_only=True)
@@ -129,22 +142,35 @@ class TraceContext:
     """
 
     trace_type: TraceType
+    """Which kind of record this is."""
     timestamp: int = 0
+    """Milliseconds since the epoch (see the class docstring for which instant)."""
     region_id: str = ""
+    """RocketMQ's region id (``""`` outside RocketMQ's cloud)."""
     region_name: str = ""
+    """RocketMQ's region name."""
     group_name: str = ""
+    """The consumer group (``Sub*``) or producer group (``Pub``)."""
     cost_time: int = 0
+    """Milliseconds (see the class docstring)."""
     success: bool = True
+    """Whether the send or the consumer call succeeded."""
     request_id: str = ""
+    """Pairs a ``SubBefore`` with its ``SubAfter``."""
     context_code: int = 0
+    """``SubAfter``: RocketMQ's ``ConsumeReturnType`` ordinal."""
     beans: list[TraceBean] = attrs.Factory(list)
+    """One bean per message of the send or the call."""
     # Our additions.
     stage_index: int | None = None
+    """Staged calls: the stage the messages ran in (``-1`` for the tail)."""
     attempt: int | None = None
     """``SubBefore``/``SubAfter``: the delivery attempt; ``Pub``: the send attempts
     the call made (1, plus one per retry)."""
     strategy_id: str = ""
+    """Staged calls: the stage key's strategy."""
     stage_group_id: str = ""
+    """Staged calls: the stage key's group."""
     settlement: str = ""
     """``SubAfter`` only: ``""`` (finished), ``"retry"``, ``"suspend"`` or ``"dlq"``."""
 
@@ -366,20 +392,26 @@ class TraceMessage:
     """One stored trace message: encoded records and the keys it is indexed by."""
 
     topic: str
+    """The trace topic (``RMQ_SYS_TRACE_TOPIC`` by default)."""
     keys: tuple[str, ...]
+    """The keys a trace query finds it by: message ids and business keys."""
     body: str
+    """The encoded records, in RocketMQ's format."""
     contexts: int = attrs.field(default=0, eq=False, repr=False)
     """How many trace contexts its records come from, when the dispatcher made it
     (0: not known); not stored."""
 
     @classmethod
     def from_message(cls, message: Message) -> TraceMessage:
+        """The trace message stored as *message* in a trace topic."""
         return cls(topic=message.topic, keys=message.keys, body=message.body.decode("utf-8"))
 
     def to_json(self) -> str:
+        """One JSON line, as `FileTraceSink` writes it."""
         return json.dumps({"topic": self.topic, "keys": list(self.keys), "body": self.body})
 
     @classmethod
     def from_json(cls, line: str) -> TraceMessage:
+        """The trace message of a line `to_json` wrote."""
         data = json.loads(line)
         return cls(topic=str(data["topic"]), keys=tuple(data["keys"]), body=str(data["body"]))

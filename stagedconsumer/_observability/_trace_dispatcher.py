@@ -109,11 +109,17 @@ class AsyncTraceDispatcher:
                 f" topic of the consumer's or producer's own source), got {type(sink).__name__}"
             )
         self.sink = sink
+        """Where the trace messages go."""
         self.trace_topic = trace_topic
+        """The topic the trace messages are sent to."""
         self.queue_size = queue_size
+        """Contexts held at most before new ones are dropped."""
         self.batch_num = min(batch_num, 20)
+        """Contexts per trace message at most (RocketMQ's cap: 20)."""
         self.flush_interval = flush_interval
+        """Seconds a context waits at most before it is sent."""
         self.max_msg_size = max_msg_size
+        """Bytes of a trace message's body at most."""
         self._queue: deque[_Entry] = deque()
         self._sync_sink = type(sink).write_nowait is not TraceSink.write_nowait
         self._wakeup: anyio.Event | None = None
@@ -333,6 +339,7 @@ class AsyncTraceDispatcher:
             )
 
     def statistics(self) -> TraceDispatcherStatistics:
+        """A snapshot: contexts queued, written, dropped and lost."""
         # A sink that stores in the background (FileTraceSink) reports its failures
         # later: their contexts were counted written when it took them.
         sink_errors, sink_lost = self.sink.write_failures()

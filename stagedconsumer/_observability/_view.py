@@ -77,6 +77,13 @@ class ConsumerStatistics:
     """Times a queue's offset was no longer stored when pulled: the broker's retention
     (``StreamRetention``) removed entries this group had not consumed. Each logged
     (WARNING); the queue went on where ``consume_from_where`` says."""
+    offsets_beyond_end: int = 0
+    """Times a queue's committed consume offset was beyond the queue's end (its
+    messages were lost or the queue recreated: a flushed Redis, an embedded broker
+    refilled with less): each logged (WARNING, with the queue, the offset and the
+    end) and corrected per ``consume_from_where``: ``CONSUME_FROM_FIRST_OFFSET``
+    from the queue's first offset, ``CONSUME_FROM_LAST_OFFSET`` from its end,
+    ``CONSUME_FROM_TIMESTAMP`` from ``consume_timestamp``."""
     skipped_finished: int = 0
     """Messages not handed to a handler because they had finished before (sparse
     progress or an exactly-once effect's mark, read when the queue was taken)."""

@@ -61,6 +61,21 @@ _default_stores: weakref.WeakKeyDictionary[MessageSource, MemoryOffsetStore] = (
 )
 
 
+async def adopt_unscoped(store: StageOffsetStore, group: str) -> None:
+    """Give the store's source the progress of ``group`` stored without a source
+    (before schema version 4), logged once, by the member that took it."""
+    adopted = await store.adopt_unscoped_progress(group)
+    if adopted:
+        logger.warning(
+            "group %s: adopted the stored progress of %d queue(s), kept without a source"
+            " (offset store schema before version 4), as the progress of source %s;"
+            " consumers of other sources will not see it",
+            group,
+            adopted,
+            store.source,
+        )
+
+
 def default_offset_store(source: MessageSource) -> StageOffsetStore:
     """The store of consumers given none: the source's own (Kafka's commits), else
     one per source object, so that the members of a group on one embedded broker hand
@@ -139,7 +154,9 @@ class PushConsumer:
             offset_store if offset_store is not None else default_offset_store(source)
         )
         """Where its progress is committed (the default store of its source when none
-        was given)."""
+        was given), bound to the source's ``source_id()`` (``StoreConfigurationError``
+        for a store of another source)."""
+        self.offset_store.bind_source(source.source_id())
         self._default_store = offset_store is None and source.default_offset_store() is None
         self._state = ConsumerState(group=group, mode="")
         self._service = ConsumeService.for_listener(listener, group, source, self._state, options)
@@ -326,6 +343,7 @@ class PushConsumer:
 
         async def start() -> tuple[dict[MessageQueue, TagFilter], list[QueueState]]:
             await self.offset_store.load()
+            await adopt_unscoped(self.offset_store, self.group)
             subscribed = await self._resolve_queues()
             if self._coordinator is not None:  # queues come once their locks are held
                 return subscribed, []

@@ -100,7 +100,8 @@ class QueueTable:
             max_offset = await self.source.max_offset(mq)
             if start > max_offset:
                 progress = await self.correct_past_end(mq, start, max_offset, stage_offsets)
-                start = max_offset
+                assert progress.consume_offset is not None
+                start = progress.consume_offset
                 finished = ()
         is_retry = mq.topic.startswith(RETRY_PREFIX)
         if is_retry:  # retry queues are consumed concurrently, whatever the mode
@@ -139,36 +140,82 @@ class QueueTable:
         stage_offsets: Mapping[Any, int],
     ) -> QueueProgress:
         """Move the committed progress of ``mq`` from ``offset``, beyond the queue's
-        end, back to ``max_offset``, and store it (an overwrite: the store's
-        increase-only commits could not move it back).
+        end ``max_offset`` (the queue lost its messages or was recreated: a flushed
+        Redis, an embedded broker refilled with less), to where
+        ``consume_from_where`` says, and store it (an overwrite: the store's
+        increase-only commits could not move it back). Logged (WARNING, naming the
+        queue, the offset and the end) and counted (``offsets_beyond_end``).
 
-        RocketMQ's rule for an offset out of range: the broker answers a pull beyond
-        the max offset with ``OFFSET_OVERFLOW_BADLY`` and the max offset as the next
-        offset, and the client (``OFFSET_ILLEGAL``) takes that offset, stores it and
-        goes on from there: messages sent from then on are consumed, none is
-        skipped. Stage offsets are kept (stages go on counting, as after
-        ``stagedconsumer offsets reset --to-offset``)."""
+        The policy, as Kafka's ``auto.offset.reset`` for an offset out of range and
+        RocketMQ's broker correction (a pull beyond the max offset of a queue that
+        starts at 0 goes on from its start, else from its max offset):
+        ``CONSUME_FROM_FIRST_OFFSET`` (the default) and retry queues from the
+        queue's first offset: every message of the recreated queue is new to this
+        group, none is skipped; ``CONSUME_FROM_LAST_OFFSET`` from the end (what
+        is sent from then on); ``CONSUME_FROM_TIMESTAMP`` from the first message born
+        at ``consume_timestamp`` or later. Stage offsets are kept (stages go on
+        counting, as after ``stagedconsumer offsets reset --to-offset``)."""
+        where = self.options.consume_from_where
+        is_retry = mq.topic.startswith(RETRY_PREFIX)
+        target = await self._go_on_at(mq, is_retry, None, max_offset, fallback=max_offset)
+        self.state.offsets_beyond_end += 1
         logger.warning(
-            "group %s: committed consume offset %d of %s is beyond the queue's max offset"
-            " %d (the offset store was used with another broker, or the broker lost its"
-            " messages); consuming from the max offset %d and storing it, as RocketMQ does"
-            " with an offset out of range",
+            "group %s: committed consume offset %d of %s is beyond the queue's end (max"
+            " offset %d): the queue lost its messages or was recreated (a flushed Redis,"
+            " a broker refilled with less); going on from offset %d (%s) and storing it",
             self.group,
             offset,
             mq,
             max_offset,
-            max_offset,
+            target,
+            "retry queue" if is_retry else where.name,
         )
-        progress = QueueProgress(consume_offset=max_offset, stage_offsets=stage_offsets)
+        progress = QueueProgress(consume_offset=target, stage_offsets=stage_offsets)
         await self.store.reset_progress(self.group, {mq: progress})
         return progress
+
+    async def _go_on_at(
+        self,
+        mq: MessageQueue,
+        is_retry: bool,
+        first: int | None,
+        end: int,
+        *,
+        fallback: int,
+    ) -> int:
+        """Where ``consume_from_where`` says a queue whose position is lost goes on,
+        within ``[first, end]``: ``CONSUME_FROM_FIRST_OFFSET`` (and retry queues) at
+        ``first`` (the queue's first offset; ``None``: ask the source),
+        ``CONSUME_FROM_LAST_OFFSET`` at ``end``, ``CONSUME_FROM_TIMESTAMP`` at
+        the first message born at ``consume_timestamp`` or later; at ``fallback`` when
+        the source cannot say (logged)."""
+        where = self.options.consume_from_where
+        try:
+            if not is_retry and where is ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET:
+                return end
+            if first is None:
+                first = min(await self.source.min_offset(mq), end)
+            if is_retry or where is ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET:
+                return first
+            timestamp = self.options.consume_timestamp
+            assert timestamp is not None  # checked by ConsumerOptions
+            return min(max(await self.source.offset_for_timestamp(mq, timestamp), first), end)
+        except SourceError as exc:
+            logger.warning(
+                "group %s: finding where %s goes on failed (%s); from offset %d",
+                self.group,
+                mq,
+                exc,
+                fallback,
+            )
+            return fallback
 
     async def on_past_end(self, state: QueueState, offset: int, max_offset: int) -> int:
         """The pull loop of ``state`` found its ``offset`` beyond the queue's
         ``max_offset`` while running (the broker lost messages): where to pull next.
 
-        When every message before ``offset`` has finished, the queue moves to
-        ``max_offset`` as at load (see :meth:`correct_past_end`); while some are
+        When every message before ``offset`` has finished, the queue moves as at
+        load (see :meth:`correct_past_end`); while some are
         unfinished it stays (pulling from lower offsets would skip the messages
         sent there) and the check repeats on the next empty pull."""
         pq = state.pq
@@ -177,9 +224,10 @@ class QueueTable:
         progress = await self.correct_past_end(
             state.mq, offset, max_offset, pq.committed_stage_offsets
         )
-        pq.move_to(max_offset)
+        assert progress.consume_offset is not None
+        pq.move_to(progress.consume_offset)
         state.persisted = progress
-        return max_offset
+        return progress.consume_offset
 
     async def on_offset_moved(self, state: QueueState, offset: int, result: PullResult) -> int:
         """The pull loop of ``state`` found ``offset`` no longer stored: the source's
@@ -193,22 +241,8 @@ class QueueTable:
         mq = state.mq
         first, max_offset = result.next_offset, result.max_offset
         where = self.options.consume_from_where
-        target = first
-        try:
-            if not state.is_retry and where is ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET:
-                target = max(max_offset, first)
-            elif not state.is_retry and where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP:
-                timestamp = self.options.consume_timestamp
-                assert timestamp is not None  # checked by ConsumerOptions
-                target = max(await self.source.offset_for_timestamp(mq, timestamp), first)
-        except SourceError as exc:
-            logger.warning(
-                "group %s: finding where %s goes on failed (%s); from its first offset %d",
-                self.group,
-                mq,
-                exc,
-                first,
-            )
+        end = max(max_offset, first)
+        target = await self._go_on_at(mq, state.is_retry, first, end, fallback=first)
         self.state.trimmed_offsets += 1
         logger.warning(
             "group %s: offset %d of %s is no longer stored: the broker removed its entries"
@@ -397,6 +431,7 @@ class QueueTable:
             timed_out_calls=state.timed_out_calls,
             undecodable_entries=state.undecodable_entries,
             trimmed_offsets=state.trimmed_offsets,
+            offsets_beyond_end=state.offsets_beyond_end,
             skipped_finished=state.skipped_released
             + sum(queue.pq.skipped_count for queue in self.states.values()),
             sparse_progress_truncated=state.sparse_progress_truncated,

@@ -50,6 +50,8 @@ class ConsumerState:
     """Poison entries moved to the group's dead-letter queue."""
     trimmed_offsets: int = 0
     """Pulls that found their offset no longer stored (retention trimmed it)."""
+    offsets_beyond_end: int = 0
+    """Committed offsets found beyond their queue's end, and corrected."""
     skipped_released: int = 0
     """Messages skipped as already finished by queues since released."""
     sparse_progress_truncated: int = 0

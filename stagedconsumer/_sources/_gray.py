@@ -139,9 +139,11 @@ class AllocateMessageQueueByGray(AllocateMessageQueueStrategy):
     """
 
     name = "gray"
+    """The strategy's name, which every member of a group must agree on."""
 
     def __init__(self, default_ratio: float = 0.1) -> None:
         self.default_ratio = check_gray_ratio(default_ratio, "default_ratio")
+        """The gray share of queues assumed while no member says its own."""
         self._averagely = AllocateMessageQueueAveragely()
         self._disagreements = 0
         self._reported: set[tuple[float, ...]] = set()
@@ -192,6 +194,7 @@ class AllocateMessageQueueByGray(AllocateMessageQueueStrategy):
         return self._averagely.allocate(group, current_id, split.normal, normal_members)
 
     def statistics(self) -> GrayStatistics:
+        """A snapshot: ratio disagreements seen and the last ratios members gave."""
         return GrayStatistics(
             ratio_disagreements=self._disagreements, last_ratios=self._last_ratios
         )

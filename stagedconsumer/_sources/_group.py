@@ -78,6 +78,7 @@ class AllocateMessageQueueAveragely(AllocateMessageQueueStrategy):
     """
 
     name = "averagely"
+    """The strategy's name, which every member of a group must agree on."""
 
     def allocate(
         self,
@@ -116,6 +117,7 @@ class AllocateMessageQueueByConsistentHash(AllocateMessageQueueStrategy):
     """
 
     name = "consistent-hash"
+    """The strategy's name, which every member of a group must agree on."""
 
     def __init__(self, virtual_nodes: int = 10) -> None:
         if isinstance(virtual_nodes, bool) or not isinstance(virtual_nodes, int):
@@ -123,6 +125,7 @@ class AllocateMessageQueueByConsistentHash(AllocateMessageQueueStrategy):
         if virtual_nodes < 1:
             raise ConfigurationError(f"virtual_nodes must be >= 1, got {virtual_nodes}")
         self.virtual_nodes = virtual_nodes
+        """Points per member on the hash ring."""
 
     def allocate(
         self,
@@ -170,12 +173,18 @@ class GroupOptions:
     """
 
     lock_ttl: float = attrs.field(default=60.0, validator=_positive)
+    """Seconds a queue lock lives after its last renewal (RocketMQ: 60 s)."""
     lock_renew_interval: float = attrs.field(default=20.0, validator=_positive)
+    """Seconds between lock renewals (RocketMQ: 20 s); below ``lock_ttl / 2``."""
     rebalance_interval: float = attrs.field(default=20.0, validator=_positive)
+    """Seconds between heartbeats and queue reallocations."""
     member_ttl: float | None = attrs.field(default=None)
+    """Seconds without a heartbeat before a member is dropped (``None``: ``3 *
+    rebalance_interval``)."""
     allocate_strategy: AllocateMessageQueueStrategy = attrs.field(
         factory=AllocateMessageQueueAveragely
     )
+    """How queues are split among members (every member must use the same)."""
 
     def __attrs_post_init__(self) -> None:
         if self.lock_renew_interval >= self.lock_ttl / 2:
@@ -193,6 +202,7 @@ class GroupOptions:
 
     @property
     def effective_member_ttl(self) -> float:
+        """``member_ttl``, or ``3 * rebalance_interval`` when it is ``None``."""
         return self.member_ttl if self.member_ttl is not None else 3 * self.rebalance_interval
 
     @property

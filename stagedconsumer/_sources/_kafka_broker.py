@@ -43,6 +43,7 @@ from ._source import (
     is_spent,
     origin_properties,
     retry_topic,
+    source_id_of,
 )
 
 if TYPE_CHECKING:
@@ -201,6 +202,7 @@ class KafkaBroker(MessageSource):
         rebalance_timeout: float = 60.0,
         metadata_limit: int = 4096,
         read_ahead: int = 256,
+        source_id: str | None = None,
     ) -> None:
         if isinstance(bootstrap_servers, str):
             bootstrap_servers = [bootstrap_servers]
@@ -209,6 +211,11 @@ class KafkaBroker(MessageSource):
         if retry_partitions < 1:
             raise ConfigurationError(f"retry_partitions must be >= 1, got {retry_partitions}")
         self.bootstrap_servers = list(bootstrap_servers)
+        self._source_id = source_id_of(
+            source_id
+            if source_id is not None
+            else "kafka://" + ",".join(sorted(self.bootstrap_servers))
+        )
         self.client_options = dict(client_options or {})
         self.names = TopicNames(retry_prefix, dlq_prefix)
         self.retry_partitions = retry_partitions
@@ -700,6 +707,15 @@ class KafkaBroker(MessageSource):
 
     def store_host(self) -> str:
         return ",".join(self.bootstrap_servers)
+
+    def source_id(self) -> str:
+        """``kafka://`` and the bootstrap servers, sorted, or the ``source_id=``
+        given: the identity an external offset store keys this broker's progress by
+        (the default store, the group's Kafka commits, lives in the cluster itself).
+        Not the cluster id: the identity is needed before the first connection, and
+        a cluster rebuilt at the same address shows as offsets beyond the queues'
+        ends, which the consumer reports and corrects."""
+        return self._source_id
 
     def statistics(self) -> KafkaBrokerStatistics:
         return KafkaBrokerStatistics(

@@ -44,6 +44,7 @@ from ._source import (
     is_spent,
     origin_properties,
     retry_topic,
+    source_id_of,
 )
 
 __all__ = ("MemoryBroker", "MemoryBrokerStatistics")
@@ -146,7 +147,11 @@ class MemoryBroker(MessageSource):
         clock: Callable[[], float] | None = None,
         group_options: GroupOptions | None = None,
         coordinate_groups: bool = True,
+        name: str = "embedded",
     ) -> None:
+        self.name = name
+        """Names the broker in its :meth:`source_id`, ``memory://<name>``."""
+        self._source_id = source_id_of(f"memory://{name}")
         self._topics: dict[str, list[_Queue]] = {}
         self._queue_lists: dict[str, tuple[MessageQueue, ...]] = {}
         """What :meth:`get_queues` returns, per topic."""
@@ -338,6 +343,19 @@ class MemoryBroker(MessageSource):
         return stored
 
     # -- MessageSource -----------------------------------------------------------
+
+    def source_id(self) -> str:
+        """``memory://<name>`` (``memory://embedded`` unless ``name=`` was given): the
+        identity offset stores key this broker's progress by.
+
+        The same for every embedded broker of that name, in this process and the
+        next: the broker keeps its messages in memory only, so whether a new one holds
+        the same messages is up to the program that fills it (tests and replays
+        refill it alike and resume from a durable store). A store that outlived the
+        messages it counted finds offsets beyond the new queues' ends, which the
+        consumer reports and corrects (``consume_from_where``). Give brokers that
+        hold different messages different names when one offset store serves them."""
+        return self._source_id
 
     def store_host(self) -> str:
         """``"embedded"``: the messages are in this process's memory."""

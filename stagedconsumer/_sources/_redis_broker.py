@@ -71,6 +71,7 @@ from ._redis_scripts import (
     SEND_LUA,
 )
 from ._redis_tls import RedisTLS, resolve_tls
+from ._redis_url import redis_source_id
 from ._source import (
     DLQ_PREFIX,
     PROPERTY_DECODE_ERROR,
@@ -85,6 +86,7 @@ from ._source import (
     is_spent,
     origin_properties,
     retry_topic,
+    source_id_of,
 )
 
 logger = logging.getLogger("stagedconsumer")
@@ -306,6 +308,13 @@ class RedisBroker(MessageSource):
     inside the broker's Lua scripts, which then name the refused command) raises
     it too: a consumer that gets it stops after draining, and raises it.
 
+    **Source identity**: offset stores key progress by :meth:`source_id`,
+    ``redis://host:port/db#namespace`` by default, so a group given a store that
+    holds its progress on another Redis or namespace starts afresh there
+    (``consume_from_where``) instead of resuming at offsets that mean other
+    messages. ``source_id=`` sets it: keep the old one when the same data moves to
+    another address.
+
     **TLS**: ``ssl=`` an :class:`ssl.SSLContext` of your own, or
     :class:`~stagedconsumer.RedisTLS` (``ca_file``, and ``cert_file``/``key_file``
     for mutual TLS), or ``True`` (the system's CAs); a ``rediss://`` URL means
@@ -343,6 +352,7 @@ class RedisBroker(MessageSource):
         retention: StreamRetention | None = _DEFAULT_RETENTION,
         ssl: ssl_module.SSLContext | RedisTLS | bool | None = None,
         check_acl: bool = True,
+        source_id: str | None = None,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(f"url must be a redis:// URL string, got {type(url).__name__}")
@@ -422,6 +432,17 @@ class RedisBroker(MessageSource):
             connection, group_options or GroupOptions(), namespace=namespace
         )
         self._bad_retries = 0
+        self._source_id = source_id_of(
+            source_id or redis_source_id(url, namespace, cluster=cluster)
+        )
+
+    def source_id(self) -> str:
+        """``redis://host:port/db#namespace`` (``redis-cluster://host:port#namespace``
+        for a cluster), without credentials, or the ``source_id=`` given: the
+        identity offset stores key this broker's progress by. Set ``source_id`` to
+        the old identity when the same data moves to another address (a new host,
+        a restored backup), so that groups resume where they were."""
+        return self._source_id
 
     @property
     def tls(self) -> ssl_module.SSLContext | None:

@@ -47,9 +47,14 @@ class RedisTLS:
     """
 
     ca_file: str | None = attrs.field(default=None, converter=_optional_path)
+    """The CA certificates (PEM) the server's certificate must chain to (``None``:
+    the system's)."""
     cert_file: str | None = attrs.field(default=None, converter=_optional_path)
+    """This client's certificate (PEM), for mutual TLS."""
     key_file: str | None = attrs.field(default=None, converter=_optional_path)
+    """This client's private key (PEM), when ``cert_file`` does not hold it."""
     check_hostname: bool = True
+    """Whether the server's certificate must name the URL's host."""
 
     def __attrs_post_init__(self) -> None:
         if self.key_file is not None and self.cert_file is None:

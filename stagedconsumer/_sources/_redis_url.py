@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 
-__all__ = ("redact_url",)
+__all__ = ("redact_url", "redis_source_id")
 
 _MASK = "***"
 _QUERY_SECRETS = frozenset({"password", "ssl_password"})
@@ -54,3 +54,23 @@ def redact_url(url: object) -> str:
         if match is None:
             return url if "@" not in url else _MASK
         return f"{match['scheme']}{match['user']}:{_MASK}@{match['rest']}"
+
+
+def redis_source_id(url: str, namespace: str, *, cluster: bool) -> str:
+    """The identity of a Redis broker's log: ``redis://host:port/db#namespace``
+    (``unix:///path?db=N#namespace`` for a socket; ``redis-cluster://host:port#namespace``
+    for a cluster, whose node given is one of many: its address still names the
+    cluster as the user configured it). No user, password or TLS: the same data
+    reached over TLS, or by another user, is the same log."""
+    parts = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parts.query))
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}?db={query.get('db', '0')}#{namespace}"
+    host = parts.hostname or "localhost"
+    if ":" in host:
+        host = f"[{host}]"
+    address = f"{host}:{parts.port or 6379}"
+    if cluster:
+        return f"redis-cluster://{address}#{namespace}"
+    db = parts.path.strip("/") or query.get("db", "0")
+    return f"redis://{address}/{db}#{namespace}"

@@ -103,6 +103,7 @@ class SelectMessageQueueByGray(MessageQueueSelector):
         gray_value: str | None = None,
     ) -> None:
         self.ratio = check_gray_ratio(ratio, "ratio")
+        """The share of the topic's queues that are gray (the last ``ceil(n * ratio)``)."""
         if gray_property is not None and (not isinstance(gray_property, str) or not gray_property):
             raise ConfigurationError(
                 f"gray_property must be a non-empty string or None, got {gray_property!r}"
@@ -119,7 +120,9 @@ class SelectMessageQueueByGray(MessageQueueSelector):
         if not isinstance(gray_value, str):
             raise ConfigurationError(f"gray_value must be a string, got {gray_value!r}")
         self.gray_property = gray_property
+        """The message property that marks gray traffic (``None``: only ``arg=True``)."""
         self.gray_value = gray_value
+        """The value of ``gray_property`` that marks a message gray."""
         self._next = {False: itertools.count(), True: itertools.count()}
 
     def is_gray(self, message: OutgoingMessage, arg: object) -> bool:

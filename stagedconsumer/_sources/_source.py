@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import abc
 import enum
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from .._exceptions import SourceError
+from .._exceptions import ConfigurationError, SourceError
 from .._message import Message, MessageQueue, OutgoingMessage
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ __all__ = (
     "is_spent",
     "origin_properties",
     "retry_topic",
+    "source_id_of",
 )
 
 RETRY_PREFIX = "%RETRY%"
@@ -70,6 +72,24 @@ def is_spent(message: Message, *, delay_level: int, max_reconsume_times: int) ->
     """Whether a message handed back goes to the DLQ rather than the retry queue
     (RocketMQ's broker rule: attempts used up, or a negative delay level)."""
     return delay_level < 0 or message.reconsume_times >= max_reconsume_times
+
+
+SOURCE_ID_MAX_LENGTH = 191
+"""The longest source identity an offset store keeps as it is (the SQL store's key
+column; MariaDB/MySQL bound the length of a primary key)."""
+
+
+def source_id_of(text: str) -> str:
+    """``text`` as a source identity: unchanged when it is at most
+    :data:`SOURCE_ID_MAX_LENGTH` characters, else its first 160 characters and a hash
+    of the whole (still stable, still distinct); ``ConfigurationError`` for an empty
+    or non-string one."""
+    if not isinstance(text, str) or not text:
+        raise ConfigurationError(f"a source identity must be a non-empty string, got {text!r}")
+    if len(text) <= SOURCE_ID_MAX_LENGTH:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+    return f"{text[:160]}~{digest}"
 
 
 def retry_topic(group: str) -> str:
@@ -134,7 +154,9 @@ class SendBackResult(enum.Enum):
     """Where a message handed back by a consumer went."""
 
     RETRY = "retry"
+    """Sent to the group's retry topic, to come back after its delay."""
     DLQ = "dlq"
+    """Sent to the group's dead-letter topic (its attempts were used up)."""
 
 
 class MessageSource(abc.ABC):
@@ -258,6 +280,22 @@ class MessageSource(abc.ABC):
         object. :class:`~stagedconsumer.KafkaBroker`: the group's Kafka offset
         commits."""
         return None
+
+    def source_id(self) -> str:
+        """The identity of the log this source reads: what offset stores key the
+        progress of its consumer groups by, beside group, topic and queue, so that
+        progress made on one source is never taken for another's (a fresh Redis
+        namespace, another broker: their queues' offsets mean other messages).
+
+        It must be stable across restarts of the consumer, and identical in every
+        member of a group. :class:`~stagedconsumer.MemoryBroker`:
+        ``memory://<name>``; :class:`~stagedconsumer.RedisBroker`:
+        ``redis://host:port/db#namespace`` (no credentials; ``redis-cluster://``
+        for a cluster); :class:`~stagedconsumer.KafkaBroker`: ``kafka://`` and the
+        bootstrap servers. Each of them takes ``source_id=`` to set it instead
+        (keep the progress when Redis moves to another host). The default: the
+        class's qualified name, ``source://<module>.<class>``."""
+        return source_id_of(f"source://{type(self).__module__}.{type(self).__qualname__}")
 
     def store_host(self) -> str:
         """Where this source stores messages, as message trace writes it (the

@@ -65,6 +65,7 @@ class OrderingViolation(AssertionError):
 
     def __init__(self, what: str, violations: Sequence[Violation]) -> None:
         self.violations = tuple(violations)
+        """What was found, in the order the checker found it."""
         lines = [f"{len(violations)} violation(s) of {what}:"]
         for violation in violations[:MAX_LISTED]:
             lines.append(f"- [{violation.rule}] {violation.explanation}")
@@ -114,11 +115,14 @@ class StagePlan:
     assignments: Mapping[str, Assignment]
     """By message id (:func:`origin_id`)."""
     messages: Mapping[str, Message]
+    """The sent messages by message id."""
     definitions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict, kw_only=True)
     """The stage definitions by strategy id the plan was made from."""
 
     @classmethod
     def of(cls, listener: MessageListenerStagedConcurrently, sent: Iterable[Message]) -> StagePlan:
+        """The plan of ``listener`` (or the listener a :class:`RecordingListener` wraps)
+        for the messages ``sent``, in the order they were sent."""
         inner = getattr(listener, "inner", listener)  # a RecordingListener: its listener
         definitions = {
             str(name): list(sizes)
@@ -190,6 +194,7 @@ class StagePlan:
         )
 
     def stage_of(self, message: Message) -> int:
+        """The stage index ``message`` belongs in (``-1``: the tail stage)."""
         return self.assignments[origin_id(message)].stage
 
 

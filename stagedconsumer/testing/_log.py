@@ -168,9 +168,13 @@ class DeadLetter:
     """A message moved to the dead-letter queue: it counts as finished at ``seq``."""
 
     seq: int
+    """Its place among the log's events (see :attr:`HandlerCall.start_seq`)."""
     time: float
+    """When it happened, on the consumer's clock (``nan`` when not given)."""
     run: int
+    """The incarnation it happened in (see :attr:`CallLog.run`)."""
     message: Message
+    """The message as it was dead-lettered."""
 
 
 @attrs.define(eq=False)
@@ -181,7 +185,9 @@ class CallLog:
     """
 
     calls: list[HandlerCall] = attrs.Factory(list)
+    """Every call, in the order they started."""
     dead_letters: list[DeadLetter] = attrs.Factory(list)
+    """Every message moved to the dead-letter queue, in order."""
     run: int = 0
     """The incarnation new calls belong to (``run_virtual`` bumps it on each restart)."""
     stage_definitions: list[tuple[int, dict[str, tuple[int, ...]]]] = attrs.Factory(list)
@@ -198,6 +204,7 @@ class CallLog:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def next_seq(self) -> int:
+        """The next event number (they only grow; shared by calls and dead letters)."""
         return next(self._events)
 
     def start_call(self, msgs: Sequence[Message], context: object, now: float) -> HandlerCall:
@@ -276,6 +283,7 @@ class CallLog:
             self.dead_letters.append(DeadLetter(self.next_seq(), now, self.run, message))
 
     def ended_calls(self) -> int:
+        """How many calls have ended (returned, raised or were cancelled)."""
         return sum(1 for call in self.calls if call.ended)
 
     @overload
@@ -412,7 +420,9 @@ class RecordingListener(MessageListener):
     """
 
     inner: MessageListener
+    """The listener it wraps."""
     log: CallLog
+    """Where the calls are recorded."""
 
     def __new__(cls, listener: MessageListener, log: CallLog | None = None) -> RecordingListener:
         del log

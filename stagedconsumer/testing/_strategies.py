@@ -152,12 +152,15 @@ class FailureSchedule:
     """
 
     failures: Mapping[tuple[int, int], FailureKind] = attrs.field(factory=dict)
+    """How each ``(index, attempt)`` fails."""
 
     @classmethod
     def of(cls, failures: Mapping[tuple[int, int], FailureKind]) -> FailureSchedule:
+        """A schedule of ``failures`` (copied), e.g. ``{(0, 1): FailureKind.RAISE}``."""
         return cls(dict(failures))
 
     def kind(self, index: int, attempt: int) -> FailureKind | None:
+        """How attempt ``attempt`` of message ``index`` fails (``None``: it does not)."""
         return self.failures.get((index, attempt))
 
     def __len__(self) -> int:

@@ -121,6 +121,7 @@ def test_show_json_of_one_topic(store_url: str, capsys: pytest.CaptureFixture[st
     data = json.loads(capsys.readouterr().out)
     assert [q["queue_id"] for q in data["queues"]] == [0, 1, 2]
     assert data["queues"][1] == {
+        "source": "",
         "topic": "orders",
         "queue_id": 1,
         "consume_offset": 11,

@@ -21,6 +21,7 @@ from offsetstore import (
 from offsetstore._sql import SCHEMA_VERSION
 from stagedconsumer import MessageQueue
 
+from ._v3 import create_v3
 from .conftest import Backend
 
 pytestmark = pytest.mark.anyio
@@ -89,14 +90,13 @@ async def test_unfenced_persist_still_works_and_increase_only_holds(backend: Bac
 
 @pytest.mark.parametrize("old_version", [1, 2])
 async def test_older_schema_versions_are_migrated(sql_backend: Backend, old_version: int) -> None:
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
     assert sql_backend.url is not None
     prefix = sql_backend.prefix
-    # An older database: today's tables without what later versions added (version
-    # 2: the fence column; version 3: the finished column and the marks table).
-    async with sql_backend.new_store() as first:
-        first.update_progress(GROUP, MQ, QueueProgress(consume_offset=42))
-        await first.persist_all(GROUP, [MQ])
+    # An older database: version 3's tables without what later versions added
+    # (version 2: the fence column; version 3: the finished column and the marks table).
+    row = {"consumer_group": GROUP, "topic": MQ.topic, "queue_id": MQ.queue_id}
+    create_v3(sql_backend.url, prefix, [{**row, "consume_offset": 42, "stage_offsets": "[]"}])
     engine = sa.create_engine(sql_backend.url)
     try:
         with engine.begin() as conn:
@@ -126,4 +126,4 @@ async def test_older_schema_versions_are_migrated(sql_backend: Backend, old_vers
             version = conn.execute(sa.text(f"SELECT version FROM {prefix}schema")).scalar_one()
     finally:
         engine.dispose()
-    assert version == 3
+    assert version == 4

@@ -76,10 +76,10 @@ def test_init_creates_the_tables_and_says_so(
     assert "created table x_schema" in out
     assert "created table x_progress" in out
     assert "created table x_marks" in out
-    assert "recorded schema version 3 in x_schema" in out
+    assert "recorded schema version 4 in x_schema" in out
     assert anyio.run(_round_trip, url, "x_") == QueueProgress(consume_offset=3)
     assert main(init) == 0
-    assert "nothing to do: tables x_schema, x_progress and x_marks are at schema version 3" in (
+    assert "nothing to do: tables x_schema, x_progress and x_marks are at schema version 4" in (
         capsys.readouterr().out
     )
 
@@ -95,7 +95,7 @@ def test_init_migrates_an_older_schema(tmp_path: Path, capsys: pytest.CaptureFix
     capsys.readouterr()
     assert main(["offsets", "init", "--store", url]) == 0
     out = capsys.readouterr().out
-    assert "migrated the tables from schema version 1 to 3" in out
+    assert "migrated the tables from schema version 1 to 4" in out
     assert "created" not in out
     assert anyio.run(_round_trip, url, "stagedconsumer_") == QueueProgress(consume_offset=3)
 
@@ -131,7 +131,7 @@ def test_sql_of_each_dialect_without_a_database(
     out = capsys.readouterr().out
     assert "CREATE TABLE stagedconsumer_schema" in out
     assert (
-        "INSERT INTO stagedconsumer_schema (component, version) VALUES ('offsetstore', 3);" in out
+        "INSERT INTO stagedconsumer_schema (component, version) VALUES ('offsetstore', 4);" in out
     )
     assert "CREATE TABLE stagedconsumer_marks" in out
     if dialect == "sqlite":

@@ -414,7 +414,7 @@ async def test_close_waits_for_an_abandoned_operation_and_closes_its_connection(
 
     url = require_url("PostgreSQL", POSTGRES_URL)
     prefix = f"t{uuid.uuid4().hex[:10]}_"
-    store = SqlOffsetStore(url, table_prefix=prefix)
+    store = SqlOffsetStore(url, table_prefix=prefix, source="s")
     locker = sa.create_engine(url)
     try:
         store.update_offset("g", MQ, 1)
@@ -438,7 +438,7 @@ async def test_close_waits_for_an_abandoned_operation_and_closes_its_connection(
             warnings.simplefilter("always")
             gc.collect()
         assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
-        check = SqlOffsetStore(url, table_prefix=prefix)
+        check = SqlOffsetStore(url, table_prefix=prefix, source="s")
         try:
             assert await check.read_offset("g", MQ) == 2  # the abandoned write completed
         finally:
