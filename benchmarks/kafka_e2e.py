@@ -17,7 +17,9 @@ one after the other, repeated ``--repeat`` times interleaved; medians reported:
 - ``faststream``: FastStream's Kafka subscriber (aiokafka underneath), one
   subscriber over the topic, an async no-op handler, default acknowledgement;
 - ``memory-concurrent``: the consumer's own cost, no Kafka: the concurrent mode
-  draining the same number of messages from the embedded ``MemoryBroker``.
+  draining the same number of messages from the embedded ``MemoryBroker``;
+- ``concurrent-read-ahead-N`` (not run by default): the concurrent mode with
+  ``KafkaBroker(read_ahead=N)``.
 
 CPU per message is the process's CPU time (``time.process_time``: every thread, so
 librdkafka's too) from the system's start (clients made, group joined: little CPU,
@@ -28,6 +30,7 @@ last (the group join, ~3 s against Tansu, left out).
 
     python -m benchmarks.kafka_e2e                   # 100,000 messages
     python -m benchmarks.kafka_e2e --messages 20000 --repeat 3
+    python -m benchmarks.kafka_e2e --systems concurrent,concurrent-read-ahead-500,aiokafka-getmany
 """
 
 from __future__ import annotations
@@ -125,11 +128,13 @@ class _Staged(MessageListenerStagedConcurrently):
         self.clock.tick(len(msgs))
 
 
-def _stagedconsumer(kind: type[Any]) -> Callable[[str, str, int], Awaitable[dict[str, float]]]:
+def _stagedconsumer(
+    kind: type[Any], **broker_options: Any
+) -> Callable[[str, str, int], Awaitable[dict[str, float]]]:
     async def run(bootstrap: str, topic: str, total: int) -> dict[str, float]:
         clock = _Clock(total)
         listener: MessageListener = kind(clock)
-        async with KafkaBroker(bootstrap, heartbeat_interval=0.5) as broker:
+        async with KafkaBroker(bootstrap, heartbeat_interval=0.5, **broker_options) as broker:
             consumer = PushConsumer(
                 "g" + uuid.uuid4().hex[:8],
                 broker,
@@ -273,6 +278,9 @@ async def _one(
 ) -> dict[str, float]:
     if system == "concurrent":
         return await _stagedconsumer(_Concurrent)(bootstrap, topic, total)
+    if system.startswith("concurrent-read-ahead-"):  # e.g. concurrent-read-ahead-500
+        read_ahead = int(system.rsplit("-", 1)[1])
+        return await _stagedconsumer(_Concurrent, read_ahead=read_ahead)(bootstrap, topic, total)
     if system == "orderly":
         return await _stagedconsumer(_Orderly)(bootstrap, topic, total)
     if system == "staged":

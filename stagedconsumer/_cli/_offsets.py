@@ -149,6 +149,48 @@ def _kafka_store(url: str) -> StageOffsetStore:
     return KafkaOffsetStore(KafkaBroker(servers), own_broker=True)
 
 
+def _open_store(args: argparse.Namespace, *, read_only: bool = False) -> StageOffsetStore:
+    """The store of ``--store``: a Kafka group's commits (``kafka://``) or SQL."""
+    if args.store.startswith("kafka://"):
+        return _kafka_store(args.store)
+    return _store(args, read_only=read_only)
+
+
+async def _check_on_kafka(
+    store: StageOffsetStore, args: argparse.Namespace, plan: Mapping[MessageQueue, QueueProgress]
+) -> str | None:
+    """Check a reset of a Kafka group's commits against its cluster: the partitions
+    exist, ``--to-offset`` is within each one's [min offset, max offset]. (Whether the
+    group runs is Kafka's to check: it refuses commits from outside a group that has
+    members.)"""
+    broker: Any = getattr(store, "broker", None)
+    if broker is None:
+        return None
+    try:
+        count = len(await broker.get_queues(args.topic))
+        bad = sorted(mq.queue_id for mq in plan if mq.queue_id >= count)
+        if bad:
+            return (
+                f"topic {args.topic!r} has {count} partition(s), 0 to {count - 1}:"
+                f" no partition {', '.join(map(str, bad))}"
+            )
+        if args.to_offset is None:
+            return None
+        outside = []
+        for mq in plan:
+            low, high = await broker.min_offset(mq), await broker.max_offset(mq)
+            if not low <= args.to_offset <= high:
+                outside.append(f"{mq} [{low}, {high}]")
+    except StagedConsumerError as exc:
+        return f"cannot check the partitions of topic {args.topic!r} on Kafka: {exc}"
+    if outside:
+        return (
+            f"--to-offset {args.to_offset} is outside the offsets of {', '.join(outside)};"
+            " nothing changed"
+        )
+    return None
+
+
 async def _load(store: StageOffsetStore) -> None:
     """``store.load()``; a store without the tables is told about ``--table-prefix``."""
     try:
@@ -268,11 +310,7 @@ async def _stored_rows(store: StageOffsetStore, group: str, topic: str | None) -
 async def _show(args: argparse.Namespace) -> int:
     err = _console(stderr=True)
     try:
-        store: StageOffsetStore = (
-            _kafka_store(args.store)
-            if args.store.startswith("kafka://")
-            else _store(args, read_only=True)  # works on a read-only replica too
-        )
+        store = _open_store(args, read_only=True)  # SQL: works on a read-only replica too
     except OffsetStoreError as exc:
         return _fail(err, str(exc))
     try:
@@ -602,13 +640,15 @@ async def _reset(args: argparse.Namespace) -> int:
             " (or --force to repair corrupt rows)",
         )
     try:
-        store = _store(args)
+        store = _open_store(args)
     except OffsetStoreError as exc:
         return _fail(err, str(exc))
+    kafka = args.store.startswith("kafka://")
     try:
         await _load(store)
-        if store.source is None:
-            sources = [source for source in await store.list_sources(args.group) if source]
+        list_sources = getattr(store, "list_sources", None)  # SQL: progress per source
+        if list_sources is not None and store.source is None:
+            sources = [source for source in await list_sources(args.group) if source]
             if len(sources) > 1:
                 return _fail(
                     err,
@@ -617,9 +657,11 @@ async def _reset(args: argparse.Namespace) -> int:
                 )
             if sources:
                 store.bind_source(sources[0])
-        stored = {row.queue: row for row in await store.inspect_progress(args.group, args.topic)}
+        stored = {row.queue: row for row in await _stored_rows(store, args.group, args.topic)}
         if args.stage_offset and not args.new_stage_key:
-            problem, note = _unknown_stage_keys(args, await store.inspect_progress(args.group))
+            # Kafka: the topic's commits (Tansu cannot list a group's every partition)
+            every = await _stored_rows(store, args.group, args.topic if kafka else None)
+            problem, note = _unknown_stage_keys(args, every)
             if problem is not None:
                 return _fail(err, problem)
             if note is not None:
@@ -635,7 +677,10 @@ async def _reset(args: argparse.Namespace) -> int:
                 " name the queues with --queue",
             )
         members: list[str] | None = None
-        if args.redis:
+        if kafka:
+            if (problem := await _check_on_kafka(store, args, plan)) is not None:
+                return _fail(err, problem)
+        elif args.redis:
             problem, members = await _check_on_broker(args, plan, err)
             if problem is not None:
                 return _fail(err, problem)
@@ -676,7 +721,11 @@ async def _reset(args: argparse.Namespace) -> int:
             if answer.strip().lower() not in ("y", "yes"):
                 console.print("Aborted; nothing changed (--yes resets without asking).")
                 return 1
-        await store.repair_progress(args.group, plan, fences)
+        repair = getattr(store, "repair_progress", None)  # SQL: rows, fences
+        if repair is None:  # Kafka: standalone commits, refused while the group has members
+            await store.reset_progress(args.group, plan)
+        else:
+            await repair(args.group, plan, fences)
         repaired = sum(1 for mq in plan if mq in stored and stored[mq].corrupt)
         done = f"Reset {len(plan)} queue(s)."
         if repaired:
@@ -856,7 +905,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             required=True,
             metavar="URL",
             help="offset store URL, e.g. sqlite:///progress.db or postgresql+psycopg://user@host/db"
-            " (show: also kafka://host:port, a Kafka group's offset commits)",
+            " (show, reset: also kafka://host:port, a Kafka group's offset commits)",
         )
         sub.add_argument(
             "--table-prefix",

@@ -17,6 +17,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace import Link, SpanContext, TraceFlags, Tracer, TracerProvider, TraceState
 from opentelemetry.util.types import AttributeValue
 
+from .._message import Message
 from ._traceparent import TRACEPARENT, TRACESTATE, parse_traceparent
 
 __all__ = (
@@ -27,6 +28,7 @@ __all__ = (
     "Counts",
     "creation_context",
     "creation_link",
+    "add_kafka_attributes",
     "error_type_of",
     "instruments",
     "ns",
@@ -42,9 +44,19 @@ DURATION_BUCKETS: Sequence[float] = (
 
 MESSAGE_ID = "messaging.message.id"
 BATCH_COUNT = "messaging.batch.message_count"
+KAFKA_MESSAGE_KEY = "messaging.kafka.message.key"
+KAFKA_OFFSET = "messaging.kafka.offset"
 ERROR_TYPE = "error.type"
 
 _W3C_FIELDS = frozenset({TRACEPARENT, TRACESTATE, "baggage"})
+
+
+def add_kafka_attributes(attributes: dict[str, AttributeValue], message: Message) -> None:
+    """The semantic conventions' Kafka attributes of a span about one record: its key
+    (the message's first key; not set for a record without key) and its offset."""
+    if message.keys:
+        attributes[KAFKA_MESSAGE_KEY] = message.keys[0]
+    attributes[KAFKA_OFFSET] = message.queue_offset
 
 
 def instruments(

@@ -62,6 +62,7 @@ from ._otel_common import (
     MESSAGE_ID,
     SCHEMA_URL,
     Counts,
+    add_kafka_attributes,
     creation_link,
     error_type_of,
     instruments,
@@ -223,7 +224,10 @@ class OpenTelemetryHook(ConsumeMessageHook):
 
     ``tracer_provider`` / ``meter_provider`` default to the global ones.
     ``messaging_system`` is the ``messaging.system`` attribute (default
-    ``"stagedconsumer"``; set e.g. ``"redis"`` for the Redis broker).
+    ``"stagedconsumer"``; set e.g. ``"redis"`` for the Redis broker). With
+    ``"kafka"`` (for :class:`~stagedconsumer.KafkaBroker`), the spans about one
+    record also carry the conventions' Kafka attributes ``messaging.kafka.message.key``
+    (the record key) and ``messaging.kafka.offset``.
     ``spans=False`` / ``metrics=False`` turn either half off.
     ``wait_metrics=False`` keeps the metrics but drops the two per-message
     histograms (await time and barrier wait), each of which costs an SDK
@@ -271,6 +275,7 @@ class OpenTelemetryHook(ConsumeMessageHook):
             "OpenTelemetryHook", tracer_provider, meter_provider, messaging_system
         )
         self.messaging_system = messaging_system
+        self._kafka = messaging_system == "kafka"
         self.spans = spans
         self.metrics = metrics
         self.wait_metrics = wait_metrics
@@ -445,6 +450,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
         attributes = static.copy()
         if len(messages) == 1:
             attributes[MESSAGE_ID] = _message_id(messages[0])
+            if self._kafka:
+                add_kafka_attributes(attributes, messages[0])
         else:
             attributes[BATCH_COUNT] = len(messages)
         # Each message's traceparent is parsed once, here (or, when this span is
@@ -545,6 +552,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
         attributes = static.copy()
         if len(messages) == 1:
             attributes[MESSAGE_ID] = _message_id(first)
+            if self._kafka:
+                add_kafka_attributes(attributes, first)
         else:
             attributes[BATCH_COUNT] = len(messages)
         attributes[ATTEMPT] = context.attempt
@@ -727,6 +736,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
         )
         if len(settled) == 1:
             attributes[MESSAGE_ID] = _message_id(settled[0])
+            if self._kafka:
+                add_kafka_attributes(attributes, settled[0])
         else:
             attributes[BATCH_COUNT] = len(settled)
         attributes[STAGE_INDEX] = context.stage_index

@@ -38,6 +38,7 @@ from ._otel_common import (
     BATCH_COUNT,
     MESSAGE_ID,
     Counts,
+    add_kafka_attributes,
     creation_context,
     error_type_of,
     instruments,
@@ -61,7 +62,9 @@ class OpenTelemetrySendHook(SendMessageHook):
 
     ``tracer_provider`` / ``meter_provider`` default to the global ones;
     ``messaging_system`` is the ``messaging.system`` attribute (default
-    ``"stagedconsumer"``, as on the consume side). ``spans=False`` drops the spans
+    ``"stagedconsumer"``, as on the consume side; with ``"kafka"`` the send span of
+    one record carries ``messaging.kafka.message.key`` and ``messaging.kafka.offset``).
+    ``spans=False`` drops the spans
     (the context current at the call is still injected, so consumers can link to
     it); ``metrics=False`` drops the metrics. Register it on the producer::
 
@@ -82,6 +85,7 @@ class OpenTelemetrySendHook(SendMessageHook):
         )
         self.messaging_system = messaging_system
         """The ``messaging.system`` attribute of the spans and metrics."""
+        self._kafka = messaging_system == "kafka"
         self.spans = spans
         """Whether a ``send`` span is started per call."""
         self.metrics = metrics
@@ -208,7 +212,12 @@ class OpenTelemetrySendHook(SendMessageHook):
                     if mq is not None:
                         span.set_attribute("messaging.destination.partition.id", str(mq.queue_id))
                     if len(context.results) == 1:
-                        span.set_attribute(MESSAGE_ID, context.results[0].msg_id)
+                        result = context.results[0]
+                        span.set_attribute(MESSAGE_ID, result.msg_id)
+                        if self._kafka and result.message is not None:
+                            kafka: dict[str, AttributeValue] = {}
+                            add_kafka_attributes(kafka, result.message)
+                            span.set_attributes(kafka)
                     span.set_attribute(ATTEMPTS, context.attempts)
                     if error_type is not None:
                         span.set_attribute("error.type", error_type)

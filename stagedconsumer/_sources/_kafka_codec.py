@@ -22,14 +22,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from offsetstore import StageKey
+from offsetstore import QueueProgress, StageKey
+from offsetstore._types import decode_finished, encode_finished
 
 from .._message import EMPTY_PROPERTIES, Message, OutgoingMessage, _MessageFields
 from ._source import (
     DLQ_PREFIX,
+    PROPERTY_DECODE_ERROR,
     PROPERTY_ORIGIN_MESSAGE_ID,
+    PROPERTY_POISON_ENTRY_ID,
+    PROPERTY_POISON_STREAM,
     PROPERTY_RETRY_TOPIC,
     RETRY_PREFIX,
+    UndecodableEntry,
 )
 
 __all__ = (
@@ -41,7 +46,10 @@ __all__ = (
     "decode_metadata",
     "decode_records",
     "encode_headers",
+    "decode_progress",
     "encode_metadata",
+    "encode_progress",
+    "poison_entry",
 )
 
 HEADER_TAGS = "TAGS"
@@ -56,6 +64,8 @@ refused by the broker."""
 
 _METADATA_JSON = "sc1:"
 _METADATA_ZLIB = "sc1z:"
+_PROGRESS_TEXT = "sc2:"
+_PROGRESS_ZLIB = "sc2z:"
 
 _LEGAL = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -122,18 +132,34 @@ def delay_until_ms(record: Any) -> int | None:
     return None
 
 
+_KEYS: dict[bytes, tuple[str]] = {}
+"""The ``keys`` tuple of each record key seen lately, shared by the messages of that
+key: one allocation (and one object for the garbage collector to track) less per
+message. Cleared when it passes ``_KEYS_MAX`` keys."""
+_KEYS_MAX = 8192
+
+
 def decode_records(
-    topic: str, partition: int, kafka_topic: str, records: Iterable[Any]
+    topic: str,
+    partition: int,
+    kafka_topic: str,
+    records: Iterable[Any],
+    bad: list[tuple[Any, Exception]] | None = None,
 ) -> list[Message]:
     """``records`` (aiokafka ``ConsumerRecord``\\ s of one partition) as messages of
     queue ``topic#partition``. Records of a retry topic get back the topic they were
     first sent to (``RETRY_TOPIC``). Built as ``_MessageFields`` made ``Message``\\ s
-    (see there): the hot path of every pull."""
+    (see there): the hot path of every pull. A record whose reserved headers cannot
+    be read (``KEYS`` not a JSON list of strings, ``RECONSUME_TIMES`` not an int:
+    a poison record) is left out and added to ``bad`` with the error."""
     out: list[Message] = []
     append = out.append
     is_retry = topic.startswith(RETRY_PREFIX)
     prefix = f"{kafka_topic}-{partition}@"
     empty = EMPTY_PROPERTIES
+    keys_of = _KEYS
+    if len(keys_of) > _KEYS_MAX:
+        keys_of.clear()
     for record in records:
         m = _MessageFields()
         offset = record.offset
@@ -143,7 +169,13 @@ def decode_records(
         value = record.value
         m.body = b"" if value is None else value
         key = record.key
-        m.keys = () if key is None else (key.decode("utf-8", "replace"),)
+        if key is None:
+            m.keys = ()
+        else:
+            keys = keys_of.get(key)
+            if keys is None:
+                keys = keys_of[key] = (key.decode("utf-8", "replace"),)
+            m.keys = keys
         m.tags = None
         m.reconsume_times = 0
         m.msg_id = m.offset_msg_id = prefix + str(offset)
@@ -151,7 +183,13 @@ def decode_records(
         m.born_timestamp = 0.0 if timestamp is None else timestamp / 1000
         headers = record.headers
         if headers:
-            _set_headers(m, headers, is_retry)
+            try:
+                _set_headers(m, headers, is_retry)
+            except (ValueError, TypeError) as exc:
+                if bad is None:
+                    raise
+                bad.append((record, exc))
+                continue
         else:
             m.properties = empty
         m.__class__ = Message
@@ -167,7 +205,10 @@ def _set_headers(m: _MessageFields, headers: Sequence[tuple[str, bytes]], is_ret
             if name == HEADER_TAGS:
                 m.tags = text
             elif name == HEADER_KEYS:
-                m.keys = tuple(json.loads(text))
+                keys = json.loads(text)
+                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                    raise ValueError(f"header KEYS is not a JSON list of strings: {text[:100]!r}")
+                m.keys = tuple(keys)
             elif name == HEADER_RECONSUME_TIMES:
                 m.reconsume_times = int(text)
         else:
@@ -178,6 +219,33 @@ def _set_headers(m: _MessageFields, headers: Sequence[tuple[str, bytes]], is_ret
     origin = properties.get(PROPERTY_ORIGIN_MESSAGE_ID)
     if origin:  # a retry or dead-letter copy keeps its message's id (offsetMsgId: this record)
         m.msg_id = origin
+
+
+def poison_entry(
+    topic: str, partition: int, kafka_topic: str, record: Any, exc: Exception
+) -> UndecodableEntry:
+    """The :class:`UndecodableEntry` of a poison record: its body and key as stored,
+    ``DECODE_ERROR``, ``POISON_STREAM`` (the Kafka topic) and ``POISON_ENTRY_ID``
+    (``<partition>@<offset>``); its headers as stored in ``fields``."""
+    error = f"{type(exc).__name__}: {exc}"[:1000]
+    offset = record.offset
+    key = record.key
+    message = Message(
+        topic=topic,
+        queue_id=partition,
+        queue_offset=offset,
+        body=record.value or b"",
+        keys=() if key is None else (key.decode("utf-8", "replace"),),
+        properties={
+            PROPERTY_DECODE_ERROR: error,
+            PROPERTY_POISON_STREAM: kafka_topic,
+            PROPERTY_POISON_ENTRY_ID: f"{partition}@{offset}",
+        },
+        msg_id=f"{kafka_topic}-{partition}@{offset}",
+        born_timestamp=(record.timestamp or 0) / 1000,
+    )
+    fields = tuple((name.encode(), value or b"") for name, value in record.headers or ())
+    return UndecodableEntry(offset=offset, error=error, message=message, fields=fields)
 
 
 def _key_text(key: StageKey) -> str:
@@ -221,6 +289,69 @@ def encode_metadata(
         dropped += cut
         if not items:
             return "", dropped
+
+
+def _stage_json(stage_offsets: Mapping[StageKey, int]) -> str:
+    items = sorted((_key_text(key), offset) for key, offset in stage_offsets.items())
+    return json.dumps(dict(items), separators=(",", ":"))
+
+
+def _packed(payload: str, limit: int) -> str | None:
+    """``sc2:<payload>``, or compressed ``sc2z:...``, whichever fits ``limit`` bytes."""
+    text = _PROGRESS_TEXT + payload
+    if len(text.encode()) <= limit:
+        return text
+    packed = _PROGRESS_ZLIB + base64.b64encode(zlib.compress(payload.encode(), 9)).decode("ascii")
+    return packed if len(packed) <= limit else None
+
+
+def encode_progress(progress: QueueProgress, limit: int = METADATA_LIMIT) -> tuple[str, int, int]:
+    """The commit metadata of ``progress`` (its stage offsets and, sparse progress,
+    its finished ranges above the consume offset), the stage keys and the finished
+    ranges left out to fit ``limit`` bytes.
+
+    Without finished ranges: :func:`encode_metadata`. With them:
+    ``sc2:<ranges>;<stage offsets JSON>``, the ranges as the SQL store writes them
+    (``gap+length``, comma separated), zlib-compressed and base64 (``sc2z:``) when
+    longer than ``limit``. When even compressed it does not fit, the highest ranges
+    are left out first (their messages come again: at-least-once), then, with no
+    range left, stage keys as :func:`encode_metadata` leaves them out."""
+    ranges = list(progress.finished)
+    if ranges and progress.consume_offset is not None:
+        stages = _stage_json(progress.stage_offsets)
+        keep = len(ranges)
+        while keep:
+            finished = encode_finished(progress.consume_offset, ranges[:keep])
+            text = _packed(f"{finished};{stages}", limit)
+            if text is not None:
+                return text, 0, len(ranges) - keep
+            # cut in proportion to the overrun, at least one range a round
+            size = len(_PROGRESS_TEXT) + len(finished or "") + 1 + len(stages)
+            keep = min(keep - 1, keep * limit // max(size, 1))
+    text, dropped = encode_metadata(progress.stage_offsets, limit)
+    return text, dropped, len(ranges)
+
+
+def decode_progress(
+    consume_offset: int, metadata: str | None
+) -> tuple[dict[StageKey, int], tuple[tuple[int, int], ...]]:
+    """The stage offsets and finished ranges in a commit's metadata (none of either
+    for anything this project did not write)."""
+    if not metadata or not metadata.startswith((_PROGRESS_TEXT, _PROGRESS_ZLIB)):
+        return decode_metadata(metadata), ()
+    try:
+        if metadata.startswith(_PROGRESS_TEXT):
+            payload = metadata[len(_PROGRESS_TEXT) :]
+        else:
+            raw = base64.b64decode(metadata[len(_PROGRESS_ZLIB) :])
+            payload = zlib.decompress(raw).decode()
+        finished_text, sep, stages = payload.partition(";")
+        if not sep:
+            return {}, ()
+        finished = decode_finished(consume_offset, finished_text)
+    except (ValueError, TypeError, zlib.error):
+        return {}, ()
+    return decode_metadata(_METADATA_JSON + stages), finished
 
 
 def decode_metadata(metadata: str | None) -> dict[StageKey, int]:

@@ -43,7 +43,7 @@ from offsetstore import (
 from .._exceptions import SourceError
 from .._message import MessageQueue
 from ._group import AllocateMessageQueueStrategy, GroupCoordinator, GroupOptions
-from ._kafka_codec import decode_metadata, encode_metadata
+from ._kafka_codec import decode_progress, encode_progress
 
 if TYPE_CHECKING:
     from ._kafka_codec import TopicNames
@@ -60,6 +60,7 @@ class _Broker(Protocol):
     rebalance_timeout: float
     metadata_limit: int
     metadata_overflows: int
+    finished_overflows: int
     metadata_missing: int
 
     def _options(self, **extra: Any) -> dict[str, Any]: ...
@@ -367,8 +368,9 @@ class KafkaOffsetStore(StageOffsetStore):
     """Progress in a Kafka consumer group's offset commits.
 
     The committed offset of a partition is its consume offset; the commit's metadata
-    string holds its stage offsets (JSON, compressed when long; see
-    ``KafkaBroker(metadata_limit=)``): both are one commit, so they are always
+    string holds its stage offsets and (sparse progress) the finished ranges above it
+    (compressed when long; past ``KafkaBroker(metadata_limit=)`` the highest ranges,
+    then the lowest stage keys, are left out and counted): all one commit, so always
     consistent. Kafka's tooling (``kafka-consumer-groups.sh --describe``) shows the
     group, its committed offsets and lag.
 
@@ -384,6 +386,7 @@ class KafkaOffsetStore(StageOffsetStore):
         super().__init__()
         self.broker = broker
         self._own_broker = own_broker
+        self._warned_missing = False
 
     @property
     def url(self) -> str:
@@ -396,12 +399,16 @@ class KafkaOffsetStore(StageOffsetStore):
     def _encode(self, progress: QueueProgress) -> tuple[int, str] | None:
         if progress.consume_offset is None:
             return None
-        metadata, dropped = encode_metadata(progress.stage_offsets, self.broker.metadata_limit)
-        if dropped:
-            self.broker.metadata_overflows += dropped
+        broker = self.broker
+        metadata, dropped, cut = encode_progress(progress, broker.metadata_limit)
+        if dropped or cut:
+            broker.metadata_overflows += dropped
+            broker.finished_overflows += cut
             logger.warning(
-                "Kafka commit metadata over %d bytes: %d stage keys left out",
-                self.broker.metadata_limit,
+                "Kafka commit metadata over %d bytes: %d finished ranges and %d stage keys"
+                " left out",
+                broker.metadata_limit,
+                cut,
                 dropped,
             )
         return progress.consume_offset, metadata
@@ -427,9 +434,23 @@ class KafkaOffsetStore(StageOffsetStore):
             # every commit of this store carries metadata: none means another client
             # committed, or the broker does not keep commit metadata (Tansu 0.6)
             self.broker.metadata_missing += 1
-        return QueueProgress(
-            consume_offset=int(found.offset), stage_offsets=decode_metadata(found.metadata)
-        )
+            if not self._warned_missing:  # once per store: a broker that drops it drops all
+                self._warned_missing = True
+                logger.warning(
+                    "Kafka commit at offset %s read back without metadata (made by another"
+                    " client, or the broker keeps no commit metadata): resuming there with"
+                    " no stage offsets or finished ranges; counted in"
+                    " statistics().metadata_missing",
+                    found.offset,
+                )
+        offset = int(found.offset)
+        stage_offsets, finished = decode_progress(offset, found.metadata)
+        try:
+            return QueueProgress(
+                consume_offset=offset, stage_offsets=stage_offsets, finished=finished
+            )
+        except (TypeError, ValueError):  # not what this store writes: the offset alone
+            return QueueProgress(consume_offset=offset)
 
     async def _read_stored(self, group: str, mq: MessageQueue) -> QueueProgress | None:
         fetched = await self._fetch(group, [mq])
@@ -523,6 +544,7 @@ class KafkaOffsetStore(StageOffsetStore):
         self, group: str, progress: Mapping[MessageQueue, QueueProgress]
     ) -> None:
         from aiokafka import AIOKafkaConsumer
+        from aiokafka.errors import CommitFailedError
 
         offsets = {}
         for mq, value in progress.items():
@@ -539,6 +561,12 @@ class KafkaOffsetStore(StageOffsetStore):
             await consumer.start()
             consumer.assign(list(offsets))
             await consumer.commit(offsets)
+        except CommitFailedError as exc:
+            raise StoreCommitError(
+                f"Kafka refused the commit: group {group!r} has members, and Kafka accepts"
+                " its commits from them only; stop the group first",
+                retriable=False,
+            ) from exc
         except Exception as exc:
             raise StoreCommitError(
                 f"Kafka: commit of group {group!r} failed (a running group accepts commits"

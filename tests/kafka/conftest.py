@@ -7,13 +7,13 @@ The Kafka broker's client (aiokafka) runs on asyncio only: these tests run on as
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
 from benchmarks._tansu import TansuServer, tansu_binary
-from stagedconsumer import KafkaBroker
+from stagedconsumer import KafkaBroker, Message, Producer
 from tests.conftest import require_service
 
 pytestmark = pytest.mark.kafka
@@ -54,3 +54,30 @@ def new_broker(tansu: TansuServer) -> KafkaBroker:
 async def broker(tansu: TansuServer) -> AsyncIterator[KafkaBroker]:
     async with new_broker(tansu) as b:
         yield b
+
+
+async def send_messages(
+    broker: KafkaBroker,
+    topic: str,
+    n: int,
+    *,
+    keys: Callable[[int], str | Sequence[str]] = lambda i: f"k{i % 7}",
+    tags: str | None = None,
+    properties: Callable[[int], Mapping[str, str]] | None = None,
+    queue_id: int | None = None,
+) -> list[Message]:
+    """``n`` messages ``m0``, ``m1``, ... sent to ``topic``; as stored."""
+    out = []
+    async with Producer(broker) as producer:
+        for i in range(n):
+            result = await producer.send(
+                topic,
+                b"m%d" % i,
+                keys=keys(i),
+                tags=tags,
+                properties=None if properties is None else properties(i),
+                queue_id=queue_id,
+            )
+            assert result.message is not None
+            out.append(result.message)
+    return out

@@ -11,39 +11,29 @@ so stage offsets cannot travel in Kafka's commits there). Prints ``READY
 
 from __future__ import annotations
 
-import json
-import logging
-import signal
 import sys
-from collections.abc import Sequence
 from typing import Any
-
-import anyio
 
 from offsetstore import SqlOffsetStore
 from stagedconsumer import ConsumerOptions, KafkaBroker, PushConsumer
-from tests.redis.group_worker import EventLog, LoggingStagedListener
+from tests.redis.group_worker import (
+    EventLog,
+    LoggingStagedListener,
+    run_worker,
+    serve_until_sigterm,
+)
 
 
 async def run(config: dict[str, Any]) -> None:
-    stop = anyio.Event()
-
-    async def on_sigterm() -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                stop.set()
-                return
-
     log = EventLog(config["log"])
     async with KafkaBroker(
         config["bootstrap"], session_timeout=6.0, heartbeat_interval=0.5, rebalance_timeout=10.0
     ) as broker:
-        store = SqlOffsetStore(config["store_url"])
         consumer = PushConsumer(
             config["group"],
             broker,
             LoggingStagedListener(log, config["cost"]),
-            offset_store=store,
+            offset_store=(store := SqlOffsetStore(config["store_url"])),
             options=ConsumerOptions(
                 persist_consumer_offset_interval=0.2,
                 pull_long_polling_timeout=0.5,
@@ -52,21 +42,8 @@ async def run(config: dict[str, Any]) -> None:
             ),
         )
         consumer.subscribe(config["topic"])
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(on_sigterm)
-                async with consumer:
-                    print(f"READY {consumer.client_id}", flush=True)
-                    await stop.wait()
-                tg.cancel_scope.cancel()
-        finally:
-            await store.aclose()
-
-
-def main(argv: Sequence[str]) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    anyio.run(run, json.loads(argv[1]), backend="asyncio")
+        await serve_until_sigterm(consumer, store)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    run_worker(run, sys.argv)

@@ -44,6 +44,7 @@ from stagedconsumer.testing import (
     assert_orderly,
     assert_staged,
 )
+from tests.kafka.conftest import send_messages
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]
 
@@ -52,16 +53,6 @@ ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = ConsumerOptions(
     persist_consumer_offset_interval=0.2, pull_long_polling_timeout=0.5, shutdown_timeout=5
 )
-
-
-async def _send(broker: KafkaBroker, topic: str, n: int, keys: int = 7) -> list[Message]:
-    out = []
-    async with Producer(broker) as producer:
-        for i in range(n):
-            result = await producer.send(topic, b"m%d" % i, keys=f"k{i % keys}")
-            assert result.message is not None
-            out.append(result.message)
-    return out
 
 
 def _finished(log: CallLog) -> set[str]:
@@ -159,7 +150,7 @@ async def test_every_mode_consumes_a_topic_and_commits_to_kafka(
     broker: KafkaBroker, name: str, mode: str
 ) -> None:
     await broker.create_topic(name, 3)
-    sent = await _send(broker, name, 120)
+    sent = await send_messages(broker, name, 120)
     kinds: dict[str, type[MessageListener]] = {
         "staged": Staged,
         "orderly": Orderly,
@@ -217,7 +208,7 @@ async def test_a_failed_message_comes_back_through_the_retry_topic_after_its_del
     broker: KafkaBroker, name: str
 ) -> None:
     await broker.create_topic(name, 1)
-    await _send(broker, name, 5)
+    await send_messages(broker, name, 5)
     listener = FailFirst()
     consumer = PushConsumer(
         name, broker, listener, options=attrs.evolve(OPTIONS, consume_message_batch_max_size=1)
@@ -237,7 +228,7 @@ async def test_send_back_of_a_spent_message_goes_to_the_dead_letter_topic(
     broker: KafkaBroker, name: str
 ) -> None:
     await broker.create_topic(name, 1)
-    (sent,) = await _send(broker, name, 1)
+    (sent,) = await send_messages(broker, name, 1)
     assert await broker.send_back(name, sent, max_reconsume_times=0) is SendBackResult.DLQ
     (dlq,) = await broker.get_queues("%DLQ%" + name)
     pulled = await broker.pull(dlq, 0, 10, timeout=5)

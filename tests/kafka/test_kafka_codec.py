@@ -8,7 +8,10 @@ from stagedconsumer._sources._kafka_codec import (
     METADATA_LIMIT,
     TopicNames,
     decode_metadata,
+    decode_progress,
+    decode_records,
     encode_metadata,
+    encode_progress,
 )
 
 
@@ -61,3 +64,77 @@ def test_retry_and_dead_letter_topics_get_legal_kafka_names() -> None:
     assert names.kafka("%RETRY%my group/1") == "stagedconsumer-retry.my_group_1"
     assert names.kafka("%DLQ%g") == "stagedconsumer-dlq.g"
     assert names.ours("stagedconsumer-retry.my_group_1") == "%RETRY%my group/1"
+
+
+def test_finished_ranges_round_trip_through_the_commit_metadata() -> None:
+    stages = {StageKey("default"): 7, StageKey("orders", "user-1"): 3}
+    progress = QueueProgress(
+        consume_offset=100, stage_offsets=stages, finished=((102, 105), (110, 110))
+    )
+    text, dropped, cut = encode_progress(progress)
+    assert text == 'sc2:2+3,5+0;{"default":7,"orders\\u001fuser-1":3}'
+    assert (dropped, cut) == (0, 0)
+    assert decode_progress(100, text) == (stages, ((102, 105), (110, 110)))
+    # without finished ranges: the format of before, readable both ways
+    plain, _, _ = encode_progress(QueueProgress(consume_offset=100, stage_offsets=stages))
+    assert plain.startswith("sc1:")
+    assert decode_progress(100, plain) == (stages, ())
+    for foreign in ("", "x", "sc2:", "sc2:1+x;{}", "sc2z:@@", "sc2:1+1,0+1;{}"):
+        assert decode_progress(100, foreign) == ({}, ()), foreign
+
+
+def test_past_the_limit_the_highest_finished_ranges_go_first_and_are_counted() -> None:
+    stages = {StageKey("s", f"k{i}"): i for i in range(20)}
+    ranges = tuple((1000 + 7 * i * i, 1000 + 7 * i * i + i % 3) for i in range(1, 3000))
+    progress = QueueProgress(consume_offset=1000, stage_offsets=stages, finished=ranges)
+    text, dropped, cut = encode_progress(progress)
+    assert text.startswith(("sc2:", "sc2z:"))
+    assert len(text.encode()) <= METADATA_LIMIT
+    got_stages, got_ranges = decode_progress(1000, text)
+    assert got_stages == stages  # every stage key kept: ranges are cut first
+    assert dropped == 0
+    assert 0 < cut == len(ranges) - len(got_ranges)
+    assert got_ranges == ranges[: len(got_ranges)]  # the lowest ranges are kept
+    assert len(got_ranges) > 100
+    # a limit too small for the stage offsets: no range, then stage keys left out
+    text, dropped, cut = encode_progress(progress, limit=60)
+    got_stages, got_ranges = decode_progress(1000, text)
+    assert (got_ranges, cut) == ((), len(ranges))
+    assert 0 < dropped == len(stages) - len(got_stages)
+
+
+def test_the_store_counts_finished_ranges_left_out() -> None:
+    broker = KafkaBroker("127.0.0.1:1", metadata_limit=64)
+    store = KafkaOffsetStore(broker)
+    ranges = tuple((10 + i * i, 10 + i * i + i % 4) for i in range(2, 50))
+    encoded = store._encode(QueueProgress(consume_offset=10, finished=ranges))
+    assert encoded is not None
+    _, kept = decode_progress(10, encoded[1])
+    assert 0 < len(kept) < len(ranges)
+    assert broker.statistics().finished_overflows == len(ranges) - len(kept)
+
+
+def test_messages_of_one_record_key_share_their_keys_tuple() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    records = [
+        ConsumerRecord(
+            topic="t",
+            partition=0,
+            offset=i,
+            timestamp=1000 + i,
+            timestamp_type=0,
+            key=b"k%d" % (i % 2),
+            value=b"v",
+            checksum=None,
+            serialized_key_size=2,
+            serialized_value_size=1,
+            headers=[],
+        )
+        for i in range(4)
+    ]
+    a, b, c, d = decode_records("t", 0, "t", records)
+    assert (a.keys, b.keys) == (("k0",), ("k1",))
+    assert a.keys is c.keys
+    assert b.keys is d.keys
+    assert [m.msg_id for m in (a, d)] == ["t-0@0", "t-0@3"]

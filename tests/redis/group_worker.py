@@ -31,13 +31,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import anyio
 import sqlalchemy as sa
 
-from offsetstore import SqlOffsetStore
+from offsetstore import SqlOffsetStore, StageOffsetStore
 from stagedconsumer import (
     ConsumerOptions,
     ConsumeStagedConcurrentlyContext,
@@ -133,8 +133,10 @@ class TransactingStagedListener(LoggingStagedListener):
         context.transact_blocking(effects)
 
 
-async def run(config: dict[str, Any]) -> None:
-    group_options = GroupOptions(**config["group_options"])
+async def serve_until_sigterm(consumer: PushConsumer, store: StageOffsetStore) -> None:
+    """Run ``consumer`` (printing ``READY <client_id>`` once started) until SIGTERM,
+    then leave gracefully; ``store`` is closed at the end. Shared by the group
+    workers of every broker (``tests.kafka.group_worker``)."""
     stop = anyio.Event()
 
     async def on_sigterm() -> None:
@@ -143,6 +145,30 @@ async def run(config: dict[str, Any]) -> None:
                 stop.set()
                 return
 
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_sigterm)
+            async with consumer:
+                print(f"READY {consumer.client_id}", flush=True)
+                await stop.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        await store.aclose()
+
+
+def run_worker(run: Callable[[dict[str, Any]], Awaitable[None]], argv: Sequence[str]) -> None:
+    """``run(config)`` with the JSON config of ``argv[1]``, logging at INFO, on the
+    config's ``"backend"`` (asyncio by default); SIGUSR1 dumps every thread's stack."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = json.loads(argv[1])
+    anyio.run(run, config, backend=config.get("backend", "asyncio"))
+
+
+async def run(config: dict[str, Any]) -> None:
+    group_options = GroupOptions(**config["group_options"])
     log = EventLog(config["log"])
     if config.get("log_takeovers"):
         logging.getLogger("stagedconsumer").addHandler(TakeoverLog(config["log"]))
@@ -172,25 +198,8 @@ async def run(config: dict[str, Any]) -> None:
             ),
         )
         consumer.subscribe(config["topic"])
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(on_sigterm)
-                async with consumer:
-                    print(f"READY {consumer.client_id}", flush=True)
-                    await stop.wait()
-                tg.cancel_scope.cancel()
-        finally:
-            await store.aclose()
-
-
-def main(argv: Sequence[str]) -> None:
-    import faulthandler
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = json.loads(argv[1])
-    anyio.run(run, config, backend=config.get("backend", "asyncio"))
+        await serve_until_sigterm(consumer, store)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    run_worker(run, sys.argv)
