@@ -46,6 +46,7 @@ from ._observability._hooks import ConsumeMessageContext as ConsumeMessageContex
 from ._observability._hooks import ConsumeMessageHook as ConsumeMessageHook
 from ._observability._hooks import ConsumeReturnType as ConsumeReturnType
 from ._observability._hooks import PullContext as PullContext
+from ._observability._hooks import SettleContext as SettleContext
 from ._observability._hooks import SettleOutcome as SettleOutcome
 from ._observability._send_hooks import ProducerStatistics as ProducerStatistics
 from ._observability._send_hooks import ProducerView as ProducerView
@@ -190,6 +191,7 @@ __all__ = (
     "ProducerStatistics",
     "ProducerView",
     "PullContext",
+    "SettleContext",
     "PullResult",
     "PushConsumer",
     "RedisBroker",

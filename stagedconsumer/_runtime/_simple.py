@@ -14,7 +14,13 @@ import attrs
 from .._exceptions import ConfigurationError, ConsumerStateError, InvalidOptionError
 from .._filter import TagFilter
 from .._message import MessageQueue
-from .._observability._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType
+from .._observability._hooks import (
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    ConsumeReturnType,
+    PullContext,
+    SettleContext,
+)
 from .._observability._view import ConsumerStatistics
 from .._sources._group import new_client_id
 from .._sources._pop import (
@@ -325,6 +331,8 @@ class SimpleConsumer:
         invisible = _check_duration("invisible_duration", invisible_duration)
         if not self._subscriptions:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
+        hooks = self._hooks
+        started = anyio.current_time() if hooks is not None else 0.0
         with anyio.CancelScope() as scope:
             self._receiving.add(scope)
             try:
@@ -340,27 +348,45 @@ class SimpleConsumer:
         if scope.cancelled_caught:
             raise ConsumerStateError("the SimpleConsumer was closed while receive() waited")
         self._counts["received"] += len(messages)
-        hooks = self._hooks
         if hooks is not None and messages:
-            now = anyio.current_time()
-            for m in messages:
-                context = ConsumeMessageContext._of_call(
-                    self.group,
-                    MessageQueue(m.topic, m.queue_id),
-                    [m],
-                    "pop",
-                    -1,
-                    None,
-                    None,
-                    m.delivery_attempt,
-                    [now],
-                    now,
-                    now,
-                    self._wall_offset,
-                )
-                hooks.before(context)
-                self._contexts[m.topic, m.queue_id, m.queue_offset, m.delivery_attempt] = context
+            self._received_hooks(hooks, messages, started)
         return messages
+
+    def _received_hooks(
+        self, hooks: HookRunner, messages: list[ReceivedMessage], started: float
+    ) -> None:
+        """Tell the hooks of a receive: ``messages_pulled`` once, ``before`` per message."""
+        now = anyio.current_time()
+        if hooks.wants_pull:
+            first = messages[0]
+            hooks.pulled(
+                PullContext(
+                    consumer_group=self.group,
+                    message_queue=MessageQueue(first.topic, first.queue_id),
+                    messages=messages,
+                    start_time=started,
+                    end_time=now,
+                    wall_offset=self._wall_offset,
+                    max_offset=-1,
+                )
+            )
+        for m in messages:
+            context = ConsumeMessageContext._of_call(
+                self.group,
+                MessageQueue(m.topic, m.queue_id),
+                [m],
+                "pop",
+                -1,
+                None,
+                None,
+                m.delivery_attempt,
+                [now],
+                now,
+                now,
+                self._wall_offset,
+            )
+            hooks.before(context)
+            self._contexts[m.topic, m.queue_id, m.queue_offset, m.delivery_attempt] = context
 
     def _settled(
         self,
@@ -388,6 +414,33 @@ class SimpleConsumer:
         context.exception = exception
         hooks.after(context)
 
+    def _settle_hooks(
+        self,
+        operation: str,
+        messages: Sequence[ReceivedMessage],
+        refused: Sequence[ReceivedMessage],
+        exception: BaseException | None,
+        duration: float | None,
+        started: float,
+    ) -> None:
+        """Tell the hooks of one settle call (``messages_settled``)."""
+        hooks = self._hooks
+        if hooks is None or not hooks.settle_hooks:
+            return
+        hooks.settled(
+            SettleContext(
+                consumer_group=self.group,
+                operation=operation,
+                messages=messages,
+                refused=refused,
+                exception=exception,
+                invisible_duration=duration,
+                start_time=started,
+                end_time=anyio.current_time(),
+                wall_offset=self._wall_offset,
+            )
+        )
+
     async def ack(self, message: ReceivedMessage) -> None:
         """Finish ``message``: it is never delivered to the group again.
 
@@ -395,12 +448,22 @@ class SimpleConsumer:
         the message: its invisible duration passed (it is visible again, maybe
         received by another consumer already), it was acked, or dead-lettered."""
         backend = self._running("ack")
+        if self._hooks is None:
+            await backend.ack(message)
+            self._counts["acked"] += 1
+            return
+        started = anyio.current_time()
         try:
             await backend.ack(message)
         except InvalidReceiptHandleError as exc:
             self._settled(message, ConsumeReturnType.TIME_OUT, exc)
+            self._settle_hooks("ack", [message], [message], exc, None, started)
+            raise
+        except Exception as exc:
+            self._settle_hooks("ack", [message], [], exc, None, started)
             raise
         self._settled(message, ConsumeReturnType.SUCCESS)
+        self._settle_hooks("ack", [message], [], None, None, started)
 
     async def ack_batch(self, messages: Sequence[ReceivedMessage]) -> None:
         """Ack several messages at once: one round trip per queue on Redis (RocketMQ
@@ -410,11 +473,21 @@ class SimpleConsumer:
         backend = self._running("ack_batch")
         if not messages:
             return
-        refused = await backend.ack_many(list(messages))
+        messages = list(messages)
+        started = anyio.current_time() if self._hooks is not None else 0.0
+        try:
+            refused = await backend.ack_many(messages)
+        except Exception as exc:
+            self._settle_hooks("ack", messages, [], exc, None, started)
+            raise
+        if not refused and self._hooks is None:
+            self._counts["acked"] += len(messages)
+            return
         refused_ids = {id(m) for m in refused}
         for m in messages:
             if id(m) not in refused_ids:
                 self._settled(m, ConsumeReturnType.SUCCESS)
+        error = None
         if refused:
             error = InvalidReceiptHandleError(
                 f"ack of {len(refused)} of {len(messages)} messages refused (their invisible"
@@ -425,6 +498,8 @@ class SimpleConsumer:
             error.refused = refused
             for m in refused:
                 self._settled(m, ConsumeReturnType.TIME_OUT, error)
+        self._settle_hooks("ack", messages, refused, error, None, started)
+        if error is not None:
             raise error
 
     async def change_invisible_duration(
@@ -436,10 +511,17 @@ class SimpleConsumer:
         same errors as :meth:`ack`."""
         duration = _check_duration("invisible_duration", invisible_duration, allow_zero=True)
         backend = self._running("change_invisible_duration")
+        operation = "nack" if duration == 0 else "change_invisible_duration"
+        started = anyio.current_time() if self._hooks is not None else 0.0
         try:
             await backend.change_invisible_duration(message, duration)
         except InvalidReceiptHandleError as exc:
             self._settled(message, ConsumeReturnType.TIME_OUT, exc)
+            self._settle_hooks(operation, [message], [message], exc, duration, started)
+            raise
+        except Exception as exc:
+            self._settle_hooks(operation, [message], [], exc, duration, started)
             raise
         if duration == 0:
             self._settled(message, ConsumeReturnType.FAILED)
+        self._settle_hooks(operation, [message], [], None, duration, started)
