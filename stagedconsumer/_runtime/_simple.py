@@ -22,6 +22,8 @@ from .._observability._hooks import (
     SettleContext,
 )
 from .._observability._view import ConsumerStatistics
+from .._options import _ratio, check_gray_options
+from .._sources._gray import gray_member_id
 from .._sources._group import new_client_id
 from .._sources._pop import (
     InvalidReceiptHandleError,
@@ -33,6 +35,7 @@ from .._sources._pop_backends import pop_backend
 from .._sources._source import MessageSource
 from ._hooks import HookRunner, loop_wall_offset
 from ._shapes import check_hook
+from ._simple_members import Membership
 
 __all__ = ("SimpleConsumer", "SimpleConsumerOptions")
 
@@ -79,9 +82,22 @@ class SimpleConsumerOptions:
     its first key. A message without one is not ordered. Messages of a group must be
     in one queue (a producer sending with the group as first key does that)."""
 
+    enable_gray_switch: bool = attrs.field(default=False, validator=_bool)
+    """Gray release (RocketMQ's RIP-72), as on the push side: while gray and normal
+    members of the group are live, gray members receive from the gray queues only
+    and normal members from the others; while only one kind is live, every member
+    receives from every queue. Turn it on on every member of the group."""
+    gray_tag: bool = attrs.field(default=False, validator=_bool)
+    """With ``enable_gray_switch``: this member is gray (its ``client_id`` ends with
+    ``@gray[<ratio>]``). A per-member setting, unlike the others."""
+    gray_queue_ratio: float = attrs.field(default=0.1, validator=_ratio)
+    """Share of each topic's queues that are gray, in (0, 1]: the last
+    ``ceil(n * ratio)`` of the sorted queues. Only with ``enable_gray_switch``."""
+
     def __attrs_post_init__(self) -> None:
         if self.message_group_property is not None and not self.fifo:
             raise InvalidOptionError("message_group_property is used only with fifo=True")
+        check_gray_options(self.enable_gray_switch, self.gray_tag, self.gray_queue_ratio)
 
 
 def _check_duration(name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -151,7 +167,11 @@ class SimpleConsumer:
         """Seconds :meth:`receive` waits for a message at most (RocketMQ's
         ``awaitDuration``)."""
         self.client_id = new_client_id()
-        """This consumer's name in the group (Redis: its consumer name)."""
+        """This consumer's name in the group (Redis: its consumer name); a gray
+        member's ends with ``@gray[<ratio>]``."""
+        if options.enable_gray_switch and options.gray_tag:
+            self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
+        self._membership: Membership | None = None
         self._subscriptions: dict[str, TagFilter] = {}
         for topic, expression in (subscriptions or {}).items():
             self._subscribe(topic, expression)
@@ -194,6 +214,15 @@ class SimpleConsumer:
         self._subscribe(topic, expression)
         if self._backend is not None:
             await self._backend.start({topic: self._subscriptions[topic]})
+            await self._gray_queues()
+
+    async def _gray_queues(self) -> None:
+        """Tell the membership the subscribed topics' queues (for the gray split)."""
+        membership = self._membership
+        if membership is not None and self.options.enable_gray_switch:
+            membership.set_queues(
+                {topic: list(await self.source.get_queues(topic)) for topic in self._subscriptions}
+            )
 
     def unsubscribe(self, topic: str) -> None:
         """Stop receiving ``topic``'s messages (those received stay ackable)."""
@@ -259,22 +288,33 @@ class SimpleConsumer:
         for topic in self._subscriptions:
             await self.source.get_queues(topic)  # UnknownTopicError
         await backend.start(dict(self._subscriptions))
+        membership = Membership(
+            backend, self.client_id, self.options.enable_gray_switch, self.options.gray_queue_ratio
+        )
+        await membership.join()  # ConfigurationError: the group's members disagree
+        self._membership = membership
+        await self._gray_queues()
         self._started = True
-        if self._hook_list:
-            self._hooks = HookRunner(self._hook_list)
-            self._wall_offset = loop_wall_offset()
-            stack = contextlib.AsyncExitStack()
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tg.cancel_scope.cancel)
-            stack.push_async_callback(self._hooks.aclose)
-            self._exit_stack = stack
-            try:
+        stack = contextlib.AsyncExitStack()
+        self._exit_stack = stack
+        try:
+            stack.push_async_callback(membership.leave)
+            if self._hook_list or self.options.enable_gray_switch:
+                # a task group: only then is the consumer's lifetime a scope of its own
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(tg.cancel_scope.cancel)
+                if self.options.enable_gray_switch:
+                    await tg.start(membership.run)
+            if self._hook_list:
+                self._hooks = HookRunner(self._hook_list)
+                self._wall_offset = loop_wall_offset()
+                stack.push_async_callback(self._hooks.aclose)
                 for hook in self._hooks.services():
                     await tg.start(hook.run, self)
-            except BaseException:
-                self._exit_stack = None
-                await stack.aclose()
-                raise
+        except BaseException:
+            self._exit_stack = None
+            await stack.aclose()
+            raise
         self._backend = backend
 
     async def aclose(self) -> None:
@@ -332,6 +372,9 @@ class SimpleConsumer:
         if not self._subscriptions:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
         hooks = self._hooks
+        membership = self._membership
+        if membership is not None and membership.beat_due():
+            await membership.beat()
         started = anyio.current_time() if hooks is not None else 0.0
         with anyio.CancelScope() as scope:
             self._receiving.add(scope)
@@ -342,6 +385,7 @@ class SimpleConsumer:
                     max_message_num,
                     invisible,
                     self.await_duration,
+                    None if membership is None else membership.refresh(),
                 )
             finally:
                 self._receiving.discard(scope)

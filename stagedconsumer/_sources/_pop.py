@@ -17,7 +17,7 @@ dead-lettered. Different message groups are received concurrently.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -161,6 +161,25 @@ class PopBackend(abc.ABC):
     async def start(self, topics: Mapping[str, TagFilter]) -> None:  # noqa: B027 - optional
         """Prepare the subscribed topics (Redis: create the consumer groups)."""
 
+    async def join(self, member: str, ttl: float) -> list[str]:
+        """Register ``member`` as live for ``ttl`` seconds (refresh it before) and
+        return the group's live members. The first call of a consumer also checks
+        that the group's live members use these settings (raises
+        :class:`~stagedconsumer.ConfigurationError` otherwise). The default: no
+        membership (only ``member``)."""
+        return [member]
+
+    async def heartbeat(self, member: str, ttl: float) -> list[str]:
+        """Refresh ``member``'s presence; the group's live members."""
+        return await self.join(member, ttl)
+
+    async def leave(self, member: str) -> None:  # noqa: B027 - optional
+        """``member`` stopped."""
+
+    def live_members(self) -> list[str] | None:
+        """The live members, when known without I/O (in process), else ``None``."""
+        return None
+
     @abc.abstractmethod
     async def receive(
         self,
@@ -169,8 +188,10 @@ class PopBackend(abc.ABC):
         max_num: int,
         invisible_duration: float,
         timeout: float,
+        queues: Collection[tuple[str, int]] | None = None,
     ) -> list[ReceivedMessage]:
-        """Up to ``max_num`` visible messages of the subscribed topics, made
+        """Up to ``max_num`` visible messages of the subscribed topics (of the
+        ``(topic, queue id)``s in ``queues`` when given: gray release), made
         invisible for ``invisible_duration`` seconds; waits up to ``timeout`` seconds
         for at least one. Messages whose attempts are used up go to the group's
         dead-letter queue on the way (never returned)."""

@@ -35,12 +35,12 @@ import functools
 import itertools
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .._exceptions import SourceError
+from .._exceptions import ConfigurationError, SourceError
 from .._filter import TagFilter
 from .._message import Message
 from ._pop import (
@@ -56,7 +56,7 @@ from ._redis_connection import RedisScript
 if TYPE_CHECKING:
     from ._redis_broker import RedisBroker
 
-__all__ = ("RECEIVE_LUA", "SETTLE_LUA", "RedisPopBackend")
+__all__ = ("MEMBERS_LUA", "RECEIVE_LUA", "SETTLE_LUA", "RedisPopBackend")
 
 _COMMON_LUA = """
 local group = ARGV[1]
@@ -277,6 +277,33 @@ encoding for many): ``<id> <delivery attempt> <message group>`` each (no group:
 empty), separated by NUL bytes. Returns a code per entry: 1 done, -1 not held by that
 delivery (acked, received again, dead-lettered), -2 invisible time passed."""
 
+MEMBERS_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local MEMBERS, SETTINGS = KEYS[1], KEYS[2]
+local member, ttl, settings, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+redis.call('ZREMRANGEBYSCORE', MEMBERS, '-inf', now)
+if mode == 'leave' then
+  redis.call('ZREM', MEMBERS, member)
+  return {1, {}}
+end
+if mode == 'join' then
+  local current = redis.call('GET', SETTINGS)
+  if current and current ~= settings and redis.call('ZCARD', MEMBERS) > 0 then
+    return {0, current, redis.call('ZRANGE', MEMBERS, 0, -1)}
+  end
+  redis.call('SET', SETTINGS, settings)
+end
+redis.call('ZADD', MEMBERS, now + ttl, member)
+redis.call('PEXPIRE', MEMBERS, ttl * 2)
+return {1, redis.call('ZRANGE', MEMBERS, 0, -1)}
+"""
+"""A member of a pop group joins (checks the group's settings: refused with ``{0,
+the settings in use, live members}`` while live members use others), heartbeats or
+leaves. KEYS: the members sorted set (member -> presence expiry, ms, server clock),
+the group's settings. ARGV: member, ttl ms, settings, ``join`` / ``beat`` /
+``leave``. Returns ``{1, live members}``."""
+
 _HASH_TAG = re.compile(r"\{([^}]+)\}")
 _MAX_BLOCK = 5.0
 _FIFO_POLL = 0.5
@@ -317,6 +344,12 @@ class RedisPopBackend(PopBackend):
         connection = broker._connection
         self._receive_script = RedisScript(connection, RECEIVE_LUA)
         self._settle_script = RedisScript(connection, SETTLE_LUA)
+        self._members_script = RedisScript(connection, MEMBERS_LUA)
+        tag = f"pop:{settings.group}"
+        self._member_keys = (
+            f"{broker.namespace}:pop:members:{{{tag}}}",
+            f"{broker.namespace}:pop:settings:{{{tag}}}",
+        )
         self._topics: dict[str, list[_PopQueue]] = {}
         self._by_queue: dict[tuple[str, int], _PopQueue] = {}
         self._rotation = itertools.count()
@@ -367,6 +400,40 @@ class RedisPopBackend(PopBackend):
         for topic in topics:
             await self._queues(topic)
 
+    def _settings_text(self) -> str:
+        s = self.settings
+        return (
+            f"max_delivery_attempts={s.max_delivery_attempts} fifo={s.fifo}"
+            f" message_group_property={s.message_group_property or ''}"
+        )
+
+    async def _members(self, member: str, ttl: float, mode: str) -> list[str]:
+        args = [member, max(1, round(ttl * 1000)), self._settings_text(), mode]
+        connection = self.broker._connection
+        reply = await connection.call(
+            f"{mode} of pop group {self.settings.group!r}",
+            lambda: self._members_script(keys=self._member_keys, args=args),
+        )
+        if int(reply[0]) == 1:
+            return [_text(m) for m in reply[1]]
+        members = ", ".join(_text(m) for m in reply[2])
+        raise ConfigurationError(
+            f"consumer group {self.settings.group!r} is consumed on Redis with other pop"
+            f" settings ({_text(reply[1])}) by live members ({members}); this consumer has"
+            f" {self._settings_text()}. Every SimpleConsumer of a group must use the same"
+            " max_delivery_attempts, fifo and message_group_property (the group's settings"
+            " can change once none of its consumers runs)"
+        )
+
+    async def join(self, member: str, ttl: float) -> list[str]:
+        return await self._members(member, ttl, "join")
+
+    async def heartbeat(self, member: str, ttl: float) -> list[str]:
+        return await self._members(member, ttl, "beat")
+
+    async def leave(self, member: str) -> None:
+        await self._members(member, 0, "leave")
+
     async def receive(
         self,
         consumer: str,
@@ -374,10 +441,15 @@ class RedisPopBackend(PopBackend):
         max_num: int,
         invisible_duration: float,
         timeout: float,
+        allowed: Collection[tuple[str, int]] | None = None,
     ) -> list[ReceivedMessage]:
         queues: list[tuple[_PopQueue, TagFilter]] = []
         for topic, accepts in subscriptions.items():
-            queues.extend((queue, accepts) for queue in await self._queues(topic))
+            queues.extend(
+                (queue, accepts)
+                for queue in await self._queues(topic)
+                if allowed is None or (topic, queue.queue_id) in allowed
+            )
         if not queues:
             return []
         start = next(self._rotation) % len(queues)
