@@ -66,17 +66,19 @@ async def test_gray_release_over_redis(
         for q in range(4):
             await broker.send("t", b"x", queue_id=q)
 
-    async with RedisBroker(redis_url, namespace=namespace) as other:
-        async with consumer(broker, **gray) as normal:
-            async with consumer(other, gray_tag=True, **gray) as canary:
-                await fill()
-                with anyio.fail_after(10):
-                    while normal._membership is None or normal._membership.allowed is None:
-                        await anyio.sleep(0.02)  # the next heartbeat sees the canary
-                assert await drain(normal) == {0, 1, 2}
-                assert await drain(canary) == {3}
+    async with (
+        RedisBroker(redis_url, namespace=namespace) as other,
+        consumer(broker, **gray) as normal,
+    ):
+        async with consumer(other, gray_tag=True, **gray) as canary:
             await fill()
             with anyio.fail_after(10):
-                while normal._membership.allowed is not None:
-                    await anyio.sleep(0.02)  # the canary left
-            assert await drain(normal) == {0, 1, 2, 3}
+                while normal._membership is None or normal._membership.allowed is None:
+                    await anyio.sleep(0.02)  # the next heartbeat sees the canary
+            assert await drain(normal) == {0, 1, 2}
+            assert await drain(canary) == {3}
+        await fill()
+        with anyio.fail_after(10):
+            while normal._membership.allowed is not None:
+                await anyio.sleep(0.02)  # the canary left
+        assert await drain(normal) == {0, 1, 2, 3}
