@@ -94,8 +94,6 @@ def test_gray_queues_takes_the_largest_ratio_of_the_gray_members() -> None:
     small = gray_member_id("a", 0.125)
     large = gray_member_id("b", 0.5)
     assert gray_queues(["n", small, large], "n", 0.125, queues) == {("t", i) for i in range(4)}
-    assert gray_queues(["n", small, large], small, 0.125, queues) == {
-        ("t", i) for i in range(4, 8)
-    }
+    assert gray_queues(["n", small, large], small, 0.125, queues) == {("t", i) for i in range(4, 8)}
     assert gray_queues([small, large], small, 0.125, queues) is None
     assert gray_queues(["n", "m"], "n", 0.125, queues) is None
