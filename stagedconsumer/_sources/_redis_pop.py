@@ -233,49 +233,55 @@ next invisible time ends (-1: none), {last entry id per stream}}``."""
 SETTLE_LUA = (
     _COMMON_LUA
     + """
-local S, INV, LOCK, WAIT, READY = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local change = tonumber(ARGV[2])
-local ids, atts, mgs = {}, {}, {}
-for record in string.gmatch(ARGV[3], '[^%z]+') do
-  local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
-  ids[#ids + 1] = id
-  atts[#atts + 1] = tonumber(att)
-  mgs[#mgs + 1] = mg
-end
-local scores = redis.call('ZMSCORE', INV, unpack(ids))
 local codes = {}
-local done = {}
-local deadlines = {}
-for i, id in ipairs(ids) do
-  local p = redis.call('XPENDING', S, group, id, id, 1)[1]
-  local score = scores[i]
-  if not p or tonumber(p[4]) ~= atts[i] or not score then
-    codes[i] = -1
-  elseif tonumber(score) <= now then
-    codes[i] = -2
-  elseif change >= 0 then
-    deadlines[#deadlines + 1] = now + change
-    deadlines[#deadlines + 1] = id
-    codes[i] = 1
-  else
-    done[#done + 1] = id
-    if mgs[i] ~= '' then release(LOCK, WAIT, READY, mgs[i], id) end
-    codes[i] = 1
+for q = 0, #KEYS / 5 - 1 do
+  local S, INV, LOCK, WAIT, READY = KEYS[q*5+1], KEYS[q*5+2], KEYS[q*5+3], KEYS[q*5+4], KEYS[q*5+5]
+  local ids, atts, mgs = {}, {}, {}
+  for record in string.gmatch(ARGV[3 + q], '[^%z]+') do
+    local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
+    ids[#ids + 1] = id
+    atts[#atts + 1] = tonumber(att)
+    mgs[#mgs + 1] = mg
   end
+  local scores = redis.call('ZMSCORE', INV, unpack(ids))
+  local done = {}
+  local deadlines = {}
+  for i, id in ipairs(ids) do
+    local p = redis.call('XPENDING', S, group, id, id, 1)[1]
+    local score = scores[i]
+    local code
+    if not p or tonumber(p[4]) ~= atts[i] or not score then
+      code = -1
+    elseif tonumber(score) <= now then
+      code = -2
+    elseif change >= 0 then
+      deadlines[#deadlines + 1] = now + change
+      deadlines[#deadlines + 1] = id
+      code = 1
+    else
+      done[#done + 1] = id
+      if mgs[i] ~= '' then release(LOCK, WAIT, READY, mgs[i], id) end
+      code = 1
+    end
+    codes[#codes + 1] = code
+  end
+  if #done > 0 then
+    redis.call('XACK', S, group, unpack(done))
+    redis.call('ZREM', INV, unpack(done))
+  end
+  if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
 end
-if #done > 0 then
-  redis.call('XACK', S, group, unpack(done))
-  redis.call('ZREM', INV, unpack(done))
-end
-if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
 return codes
 """
 )
-"""Ack entries of one queue (ARGV[2] ``-1``) or change their invisible time to
-ARGV[2] ms from now. ARGV: group, that, then the entries in one string (one
-encoding for many): ``<id> <delivery attempt> <message group>`` each (no group:
-empty), separated by NUL bytes. Returns a code per entry: 1 done, -1 not held by that
-delivery (acked, received again, dead-lettered), -2 invisible time passed."""
+"""Ack entries of one or more queues (ARGV[2] ``-1``) or change their invisible time
+to ARGV[2] ms from now. KEYS: per queue its stream, ``inv``, ``lock``, ``wait``,
+``ready``. ARGV: group, that, then per queue its entries in one string (one encoding
+for many): ``<id> <delivery attempt> <message group>`` each (no group: empty),
+separated by NUL bytes. Returns a code per entry, queue after queue: 1 done, -1 not
+held by that delivery (acked, received again, dead-lettered), -2 invisible time
+passed."""
 
 MEMBERS_LUA = """
 local t = redis.call('TIME')
@@ -329,6 +335,14 @@ class _PopQueue:
     @property
     def stream(self) -> str:
         return self.keys[0]
+
+
+def _pack(messages: Sequence[ReceivedMessage], at: Sequence[int]) -> str:
+    """The settle script's records of ``messages[i] for i in at``."""
+    return "\0".join(
+        f"{m.receipt_handle} {m.reconsume_times + 1} {m.message_group or ''}"
+        for m in map(messages.__getitem__, at)
+    )
 
 
 def _text(value: Any) -> str:
@@ -635,19 +649,37 @@ class RedisPopBackend(PopBackend):
     async def _settle_many(
         self, messages: Sequence[ReceivedMessage], change_ms: int, what: str
     ) -> list[int]:
-        queue = self._by_queue.get((messages[0].topic, messages[0].queue_id))
-        if queue is None:
-            return [-1] * len(messages)
-        packed = "\0".join(
-            f"{m.receipt_handle} {m.reconsume_times + 1} {m.message_group or ''}" for m in messages
-        )
-        args: list[Any] = [self.settings.group, change_ms, packed]
+        """Settle ``messages`` (any queues): one script call (on a Cluster, one per
+        queue). Returns their codes, in order (see :data:`SETTLE_LUA`)."""
+        positions: dict[tuple[str, int], list[int]] = {}
+        for i, m in enumerate(messages):
+            key = (m.topic, m.queue_id)
+            at = positions.get(key)
+            if at is None:
+                positions[key] = [i]
+            else:
+                at.append(i)
+        codes = [-1] * len(messages)
+        known = [(self._by_queue[k], at) for k, at in positions.items() if k in self._by_queue]
+        batches = [[q] for q in known] if self.broker.cluster else [known]
         connection = self.broker._connection
-        codes = await connection.call(
-            f"{what} on {queue.stream}",
-            lambda: self._settle_script(keys=queue.keys, args=args),
-        )
-        return [int(code) for code in codes]
+        for batch in batches:
+            if not batch:
+                continue
+            keys: list[str] = []
+            args: list[Any] = [self.settings.group, change_ms]
+            for queue, at in batch:
+                keys.extend(queue.keys)
+                args.append(_pack(messages, at))
+            reply = await connection.call(
+                f"{what} on {', '.join(q.stream for q, _ in batch)}",
+                functools.partial(self._settle_script, keys=keys, args=args),
+            )
+            flat = iter(reply)
+            for _, at in batch:
+                for i in at:
+                    codes[i] = int(next(flat))
+        return codes
 
     def _check(self, message: ReceivedMessage, what: str) -> None:
         if not isinstance(message, ReceivedMessage):
@@ -682,16 +714,14 @@ class RedisPopBackend(PopBackend):
             raise self._refused(message, code, "ack")
 
     async def ack_many(self, messages: Sequence[ReceivedMessage]) -> list[ReceivedMessage]:
-        """Ack ``messages`` (one script call per queue); returns those refused."""
-        by_queue: dict[tuple[str, int], list[ReceivedMessage]] = {}
+        """Ack ``messages`` (one script call, on a Cluster one per queue); returns
+        those refused."""
+        group = self.settings.group
         for message in messages:
-            self._check(message, "ack")
-            by_queue.setdefault((message.topic, message.queue_id), []).append(message)
-        refused: list[ReceivedMessage] = []
-        for batch in by_queue.values():
-            codes = await self._settle_many(batch, -1, "acking")
-            refused.extend(m for m, code in zip(batch, codes, strict=True) if code != 1)
-        return refused
+            if type(message) is not ReceivedMessage or message.consumer_group != group:
+                self._check(message, "ack")
+        codes = await self._settle_many(messages, -1, "acking")
+        return [m for m, code in zip(messages, codes, strict=True) if code != 1]
 
     async def change_invisible_duration(self, message: ReceivedMessage, duration: float) -> None:
         self._check(message, "change_invisible_duration")

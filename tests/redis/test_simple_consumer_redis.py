@@ -117,6 +117,33 @@ async def test_dead_letter_after_max_delivery_attempts(broker: RedisBroker) -> N
     assert dead.reconsume_times == 1
 
 
+async def test_ack_batch_over_queues_acks_the_held_and_names_the_refused(
+    broker: RedisBroker, inspect: redis.Redis, namespace: str
+) -> None:
+    await broker.create_topic("t", 3)
+    for i in range(9):
+        await broker.send("t", b"%d" % i, queue_id=i % 3, keys=[f"k{i % 2}"])
+    async with consumer(broker, fifo=True) as c, consumer(broker, fifo=True) as d:
+        got = await c.receive(10, 600)
+        expired = [m for m in got if m.queue_id == 1]
+        assert expired
+        for m in expired:
+            await c.change_invisible_duration(m, 0)  # handed back: c no longer holds them
+        again = await d.receive(10, 600)
+        assert {m.msg_id for m in expired} <= {m.msg_id for m in again}
+        with pytest.raises(InvalidReceiptHandleError) as info:
+            await c.ack_batch(got)  # three queues, one script call
+        assert [m.msg_id for m in info.value.refused] == [m.msg_id for m in expired]
+        await d.ack_batch(again)
+        pending = sum(
+            inspect.xpending(f"{namespace}:q:{{t:{q}}}", "g")["pending"] for q in (0, 1, 2)
+        )
+        # FIFO: acking the heads released the next message of each message group
+        more = await c.receive(10, 600)
+        assert pending == len(more)
+        assert more
+
+
 async def test_tags_are_filtered_on_the_server(broker: RedisBroker) -> None:
     await broker.create_topic("t", 1)
     for tag in ("a", "b", "c"):
