@@ -34,7 +34,7 @@ from .._sources._pop import (
 from .._sources._pop_backends import pop_backend
 from .._sources._source import MessageSource
 from ._hooks import HookRunner, loop_wall_offset
-from ._shapes import check_hook
+from ._shapes import check_client, check_hook
 from ._simple_members import Membership
 
 __all__ = ("SimpleConsumer", "SimpleConsumerOptions")
@@ -150,16 +150,7 @@ class SimpleConsumer:
         await_duration: float = 30.0,
         options: SimpleConsumerOptions | None = None,
     ) -> None:
-        if not isinstance(group, str) or not group or group.startswith(("%", " ")):
-            raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
-        if not isinstance(source, MessageSource):
-            raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
-        if options is None:
-            options = SimpleConsumerOptions()
-        elif not isinstance(options, SimpleConsumerOptions):
-            raise ConfigurationError(
-                f"options must be SimpleConsumerOptions, got {type(options).__name__}"
-            )
+        options = check_client(group, source, options, SimpleConsumerOptions, consumer=True)
         self.group = group
         self.source = source
         self.options = options

@@ -11,24 +11,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, NumberDataPoint
 from opentelemetry.trace import SpanKind, StatusCode
 
-from stagedconsumer import (
-    InvalidReceiptHandleError,
-    MemoryBroker,
-    SimpleConsumer,
-)
+from stagedconsumer import InvalidReceiptHandleError, MemoryBroker, SimpleConsumer
 from stagedconsumer.otel import OpenTelemetryHook, parse_traceparent
+from tests.test_simple_consumer import Clock
 
 from .conftest import Otel
 
 pytestmark = pytest.mark.anyio
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(otel: Otel, broker: MemoryBroker, **hook_options: Any) -> tuple[SimpleConsumer, Any]:
