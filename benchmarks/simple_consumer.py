@@ -11,10 +11,12 @@ own (``XGROUP CREATE ... 0``), in this process, one after the other, interleaved
   ``XACK`` per stream per batch. It decodes nothing (the handler gets raw fields);
 - **SimpleConsumer, ack**: ``receive(--batch, 60)``, the handler awaited per message,
   ``ack(message)`` per message (RocketMQ 5's loop: one round trip per ack);
+- **SimpleConsumer, ack_async**: the same, ``ack_async(message)`` per message (RocketMQ
+  5's ``ackAsync``: queued, and sent together with the next receive, one round trip);
 - **SimpleConsumer, ack_batch**: the same, then one ``ack_batch`` per receive (one
-  round trip per queue);
-- **SimpleConsumer, ack_batch, receive 8x**: ``receive(8 * --batch)``, as many
-  messages per round trip as the loop's ``XREADGROUP``;
+  round trip);
+- **receive 8x**: ``receive(8 * --batch)`` with ``ack_async`` or ``ack_batch``, as
+  many messages per round trip as the loop's ``XREADGROUP``;
 - **FastStream**: FastStream's Redis stream subscriber (``StreamSub`` with the group,
   ``max_records=--batch``, one per stream, as in ``benchmarks/redis_e2e.py``), its
   default acknowledgement (an ``XACK`` per message after the handler); skipped when
@@ -94,7 +96,9 @@ async def run_loop(url: str, ns: str, group: str, n: int, batch: int) -> None:
         await client.aclose()
 
 
-async def run_simple(url: str, ns: str, group: str, n: int, batch: int, *, ack_batch: bool) -> None:
+async def run_simple(url: str, ns: str, group: str, n: int, batch: int, *, ack: str) -> None:
+    """``ack``: ``"ack"`` (awaited per message), ``"ack_async"`` (queued per message,
+    sent with the next receive) or ``"ack_batch"`` (one call per receive)."""
     async with RedisBroker(url, namespace=ns) as broker:
         consumer = SimpleConsumer(group, broker, subscriptions={TOPIC: "*"}, await_duration=1)
         async with consumer:
@@ -103,9 +107,11 @@ async def run_simple(url: str, ns: str, group: str, n: int, batch: int, *, ack_b
                 messages = await consumer.receive(batch, 60)
                 for message in messages:
                     await handle(message.body)
-                    if not ack_batch:
+                    if ack == "ack":
                         await consumer.ack(message)
-                if ack_batch and messages:
+                    elif ack == "ack_async":
+                        consumer.ack_async(message)
+                if ack == "ack_batch" and messages:
                     await consumer.ack_batch(messages)
                 done += len(messages)
 
@@ -182,13 +188,19 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     systems: dict[str, Runner] = {
         "redis-py XREADGROUP + XACK loop": lambda g: run_loop(url, ns, g, n, batch),
         f"SimpleConsumer receive({batch}) + ack": lambda g: run_simple(
-            url, ns, g, n, batch, ack_batch=False
+            url, ns, g, n, batch, ack="ack"
+        ),
+        f"SimpleConsumer receive({batch}) + ack_async": lambda g: run_simple(
+            url, ns, g, n, batch, ack="ack_async"
         ),
         f"SimpleConsumer receive({batch}) + ack_batch": lambda g: run_simple(
-            url, ns, g, n, batch, ack_batch=True
+            url, ns, g, n, batch, ack="ack_batch"
+        ),
+        f"SimpleConsumer receive({QUEUES * batch}) + ack_async": lambda g: run_simple(
+            url, ns, g, n, QUEUES * batch, ack="ack_async"
         ),
         f"SimpleConsumer receive({QUEUES * batch}) + ack_batch": lambda g: run_simple(
-            url, ns, g, n, QUEUES * batch, ack_batch=True
+            url, ns, g, n, QUEUES * batch, ack="ack_batch"
         ),
     }
     try:

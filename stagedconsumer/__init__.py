@@ -79,6 +79,7 @@ from ._options import ConsumerOptions as ConsumerOptions
 from ._options import ProducerOptions as ProducerOptions
 from ._runtime._consumer import PushConsumer as PushConsumer
 from ._runtime._producer import Producer as Producer
+from ._runtime._simple import AckFuture as AckFuture
 from ._runtime._simple import SimpleConsumer as SimpleConsumer
 from ._runtime._simple import SimpleConsumerOptions as SimpleConsumerOptions
 from ._runtime._simple_worker import SimpleWorker as SimpleWorker
@@ -131,6 +132,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = (
+    "AckFuture",
     "ReceivedMessage",
     "InvalidReceiptHandleError",
     "SimpleConsumerOptions",

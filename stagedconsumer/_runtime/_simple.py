@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -37,7 +37,7 @@ from ._hooks import HookRunner, loop_wall_offset
 from ._shapes import check_client, check_hook
 from ._simple_members import Membership
 
-__all__ = ("SimpleConsumer", "SimpleConsumerOptions")
+__all__ = ("AckFuture", "SimpleConsumer", "SimpleConsumerOptions")
 
 MAX_INVISIBLE_DURATION = 12 * 3600.0
 """RocketMQ's longest invisible duration (12 hours)."""
@@ -117,6 +117,42 @@ def _check_duration(name: str, value: object, *, allow_zero: bool = False) -> fl
     return float(value)
 
 
+class AckFuture:
+    """The outcome of :meth:`SimpleConsumer.ack_async`: ``await`` it (which sends the
+    acks queued, if they were not sent yet) to have ``None``, or the
+    :class:`InvalidReceiptHandleError` (or the broker's error) raised."""
+
+    __slots__ = ("_consumer", "_done", "_error", "_flushing", "message")
+
+    def __init__(self, consumer: SimpleConsumer, message: ReceivedMessage) -> None:
+        self._consumer = consumer
+        self.message = message
+        """The message acked."""
+        self._done = False
+        self._error: BaseException | None = None
+        self._flushing: anyio.Event | None = None
+
+    def done(self) -> bool:
+        """Whether the ack was sent and its outcome is known."""
+        return self._done
+
+    def exception(self) -> BaseException | None:
+        """The ack's error once :meth:`done` (``None``: acked, or not sent yet)."""
+        return self._error
+
+    async def _wait(self) -> None:
+        if not self._done:
+            if self._flushing is None:
+                await self._consumer._flush_acks()
+            else:  # being sent by another task
+                await self._flushing.wait()
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait().__await__()
+
+
 class SimpleConsumer:
     """Receives messages on demand and acks them: RocketMQ 5's ``SimpleConsumer``
     (pop consumption).
@@ -176,6 +212,8 @@ class SimpleConsumer:
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._wall_offset = 0.0
         self._counts = {"received": 0, "acked": 0, "refused": 0, "nacked": 0}
+        self._pending_acks: list[AckFuture] = []
+        """Acks queued by :meth:`ack_async`, not sent yet."""
         self._receiving: set[anyio.CancelScope] = set()
         """Receives waiting for messages (cancelled when the consumer closes)."""
 
@@ -313,6 +351,8 @@ class SimpleConsumer:
         come back after their invisible duration. Receives waiting in other tasks
         return at once, raising :class:`ConsumerStateError`. Hooks are closed
         (flushed)."""
+        if self._pending_acks and not self._closed:
+            await self._flush_acks()
         self._closed = True
         for scope in self._receiving:
             scope.cancel()
@@ -364,6 +404,8 @@ class SimpleConsumer:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
         hooks = self._hooks
         membership = self._membership
+        if self._pending_acks:
+            await self._flush_acks()
         if membership is not None and membership.beat_due():
             await membership.beat()
         started = anyio.current_time() if hooks is not None else 0.0
@@ -501,14 +543,22 @@ class SimpleConsumer:
         self._settle_hooks("ack", [message], [], None, None, started)
 
     async def ack_batch(self, messages: Sequence[ReceivedMessage]) -> None:
-        """Ack several messages at once: one round trip per queue on Redis (RocketMQ
-        5's ack request carries many entries too). Every message still held is
-        acked; then, if any was refused, raises :class:`InvalidReceiptHandleError`
-        with them in its ``refused`` attribute."""
+        """Ack several messages at once: one round trip on Redis (one per queue on a
+        Cluster; RocketMQ 5's ack request carries many entries too). Every message
+        still held is acked; then, if any was refused, raises
+        :class:`InvalidReceiptHandleError` with them in its ``refused`` attribute."""
         backend = self._running("ack_batch")
         if not messages:
             return
-        messages = list(messages)
+        error = await self._ack_many(backend, list(messages))
+        if error is not None:
+            raise error
+
+    async def _ack_many(
+        self, backend: PopBackend, messages: list[ReceivedMessage]
+    ) -> InvalidReceiptHandleError | None:
+        """Ack ``messages``: the error naming those refused, or ``None`` (a broker's
+        error raises)."""
         started = anyio.current_time() if self._hooks is not None else 0.0
         try:
             refused = await backend.ack_many(messages)
@@ -517,7 +567,7 @@ class SimpleConsumer:
             raise
         if not refused and self._hooks is None:
             self._counts["acked"] += len(messages)
-            return
+            return None
         refused_ids = {id(m) for m in refused}
         for m in messages:
             if id(m) not in refused_ids:
@@ -534,8 +584,49 @@ class SimpleConsumer:
             for m in refused:
                 self._settled(m, ConsumeReturnType.TIME_OUT, error)
         self._settle_hooks("ack", messages, refused, error, None, started)
-        if error is not None:
-            raise error
+        return error
+
+    def ack_async(self, message: ReceivedMessage) -> AckFuture:
+        """Queue an ack of ``message`` and return at once (RocketMQ 5's ``ackAsync``):
+        the acks queued are sent together, in one round trip as :meth:`ack_batch`
+        sends them, when the next :meth:`receive` starts, when the consumer closes,
+        or when one of their futures is awaited, whichever comes first.
+
+        ``await`` the returned :class:`AckFuture` to know the outcome: it raises
+        :class:`InvalidReceiptHandleError` when the ack was refused. Until it is sent,
+        the message's invisible duration keeps running: a loop that acks this way
+        and then receives again sends its acks with that receive."""
+        self._running("ack_async")
+        future = AckFuture(self, message)
+        self._pending_acks.append(future)
+        return future
+
+    async def _flush_acks(self) -> None:
+        """Send the queued acks (:meth:`ack_async`); their futures get the outcome.
+        A broker's error goes to the futures, not to the caller."""
+        pending, self._pending_acks = self._pending_acks, []
+        if not pending:
+            return
+        event = anyio.Event()
+        for future in pending:
+            future._flushing = event
+        outcome: BaseException | None = None
+        try:
+            backend = self._backend
+            if backend is None:
+                raise ConsumerStateError("the SimpleConsumer stopped before the acks were sent")
+            outcome = await self._ack_many(backend, [f.message for f in pending])
+        except Exception as exc:
+            outcome = exc
+        finally:
+            refused = {id(m) for m in getattr(outcome, "refused", ())}
+            for future in pending:
+                if isinstance(outcome, InvalidReceiptHandleError):
+                    future._error = outcome if id(future.message) in refused else None
+                else:
+                    future._error = outcome
+                future._done = True
+            event.set()
 
     async def change_invisible_duration(
         self, message: ReceivedMessage, invisible_duration: float

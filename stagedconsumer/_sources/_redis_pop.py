@@ -97,12 +97,21 @@ local inv_ms = tonumber(ARGV[4])
 local max_att = tonumber(ARGV[5])
 local fifo = ARGV[6] == '1'
 local gprop = ARGV[7]
-local nq = #KEYS / 5
+local per = 2
+if fifo then per = 5 end
+local nq = #KEYS / per
+local specs = {}
+for spec in string.gmatch(ARGV[9] .. '\\r', '([^\\r]*)\\r') do specs[#specs + 1] = spec end
 local out = {}
 local got = 0
 local function field(f, name)
   for i = 1, #f, 2 do if f[i] == name then return f[i + 1] end end
   return nil
+end
+-- a delivery's receipt handle: what the settle script reads back
+local function handle(id, att, mg)
+  if mg then return id .. ' ' .. att .. ' ' .. mg end
+  return id .. ' ' .. att
 end
 local function message_group(f, attached)
   if not fifo then return false end
@@ -125,12 +134,13 @@ local function message_group(f, attached)
 end
 for q = 0, nq - 1 do
   if got >= want then break end
-  local S, INV, LOCK, WAIT, READY = KEYS[q*5+1], KEYS[q*5+2], KEYS[q*5+3], KEYS[q*5+4], KEYS[q*5+5]
-  local attached = ARGV[8 + q*2] == '1'
+  local S, INV = KEYS[q*per+1], KEYS[q*per+2]
+  local LOCK, WAIT, READY = KEYS[q*per+3], KEYS[q*per+4], KEYS[q*per+5]
+  local attached = string.sub(ARGV[8], q + 1, q + 1) == '1'
   local tags = nil
-  if ARGV[9 + q*2] ~= '' then
+  if specs[q + 1] ~= '' then
     tags = {}
-    for tag in string.gmatch(ARGV[9 + q*2], '[^\\n]+') do tags[tag] = true end
+    for tag in string.gmatch(specs[q + 1], '[^\\n]+') do tags[tag] = true end
   end
   -- 1. entries whose invisible time passed
   local due = redis.call('ZRANGEBYSCORE', INV, '-inf', now, 'LIMIT', 0, want - got)
@@ -148,7 +158,8 @@ for q = 0, nq - 1 do
         redis.call('ZADD', INV, now + inv_ms, id)
         local kind = 1
         if att >= max_att then kind = 2 end
-        out[#out + 1] = {kind, q, id, att + 1, message_group(e[2], attached), e[2]}
+        local mg = message_group(e[2], attached)
+        out[#out + 1] = {kind, q, id, att + 1, mg, e[2], handle(id, att + 1, mg)}
         got = got + 1
       end
     end
@@ -161,7 +172,7 @@ for q = 0, nq - 1 do
     local e = redis.call('XCLAIM', S, group, consumer, 0, id, 'RETRYCOUNT', 1)[1]
     if e then
       redis.call('ZADD', INV, now + inv_ms, id)
-      out[#out + 1] = {1, q, id, 1, mg, e[2]}
+      out[#out + 1] = {1, q, id, 1, mg, e[2], handle(id, 1, mg)}
       got = got + 1
     else
       redis.call('XACK', S, group, id)
@@ -194,7 +205,7 @@ for q = 0, nq - 1 do
         else
           deadlines[#deadlines + 1] = deadline
           deadlines[#deadlines + 1] = id
-          out[#out + 1] = {3, q, id, 1, mg, f}
+          out[#out + 1] = {3, q, id, 1, mg, f, handle(id, 1, mg)}
           got = got + 1
         end
       end
@@ -208,24 +219,27 @@ if got > 0 then return {out} end
 local wait = -1
 local last = {}
 for q = 0, nq - 1 do
-  local first = redis.call('ZRANGE', KEYS[q*5+2], 0, 0, 'WITHSCORES')
+  local first = redis.call('ZRANGE', KEYS[q*per+2], 0, 0, 'WITHSCORES')
   if first[2] then
     local w = math.max(tonumber(first[2]) - now, 0)
     if wait < 0 or w < wait then wait = w end
   end
-  if fifo and redis.call('LLEN', KEYS[q*5+5]) > 0 then wait = 0 end
-  local top = redis.call('XREVRANGE', KEYS[q*5+1], '+', '-', 'COUNT', 1)[1]
+  if fifo and redis.call('LLEN', KEYS[q*per+5]) > 0 then wait = 0 end
+  local top = redis.call('XREVRANGE', KEYS[q*per+1], '+', '-', 'COUNT', 1)[1]
   if top then last[q + 1] = top[1] else last[q + 1] = '0-0' end
 end
 return {out, wait, last}
 """
 )
-"""One receive over one or more queues (KEYS: per queue its stream, ``inv``,
-``lock``, ``wait``, ``ready``). ARGV: group, consumer, max messages, invisible ms,
-max delivery attempts, ``1`` for FIFO, the message group property (``''``: the first
-key), then per queue ``1`` when it is an attached stream and its accepted tags
-(newline-separated; ``''``: all). Returns ``{records}`` where a record is ``{kind,
-queue index, entry id, attempt, message group or nil, fields}`` (kind 1: deliver, 2:
+"""One receive over one or more queues (KEYS: per queue its stream and ``inv``, and
+for a FIFO group ``lock``, ``wait``, ``ready``: few arguments to encode per call).
+ARGV: group, consumer, max messages, invisible ms, max delivery attempts, ``1`` for
+FIFO, the message group property (``''``: the first key), a ``1`` or ``0`` per queue
+(an attached stream or not), then per queue its accepted tags (newline-separated;
+``''``: all), the queues' separated by CR. Returns ``{records}`` where a record is ``{kind,
+queue index, entry id, attempt, message group or nil, fields, receipt handle}``
+(the handle is what :data:`SETTLE_LUA` reads: ``<id> <attempt>[ <message group>]``;
+kind 1: deliver, 2:
 attempts used up, dead-letter it, 3: deliver, first delivery: those of a queue are in
 offset order), or when nothing was received ``{{}, ms until the
 next invisible time ends (-1: none), {last entry id per stream}}``."""
@@ -234,11 +248,13 @@ SETTLE_LUA = (
     _COMMON_LUA
     + """
 local change = tonumber(ARGV[2])
+local per = tonumber(ARGV[3])
 local codes = {}
-for q = 0, #KEYS / 5 - 1 do
-  local S, INV, LOCK, WAIT, READY = KEYS[q*5+1], KEYS[q*5+2], KEYS[q*5+3], KEYS[q*5+4], KEYS[q*5+5]
+for q = 0, #KEYS / per - 1 do
+  local S, INV = KEYS[q*per+1], KEYS[q*per+2]
+  local LOCK, WAIT, READY = KEYS[q*per+3], KEYS[q*per+4], KEYS[q*per+5]
   local ids, atts, mgs = {}, {}, {}
-  for record in string.gmatch(ARGV[3 + q], '[^%z]+') do
+  for record in string.gmatch(ARGV[4 + q], '[^%z]+') do
     local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
     ids[#ids + 1] = id
     atts[#atts + 1] = tonumber(att)
@@ -276,9 +292,10 @@ return codes
 """
 )
 """Ack entries of one or more queues (ARGV[2] ``-1``) or change their invisible time
-to ARGV[2] ms from now. KEYS: per queue its stream, ``inv``, ``lock``, ``wait``,
-``ready``. ARGV: group, that, then per queue its entries in one string (one encoding
-for many): ``<id> <delivery attempt> <message group>`` each (no group: empty),
+to ARGV[2] ms from now. KEYS: per queue its stream and ``inv``, and with ARGV[3]
+``5`` (FIFO) ``lock``, ``wait``, ``ready`` too. ARGV: group, that, keys per queue
+(2 or 5), then per queue its entries in one string (one encoding
+for many): their receipt handles, ``<id> <delivery attempt>[ <message group>]``,
 separated by NUL bytes. Returns a code per entry, queue after queue: 1 done, -1 not
 held by that delivery (acked, received again, dead-lettered), -2 invisible time
 passed."""
@@ -339,10 +356,7 @@ class _PopQueue:
 
 def _pack(messages: Sequence[ReceivedMessage], at: Sequence[int]) -> str:
     """The settle script's records of ``messages[i] for i in at``."""
-    return "\0".join(
-        f"{m.receipt_handle} {m.reconsume_times + 1} {m.message_group or ''}"
-        for m in map(messages.__getitem__, at)
-    )
+    return "\0".join([messages[i].receipt_handle for i in at])
 
 
 def _text(value: Any) -> str:
@@ -528,11 +542,16 @@ class RedisPopBackend(PopBackend):
             1 if settings.fifo else 0,
             settings.message_group_property or "",
         ]
+        per = 5 if settings.fifo else 2
+        flags = []
+        specs = []
         for queue, accepts in batch:
-            keys.extend(queue.keys)
+            keys.extend(queue.keys[:per])
             attached = queue.decode is not None
-            args.append(1 if attached else 0)
-            args.append("" if attached or accepts.tags is None else "\n".join(accepts.tags))
+            flags.append("1" if attached else "0")
+            specs.append("" if attached or accepts.tags is None else "\n".join(accepts.tags))
+        args.append("".join(flags))
+        args.append("\r".join(specs))
         connection = self.broker._connection
         return await connection.call(
             f"receiving from {', '.join(q.stream for q, _ in batch)}",
@@ -562,7 +581,7 @@ class RedisPopBackend(PopBackend):
                 delivered = received(
                     message,
                     attempt=1,
-                    receipt_handle=record[2].decode(),
+                    receipt_handle=record[6].decode(),
                     message_group=None if mg is None else mg.decode(),
                     group=group,
                 )
@@ -580,14 +599,14 @@ class RedisPopBackend(PopBackend):
                 continue
             if fresh:
                 take_fresh()
-            kind, index, entry_id, attempt, message_group, fields = record
+            kind, index, entry_id, attempt, message_group, fields, handle = record
             queue, accepts = batch[int(index)]
             (message,) = self._decode(queue, [(entry_id, fields)])
             attempt = int(attempt)
             delivered = received(
                 message,
                 attempt=attempt,
-                receipt_handle=_text(entry_id),
+                receipt_handle=_text(handle),
                 message_group=None if message_group is None else _text(message_group),
                 group=group,
             )
@@ -667,9 +686,10 @@ class RedisPopBackend(PopBackend):
             if not batch:
                 continue
             keys: list[str] = []
-            args: list[Any] = [self.settings.group, change_ms]
+            per = 5 if self.settings.fifo else 2
+            args: list[Any] = [self.settings.group, change_ms, per]
             for queue, at in batch:
-                keys.extend(queue.keys)
+                keys.extend(queue.keys[:per])
                 args.append(_pack(messages, at))
             reply = await connection.call(
                 f"{what} on {', '.join(q.stream for q, _ in batch)}",

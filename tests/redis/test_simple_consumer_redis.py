@@ -145,13 +145,14 @@ async def test_ack_batch_over_queues_acks_the_held_and_names_the_refused(
 
 
 async def test_tags_are_filtered_on_the_server(broker: RedisBroker) -> None:
-    await broker.create_topic("t", 1)
-    for tag in ("a", "b", "c"):
-        await broker.send("t", tag.encode(), tags=tag)
-    await broker.send("t", b"-")
+    await broker.create_topic("t", 3)
+    for q in range(3):  # each queue's accepted tags in the one script call
+        for tag in ("a", "b", "c"):
+            await broker.send("t", tag.encode(), tags=tag, queue_id=q)
+        await broker.send("t", b"-", queue_id=q)
     async with consumer(broker, expression="a || c") as c:
         got = await c.receive(10, 600)
-        assert sorted(m.body for m in got) == [b"a", b"c"]
+        assert sorted(m.body for m in got) == [b"a", b"a", b"a", b"c", b"c", b"c"]
         await c.ack_batch(got)
         assert await c.receive(10, 600) == []
 
