@@ -135,6 +135,36 @@ def received(
     return cast(ReceivedMessage, r)
 
 
+def received_first(
+    messages: Sequence[Message], handles: Sequence[bytes], group: str
+) -> list[ReceivedMessage]:
+    """:func:`received` for first deliveries without a message group, in bulk (the hot
+    path of a receive): ``handles`` are the receipt handles, as bytes."""
+    out: list[ReceivedMessage] = []
+    append = out.append
+    new = _ReceivedFields
+    cls = ReceivedMessage
+    for message, handle in zip(messages, handles, strict=True):
+        r = new()
+        r.topic = message.topic
+        r.queue_id = message.queue_id
+        r.queue_offset = message.queue_offset
+        r.body = message.body
+        r.keys = message.keys
+        r.tags = message.tags
+        r.properties = message.properties
+        r.msg_id = message.msg_id
+        r.born_timestamp = message.born_timestamp
+        r.reconsume_times = 0
+        r.offset_msg_id = message.offset_msg_id
+        r.receipt_handle = handle.decode()
+        r.message_group = None
+        r.consumer_group = group
+        r.__class__ = cls
+        append(cast(ReceivedMessage, r))
+    return out
+
+
 def message_group_of(message: Message, group_property: str | None) -> str | None:
     """The message group of ``message``: the property ``group_property`` when named,
     else its first key; ``None`` (no group: not ordered) when it has neither."""

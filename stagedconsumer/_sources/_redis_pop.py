@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import re
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -49,6 +50,7 @@ from ._pop import (
     PopSettings,
     ReceivedMessage,
     received,
+    received_first,
 )
 from ._redis_codec import EntryDecoder, _decode_attached, _decode_entries, _ForeignEntry
 from ._redis_connection import RedisScript
@@ -250,6 +252,7 @@ SETTLE_LUA = (
 local change = tonumber(ARGV[2])
 local per = tonumber(ARGV[3])
 local codes = {}
+local seen = 0
 for q = 0, #KEYS / per - 1 do
   local S, INV = KEYS[q*per+1], KEYS[q*per+2]
   local LOCK, WAIT, READY = KEYS[q*per+3], KEYS[q*per+4], KEYS[q*per+5]
@@ -266,7 +269,7 @@ for q = 0, #KEYS / per - 1 do
   for i, id in ipairs(ids) do
     local p = redis.call('XPENDING', S, group, id, id, 1)[1]
     local score = scores[i]
-    local code
+    local code = 1
     if not p or tonumber(p[4]) ~= atts[i] or not score then
       code = -1
     elseif tonumber(score) <= now then
@@ -274,14 +277,16 @@ for q = 0, #KEYS / per - 1 do
     elseif change >= 0 then
       deadlines[#deadlines + 1] = now + change
       deadlines[#deadlines + 1] = id
-      code = 1
     else
       done[#done + 1] = id
       if mgs[i] ~= '' then release(LOCK, WAIT, READY, mgs[i], id) end
-      code = 1
     end
-    codes[#codes + 1] = code
+    if code ~= 1 then
+      codes[#codes + 1] = seen + i - 1
+      codes[#codes + 1] = code
+    end
   end
+  seen = seen + #ids
   if #done > 0 then
     redis.call('XACK', S, group, unpack(done))
     redis.call('ZREM', INV, unpack(done))
@@ -296,9 +301,10 @@ to ARGV[2] ms from now. KEYS: per queue its stream and ``inv``, and with ARGV[3]
 ``5`` (FIFO) ``lock``, ``wait``, ``ready`` too. ARGV: group, that, keys per queue
 (2 or 5), then per queue its entries in one string (one encoding
 for many): their receipt handles, ``<id> <delivery attempt>[ <message group>]``,
-separated by NUL bytes. Returns a code per entry, queue after queue: 1 done, -1 not
-held by that delivery (acked, received again, dead-lettered), -2 invisible time
-passed."""
+separated by NUL bytes. Returns the entries not done, as pairs: the entry's index
+(0-based, counting the queues' entries one queue after the other) and its code, -1
+not held by that delivery (acked, received again, dead-lettered), -2 invisible time
+passed (an empty list: all done)."""
 
 MEMBERS_LUA = """
 local t = redis.call('TIME')
@@ -354,9 +360,12 @@ class _PopQueue:
         return self.keys[0]
 
 
-def _pack(messages: Sequence[ReceivedMessage], at: Sequence[int]) -> str:
-    """The settle script's records of ``messages[i] for i in at``."""
-    return "\0".join([messages[i].receipt_handle for i in at])
+_QUEUE_KEY = operator.attrgetter("topic", "queue_id")
+_HANDLE = operator.attrgetter("receipt_handle")
+_RECORD_HANDLE = operator.itemgetter(6)
+_KIND_QUEUE = operator.itemgetter(0, 1)
+_ENTRY = operator.itemgetter(2, 5)
+"""A receive record's entry: ``(id, fields)``."""
 
 
 def _text(value: Any) -> str:
@@ -574,8 +583,12 @@ class RedisPopBackend(PopBackend):
 
         def take_fresh() -> None:
             queue, accepts = batch[int(fresh[0][1])]
-            messages = self._decode(queue, [(r[2], r[5]) for r in fresh])
+            messages = self._decode(queue, list(map(_ENTRY, fresh)))
             filtered = queue.decode is not None and not accepts.accepts_all
+            if not filtered and not self.settings.fifo:
+                out.extend(received_first(messages, list(map(_RECORD_HANDLE, fresh)), group))
+                fresh.clear()
+                return
             for record, message in zip(fresh, messages, strict=True):
                 mg = record[4]
                 delivered = received(
@@ -591,39 +604,49 @@ class RedisPopBackend(PopBackend):
                     out.append(delivered)
             fresh.clear()
 
-        for record in records:
-            if record[0] == 3:
-                if fresh and fresh[0][1] != record[1]:
-                    take_fresh()
-                fresh.append(record)
-                continue
-            if fresh:
+        for (kind, _), run in itertools.groupby(records, _KIND_QUEUE):
+            if kind == 3:  # first deliveries of one queue, in offset order
+                fresh.extend(run)
                 take_fresh()
-            kind, index, entry_id, attempt, message_group, fields, handle = record
-            queue, accepts = batch[int(index)]
-            (message,) = self._decode(queue, [(entry_id, fields)])
-            attempt = int(attempt)
-            delivered = received(
-                message,
-                attempt=attempt,
-                receipt_handle=_text(handle),
-                message_group=None if message_group is None else _text(message_group),
-                group=group,
-            )
-            if int(kind) == 2:
-                spent = True
-                last = attrs.evolve(message, reconsume_times=attempt - 2)
-                await self.broker.send_to_dlq(group, last)
-                await self._settle(delivered, -1, "dead-lettering")
-            elif queue.decode is not None and not accepts(message):
-                rejected.append(delivered)
-            else:
-                out.append(delivered)
-        if fresh:
-            take_fresh()
+                continue
+            for record in run:
+                spent |= await self._take_again(batch, record, out, rejected)
         if rejected:
             await self.ack_many(rejected)
         return spent
+
+    async def _take_again(
+        self,
+        batch: Sequence[tuple[_PopQueue, TagFilter]],
+        record: Sequence[Any],
+        out: list[ReceivedMessage],
+        rejected: list[ReceivedMessage],
+    ) -> bool:
+        """A record of a delivery after the first (or a FIFO head released by an ack):
+        into ``out``, or ``rejected`` (an attached stream's filter), or dead-lettered
+        (attempts used up: returns True)."""
+        kind, index, entry_id, attempt, message_group, fields, handle = record
+        queue, accepts = batch[int(index)]
+        (message,) = self._decode(queue, [(entry_id, fields)])
+        attempt = int(attempt)
+        group = self.settings.group
+        delivered = received(
+            message,
+            attempt=attempt,
+            receipt_handle=_text(handle),
+            message_group=None if message_group is None else _text(message_group),
+            group=group,
+        )
+        if int(kind) == 2:
+            last = attrs.evolve(message, reconsume_times=attempt - 2)
+            await self.broker.send_to_dlq(group, last)
+            await self._settle(delivered, -1, "dead-lettering")
+            return True
+        if queue.decode is not None and not accepts(message):
+            rejected.append(delivered)
+        else:
+            out.append(delivered)
+        return False
 
     def _decode(self, queue: _PopQueue, entries: list[tuple[bytes, Any]]) -> list[Message]:
         """Entries of one queue as messages (several at once only in offset order)."""
@@ -669,36 +692,45 @@ class RedisPopBackend(PopBackend):
         self, messages: Sequence[ReceivedMessage], change_ms: int, what: str
     ) -> list[int]:
         """Settle ``messages`` (any queues): one script call (on a Cluster, one per
-        queue). Returns their codes, in order (see :data:`SETTLE_LUA`)."""
-        positions: dict[tuple[str, int], list[int]] = {}
-        for i, m in enumerate(messages):
-            key = (m.topic, m.queue_id)
-            at = positions.get(key)
-            if at is None:
-                positions[key] = [i]
+        queue). Returns their codes, in order (see :data:`SETTLE_LUA`: 1 done)."""
+        keys_of = list(map(_QUEUE_KEY, messages))
+        if keys_of.count(keys_of[0]) == len(keys_of):  # one queue
+            positions: list[tuple[tuple[str, int], list[int]]] = [
+                (keys_of[0], list(range(len(messages))))
+            ]
+        else:  # by queue, in order within each (a stable sort)
+            order = sorted(range(len(messages)), key=keys_of.__getitem__)
+            positions = [
+                (key, list(at)) for key, at in itertools.groupby(order, keys_of.__getitem__)
+            ]
+        codes = [1] * len(messages)
+        known = []
+        for key, at in positions:
+            queue = self._by_queue.get(key)
+            if queue is None:
+                for i in at:
+                    codes[i] = -1
             else:
-                at.append(i)
-        codes = [-1] * len(messages)
-        known = [(self._by_queue[k], at) for k, at in positions.items() if k in self._by_queue]
+                known.append((queue, at))
         batches = [[q] for q in known] if self.broker.cluster else [known]
+        per = 5 if self.settings.fifo else 2
         connection = self.broker._connection
         for batch in batches:
             if not batch:
                 continue
             keys: list[str] = []
-            per = 5 if self.settings.fifo else 2
             args: list[Any] = [self.settings.group, change_ms, per]
             for queue, at in batch:
                 keys.extend(queue.keys[:per])
-                args.append(_pack(messages, at))
+                args.append("\0".join(map(_HANDLE, map(messages.__getitem__, at))))
             reply = await connection.call(
                 f"{what} on {', '.join(q.stream for q, _ in batch)}",
                 functools.partial(self._settle_script, keys=keys, args=args),
             )
-            flat = iter(reply)
-            for _, at in batch:
-                for i in at:
-                    codes[i] = int(next(flat))
+            if reply:
+                flat = [i for _, at in batch for i in at]
+                for index, code in zip(reply[::2], reply[1::2], strict=True):
+                    codes[flat[int(index)]] = int(code)
         return codes
 
     def _check(self, message: ReceivedMessage, what: str) -> None:
@@ -741,6 +773,8 @@ class RedisPopBackend(PopBackend):
             if type(message) is not ReceivedMessage or message.consumer_group != group:
                 self._check(message, "ack")
         codes = await self._settle_many(messages, -1, "acking")
+        if codes.count(1) == len(codes):
+            return []
         return [m for m, code in zip(messages, codes, strict=True) if code != 1]
 
     async def change_invisible_duration(self, message: ReceivedMessage, duration: float) -> None:
