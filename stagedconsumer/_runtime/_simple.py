@@ -117,37 +117,55 @@ def _check_duration(name: str, value: object, *, allow_zero: bool = False) -> fl
     return float(value)
 
 
+class _AckBatch:
+    """The acks queued by :meth:`SimpleConsumer.ack_async` until they are sent, and
+    then their outcome."""
+
+    __slots__ = ("consumer", "done", "error", "messages", "refused", "sending")
+
+    def __init__(self, consumer: SimpleConsumer) -> None:
+        self.consumer = consumer
+        self.messages: list[ReceivedMessage] = []
+        self.sending: anyio.Event | None = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.refused: set[int] = set()
+
+
 class AckFuture:
     """The outcome of :meth:`SimpleConsumer.ack_async`: ``await`` it (which sends the
     acks queued, if they were not sent yet) to have ``None``, or the
     :class:`InvalidReceiptHandleError` (or the broker's error) raised."""
 
-    __slots__ = ("_consumer", "_done", "_error", "_flushing", "message")
+    __slots__ = ("_batch", "message")
 
-    def __init__(self, consumer: SimpleConsumer, message: ReceivedMessage) -> None:
-        self._consumer = consumer
+    def __init__(self, batch: _AckBatch, message: ReceivedMessage) -> None:
+        self._batch = batch
         self.message = message
         """The message acked."""
-        self._done = False
-        self._error: BaseException | None = None
-        self._flushing: anyio.Event | None = None
 
     def done(self) -> bool:
         """Whether the ack was sent and its outcome is known."""
-        return self._done
+        return self._batch.done
 
     def exception(self) -> BaseException | None:
         """The ack's error once :meth:`done` (``None``: acked, or not sent yet)."""
-        return self._error
+        batch = self._batch
+        error = batch.error
+        if isinstance(error, InvalidReceiptHandleError) and id(self.message) not in batch.refused:
+            return None  # another message of the batch was refused
+        return error
 
     async def _wait(self) -> None:
-        if not self._done:
-            if self._flushing is None:
-                await self._consumer._flush_acks()
+        batch = self._batch
+        if not batch.done:
+            if batch.sending is None:
+                await batch.consumer._flush_acks()
             else:  # being sent by another task
-                await self._flushing.wait()
-        if self._error is not None:
-            raise self._error
+                await batch.sending.wait()
+        error = self.exception()
+        if error is not None:
+            raise error
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait().__await__()
@@ -212,7 +230,7 @@ class SimpleConsumer:
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._wall_offset = 0.0
         self._counts = {"received": 0, "acked": 0, "refused": 0, "nacked": 0}
-        self._pending_acks: list[AckFuture] = []
+        self._ack_batch = _AckBatch(self)
         """Acks queued by :meth:`ack_async`, not sent yet."""
         self._receiving: set[anyio.CancelScope] = set()
         """Receives waiting for messages (cancelled when the consumer closes)."""
@@ -351,7 +369,7 @@ class SimpleConsumer:
         come back after their invisible duration. Receives waiting in other tasks
         return at once, raising :class:`ConsumerStateError`. Hooks are closed
         (flushed)."""
-        if self._pending_acks and not self._closed:
+        if self._ack_batch.messages and not self._closed:
             await self._flush_acks()
         self._closed = True
         for scope in self._receiving:
@@ -404,7 +422,7 @@ class SimpleConsumer:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
         hooks = self._hooks
         membership = self._membership
-        if self._pending_acks:
+        if self._ack_batch.messages:
             await self._flush_acks()
         if membership is not None and membership.beat_due():
             await membership.beat()
@@ -597,36 +615,30 @@ class SimpleConsumer:
         the message's invisible duration keeps running: a loop that acks this way
         and then receives again sends its acks with that receive."""
         self._running("ack_async")
-        future = AckFuture(self, message)
-        self._pending_acks.append(future)
-        return future
+        batch = self._ack_batch
+        batch.messages.append(message)
+        return AckFuture(batch, message)
 
     async def _flush_acks(self) -> None:
         """Send the queued acks (:meth:`ack_async`); their futures get the outcome.
         A broker's error goes to the futures, not to the caller."""
-        pending, self._pending_acks = self._pending_acks, []
-        if not pending:
+        batch = self._ack_batch
+        if not batch.messages:
             return
-        event = anyio.Event()
-        for future in pending:
-            future._flushing = event
-        outcome: BaseException | None = None
+        self._ack_batch = _AckBatch(self)
+        batch.sending = anyio.Event()
         try:
             backend = self._backend
             if backend is None:
                 raise ConsumerStateError("the SimpleConsumer stopped before the acks were sent")
-            outcome = await self._ack_many(backend, [f.message for f in pending])
+            batch.error = await self._ack_many(backend, batch.messages)
+            if batch.error is not None:
+                batch.refused = {id(m) for m in batch.error.refused}
         except Exception as exc:
-            outcome = exc
+            batch.error = exc
         finally:
-            refused = {id(m) for m in getattr(outcome, "refused", ())}
-            for future in pending:
-                if isinstance(outcome, InvalidReceiptHandleError):
-                    future._error = outcome if id(future.message) in refused else None
-                else:
-                    future._error = outcome
-                future._done = True
-            event.set()
+            batch.done = True
+            batch.sending.set()
 
     async def change_invisible_duration(
         self, message: ReceivedMessage, invisible_duration: float
