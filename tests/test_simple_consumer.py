@@ -270,6 +270,8 @@ async def test_errors_of_use(broker: MemoryBroker) -> None:
                 pass
     with pytest.raises(ConsumerStateError, match="closed"):
         await c.receive(1, 10)
+    async with consumer(broker, fifo=True):  # nobody runs the group: settings may change
+        pass
     with pytest.raises(UnknownTopicError):
         SimpleConsumer("g", broker, subscriptions={"nope": "*"})
     with pytest.raises(ConfigurationError, match="tag expression"):

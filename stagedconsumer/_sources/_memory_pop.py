@@ -82,11 +82,14 @@ def memory_pop_backend(broker: MemoryBroker, settings: PopSettings) -> MemoryPop
     if backend is None:
         backend = groups[settings.group] = MemoryPopBackend(broker, settings)
     elif backend.settings != settings:
-        raise ConfigurationError(
-            f"consumer group {settings.group!r} is used on this broker with other pop"
-            f" settings ({backend.settings}); every consumer of a group must use the same"
-            " max_delivery_attempts, fifo and message_group_property"
-        )
+        if backend.live_members():
+            raise ConfigurationError(
+                f"consumer group {settings.group!r} is used on this broker with other pop"
+                f" settings ({backend.settings}) by running consumers; every consumer of a"
+                " group must use the same max_delivery_attempts, fifo and"
+                " message_group_property (they may change once none of them runs)"
+            )
+        backend.settings = settings  # nobody runs the group: its state stays
     return backend
 
 

@@ -345,3 +345,24 @@ async def test_tags_on_an_attached_stream_are_filtered_after_decoding(
         assert [m.body for m in got] == [b"a", b"a"]
         assert await c.receive(10, 600) == []
     assert inspect.xpending(key, "g")["pending"] == 2  # the rejected ones were acked
+
+
+async def test_ack_async_goes_with_the_next_receive(
+    broker: RedisBroker, inspect: redis.Redis, namespace: str
+) -> None:
+    await broker.create_topic("t", 2)
+    for i in range(6):
+        await broker.send("t", b"%d" % i, queue_id=i % 2)
+    async with consumer(broker) as c:
+        got = await c.receive(6, 600)
+        futures = [c.ack_async(m) for m in got]
+        pending = sum(inspect.xpending(f"{namespace}:q:{{t:{q}}}", "g")["pending"] for q in (0, 1))
+        assert pending == 6  # queued, not sent
+        assert await c.receive(6, 600) == []
+        pending = sum(inspect.xpending(f"{namespace}:q:{{t:{q}}}", "g")["pending"] for q in (0, 1))
+        assert pending == 0
+        for future in futures:
+            await future
+        refused = c.ack_async(got[0])
+        with pytest.raises(InvalidReceiptHandleError, match="refused"):
+            await refused
