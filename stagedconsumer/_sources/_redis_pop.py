@@ -90,6 +90,55 @@ local function release(LOCK, WAIT, READY, mg, id)
 end
 """
 
+_SETTLE_FUNCTION_LUA = """
+-- settle the deliveries of queue q (KEYS from q * per) whose receipt handles are in
+-- records (NUL-separated): ack them (change < 0) or move their invisible time to
+-- change ms from now; the entries not done go to codes as (index, code) pairs,
+-- indexes counted from seen; returns seen + the number of entries
+local function settle(q, per, records, change, seen, codes)
+  local S, INV = KEYS[q*per+1], KEYS[q*per+2]
+  local LOCK, WAIT, READY = KEYS[q*per+3], KEYS[q*per+4], KEYS[q*per+5]
+  local ids, atts, mgs = {}, {}, {}
+  for record in string.gmatch(records, '[^%z]+') do
+    local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
+    ids[#ids + 1] = id
+    atts[#atts + 1] = tonumber(att)
+    mgs[#mgs + 1] = mg
+  end
+  if #ids == 0 then return seen end
+  local scores = redis.call('ZMSCORE', INV, unpack(ids))
+  local done = {}
+  local deadlines = {}
+  for i, id in ipairs(ids) do
+    local p = redis.call('XPENDING', S, group, id, id, 1)[1]
+    local score = scores[i]
+    local code = 1
+    if not p or tonumber(p[4]) ~= atts[i] or not score then
+      code = -1
+    elseif tonumber(score) <= now then
+      code = -2
+    elseif change >= 0 then
+      deadlines[#deadlines + 1] = now + change
+      deadlines[#deadlines + 1] = id
+    else
+      done[#done + 1] = id
+      if mgs[i] ~= '' then release(LOCK, WAIT, READY, mgs[i], id) end
+    end
+    if code ~= 1 then
+      codes[#codes + 1] = seen + i - 1
+      codes[#codes + 1] = code
+    end
+  end
+  if #done > 0 then
+    redis.call('XACK', S, group, unpack(done))
+    redis.call('ZREM', INV, unpack(done))
+  end
+  if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
+  return seen + #ids
+end
+"""
+_COMMON_LUA += _SETTLE_FUNCTION_LUA
+
 RECEIVE_LUA = (
     _COMMON_LUA
     + """
@@ -104,6 +153,12 @@ if fifo then per = 5 end
 local nq = #KEYS / per
 local specs = {}
 for spec in string.gmatch(ARGV[9] .. '\\r', '([^\\r]*)\\r') do specs[#specs + 1] = spec end
+-- acks queued by the client, sent with this receive
+local acked = {}
+if ARGV[10] == '1' then
+  local seen = 0
+  for q = 0, nq - 1 do seen = settle(q, per, ARGV[11 + q], -1, seen, acked) end
+end
 local out = {}
 local got = 0
 local function field(f, name)
@@ -216,7 +271,7 @@ for q = 0, nq - 1 do
     if #rejected > 0 then redis.call('XACK', S, group, unpack(rejected)) end
   end
 end
-if got > 0 then return {out} end
+if got > 0 then return {out, -1, {}, acked} end
 -- nothing: when the next invisible time ends, and where each stream ends
 local wait = -1
 local last = {}
@@ -230,7 +285,7 @@ for q = 0, nq - 1 do
   local top = redis.call('XREVRANGE', KEYS[q*per+1], '+', '-', 'COUNT', 1)[1]
   if top then last[q + 1] = top[1] else last[q + 1] = '0-0' end
 end
-return {out, wait, last}
+return {out, wait, last, acked}
 """
 )
 """One receive over one or more queues (KEYS: per queue its stream and ``inv``, and
@@ -238,13 +293,16 @@ for a FIFO group ``lock``, ``wait``, ``ready``: few arguments to encode per call
 ARGV: group, consumer, max messages, invisible ms, max delivery attempts, ``1`` for
 FIFO, the message group property (``''``: the first key), a ``1`` or ``0`` per queue
 (an attached stream or not), then per queue its accepted tags (newline-separated;
-``''``: all), the queues' separated by CR. Returns ``{records}`` where a record is ``{kind,
-queue index, entry id, attempt, message group or nil, fields, receipt handle}``
+``''``: all), the queues' separated by CR, then ``1`` when acks come along, and then
+per queue the receipt handles to ack first (as :data:`SETTLE_LUA` takes them).
+Returns ``{records}`` where a record is ``{kind, queue index, entry id, attempt,
+message group or nil, fields, receipt handle}``
 (the handle is what :data:`SETTLE_LUA` reads: ``<id> <attempt>[ <message group>]``;
 kind 1: deliver, 2:
 attempts used up, dead-letter it, 3: deliver, first delivery: those of a queue are in
 offset order), or when nothing was received ``{{}, ms until the
-next invisible time ends (-1: none), {last entry id per stream}}``."""
+next invisible time ends (-1: none), {last entry id per stream}}``; a fourth element,
+the acks not done as :data:`SETTLE_LUA` returns them."""
 
 SETTLE_LUA = (
     _COMMON_LUA
@@ -254,44 +312,7 @@ local per = tonumber(ARGV[3])
 local codes = {}
 local seen = 0
 for q = 0, #KEYS / per - 1 do
-  local S, INV = KEYS[q*per+1], KEYS[q*per+2]
-  local LOCK, WAIT, READY = KEYS[q*per+3], KEYS[q*per+4], KEYS[q*per+5]
-  local ids, atts, mgs = {}, {}, {}
-  for record in string.gmatch(ARGV[4 + q], '[^%z]+') do
-    local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
-    ids[#ids + 1] = id
-    atts[#atts + 1] = tonumber(att)
-    mgs[#mgs + 1] = mg
-  end
-  local scores = redis.call('ZMSCORE', INV, unpack(ids))
-  local done = {}
-  local deadlines = {}
-  for i, id in ipairs(ids) do
-    local p = redis.call('XPENDING', S, group, id, id, 1)[1]
-    local score = scores[i]
-    local code = 1
-    if not p or tonumber(p[4]) ~= atts[i] or not score then
-      code = -1
-    elseif tonumber(score) <= now then
-      code = -2
-    elseif change >= 0 then
-      deadlines[#deadlines + 1] = now + change
-      deadlines[#deadlines + 1] = id
-    else
-      done[#done + 1] = id
-      if mgs[i] ~= '' then release(LOCK, WAIT, READY, mgs[i], id) end
-    end
-    if code ~= 1 then
-      codes[#codes + 1] = seen + i - 1
-      codes[#codes + 1] = code
-    end
-  end
-  seen = seen + #ids
-  if #done > 0 then
-    redis.call('XACK', S, group, unpack(done))
-    redis.call('ZREM', INV, unpack(done))
-  end
-  if #deadlines > 0 then redis.call('ZADD', INV, unpack(deadlines)) end
+  seen = settle(q, per, ARGV[4 + q], change, seen, codes)
 end
 return codes
 """
@@ -471,6 +492,12 @@ class RedisPopBackend(PopBackend):
     async def leave(self, member: str) -> None:
         await self._members(member, 0, "leave")
 
+    @property
+    def merges_acks(self) -> bool:
+        """Whether :meth:`ack_and_receive` sends acks within the receive's script (not
+        on a Cluster, whose scripts see one slot)."""
+        return not self.broker.cluster
+
     async def receive(
         self,
         consumer: str,
@@ -480,6 +507,25 @@ class RedisPopBackend(PopBackend):
         timeout: float,
         allowed: Collection[tuple[str, int]] | None = None,
     ) -> list[ReceivedMessage]:
+        return (
+            await self.ack_and_receive(
+                (), consumer, subscriptions, max_num, invisible_duration, timeout, allowed
+            )
+        )[1]
+
+    async def ack_and_receive(
+        self,
+        acks: Sequence[ReceivedMessage],
+        consumer: str,
+        subscriptions: Mapping[str, TagFilter],
+        max_num: int,
+        invisible_duration: float,
+        timeout: float,
+        allowed: Collection[tuple[str, int]] | None = None,
+    ) -> tuple[list[ReceivedMessage], list[ReceivedMessage]]:
+        """Ack ``acks`` within the first receive script when every one is of a queue it
+        reads (else in a call of their own first), then receive. Returns the acks
+        refused and the messages received."""
         queues: list[tuple[_PopQueue, TagFilter]] = []
         for topic, accepts in subscriptions.items():
             queues.extend(
@@ -487,58 +533,115 @@ class RedisPopBackend(PopBackend):
                 for queue in await self._queues(topic)
                 if allowed is None or (topic, queue.queue_id) in allowed
             )
+        plan = None
+        refused: list[ReceivedMessage] = []
+        if queues:
+            start = next(self._rotation) % len(queues)
+            queues = queues[start:] + queues[:start]
+            if acks and self.merges_acks:
+                plan = self._ack_plan(acks, queues)
+        if acks and plan is None:
+            refused = await self.ack_many(acks)
         if not queues:
-            return []
-        start = next(self._rotation) % len(queues)
-        queues = queues[start:] + queues[:start]
+            return refused, []
         batches = [[q] for q in queues] if self.broker.cluster else [queues]
         deadline = time.monotonic() + timeout
         inv_ms = max(1, round(invisible_duration * 1000))
-        regrouped = False
+        regrouped = [False]
         while True:
-            out: list[ReceivedMessage] = []
-            spent = False
-            wait_ms = -1
-            last_ids: list[tuple[str, Any]] = []
-            for batch in batches:
-                if len(out) >= max_num:
-                    break
-                try:
-                    reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms)
-                except SourceError as exc:
-                    text = str(exc)  # coredis drops the error code, keeps the message
-                    if ("NOGROUP" not in text and "or consumer group" not in text) or regrouped:
-                        raise
-                    # the consumer group is gone (a Redis restart without persistence,
-                    # an XGROUP DESTROY): create it again, from the oldest entry
-                    regrouped = True
-                    for topic in {queue.topic for queue, _ in batch}:
-                        self._topics.pop(topic, None)
-                        await self._queues(topic)
-                    reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms)
-                records = reply[0]
-                if records:
-                    spent |= await self._take(batch, records, out)
-                else:
-                    if reply[1] is not None and int(reply[1]) >= 0:
-                        wait = int(reply[1])
-                        wait_ms = wait if wait_ms < 0 else min(wait, wait_ms)
-                    last_ids.extend(
-                        (q.stream, last) for (q, _), last in zip(batch, reply[2], strict=True)
-                    )
+            out, spent, wait_ms, last_ids, codes = await self._round(
+                consumer, batches, max_num, inv_ms, plan, regrouped
+            )
+            if plan is not None:
+                flat = plan[1]
+                refused = [acks[i] for i in sorted(flat[int(n)] for n in codes[::2])]
+                plan = None
             if out:
-                return out
+                return refused, out
             if spent or not last_ids:
                 # dead letters moved, or only entries an attached stream's filter
                 # rejected: look again at once
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return out
+                return refused, out
             await self._wait(last_ids, remaining, wait_ms)
 
+    def _ack_plan(
+        self, acks: Sequence[ReceivedMessage], batch: Sequence[tuple[_PopQueue, TagFilter]]
+    ) -> tuple[list[str], list[int]] | None:
+        """The receive script's acks of ``batch``'s queues: per queue its receipt
+        handles, and the acks' indexes in the script's order; ``None`` when one is of
+        a queue not in ``batch``."""
+        group = self.settings.group
+        index = {(q.topic, q.queue_id): i for i, (q, _) in enumerate(batch)}
+        per_queue: list[list[int]] = [[] for _ in batch]
+        for n, message in enumerate(acks):
+            if type(message) is not ReceivedMessage or message.consumer_group != group:
+                self._check(message, "ack")
+            at = index.get((message.topic, message.queue_id))
+            if at is None:
+                return None
+            per_queue[at].append(n)
+        packed = ["\0".join(map(_HANDLE, map(acks.__getitem__, at))) for at in per_queue]
+        return packed, [n for at in per_queue for n in at]
+
+    async def _round(
+        self,
+        consumer: str,
+        batches: Sequence[Sequence[tuple[_PopQueue, TagFilter]]],
+        max_num: int,
+        inv_ms: int,
+        plan: tuple[list[str], list[int]] | None,
+        regrouped: list[bool],
+    ) -> tuple[list[ReceivedMessage], bool, int, list[tuple[str, Any]], Sequence[Any]]:
+        """One receive script per batch: the messages, whether any was dead-lettered,
+        the ms until the next invisible time ends, the streams' last ids (to wait on)
+        and the codes of the acks sent with the first script (``plan``)."""
+        out: list[ReceivedMessage] = []
+        spent = False
+        wait_ms = -1
+        last_ids: list[tuple[str, Any]] = []
+        codes: Sequence[Any] = ()
+        packed = None if plan is None else plan[0]
+        for batch in batches:
+            if len(out) >= max_num:
+                break
+            try:
+                reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms, packed)
+            except SourceError as exc:
+                text = str(exc)  # coredis drops the error code, keeps the message
+                if ("NOGROUP" not in text and "or consumer group" not in text) or regrouped[0]:
+                    raise
+                # the consumer group is gone (a Redis restart without persistence, an
+                # XGROUP DESTROY): create it again, from the oldest entry (acks sent
+                # with the failed script were not made: its settle part ran first)
+                regrouped[0] = True
+                for topic in {queue.topic for queue, _ in batch}:
+                    self._topics.pop(topic, None)
+                    await self._queues(topic)
+                reply = await self._run_receive(consumer, batch, max_num - len(out), inv_ms, packed)
+            if packed is not None:
+                codes, packed = reply[3], None
+            records = reply[0]
+            if records:
+                spent |= await self._take(batch, records, out)
+            else:
+                if reply[1] is not None and int(reply[1]) >= 0:
+                    wait = int(reply[1])
+                    wait_ms = wait if wait_ms < 0 else min(wait, wait_ms)
+                last_ids.extend(
+                    (q.stream, last) for (q, _), last in zip(batch, reply[2], strict=True)
+                )
+        return out, spent, wait_ms, last_ids, codes
+
     async def _run_receive(
-        self, consumer: str, batch: Sequence[tuple[_PopQueue, TagFilter]], want: int, inv_ms: int
+        self,
+        consumer: str,
+        batch: Sequence[tuple[_PopQueue, TagFilter]],
+        want: int,
+        inv_ms: int,
+        acks: Sequence[str] | None = None,
     ) -> Any:
         settings = self.settings
         keys: list[str] = []
@@ -561,6 +664,11 @@ class RedisPopBackend(PopBackend):
             specs.append("" if attached or accepts.tags is None else "\n".join(accepts.tags))
         args.append("".join(flags))
         args.append("\r".join(specs))
+        if acks is None:
+            args.append("")
+        else:
+            args.append("1")
+            args.extend(acks)
         connection = self.broker._connection
         return await connection.call(
             f"receiving from {', '.join(q.stream for q, _ in batch)}",
