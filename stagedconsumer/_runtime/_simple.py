@@ -422,7 +422,8 @@ class SimpleConsumer:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
         hooks = self._hooks
         membership = self._membership
-        if self._ack_batch.messages:
+        acks = self._ack_batch
+        if acks.messages and not backend.merges_acks:
             await self._flush_acks()
         if membership is not None and membership.beat_due():
             await membership.beat()
@@ -430,12 +431,10 @@ class SimpleConsumer:
         with anyio.CancelScope() as scope:
             self._receiving.add(scope)
             try:
-                messages = await backend.receive(
-                    self.client_id,
-                    self._subscriptions,
+                messages = await self._ack_and_receive(
+                    backend,
                     max_message_num,
                     invisible,
-                    self.await_duration,
                     None if membership is None else membership.refresh(),
                 )
             finally:
@@ -445,6 +444,50 @@ class SimpleConsumer:
         self._counts["received"] += len(messages)
         if hooks is not None and messages:
             self._received_hooks(hooks, messages, started)
+        return messages
+
+    async def _ack_and_receive(
+        self,
+        backend: PopBackend,
+        max_message_num: int,
+        invisible: float,
+        queues: frozenset[tuple[str, int]] | None,
+    ) -> list[ReceivedMessage]:
+        """The backend's receive, with the acks queued by :meth:`ack_async` when it
+        sends them along (one round trip)."""
+        batch = self._ack_batch
+        if not batch.messages:
+            return await backend.receive(
+                self.client_id,
+                self._subscriptions,
+                max_message_num,
+                invisible,
+                self.await_duration,
+                queues,
+            )
+        self._ack_batch = _AckBatch(self)
+        batch.sending = anyio.Event()
+        started = anyio.current_time() if self._hooks is not None else 0.0
+        try:
+            refused, messages = await backend.ack_and_receive(
+                batch.messages,
+                self.client_id,
+                self._subscriptions,
+                max_message_num,
+                invisible,
+                self.await_duration,
+                queues,
+            )
+        except BaseException as exc:  # the acks' fate is unknown: their futures say so
+            batch.error = exc
+            raise
+        else:
+            batch.error = self._acked(batch.messages, refused, started)
+            if batch.error is not None:
+                batch.refused = {id(m) for m in refused}
+        finally:
+            batch.done = True
+            batch.sending.set()
         return messages
 
     def _received_hooks(
@@ -583,6 +626,13 @@ class SimpleConsumer:
         except Exception as exc:
             self._settle_hooks("ack", messages, [], exc, None, started)
             raise
+        return self._acked(messages, refused, started)
+
+    def _acked(
+        self, messages: list[ReceivedMessage], refused: list[ReceivedMessage], started: float
+    ) -> InvalidReceiptHandleError | None:
+        """Count acks the broker answered and tell the hooks; the error naming those
+        refused, or ``None``."""
         if not refused and self._hooks is None:
             self._counts["acked"] += len(messages)
             return None

@@ -231,6 +231,29 @@ class PopBackend(abc.ABC):
         """Finish ``message``; raises :class:`InvalidReceiptHandleError` when this
         delivery no longer holds it."""
 
+    @property
+    def merges_acks(self) -> bool:
+        """Whether :meth:`ack_and_receive` sends the acks with the receive (one round
+        trip); ``False`` by default."""
+        return False
+
+    async def ack_and_receive(
+        self,
+        acks: Sequence[ReceivedMessage],
+        consumer: str,
+        subscriptions: Mapping[str, TagFilter],
+        max_num: int,
+        invisible_duration: float,
+        timeout: float,
+        queues: Collection[tuple[str, int]] | None = None,
+    ) -> tuple[list[ReceivedMessage], list[ReceivedMessage]]:
+        """:meth:`ack_many` then :meth:`receive`: the acks refused and the messages."""
+        refused = await self.ack_many(acks) if acks else []
+        received = await self.receive(
+            consumer, subscriptions, max_num, invisible_duration, timeout, queues
+        )
+        return refused, received
+
     async def ack_many(self, messages: Sequence[ReceivedMessage]) -> list[ReceivedMessage]:
         """Ack every message still held; returns those refused (in the order given)."""
         refused: list[ReceivedMessage] = []

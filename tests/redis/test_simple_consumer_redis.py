@@ -366,3 +366,29 @@ async def test_ack_async_goes_with_the_next_receive(
         refused = c.ack_async(got[0])
         with pytest.raises(InvalidReceiptHandleError, match="refused"):
             await refused
+
+
+async def test_acks_sent_with_a_receive_release_fifo_heads_and_report_refusals(
+    broker: RedisBroker,
+) -> None:
+    await broker.create_topic("t", 2)
+    for i in range(2):
+        await broker.send("t", b"a%d" % i, keys=["A"], queue_id=0)
+        await broker.send("t", b"b%d" % i, keys=["B"], queue_id=1)
+    async with consumer(broker, fifo=True) as c:
+        heads = await c.receive(10, 600)
+        assert sorted(m.body for m in heads) == [b"a0", b"b0"]
+        assert await c.receive(10, 600) == []  # the next of each group waits
+        a0, b0 = sorted(heads, key=lambda m: m.body)
+        await c.ack(a0)
+        again = c.ack_async(a0)  # acked already: refused
+        acked = c.ack_async(b0)
+        assert not acked.done()
+        # one script: the acks, then the head the ack released (a1 was released by the
+        # plain ack)
+        assert sorted(m.body for m in await c.receive(10, 600)) == [b"a1", b"b1"]
+        assert acked.done()
+        await acked
+        with pytest.raises(InvalidReceiptHandleError, match="refused") as info:
+            await again
+        assert info.value.refused == [a0]
