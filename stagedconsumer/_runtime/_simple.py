@@ -664,7 +664,8 @@ class SimpleConsumer:
         :class:`InvalidReceiptHandleError` when the ack was refused. Until it is sent,
         the message's invisible duration keeps running: a loop that acks this way
         and then receives again sends its acks with that receive."""
-        self._running("ack_async")
+        if self._backend is None or self._closed:
+            self._running("ack_async")
         batch = self._ack_batch
         batch.messages.append(message)
         return AckFuture(batch, message)

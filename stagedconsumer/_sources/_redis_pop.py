@@ -37,7 +37,7 @@ import operator
 import re
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -92,14 +92,14 @@ end
 
 _SETTLE_FUNCTION_LUA = """
 -- settle the deliveries of queue q (KEYS from q * per) whose receipt handles are in
--- records (NUL-separated): ack them (change < 0) or move their invisible time to
+-- the list records: ack them (change < 0) or move their invisible time to
 -- change ms from now; the entries not done go to codes as (index, code) pairs,
 -- indexes counted from seen; returns seen + the number of entries
 local function settle(q, per, records, change, seen, codes)
   local S, INV = KEYS[q*per+1], KEYS[q*per+2]
   local LOCK, WAIT, READY = KEYS[q*per+3], KEYS[q*per+4], KEYS[q*per+5]
   local ids, atts, mgs = {}, {}, {}
-  for record in string.gmatch(records, '[^%z]+') do
+  for _, record in ipairs(records) do
     local id, att, mg = string.match(record, '^(%S+) (%d+) ?(.*)$')
     ids[#ids + 1] = id
     atts[#atts + 1] = tonumber(att)
@@ -155,9 +155,21 @@ local specs = {}
 for spec in string.gmatch(ARGV[9] .. '\\r', '([^\\r]*)\\r') do specs[#specs + 1] = spec end
 -- acks queued by the client, sent with this receive
 local acked = {}
-if ARGV[10] == '1' then
+if ARGV[10] ~= '' then
+  -- a queue's index, then the receipt handles of its acks (which have a space)
+  local per_q, at = {}, nil
+  for token in string.gmatch(ARGV[10], '[^%z]+') do
+    if string.find(token, ' ', 1, true) then
+      at[#at + 1] = token
+    else
+      at = {}
+      per_q[tonumber(token) + 1] = at
+    end
+  end
   local seen = 0
-  for q = 0, nq - 1 do seen = settle(q, per, ARGV[11 + q], -1, seen, acked) end
+  for q = 0, nq - 1 do
+    if per_q[q + 1] then seen = settle(q, per, per_q[q + 1], -1, seen, acked) end
+  end
 end
 local out = {}
 local got = 0
@@ -293,8 +305,9 @@ for a FIFO group ``lock``, ``wait``, ``ready``: few arguments to encode per call
 ARGV: group, consumer, max messages, invisible ms, max delivery attempts, ``1`` for
 FIFO, the message group property (``''``: the first key), a ``1`` or ``0`` per queue
 (an attached stream or not), then per queue its accepted tags (newline-separated;
-``''``: all), the queues' separated by CR, then ``1`` when acks come along, and then
-per queue the receipt handles to ack first (as :data:`SETTLE_LUA` takes them).
+``''``: all), the queues' separated by CR, then the acks to make first (``''``:
+none): for each queue that has some its index, then their receipt handles, all
+separated by NUL bytes.
 Returns ``{records}`` where a record is ``{kind, queue index, entry id, attempt,
 message group or nil, fields, receipt handle}``
 (the handle is what :data:`SETTLE_LUA` reads: ``<id> <attempt>[ <message group>]``;
@@ -312,7 +325,9 @@ local per = tonumber(ARGV[3])
 local codes = {}
 local seen = 0
 for q = 0, #KEYS / per - 1 do
-  seen = settle(q, per, ARGV[4 + q], change, seen, codes)
+  local records = {}
+  for record in string.gmatch(ARGV[4 + q], '[^%z]+') do records[#records + 1] = record end
+  seen = settle(q, per, records, change, seen, codes)
 end
 return codes
 """
@@ -383,6 +398,7 @@ class _PopQueue:
 
 _QUEUE_KEY = operator.attrgetter("topic", "queue_id")
 _HANDLE = operator.attrgetter("receipt_handle")
+_GROUP = operator.attrgetter("consumer_group")
 _RECORD_HANDLE = operator.itemgetter(6)
 _KIND_QUEUE = operator.itemgetter(0, 1)
 _ENTRY = operator.itemgetter(2, 5)
@@ -569,22 +585,26 @@ class RedisPopBackend(PopBackend):
 
     def _ack_plan(
         self, acks: Sequence[ReceivedMessage], batch: Sequence[tuple[_PopQueue, TagFilter]]
-    ) -> tuple[list[str], list[int]] | None:
-        """The receive script's acks of ``batch``'s queues: per queue its receipt
-        handles, and the acks' indexes in the script's order; ``None`` when one is of
-        a queue not in ``batch``."""
-        group = self.settings.group
-        index = {(q.topic, q.queue_id): i for i, (q, _) in enumerate(batch)}
-        per_queue: list[list[int]] = [[] for _ in batch]
-        for n, message in enumerate(acks):
-            if type(message) is not ReceivedMessage or message.consumer_group != group:
+    ) -> tuple[str, list[int]] | None:
+        """The receive script's acks of ``batch``'s queues (see :data:`RECEIVE_LUA`),
+        and the acks' indexes in the script's order; ``None`` when one is of a queue
+        not in ``batch``."""
+        if set(map(type, acks)) != {ReceivedMessage} or set(map(_GROUP, acks)) != {
+            self.settings.group
+        }:
+            for message in acks:
                 self._check(message, "ack")
-            at = index.get((message.topic, message.queue_id))
-            if at is None:
-                return None
-            per_queue[at].append(n)
-        packed = ["\0".join(map(_HANDLE, map(acks.__getitem__, at))) for at in per_queue]
-        return packed, [n for at in per_queue for n in at]
+        index = {(q.topic, q.queue_id): i for i, (q, _) in enumerate(batch)}
+        found = list(map(index.get, map(_QUEUE_KEY, acks)))
+        if None in found:
+            return None
+        at_of = cast("list[int]", found)
+        order = sorted(range(len(acks)), key=at_of.__getitem__)  # stable: in order per queue
+        parts: list[str] = []
+        for at, run in itertools.groupby(order, at_of.__getitem__):
+            parts.append(str(at))
+            parts.extend(map(_HANDLE, map(acks.__getitem__, run)))
+        return "\0".join(parts), order
 
     async def _round(
         self,
@@ -592,7 +612,7 @@ class RedisPopBackend(PopBackend):
         batches: Sequence[Sequence[tuple[_PopQueue, TagFilter]]],
         max_num: int,
         inv_ms: int,
-        plan: tuple[list[str], list[int]] | None,
+        plan: tuple[str, list[int]] | None,
         regrouped: list[bool],
     ) -> tuple[list[ReceivedMessage], bool, int, list[tuple[str, Any]], Sequence[Any]]:
         """One receive script per batch: the messages, whether any was dead-lettered,
@@ -641,7 +661,7 @@ class RedisPopBackend(PopBackend):
         batch: Sequence[tuple[_PopQueue, TagFilter]],
         want: int,
         inv_ms: int,
-        acks: Sequence[str] | None = None,
+        acks: str | None = None,
     ) -> Any:
         settings = self.settings
         keys: list[str] = []
@@ -664,11 +684,7 @@ class RedisPopBackend(PopBackend):
             specs.append("" if attached or accepts.tags is None else "\n".join(accepts.tags))
         args.append("".join(flags))
         args.append("\r".join(specs))
-        if acks is None:
-            args.append("")
-        else:
-            args.append("1")
-            args.extend(acks)
+        args.append(acks or "")
         connection = self.broker._connection
         return await connection.call(
             f"receiving from {', '.join(q.stream for q, _ in batch)}",
