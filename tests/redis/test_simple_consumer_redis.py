@@ -392,3 +392,21 @@ async def test_acks_sent_with_a_receive_release_fifo_heads_and_report_refusals(
         with pytest.raises(InvalidReceiptHandleError, match="refused") as info:
             await again
         assert info.value.refused == [a0]
+
+
+async def test_acks_sent_with_a_receive_name_the_refused_over_queues(broker: RedisBroker) -> None:
+    await broker.create_topic("t", 3)
+    for i in range(9):
+        await broker.send("t", b"%d" % i, queue_id=i % 3)
+    async with consumer(broker) as c:
+        got = await c.receive(9, 600)
+        assert len(got) == 9
+        refused = [got[1], got[5]]
+        for m in refused:
+            await c.ack(m)
+        futures = [c.ack_async(m) for m in got]
+        assert await c.receive(9, 600) == []  # the acks went with it
+        errors = [f.exception() for f in futures]
+        assert [m for m, e in zip(got, errors, strict=True) if e is not None] == refused
+        assert isinstance(errors[1], InvalidReceiptHandleError)
+        assert errors[1].refused == refused
