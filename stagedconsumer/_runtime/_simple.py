@@ -656,9 +656,10 @@ class SimpleConsumer:
 
     def ack_async(self, message: ReceivedMessage) -> AckFuture:
         """Queue an ack of ``message`` and return at once (RocketMQ 5's ``ackAsync``):
-        the acks queued are sent together, in one round trip as :meth:`ack_batch`
-        sends them, when the next :meth:`receive` starts, when the consumer closes,
-        or when one of their futures is awaited, whichever comes first.
+        the acks queued are sent together with the next :meth:`receive` (on Redis
+        within its script: one round trip for both; elsewhere as :meth:`ack_batch`
+        sends them, before it), or when the consumer closes, or when one of their
+        futures is awaited, whichever comes first.
 
         ``await`` the returned :class:`AckFuture` to know the outcome: it raises
         :class:`InvalidReceiptHandleError` when the ack was refused. Until it is sent,
