@@ -24,23 +24,48 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanKind, Status, StatusCode
+from opentelemetry.metrics import Histogram
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from .._message import Message, MessageQueue
 from ._hooks import PullContext, SettleContext
-from ._otel_common import BATCH_COUNT, MESSAGE_ID, error_type_of, ns
-
-if TYPE_CHECKING:
-    from ._otel_hook import OpenTelemetryHook, _Received
+from ._otel_common import BATCH_COUNT, MESSAGE_ID, Counts, creation_link, error_type_of, ns
 
 __all__ = ("pop_process", "pop_received", "pop_settled")
 
 _EMPTY = otel_context.Context()
+
+
+class OpenTelemetryHook(Protocol):
+    """What these functions use of :class:`~._otel_hook.OpenTelemetryHook` (which
+    imports this module)."""
+
+    spans: bool
+    metrics: bool
+    messaging_system: str
+    _tracer: Tracer
+    _queues: dict[MessageQueue, Any]
+    _consumed_counts: Counts
+    _receive_consumed: dict[tuple[str, int], object]
+    _operation_duration: Histogram
+    _process_duration: Histogram
+
+    def _base(
+        self, operation: str, op_type: str, topic: str, group: str, queue_id: int
+    ) -> dict[str, AttributeValue]: ...
+
+    def _queue(self, mq: MessageQueue, group: str) -> Any: ...
+
+    def _metric_attrs(
+        self, topic: str, group: str, queue_id: int
+    ) -> tuple[dict[str, AttributeValue], object]: ...
+
+
 _MAX_HELD = 65536
 """Received messages whose receive span is remembered per queue (for their process
 and settle spans); the oldest are forgotten past it (messages never settled here)."""
@@ -107,9 +132,8 @@ def _consumed_key(hook: OpenTelemetryHook, topic: str, group: str, queue_id: int
 
 
 def _link(message: Message) -> Link | None:
-    from ._otel_hook import _creation_link
-
-    return _creation_link(message)
+    """A link to the creation context in ``message``'s properties, or ``None``."""
+    return creation_link(message.properties, message.msg_id)
 
 
 def _op_attrs(attributes: dict[str, AttributeValue]) -> dict[str, AttributeValue]:
@@ -117,7 +141,7 @@ def _op_attrs(attributes: dict[str, AttributeValue]) -> dict[str, AttributeValue
     return {k: v for k, v in attributes.items() if k not in (MESSAGE_ID, BATCH_COUNT)}
 
 
-def _entry(hook: OpenTelemetryHook, message: Message) -> _Received | None:
+def _entry(hook: OpenTelemetryHook, message: Message) -> Any:
     queue = hook._queues.get(MessageQueue(message.topic, message.queue_id))
     return None if queue is None else queue.received.get(message.queue_offset)
 
