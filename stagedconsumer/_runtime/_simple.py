@@ -158,7 +158,7 @@ class AckFuture:
 
     async def _wait(self) -> None:
         batch = self._batch
-        if not batch.done:
+        while not batch.done:
             if batch.sending is None:
                 await batch.consumer._flush_acks()
             else:  # being sent by another task
@@ -232,6 +232,8 @@ class SimpleConsumer:
         self._counts = {"received": 0, "acked": 0, "refused": 0, "nacked": 0}
         self._ack_batch = _AckBatch(self)
         """Acks queued by :meth:`ack_async`, not sent yet."""
+        self._acks_in_flight: anyio.Event | None = None
+        """Set when the batch of acks on its way (``_flush_acks``) is answered."""
         self._receiving: set[anyio.CancelScope] = set()
         """Receives waiting for messages (cancelled when the consumer closes)."""
 
@@ -674,11 +676,15 @@ class SimpleConsumer:
     async def _flush_acks(self) -> None:
         """Send the queued acks (:meth:`ack_async`); their futures get the outcome.
         A broker's error goes to the futures, not to the caller."""
+        in_flight = self._acks_in_flight
+        if in_flight is not None:
+            # group commit: acks queued while one batch is on its way go in the next
+            await in_flight.wait()
         batch = self._ack_batch
         if not batch.messages:
             return
         self._ack_batch = _AckBatch(self)
-        batch.sending = anyio.Event()
+        batch.sending = self._acks_in_flight = anyio.Event()
         try:
             backend = self._backend
             if backend is None:
@@ -691,6 +697,8 @@ class SimpleConsumer:
         finally:
             batch.done = True
             batch.sending.set()
+            if self._acks_in_flight is batch.sending:
+                self._acks_in_flight = None
 
     async def change_invisible_duration(
         self, message: ReceivedMessage, invisible_duration: float

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -23,6 +24,7 @@ import redis
 
 from stagedconsumer import (
     InvalidReceiptHandleError,
+    ReceivedMessage,
     SimpleConsumer,
     SimpleConsumerOptions,
 )
@@ -410,3 +412,34 @@ async def test_acks_sent_with_a_receive_name_the_refused_over_queues(broker: Red
         assert [m for m, e in zip(got, errors, strict=True) if e is not None] == refused
         assert isinstance(errors[1], InvalidReceiptHandleError)
         assert errors[1].refused == refused
+
+
+async def test_acks_awaited_at_once_share_round_trips(broker: RedisBroker) -> None:
+    """Group commit: acks queued while one batch is on its way go in the next."""
+    await broker.create_topic("t", 2)
+    for i in range(10):
+        await broker.send("t", b"%d" % i, queue_id=i % 2)
+    async with consumer(broker) as c:
+        got = await c.receive(10, 600)
+        assert len(got) == 10
+        backend = c._backend
+        assert backend is not None
+        calls: list[int] = []
+        ack_many = backend.ack_many
+
+        async def counted(messages: Any) -> Any:
+            calls.append(len(messages))
+            return await ack_many(messages)
+
+        backend.ack_many = counted  # type: ignore[method-assign]
+
+        async def ack(message: ReceivedMessage) -> None:
+            await c.ack_async(message)
+
+        async with anyio.create_task_group() as tg:
+            for m in got:
+                tg.start_soon(ack, m)
+        # the first batch goes alone; the nine queued while it was on its way, together
+        assert calls == [1, 9]
+        assert c.statistics().consumed_ok == len(got)
+        assert await c.receive(10, 600) == []
