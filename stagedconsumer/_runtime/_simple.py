@@ -458,21 +458,14 @@ class SimpleConsumer:
         """The backend's receive, with the acks queued by :meth:`ack_async` when it
         sends them along (one round trip)."""
         batch = self._ack_batch
-        if not batch.messages:
-            return await backend.receive(
-                self.client_id,
-                self._subscriptions,
-                max_message_num,
-                invisible,
-                self.await_duration,
-                queues,
-            )
-        self._ack_batch = _AckBatch(self)
-        batch.sending = anyio.Event()
-        started = anyio.current_time() if self._hooks is not None else 0.0
+        acks = batch.messages
+        if acks:
+            self._ack_batch = _AckBatch(self)
+            batch.sending = anyio.Event()
+        started = anyio.current_time() if acks and self._hooks is not None else 0.0
         try:
             refused, messages = await backend.ack_and_receive(
-                batch.messages,
+                acks,
                 self.client_id,
                 self._subscriptions,
                 max_message_num,
@@ -481,15 +474,19 @@ class SimpleConsumer:
                 queues,
             )
         except BaseException as exc:  # the acks' fate is unknown: their futures say so
-            batch.error = exc
+            if acks:
+                batch.error = exc
             raise
         else:
-            batch.error = self._acked(batch.messages, refused, started)
-            if batch.error is not None:
-                batch.refused = {id(m) for m in refused}
+            if acks:
+                batch.error = self._acked(acks, refused, started)
+                if batch.error is not None:
+                    batch.refused = {id(m) for m in refused}
         finally:
-            batch.done = True
-            batch.sending.set()
+            if acks:  # (without, ``batch`` is the one other tasks queue to now)
+                batch.done = True
+                assert batch.sending is not None
+                batch.sending.set()
         return messages
 
     def _received_hooks(
