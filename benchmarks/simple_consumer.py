@@ -11,10 +11,16 @@ own (``XGROUP CREATE ... 0``), in this process, one after the other, interleaved
   ``XACK`` per stream per batch. It decodes nothing (the handler gets raw fields);
 - **SimpleConsumer, ack**: ``receive(--batch, 60)``, the handler awaited per message,
   ``ack(message)`` per message (RocketMQ 5's loop: one round trip per ack);
+- **SimpleConsumer, ack_async**: the same, ``ack_async(message)`` per message (RocketMQ
+  5's ``ackAsync``: queued, and sent together with the next receive, one round trip);
 - **SimpleConsumer, ack_batch**: the same, then one ``ack_batch`` per receive (one
-  round trip per queue);
-- **SimpleConsumer, ack_batch, receive 8x**: ``receive(8 * --batch)``, as many
-  messages per round trip as the loop's ``XREADGROUP``.
+  round trip);
+- **receive 8x**: ``receive(8 * --batch)`` with ``ack_async`` or ``ack_batch``, as
+  many messages per round trip as the loop's ``XREADGROUP``;
+- **FastStream**: FastStream's Redis stream subscriber (``StreamSub`` with the group,
+  ``max_records=--batch``, one per stream, as in ``benchmarks/redis_e2e.py``), its
+  default acknowledgement (an ``XACK`` per message after the handler); skipped when
+  ``faststream`` is not installed (the ``bench`` extra).
 
 CPU per message is the process's CPU time (``time.process_time``) over the drain
 divided by the messages. Each system runs twice per round: as is, and with the
@@ -35,10 +41,12 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -88,7 +96,9 @@ async def run_loop(url: str, ns: str, group: str, n: int, batch: int) -> None:
         await client.aclose()
 
 
-async def run_simple(url: str, ns: str, group: str, n: int, batch: int, *, ack_batch: bool) -> None:
+async def run_simple(url: str, ns: str, group: str, n: int, batch: int, *, ack: str) -> None:
+    """``ack``: ``"ack"`` (awaited per message), ``"ack_async"`` (queued per message,
+    sent with the next receive) or ``"ack_batch"`` (one call per receive)."""
     async with RedisBroker(url, namespace=ns) as broker:
         consumer = SimpleConsumer(group, broker, subscriptions={TOPIC: "*"}, await_duration=1)
         async with consumer:
@@ -97,11 +107,47 @@ async def run_simple(url: str, ns: str, group: str, n: int, batch: int, *, ack_b
                 messages = await consumer.receive(batch, 60)
                 for message in messages:
                     await handle(message.body)
-                    if not ack_batch:
+                    if ack == "ack":
                         await consumer.ack(message)
-                if ack_batch and messages:
+                    elif ack == "ack_async":
+                        consumer.ack_async(message)
+                if ack == "ack_batch" and messages:
                     await consumer.ack_batch(messages)
                 done += len(messages)
+
+
+async def run_faststream(url: str, ns: str, group: str, n: int, batch: int) -> None:
+    from faststream.redis import RedisBroker as FastStreamBroker
+    from faststream.redis import StreamSub
+
+    keys = [f"{ns}:q:{{{TOPIC}:{q}}}" for q in range(QUEUES)]
+    client = aioredis.Redis.from_url(url)
+    try:
+        for key in keys:  # from the oldest entry, as the others
+            await client.xgroup_create(key, group, id="0")
+    finally:
+        await client.aclose()
+    # faststream types ``logger`` as a logger only; None (no logging) is what it documents
+    broker = FastStreamBroker(url, logger=None)  # type: ignore[arg-type]
+    done = asyncio.Event()
+    count = 0
+
+    async def on_message(body: Any) -> None:
+        nonlocal count
+        await handle(body)
+        count += 1
+        if count >= n:
+            done.set()
+
+    for key in keys:
+        broker.subscriber(stream=StreamSub(key, group=group, consumer="c1", max_records=batch))(
+            on_message
+        )
+    await broker.start()
+    try:
+        await done.wait()
+    finally:
+        await broker.stop()
 
 
 async def server_cpu(url: str) -> float:
@@ -142,15 +188,29 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     systems: dict[str, Runner] = {
         "redis-py XREADGROUP + XACK loop": lambda g: run_loop(url, ns, g, n, batch),
         f"SimpleConsumer receive({batch}) + ack": lambda g: run_simple(
-            url, ns, g, n, batch, ack_batch=False
+            url, ns, g, n, batch, ack="ack"
+        ),
+        f"SimpleConsumer receive({batch}) + ack_async": lambda g: run_simple(
+            url, ns, g, n, batch, ack="ack_async"
         ),
         f"SimpleConsumer receive({batch}) + ack_batch": lambda g: run_simple(
-            url, ns, g, n, batch, ack_batch=True
+            url, ns, g, n, batch, ack="ack_batch"
+        ),
+        f"SimpleConsumer receive({QUEUES * batch}) + ack_async": lambda g: run_simple(
+            url, ns, g, n, QUEUES * batch, ack="ack_async"
         ),
         f"SimpleConsumer receive({QUEUES * batch}) + ack_batch": lambda g: run_simple(
-            url, ns, g, n, QUEUES * batch, ack_batch=True
+            url, ns, g, n, QUEUES * batch, ack="ack_batch"
         ),
     }
+    try:
+        import faststream  # noqa: F401
+    except ImportError:
+        print("faststream is not installed (pip install 'stagedconsumer[bench]'): skipped")
+    else:
+        systems["FastStream StreamSub"] = lambda g: run_faststream(url, ns, g, n, batch)
+    if args.no_single_acks:
+        del systems[f"SimpleConsumer receive({batch}) + ack"]
     await fill(url, ns, n)
     results: dict[tuple[str, bool], list[dict[str, float]]] = {}
     try:
@@ -213,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="XREADGROUP COUNT per stream"
                         " and max_message_num of receive (default 32, RocketMQ's)")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--no-single-acks",
+        action="store_true",
+        help="leave out receive + one ack per message (a round trip per message: slow)",
+    )
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.url is None:
@@ -220,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(main_async(args))
     print(
         f"{args.messages:,} no-op messages, 8 streams, median of {args.repeat} rounds;"
-        f" python {platform.python_version()}; Redis {args.url}"
+        f" python {platform.python_version()}; Redis {args.url}; load {os.getloadavg()[0]:.1f}"
     )
+    print("command: python -m benchmarks.simple_consumer " + " ".join(argv or sys.argv[1:]))
     header = ("system", "GC", "msg/s", "CPU µs/msg", "vs loop", "Redis CPU µs/msg")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

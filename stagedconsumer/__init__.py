@@ -46,6 +46,7 @@ from ._observability._hooks import ConsumeMessageContext as ConsumeMessageContex
 from ._observability._hooks import ConsumeMessageHook as ConsumeMessageHook
 from ._observability._hooks import ConsumeReturnType as ConsumeReturnType
 from ._observability._hooks import PullContext as PullContext
+from ._observability._hooks import SettleContext as SettleContext
 from ._observability._hooks import SettleOutcome as SettleOutcome
 from ._observability._send_hooks import ProducerStatistics as ProducerStatistics
 from ._observability._send_hooks import ProducerView as ProducerView
@@ -78,6 +79,7 @@ from ._options import ConsumerOptions as ConsumerOptions
 from ._options import ProducerOptions as ProducerOptions
 from ._runtime._consumer import PushConsumer as PushConsumer
 from ._runtime._producer import Producer as Producer
+from ._runtime._simple import AckFuture as AckFuture
 from ._runtime._simple import SimpleConsumer as SimpleConsumer
 from ._runtime._simple import SimpleConsumerOptions as SimpleConsumerOptions
 from ._runtime._simple_worker import SimpleWorker as SimpleWorker
@@ -130,6 +132,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = (
+    "AckFuture",
     "ReceivedMessage",
     "InvalidReceiptHandleError",
     "SimpleConsumerOptions",
@@ -190,6 +193,7 @@ __all__ = (
     "ProducerStatistics",
     "ProducerView",
     "PullContext",
+    "SettleContext",
     "PullResult",
     "PushConsumer",
     "RedisBroker",

@@ -90,6 +90,18 @@ def _ratio(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise InvalidOptionError(f"{attribute.name} must be in (0, 1], got {value!r}")
 
 
+def check_gray_options(switch: bool, tag: bool, ratio: float) -> None:
+    """The gray options of a consumer (push or simple) agree with each other."""
+    if tag and not switch:
+        raise InvalidOptionError("gray_tag=True needs enable_gray_switch=True")
+    if ratio != _DEFAULT_GRAY_RATIO and not switch:
+        raise InvalidOptionError(
+            f"gray_queue_ratio={ratio!r} is used only with"
+            " enable_gray_switch=True (on every member of the group); with the switch"
+            " off it would be ignored"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ConsumerOptions:
     """Tunables of a :class:`~stagedconsumer.PushConsumer` (RocketMQ names and defaults).
@@ -194,14 +206,7 @@ class ConsumerOptions:
     ``enable_gray_switch`` (another value with the switch off is refused)."""
 
     def __attrs_post_init__(self) -> None:
-        if self.gray_tag and not self.enable_gray_switch:
-            raise InvalidOptionError("gray_tag=True needs enable_gray_switch=True")
-        if self.gray_queue_ratio != _DEFAULT_GRAY_RATIO and not self.enable_gray_switch:
-            raise InvalidOptionError(
-                f"gray_queue_ratio={self.gray_queue_ratio!r} is used only with"
-                " enable_gray_switch=True (on every member of the group); with the switch"
-                " off it would be ignored"
-            )
+        check_gray_options(self.enable_gray_switch, self.gray_tag, self.gray_queue_ratio)
         from_timestamp = self.consume_from_where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP
         if from_timestamp and self.consume_timestamp is None:
             raise InvalidOptionError("CONSUME_FROM_TIMESTAMP needs consume_timestamp")

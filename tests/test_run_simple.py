@@ -59,7 +59,8 @@ def test_sigterm_lets_handlers_in_flight_finish_and_ack(
     assert worker["in_flight"] == 4
     code, metrics = get(port, "/metrics")
     assert code == 200
-    assert "stagedconsumer_consumer_" in metrics  # the OpenTelemetryHook on the consumer
+    assert "messaging_client_consumed_messages" in metrics  # the OpenTelemetryHook
+    assert 'messaging_operation_name="receive"' in metrics  # counted at receive
 
     run.signal(signal.SIGTERM)
     run.wait_for("leaving gracefully")

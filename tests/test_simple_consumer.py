@@ -270,6 +270,8 @@ async def test_errors_of_use(broker: MemoryBroker) -> None:
                 pass
     with pytest.raises(ConsumerStateError, match="closed"):
         await c.receive(1, 10)
+    async with consumer(broker, fifo=True):  # nobody runs the group: settings may change
+        pass
     with pytest.raises(UnknownTopicError):
         SimpleConsumer("g", broker, subscriptions={"nope": "*"})
     with pytest.raises(ConfigurationError, match="tag expression"):
@@ -379,3 +381,50 @@ def test_received_messages_pickle_with_their_delivery() -> None:
         "k",
         "g",
     )
+
+
+async def test_ack_async_sends_the_queued_acks_with_the_next_receive(broker: MemoryBroker) -> None:
+    for i in range(4):
+        broker.send("jobs", b"%d" % i)
+    async with consumer(broker) as c:
+        got = await c.receive(4, 30)
+        futures = [c.ack_async(m) for m in got]
+        assert not any(f.done() for f in futures)  # queued, not sent
+        assert c.statistics().consumed_ok == 0
+        assert await c.receive(4, 30) == []  # sends them first
+        assert all(f.done() and f.exception() is None for f in futures)
+        assert c.statistics().consumed_ok == 4
+        for f in futures:
+            await f
+        with pytest.raises(InvalidReceiptHandleError):
+            await c.ack(got[0])  # acked already
+
+
+async def test_awaiting_an_ack_future_sends_and_reports_a_refusal(
+    broker: MemoryBroker, clock: Clock
+) -> None:
+    broker.send("jobs", b"a")
+    broker.send("jobs", b"b")
+    async with consumer(broker) as c:
+        a, b = await c.receive(2, 10)
+        await c.change_invisible_duration(b, 20)
+        clock.now += 10  # a's invisible time passed, b's not
+        fa, fb = c.ack_async(a), c.ack_async(b)
+        with pytest.raises(InvalidReceiptHandleError, match="refused"):
+            await fa
+        assert fb.done()
+        await fb  # acked in the same round trip
+        assert isinstance(fa.exception(), InvalidReceiptHandleError)
+        (again,) = await c.receive(2, 10)
+        assert again.msg_id == a.msg_id
+
+
+async def test_closing_sends_the_queued_acks(broker: MemoryBroker) -> None:
+    broker.send("jobs", b"x")
+    async with consumer(broker) as c:
+        (m,) = await c.receive(1, 30)
+        future = c.ack_async(m)
+    assert future.done()
+    await future
+    async with consumer(broker) as c:
+        assert await c.receive(1, 30) == []

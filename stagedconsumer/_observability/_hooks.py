@@ -37,6 +37,7 @@ __all__ = (
     "ConsumeMessageHook",
     "ConsumeReturnType",
     "PullContext",
+    "SettleContext",
     "SettleOutcome",
 )
 
@@ -201,6 +202,32 @@ class PullContext:
         return loop_time + self.wall_offset
 
 
+@attrs.define(eq=False, kw_only=True, slots=True)
+class SettleContext:
+    """One settle call of a :class:`~stagedconsumer.SimpleConsumer` (``ack``,
+    ``ack_batch`` or ``change_invisible_duration``), for
+    :meth:`ConsumeMessageHook.messages_settled`."""
+
+    consumer_group: str
+    operation: str
+    """``"ack"`` (``ack`` and ``ack_batch``), ``"nack"`` (``change_invisible_duration``
+    to 0: handed back at once) or ``"change_invisible_duration"``."""
+    messages: Sequence[Message]
+    """The messages of the call, in the order given."""
+    refused: Sequence[Message]
+    """Those the broker refused (their invisible duration passed, ...)."""
+    exception: BaseException | None
+    """What the call raised (``InvalidReceiptHandleError``, a broker error), or ``None``."""
+    invisible_duration: float | None
+    """``change_invisible_duration``'s seconds; ``None`` for an ack."""
+    start_time: float
+    end_time: float
+    wall_offset: float
+
+    def wall(self, loop_time: float) -> float:
+        return loop_time + self.wall_offset
+
+
 class ConsumeMessageHook(abc.ABC):
     """Code run around every handler call of a consumer.
 
@@ -232,7 +259,16 @@ class ConsumeMessageHook(abc.ABC):
 
     def messages_pulled(self, context: PullContext) -> None:  # noqa: B027 - optional
         """Called after a pull that cached messages. The default does nothing (and a
-        consumer whose hooks all keep the default does not build the context)."""
+        consumer whose hooks all keep the default does not build the context). A
+        :class:`~stagedconsumer.SimpleConsumer` calls it once per ``receive`` that
+        returned messages (``message_queue``: the queue of the first; ``max_offset``
+        -1)."""
+
+    def messages_settled(self, context: SettleContext) -> None:  # noqa: B027 - optional
+        """Called after each settle call of a :class:`~stagedconsumer.SimpleConsumer`
+        (``ack``, ``ack_batch``, ``change_invisible_duration``), whether the broker
+        took it or not. The default does nothing (and a consumer whose hooks all keep
+        it does not build the context)."""
 
     async def run(
         self,

@@ -55,7 +55,13 @@ from opentelemetry.util.types import AttributeValue
 
 from .._message import Message, MessageQueue
 from .._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
-from ._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext, SettleOutcome
+from ._hooks import (
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    PullContext,
+    SettleContext,
+    SettleOutcome,
+)
 from ._otel_common import (
     BATCH_COUNT,
     DURATION_BUCKETS,
@@ -69,6 +75,7 @@ from ._otel_common import (
     ns,
     seconds_histogram,
 )
+from ._otel_pop import pop_process, pop_received, pop_settled
 
 if TYPE_CHECKING:
     from ._view import ConsumerView
@@ -286,6 +293,12 @@ class OpenTelemetryHook(ConsumeMessageHook):
         # counters export exactly like counters): one dict update per handler call
         # instead of an SDK measurement.
         self._consumed_counts = Counts()
+        self._receive_consumed: dict[tuple[str, int], object] = {}
+        self._operation_duration = seconds_histogram(
+            meter,
+            "messaging.client.operation.duration",
+            "Duration of messaging operation initiated by a producer or consumer client.",
+        )
         self._dlq_counts = Counts()
         self._retried_counts = Counts()
         # Histogram measurements waiting to be recorded in bulk (see _record_pending),
@@ -435,6 +448,9 @@ class OpenTelemetryHook(ConsumeMessageHook):
     # -- receive ----------------------------------------------------------------------
 
     def messages_pulled(self, context: PullContext) -> None:
+        if context.max_offset < 0:  # a SimpleConsumer's receive
+            pop_received(self, context)
+            return
         messages = context.messages
         mq = context.message_queue
         self._max_offsets[mq] = context.max_offset
@@ -515,9 +531,32 @@ class OpenTelemetryHook(ConsumeMessageHook):
 
     # -- process ------------------------------------------------------------------------
 
+    def messages_settled(self, context: SettleContext) -> None:
+        """A SimpleConsumer's ``ack``, ``ack_batch`` or ``change_invisible_duration``:
+        its settle span and ``messaging.client.operation.duration``."""
+        pop_settled(self, context)
+
+    def process(self, message: Message) -> contextlib.AbstractContextManager[Span]:
+        """``with hook.process(message):`` a ``process <topic>`` span around the
+        application's work on a message a :class:`~stagedconsumer.SimpleConsumer`
+        received (pop consumption runs no handler, so the application says where
+        processing is)::
+
+            for message in await consumer.receive(16, 30):
+                with hook.process(message):
+                    await handle(message)
+                await consumer.ack(message)
+
+        The span is a child of the message's receive span, links the message's
+        creation context and is current in the block (spans started there are its
+        children, and so is the settle span of an ack made inside it). An exception
+        leaving the block sets ``error.type`` and an ERROR status and goes on.
+        Records ``messaging.process.duration``."""
+        return pop_process(self, message)
+
     def consume_message_before(self, context: ConsumeMessageContext) -> None:
-        if not self.spans:
-            return
+        if not self.spans or context.mode == "pop":
+            return  # pop: receive and settle spans come from messages_pulled/_settled
         queue = self._queues.get(context.message_queue)
         # The first message's entry is taken now (put back if the call is suspended);
         # the others' are dropped after the call.
@@ -593,6 +632,8 @@ class OpenTelemetryHook(ConsumeMessageHook):
         context.props[self._props_key] = (span, token, current, queue, entry)
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:
+        if context.mode == "pop":
+            return
         state = context.props.pop(self._props_key, None)
         messages = context.messages
         settled = context.settled

@@ -424,7 +424,75 @@ class _Host(Generic[_CM]):
             return func()
 
 
-class BlockingProducer:
+class _Blocking(Generic[_CM]):
+    """What the blocking wrappers share: the event loop thread, the host of the async
+    object they run, the portal while it runs, leaving the block, and blocking calls."""
+
+    _noun = "consumer"
+    """What the wrapper runs, in error messages."""
+    _what = "consumer"
+    """What the wrapper runs, as :class:`_Host` names it."""
+    _error: type[StagedConsumerError] = ConsumerStateError
+    _host: _Host[_CM] | None
+    _loop: _LoopThread
+
+    def _init_loop(
+        self,
+        portal: BlockingPortal | None,
+        backend: str | None,
+        backend_options: Mapping[str, Any] | None,
+    ) -> None:
+        self._loop = _LoopThread(portal, backend, backend_options)
+        self._host = None
+
+    @property
+    def portal(self) -> BlockingPortal:
+        """The portal it runs on (while it runs): pass it to the objects that must
+        share its event loop, or ``portal.call(...)`` what must run there."""
+        if self._loop.portal is None or self._host is None or not self._host.running:
+            raise self._error(f"the {self._noun} is not running: use it in a with block")
+        return self._loop.portal
+
+    def _start(
+        self,
+        cm: _CM,
+        source: MessageSource,
+        *,
+        cancel_calls: bool,
+        cut_short: Callable[[], None] | None = None,
+    ) -> None:
+        """Enter the block: start ``cm`` on the loop (once)."""
+        if self._host is not None:
+            raise self._error(f"a {type(self).__name__} can be started only once")
+        self._host = _Host(
+            cm,
+            source,
+            self._loop,
+            what=self._what,
+            error=self._error,
+            cancel_calls=cancel_calls,
+            cut_short=cut_short,
+        )
+        self._host.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._host is not None
+        self._host.stop(exc)
+
+    def _call(self, method: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        if self._host is None:
+            raise self._error(
+                f"{method}() needs a running {self._noun}: use `with {type(self).__name__}(...)`"
+            )
+        return self._host.call(method, call)
+
+
+class BlockingProducer(_Blocking[Producer]):
     """A :class:`~stagedconsumer.Producer` for synchronous code: ``send`` blocks until
     the message is stored and returns its :class:`~stagedconsumer.SendResult`.
 
@@ -462,6 +530,9 @@ class BlockingProducer:
     :class:`~stagedconsumer.ProducerStateError`.
     """
 
+    _noun = _what = "producer"
+    _error = ProducerStateError
+
     def __init__(
         self,
         source: MessageSource,
@@ -474,16 +545,7 @@ class BlockingProducer:
     ) -> None:
         self.producer = Producer(source, group=group, options=options)
         """The async producer (for ``async def`` code on the same event loop)."""
-        self._loop = _LoopThread(portal, backend, backend_options)
-        self._host: _Host[Producer] | None = None
-
-    @property
-    def portal(self) -> BlockingPortal:
-        """The portal the producer runs on (while it runs): pass it to the objects
-        that must share its event loop, or ``portal.call(...)`` what must run there."""
-        if self._loop.portal is None or self._host is None or not self._host.running:
-            raise ProducerStateError("the producer is not running: use it in a with block")
-        return self._loop.portal
+        self._init_loop(portal, backend, backend_options)
 
     def register_send_message_hook(self, hook: SendMessageHook) -> None:
         """Run ``hook`` around every send (see :class:`~stagedconsumer.SendMessageHook`);
@@ -491,28 +553,10 @@ class BlockingProducer:
         self.producer.register_send_message_hook(hook)
 
     def __enter__(self) -> Self:
-        if self._host is not None:
-            raise ProducerStateError("a BlockingProducer can be started only once")
-        check_no_event_loop("BlockingProducer.__enter__", "producer")
-        self._host = _Host(
-            self.producer,
-            self.producer.source,
-            self._loop,
-            what="producer",
-            error=ProducerStateError,
-            cancel_calls=False,
-        )
-        self._host.start()
+        if self._host is None:
+            check_no_event_loop("BlockingProducer.__enter__", "producer")
+        self._start(self.producer, self.producer.source, cancel_calls=False)
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        assert self._host is not None
-        self._host.stop(exc)
 
     def send(
         self,
@@ -576,15 +620,8 @@ class BlockingProducer:
             return self.producer.statistics()
         return self._host.call_sync(self.producer.statistics)
 
-    def _call(self, method: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        if self._host is None:
-            raise ProducerStateError(
-                f"{method}() needs a running producer: use `with BlockingProducer(...)`"
-            )
-        return self._host.call(method, call)
 
-
-class BlockingConsumer:
+class BlockingConsumer(_Blocking[PushConsumer]):
     """Runs a :class:`~stagedconsumer.PushConsumer` from synchronous code: entering
     the block starts it on an event loop in another thread, leaving it stops it.
 
@@ -642,17 +679,7 @@ class BlockingConsumer:
             )
         self.consumer = consumer
         """The async consumer (configure it before entering the block)."""
-        self._loop = _LoopThread(portal, backend, backend_options)
-        self._host: _Host[PushConsumer] | None = None
-
-    @property
-    def portal(self) -> BlockingPortal:
-        """The portal the consumer runs on (while it runs): pass it to the objects
-        that must share its event loop (``BlockingProducer(broker, portal=...)``), or
-        ``portal.call(...)`` what must run there."""
-        if self._loop.portal is None or self._host is None or not self._host.running:
-            raise ConsumerStateError("the consumer is not running: use it in a with block")
-        return self._loop.portal
+        self._init_loop(portal, backend, backend_options)
 
     @property
     def running(self) -> bool:
@@ -660,29 +687,15 @@ class BlockingConsumer:
         return self._host is not None and self._host.running
 
     def __enter__(self) -> Self:
-        if self._host is not None:
-            raise ConsumerStateError("a BlockingConsumer can be started only once")
-        check_no_event_loop("BlockingConsumer.__enter__", "consumer (PushConsumer)")
-        self._host = _Host(
+        if self._host is None:
+            check_no_event_loop("BlockingConsumer.__enter__", "consumer (PushConsumer)")
+        self._start(
             self.consumer,
             self.consumer.source,
-            self._loop,
-            what="consumer",
-            error=ConsumerStateError,
             cancel_calls=True,
             cut_short=self.consumer._cut_shutdown_short,
         )
-        self._host.start()
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        assert self._host is not None
-        self._host.stop(exc)
 
     def wait_caught_up(self, timeout: float | None = None) -> None:
         """:meth:`PushConsumer.wait_caught_up <stagedconsumer.PushConsumer.wait_caught_up>`,
@@ -732,13 +745,6 @@ class BlockingConsumer:
     def assigned_queues(self) -> list[MessageQueue]:
         """The queues the consumer holds now, sorted."""
         return self._sync(lambda: self.consumer.assigned_queues)
-
-    def _call(self, method: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        if self._host is None:
-            raise ConsumerStateError(
-                f"{method}() needs a running consumer: use `with BlockingConsumer(...)`"
-            )
-        return self._host.call(method, call)
 
     def _sync(self, func: Callable[[], _T]) -> _T:
         """``func()`` on the event loop while the consumer runs, here before it does."""

@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any, Self
 
 from anyio.from_thread import BlockingPortal
 
-from .._exceptions import ConfigurationError, ConsumerStateError
+from .._exceptions import ConfigurationError
 from .._sources._pop import ReceivedMessage
-from ._blocking import _Host, _LoopThread
+from ._blocking import _Blocking
 from ._simple import SimpleConsumer
 
 __all__ = ("BlockingSimpleConsumer",)
 
 
-class BlockingSimpleConsumer:
+class BlockingSimpleConsumer(_Blocking[SimpleConsumer]):
     """A :class:`~stagedconsumer.SimpleConsumer` for synchronous code: ``receive``,
     ``ack`` and ``change_invisible_duration`` block until done.
 
@@ -42,6 +41,8 @@ class BlockingSimpleConsumer:
     back after their invisible duration. Ctrl-C while a call waits cancels it.
     """
 
+    _what = "simple consumer"
+
     def __init__(
         self,
         consumer: SimpleConsumer,
@@ -56,72 +57,36 @@ class BlockingSimpleConsumer:
             )
         self.consumer = consumer
         """The async consumer (for ``async def`` code on the same event loop)."""
-        self._loop = _LoopThread(portal, backend, backend_options)
-        self._host: _Host[SimpleConsumer] | None = None
-
-    @property
-    def portal(self) -> BlockingPortal:
-        """The portal the consumer runs on (while it runs)."""
-        if self._loop.portal is None or self._host is None or not self._host.running:
-            raise ConsumerStateError("the consumer is not running: use it in a with block")
-        return self._loop.portal
+        self._init_loop(portal, backend, backend_options)
 
     def __enter__(self) -> Self:
-        if self._host is not None:
-            raise ConsumerStateError("a BlockingSimpleConsumer can be started only once")
-        self._host = _Host(
-            self.consumer,
-            self.consumer.source,
-            self._loop,
-            what="simple consumer",
-            error=ConsumerStateError,
-            cancel_calls=True,
-        )
-        self._host.start()
+        self._start(self.consumer, self.consumer.source, cancel_calls=True)
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        assert self._host is not None
-        self._host.stop(exc)
-
-    def _host_for(self, method: str) -> _Host[SimpleConsumer]:
-        if self._host is None:
-            raise ConsumerStateError(
-                f"{method}() needs a running consumer: use `with BlockingSimpleConsumer(...)`"
-            )
-        return self._host
 
     def receive(self, max_message_num: int, invisible_duration: float) -> list[ReceivedMessage]:
         """:meth:`SimpleConsumer.receive <stagedconsumer.SimpleConsumer.receive>`,
         blocking (up to the consumer's ``await_duration``)."""
-        return self._host_for("receive").call(
+        return self._call(
             "receive",
             functools.partial(self.consumer.receive, max_message_num, invisible_duration),
         )
 
     def ack(self, message: ReceivedMessage) -> None:
         """:meth:`SimpleConsumer.ack <stagedconsumer.SimpleConsumer.ack>`, blocking."""
-        self._host_for("ack").call("ack", functools.partial(self.consumer.ack, message))
+        self._call("ack", functools.partial(self.consumer.ack, message))
 
     def ack_batch(self, messages: Sequence[ReceivedMessage]) -> None:
         """:meth:`SimpleConsumer.ack_batch <stagedconsumer.SimpleConsumer.ack_batch>`,
         blocking."""
         messages = list(messages)
-        self._host_for("ack_batch").call(
-            "ack_batch", functools.partial(self.consumer.ack_batch, messages)
-        )
+        self._call("ack_batch", functools.partial(self.consumer.ack_batch, messages))
 
     def change_invisible_duration(
         self, message: ReceivedMessage, invisible_duration: float
     ) -> None:
         """:meth:`SimpleConsumer.change_invisible_duration
         <stagedconsumer.SimpleConsumer.change_invisible_duration>`, blocking."""
-        self._host_for("change_invisible_duration").call(
+        self._call(
             "change_invisible_duration",
             functools.partial(self.consumer.change_invisible_duration, message, invisible_duration),
         )

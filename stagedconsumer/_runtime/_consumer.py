@@ -44,7 +44,7 @@ from ._membership import GroupMembership
 from ._pull import PullService
 from ._queues import QueueTable
 from ._services import ConsumeService
-from ._shapes import check_hook, check_queue_listener
+from ._shapes import check_client, check_hook, check_queue_listener
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
 from ._transact import Transactor
@@ -129,17 +129,14 @@ class PushConsumer:
         offset_store: StageOffsetStore | None = None,
         options: ConsumerOptions | None = None,
     ) -> None:
-        if not isinstance(group, str) or not group or group.startswith(("%", " ")):
-            raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
-        if not isinstance(source, MessageSource):
-            raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
-        if options is None:
-            options = ConsumerOptions()
-        elif not isinstance(options, ConsumerOptions):
-            raise ConfigurationError(
-                f"options must be ConsumerOptions, got {type(options).__name__}"
-                " (use ConsumerOptions(**values) or ConsumerOptions.from_mapping())"
-            )
+        options = check_client(
+            group,
+            source,
+            options,
+            ConsumerOptions,
+            consumer=True,
+            hint=" (use ConsumerOptions(**values) or ConsumerOptions.from_mapping())",
+        )
         self.group = group
         """The consumer group: members of one group share the queues and the progress."""
         self.source = source

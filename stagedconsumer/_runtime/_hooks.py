@@ -11,7 +11,12 @@ from collections.abc import Callable, Sequence
 import anyio
 import sniffio
 
-from .._observability._hooks import ConsumeMessageContext, ConsumeMessageHook, PullContext
+from .._observability._hooks import (
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    PullContext,
+    SettleContext,
+)
 from .._observability._send_hooks import SendMessageContext, SendMessageHook
 from ._shapes import overrides
 
@@ -72,7 +77,7 @@ class _Isolation:
 class HookRunner(_Isolation):
     """Calls the consume hooks of one consumer, isolating their failures."""
 
-    __slots__ = ("hooks", "pull_hooks", "wants_pull")
+    __slots__ = ("hooks", "pull_hooks", "settle_hooks", "wants_pull")
 
     def __init__(self, hooks: Sequence[ConsumeMessageHook]) -> None:
         super().__init__("consume")
@@ -81,6 +86,9 @@ class HookRunner(_Isolation):
             h for h in self.hooks if overrides(h, ConsumeMessageHook, "messages_pulled")
         )
         self.wants_pull = bool(self.pull_hooks)
+        self.settle_hooks = tuple(
+            h for h in self.hooks if overrides(h, ConsumeMessageHook, "messages_settled")
+        )
 
     def services(self) -> tuple[ConsumeMessageHook, ...]:
         """Hooks with background work (:meth:`ConsumeMessageHook.run` overridden)."""
@@ -106,6 +114,13 @@ class HookRunner(_Isolation):
                 hook.messages_pulled(context)
             except Exception as exc:
                 self.failed(hook, "messages_pulled", exc)
+
+    def settled(self, context: SettleContext) -> None:
+        for hook in self.settle_hooks:
+            try:
+                hook.messages_settled(context)
+            except Exception as exc:
+                self.failed(hook, "messages_settled", exc)
 
     async def aclose(self) -> None:
         await self._close(self.hooks)

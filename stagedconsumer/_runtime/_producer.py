@@ -34,7 +34,7 @@ from .._options import ProducerOptions
 from .._sources._selectors import MessageQueueSelector, stable_hash
 from .._sources._source import MessageSource
 from ._hooks import SendHookRunner, loop_clock
-from ._shapes import check_hook
+from ._shapes import check_client, check_hook
 
 __all__ = ("Producer",)
 
@@ -69,16 +69,7 @@ class Producer:
         group: str = "DEFAULT_PRODUCER",
         options: ProducerOptions | None = None,
     ) -> None:
-        if not isinstance(source, MessageSource):
-            raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
-        if not isinstance(group, str) or not group:
-            raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
-        if options is None:
-            options = ProducerOptions()
-        elif not isinstance(options, ProducerOptions):
-            raise ConfigurationError(
-                f"options must be ProducerOptions, got {type(options).__name__}"
-            )
+        options = check_client(group, source, options, ProducerOptions, consumer=False)
         self.source = source
         """The broker it sends to."""
         self.group = group

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from .._exceptions import ListenerTypeError
+from .._exceptions import ConfigurationError, ListenerTypeError
 from .._listeners import (
     MessageListener,
     MessageListenerOrderly,
@@ -23,7 +23,44 @@ from .._listeners import (
     is_async_callable,
 )
 
-__all__ = ("check_hook", "check_listener", "check_method", "check_queue_listener", "overrides")
+__all__ = (
+    "check_client",
+    "check_hook",
+    "check_listener",
+    "check_method",
+    "check_queue_listener",
+    "overrides",
+)
+
+_Options = TypeVar("_Options")
+
+
+def check_client(
+    group: object,
+    source: object,
+    options: _Options | None,
+    options_type: type[_Options],
+    *,
+    consumer: bool,
+    hint: str = "",
+) -> _Options:
+    """Check what a client (``PushConsumer``, ``SimpleConsumer``, ``Producer``) is made
+    with: a group name (a consumer group's may not start with ``%`` or a space), a
+    :class:`~stagedconsumer.MessageSource` and options of ``options_type``. Returns the
+    options (default ones for ``None``)."""
+    from .._sources._source import MessageSource
+
+    if not isinstance(group, str) or not group or (consumer and group.startswith(("%", " "))):
+        raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
+    if not isinstance(source, MessageSource):
+        raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
+    if options is None:
+        return options_type()
+    if not isinstance(options, options_type):
+        raise ConfigurationError(
+            f"options must be {options_type.__name__}, got {type(options).__name__}{hint}"
+        )
+    return options
 
 
 def overrides(obj: object, base: type, name: str) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -14,8 +14,16 @@ import attrs
 from .._exceptions import ConfigurationError, ConsumerStateError, InvalidOptionError
 from .._filter import TagFilter
 from .._message import MessageQueue
-from .._observability._hooks import ConsumeMessageContext, ConsumeMessageHook, ConsumeReturnType
+from .._observability._hooks import (
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    ConsumeReturnType,
+    PullContext,
+    SettleContext,
+)
 from .._observability._view import ConsumerStatistics
+from .._options import _ratio, check_gray_options
+from .._sources._gray import gray_member_id
 from .._sources._group import new_client_id
 from .._sources._pop import (
     InvalidReceiptHandleError,
@@ -26,9 +34,10 @@ from .._sources._pop import (
 from .._sources._pop_backends import pop_backend
 from .._sources._source import MessageSource
 from ._hooks import HookRunner, loop_wall_offset
-from ._shapes import check_hook
+from ._shapes import check_client, check_hook
+from ._simple_members import Membership
 
-__all__ = ("SimpleConsumer", "SimpleConsumerOptions")
+__all__ = ("AckFuture", "SimpleConsumer", "SimpleConsumerOptions")
 
 MAX_INVISIBLE_DURATION = 12 * 3600.0
 """RocketMQ's longest invisible duration (12 hours)."""
@@ -73,9 +82,22 @@ class SimpleConsumerOptions:
     its first key. A message without one is not ordered. Messages of a group must be
     in one queue (a producer sending with the group as first key does that)."""
 
+    enable_gray_switch: bool = attrs.field(default=False, validator=_bool)
+    """Gray release (RocketMQ's RIP-72), as on the push side: while gray and normal
+    members of the group are live, gray members receive from the gray queues only
+    and normal members from the others; while only one kind is live, every member
+    receives from every queue. Turn it on on every member of the group."""
+    gray_tag: bool = attrs.field(default=False, validator=_bool)
+    """With ``enable_gray_switch``: this member is gray (its ``client_id`` ends with
+    ``@gray[<ratio>]``). A per-member setting, unlike the others."""
+    gray_queue_ratio: float = attrs.field(default=0.1, validator=_ratio)
+    """Share of each topic's queues that are gray, in (0, 1]: the last
+    ``ceil(n * ratio)`` of the sorted queues. Only with ``enable_gray_switch``."""
+
     def __attrs_post_init__(self) -> None:
         if self.message_group_property is not None and not self.fifo:
             raise InvalidOptionError("message_group_property is used only with fifo=True")
+        check_gray_options(self.enable_gray_switch, self.gray_tag, self.gray_queue_ratio)
 
 
 def _check_duration(name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -93,6 +115,60 @@ def _check_duration(name: str, value: object, *, allow_zero: bool = False) -> fl
             f" {MAX_INVISIBLE_DURATION:g} (12 hours), got {value!r}"
         )
     return float(value)
+
+
+class _AckBatch:
+    """The acks queued by :meth:`SimpleConsumer.ack_async` until they are sent, and
+    then their outcome."""
+
+    __slots__ = ("consumer", "done", "error", "messages", "refused", "sending")
+
+    def __init__(self, consumer: SimpleConsumer) -> None:
+        self.consumer = consumer
+        self.messages: list[ReceivedMessage] = []
+        self.sending: anyio.Event | None = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.refused: set[int] = set()
+
+
+class AckFuture:
+    """The outcome of :meth:`SimpleConsumer.ack_async`: ``await`` it (which sends the
+    acks queued, if they were not sent yet) to have ``None``, or the
+    :class:`InvalidReceiptHandleError` (or the broker's error) raised."""
+
+    __slots__ = ("_batch", "message")
+
+    def __init__(self, batch: _AckBatch, message: ReceivedMessage) -> None:
+        self._batch = batch
+        self.message = message
+        """The message acked."""
+
+    def done(self) -> bool:
+        """Whether the ack was sent and its outcome is known."""
+        return self._batch.done
+
+    def exception(self) -> BaseException | None:
+        """The ack's error once :meth:`done` (``None``: acked, or not sent yet)."""
+        batch = self._batch
+        error = batch.error
+        if isinstance(error, InvalidReceiptHandleError) and id(self.message) not in batch.refused:
+            return None  # another message of the batch was refused
+        return error
+
+    async def _wait(self) -> None:
+        batch = self._batch
+        while not batch.done:
+            if batch.sending is None:
+                await batch.consumer._flush_acks()
+            else:  # being sent by another task
+                await batch.sending.wait()
+        error = self.exception()
+        if error is not None:
+            raise error
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait().__await__()
 
 
 class SimpleConsumer:
@@ -128,16 +204,7 @@ class SimpleConsumer:
         await_duration: float = 30.0,
         options: SimpleConsumerOptions | None = None,
     ) -> None:
-        if not isinstance(group, str) or not group or group.startswith(("%", " ")):
-            raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
-        if not isinstance(source, MessageSource):
-            raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
-        if options is None:
-            options = SimpleConsumerOptions()
-        elif not isinstance(options, SimpleConsumerOptions):
-            raise ConfigurationError(
-                f"options must be SimpleConsumerOptions, got {type(options).__name__}"
-            )
+        options = check_client(group, source, options, SimpleConsumerOptions, consumer=True)
         self.group = group
         self.source = source
         self.options = options
@@ -145,7 +212,11 @@ class SimpleConsumer:
         """Seconds :meth:`receive` waits for a message at most (RocketMQ's
         ``awaitDuration``)."""
         self.client_id = new_client_id()
-        """This consumer's name in the group (Redis: its consumer name)."""
+        """This consumer's name in the group (Redis: its consumer name); a gray
+        member's ends with ``@gray[<ratio>]``."""
+        if options.enable_gray_switch and options.gray_tag:
+            self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
+        self._membership: Membership | None = None
         self._subscriptions: dict[str, TagFilter] = {}
         for topic, expression in (subscriptions or {}).items():
             self._subscribe(topic, expression)
@@ -159,6 +230,10 @@ class SimpleConsumer:
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._wall_offset = 0.0
         self._counts = {"received": 0, "acked": 0, "refused": 0, "nacked": 0}
+        self._ack_batch = _AckBatch(self)
+        """Acks queued by :meth:`ack_async`, not sent yet."""
+        self._acks_in_flight: anyio.Event | None = None
+        """Set when the batch of acks on its way (``_flush_acks``) is answered."""
         self._receiving: set[anyio.CancelScope] = set()
         """Receives waiting for messages (cancelled when the consumer closes)."""
 
@@ -188,6 +263,15 @@ class SimpleConsumer:
         self._subscribe(topic, expression)
         if self._backend is not None:
             await self._backend.start({topic: self._subscriptions[topic]})
+            await self._gray_queues()
+
+    async def _gray_queues(self) -> None:
+        """Tell the membership the subscribed topics' queues (for the gray split)."""
+        membership = self._membership
+        if membership is not None and self.options.enable_gray_switch:
+            membership.set_queues(
+                {topic: list(await self.source.get_queues(topic)) for topic in self._subscriptions}
+            )
 
     def unsubscribe(self, topic: str) -> None:
         """Stop receiving ``topic``'s messages (those received stay ackable)."""
@@ -253,22 +337,33 @@ class SimpleConsumer:
         for topic in self._subscriptions:
             await self.source.get_queues(topic)  # UnknownTopicError
         await backend.start(dict(self._subscriptions))
+        membership = Membership(
+            backend, self.client_id, self.options.enable_gray_switch, self.options.gray_queue_ratio
+        )
+        await membership.join()  # ConfigurationError: the group's members disagree
+        self._membership = membership
+        await self._gray_queues()
         self._started = True
-        if self._hook_list:
-            self._hooks = HookRunner(self._hook_list)
-            self._wall_offset = loop_wall_offset()
-            stack = contextlib.AsyncExitStack()
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tg.cancel_scope.cancel)
-            stack.push_async_callback(self._hooks.aclose)
-            self._exit_stack = stack
-            try:
+        stack = contextlib.AsyncExitStack()
+        self._exit_stack = stack
+        try:
+            stack.push_async_callback(membership.leave)
+            if self._hook_list or self.options.enable_gray_switch:
+                # a task group: only then is the consumer's lifetime a scope of its own
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(tg.cancel_scope.cancel)
+                if self.options.enable_gray_switch:
+                    await tg.start(membership.run)
+            if self._hook_list:
+                self._hooks = HookRunner(self._hook_list)
+                self._wall_offset = loop_wall_offset()
+                stack.push_async_callback(self._hooks.aclose)
                 for hook in self._hooks.services():
                     await tg.start(hook.run, self)
-            except BaseException:
-                self._exit_stack = None
-                await stack.aclose()
-                raise
+        except BaseException:
+            self._exit_stack = None
+            await stack.aclose()
+            raise
         self._backend = backend
 
     async def aclose(self) -> None:
@@ -276,6 +371,8 @@ class SimpleConsumer:
         come back after their invisible duration. Receives waiting in other tasks
         return at once, raising :class:`ConsumerStateError`. Hooks are closed
         (flushed)."""
+        if self._ack_batch.messages and not self._closed:
+            await self._flush_acks()
         self._closed = True
         for scope in self._receiving:
             scope.cancel()
@@ -325,42 +422,108 @@ class SimpleConsumer:
         invisible = _check_duration("invisible_duration", invisible_duration)
         if not self._subscriptions:
             raise ConsumerStateError("receive() needs a subscription (subscriptions={topic: '*'})")
+        hooks = self._hooks
+        membership = self._membership
+        acks = self._ack_batch
+        if acks.messages and not backend.merges_acks:
+            await self._flush_acks()
+        if membership is not None and membership.beat_due():
+            await membership.beat()
+        started = anyio.current_time() if hooks is not None else 0.0
         with anyio.CancelScope() as scope:
             self._receiving.add(scope)
             try:
-                messages = await backend.receive(
-                    self.client_id,
-                    self._subscriptions,
+                messages = await self._ack_and_receive(
+                    backend,
                     max_message_num,
                     invisible,
-                    self.await_duration,
+                    None if membership is None else membership.refresh(),
                 )
             finally:
                 self._receiving.discard(scope)
         if scope.cancelled_caught:
             raise ConsumerStateError("the SimpleConsumer was closed while receive() waited")
         self._counts["received"] += len(messages)
-        hooks = self._hooks
         if hooks is not None and messages:
-            now = anyio.current_time()
-            for m in messages:
-                context = ConsumeMessageContext._of_call(
-                    self.group,
-                    MessageQueue(m.topic, m.queue_id),
-                    [m],
-                    "pop",
-                    -1,
-                    None,
-                    None,
-                    m.delivery_attempt,
-                    [now],
-                    now,
-                    now,
-                    self._wall_offset,
-                )
-                hooks.before(context)
-                self._contexts[m.topic, m.queue_id, m.queue_offset, m.delivery_attempt] = context
+            self._received_hooks(hooks, messages, started)
         return messages
+
+    async def _ack_and_receive(
+        self,
+        backend: PopBackend,
+        max_message_num: int,
+        invisible: float,
+        queues: frozenset[tuple[str, int]] | None,
+    ) -> list[ReceivedMessage]:
+        """The backend's receive, with the acks queued by :meth:`ack_async` when it
+        sends them along (one round trip)."""
+        batch = self._ack_batch
+        acks = batch.messages
+        if acks:
+            self._ack_batch = _AckBatch(self)
+            batch.sending = anyio.Event()
+        started = anyio.current_time() if acks and self._hooks is not None else 0.0
+        try:
+            refused, messages = await backend.ack_and_receive(
+                acks,
+                self.client_id,
+                self._subscriptions,
+                max_message_num,
+                invisible,
+                self.await_duration,
+                queues,
+            )
+        except BaseException as exc:  # the acks' fate is unknown: their futures say so
+            if acks:
+                batch.error = exc
+            raise
+        else:
+            if acks:
+                batch.error = self._acked(acks, refused, started)
+                if batch.error is not None:
+                    batch.refused = {id(m) for m in refused}
+        finally:
+            if acks:  # (without, ``batch`` is the one other tasks queue to now)
+                batch.done = True
+                assert batch.sending is not None
+                batch.sending.set()
+        return messages
+
+    def _received_hooks(
+        self, hooks: HookRunner, messages: list[ReceivedMessage], started: float
+    ) -> None:
+        """Tell the hooks of a receive: ``messages_pulled`` once, ``before`` per message."""
+        now = anyio.current_time()
+        if hooks.wants_pull:
+            first = messages[0]
+            hooks.pulled(
+                PullContext(
+                    consumer_group=self.group,
+                    message_queue=MessageQueue(first.topic, first.queue_id),
+                    messages=messages,
+                    start_time=started,
+                    end_time=now,
+                    wall_offset=self._wall_offset,
+                    max_offset=-1,
+                )
+            )
+        for m in messages:
+            context = ConsumeMessageContext._of_call(
+                self.group,
+                MessageQueue(m.topic, m.queue_id),
+                [m],
+                "pop",
+                -1,
+                None,
+                None,
+                m.delivery_attempt,
+                [now],
+                now,
+                now,
+                self._wall_offset,
+            )
+            hooks.before(context)
+            self._contexts[m.topic, m.queue_id, m.queue_offset, m.delivery_attempt] = context
 
     def _settled(
         self,
@@ -388,6 +551,33 @@ class SimpleConsumer:
         context.exception = exception
         hooks.after(context)
 
+    def _settle_hooks(
+        self,
+        operation: str,
+        messages: Sequence[ReceivedMessage],
+        refused: Sequence[ReceivedMessage],
+        exception: BaseException | None,
+        duration: float | None,
+        started: float,
+    ) -> None:
+        """Tell the hooks of one settle call (``messages_settled``)."""
+        hooks = self._hooks
+        if hooks is None or not hooks.settle_hooks:
+            return
+        hooks.settled(
+            SettleContext(
+                consumer_group=self.group,
+                operation=operation,
+                messages=messages,
+                refused=refused,
+                exception=exception,
+                invisible_duration=duration,
+                start_time=started,
+                end_time=anyio.current_time(),
+                wall_offset=self._wall_offset,
+            )
+        )
+
     async def ack(self, message: ReceivedMessage) -> None:
         """Finish ``message``: it is never delivered to the group again.
 
@@ -395,26 +585,61 @@ class SimpleConsumer:
         the message: its invisible duration passed (it is visible again, maybe
         received by another consumer already), it was acked, or dead-lettered."""
         backend = self._running("ack")
+        if self._hooks is None:
+            await backend.ack(message)
+            self._counts["acked"] += 1
+            return
+        started = anyio.current_time()
         try:
             await backend.ack(message)
         except InvalidReceiptHandleError as exc:
             self._settled(message, ConsumeReturnType.TIME_OUT, exc)
+            self._settle_hooks("ack", [message], [message], exc, None, started)
+            raise
+        except Exception as exc:
+            self._settle_hooks("ack", [message], [], exc, None, started)
             raise
         self._settled(message, ConsumeReturnType.SUCCESS)
+        self._settle_hooks("ack", [message], [], None, None, started)
 
     async def ack_batch(self, messages: Sequence[ReceivedMessage]) -> None:
-        """Ack several messages at once: one round trip per queue on Redis (RocketMQ
-        5's ack request carries many entries too). Every message still held is
-        acked; then, if any was refused, raises :class:`InvalidReceiptHandleError`
-        with them in its ``refused`` attribute."""
+        """Ack several messages at once: one round trip on Redis (one per queue on a
+        Cluster; RocketMQ 5's ack request carries many entries too). Every message
+        still held is acked; then, if any was refused, raises
+        :class:`InvalidReceiptHandleError` with them in its ``refused`` attribute."""
         backend = self._running("ack_batch")
         if not messages:
             return
-        refused = await backend.ack_many(list(messages))
+        error = await self._ack_many(backend, list(messages))
+        if error is not None:
+            raise error
+
+    async def _ack_many(
+        self, backend: PopBackend, messages: list[ReceivedMessage]
+    ) -> InvalidReceiptHandleError | None:
+        """Ack ``messages``: the error naming those refused, or ``None`` (a broker's
+        error raises)."""
+        started = anyio.current_time() if self._hooks is not None else 0.0
+        try:
+            refused = await backend.ack_many(messages)
+        except Exception as exc:
+            self._settle_hooks("ack", messages, [], exc, None, started)
+            raise
+        return self._acked(messages, refused, started)
+
+    def _acked(
+        self, messages: list[ReceivedMessage], refused: list[ReceivedMessage], started: float
+    ) -> InvalidReceiptHandleError | None:
+        """Count acks the broker answered and tell the hooks; the error naming those
+        refused, or ``None``."""
+        if not refused and self._hooks is None:
+            self._counts["acked"] += len(messages)
+            return None
         refused_ids = {id(m) for m in refused}
         for m in messages:
             if id(m) not in refused_ids:
                 self._settled(m, ConsumeReturnType.SUCCESS)
+        error = None
         if refused:
             error = InvalidReceiptHandleError(
                 f"ack of {len(refused)} of {len(messages)} messages refused (their invisible"
@@ -425,7 +650,52 @@ class SimpleConsumer:
             error.refused = refused
             for m in refused:
                 self._settled(m, ConsumeReturnType.TIME_OUT, error)
-            raise error
+        self._settle_hooks("ack", messages, refused, error, None, started)
+        return error
+
+    def ack_async(self, message: ReceivedMessage) -> AckFuture:
+        """Queue an ack of ``message`` and return at once (RocketMQ 5's ``ackAsync``):
+        the acks queued are sent together with the next :meth:`receive` (on Redis
+        within its script: one round trip for both; elsewhere as :meth:`ack_batch`
+        sends them, before it), or when the consumer closes, or when one of their
+        futures is awaited, whichever comes first.
+
+        ``await`` the returned :class:`AckFuture` to know the outcome: it raises
+        :class:`InvalidReceiptHandleError` when the ack was refused. Until it is sent,
+        the message's invisible duration keeps running: a loop that acks this way
+        and then receives again sends its acks with that receive."""
+        if self._backend is None or self._closed:
+            self._running("ack_async")
+        batch = self._ack_batch
+        batch.messages.append(message)
+        return AckFuture(batch, message)
+
+    async def _flush_acks(self) -> None:
+        """Send the queued acks (:meth:`ack_async`); their futures get the outcome.
+        A broker's error goes to the futures, not to the caller."""
+        in_flight = self._acks_in_flight
+        if in_flight is not None:
+            # group commit: acks queued while one batch is on its way go in the next
+            await in_flight.wait()
+        batch = self._ack_batch
+        if not batch.messages:
+            return
+        self._ack_batch = _AckBatch(self)
+        batch.sending = self._acks_in_flight = anyio.Event()
+        try:
+            backend = self._backend
+            if backend is None:
+                raise ConsumerStateError("the SimpleConsumer stopped before the acks were sent")
+            batch.error = await self._ack_many(backend, batch.messages)
+            if batch.error is not None:
+                batch.refused = {id(m) for m in batch.error.refused}
+        except Exception as exc:
+            batch.error = exc
+        finally:
+            batch.done = True
+            batch.sending.set()
+            if self._acks_in_flight is batch.sending:
+                self._acks_in_flight = None
 
     async def change_invisible_duration(
         self, message: ReceivedMessage, invisible_duration: float
@@ -436,10 +706,17 @@ class SimpleConsumer:
         same errors as :meth:`ack`."""
         duration = _check_duration("invisible_duration", invisible_duration, allow_zero=True)
         backend = self._running("change_invisible_duration")
+        operation = "nack" if duration == 0 else "change_invisible_duration"
+        started = anyio.current_time() if self._hooks is not None else 0.0
         try:
             await backend.change_invisible_duration(message, duration)
         except InvalidReceiptHandleError as exc:
             self._settled(message, ConsumeReturnType.TIME_OUT, exc)
+            self._settle_hooks(operation, [message], [message], exc, duration, started)
+            raise
+        except Exception as exc:
+            self._settle_hooks(operation, [message], [], exc, duration, started)
             raise
         if duration == 0:
             self._settled(message, ConsumeReturnType.FAILED)
+        self._settle_hooks(operation, [message], [], None, duration, started)

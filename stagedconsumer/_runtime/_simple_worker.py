@@ -312,7 +312,8 @@ class SimpleWorker:
                 await self.consumer.change_invisible_duration(message, 0)
                 self.handed_back += 1
             else:
-                await self.consumer.ack(message)
+                # acks of calls that end while one is on its way go together
+                await self.consumer.ack_async(message)
                 self.acked += 1
         except InvalidReceiptHandleError:
             self.failed += 1

@@ -17,7 +17,7 @@ import itertools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import anyio
 import attrs
@@ -82,11 +82,14 @@ def memory_pop_backend(broker: MemoryBroker, settings: PopSettings) -> MemoryPop
     if backend is None:
         backend = groups[settings.group] = MemoryPopBackend(broker, settings)
     elif backend.settings != settings:
-        raise ConfigurationError(
-            f"consumer group {settings.group!r} is used on this broker with other pop"
-            f" settings ({backend.settings}); every consumer of a group must use the same"
-            " max_delivery_attempts, fifo and message_group_property"
-        )
+        if backend.live_members():
+            raise ConfigurationError(
+                f"consumer group {settings.group!r} is used on this broker with other pop"
+                f" settings ({backend.settings}) by running consumers; every consumer of a"
+                " group must use the same max_delivery_attempts, fifo and"
+                " message_group_property (they may change once none of them runs)"
+            )
+        backend.settings = settings  # nobody runs the group: its state stays
     return backend
 
 
@@ -99,6 +102,20 @@ class MemoryPopBackend(PopBackend):
         self._queues: dict[tuple[str, int], _QueueState] = {}
         self._waiters: list[anyio.Event] = []
         self._rotation = itertools.count()
+        self._members: dict[str, None] = {}
+        """Live members (gray release), in joining order: in process, a member is live
+        from its start to its close (no presence to expire)."""
+
+    async def join(self, member: str, ttl: float) -> list[str]:
+        del ttl
+        self._members[member] = None
+        return self.live_members()
+
+    async def leave(self, member: str) -> None:
+        self._members.pop(member, None)
+
+    def live_members(self) -> list[str]:
+        return list(self._members)
 
     def _state(self, topic: str, queue_id: int) -> _QueueState:
         state = self._queues.get((topic, queue_id))
@@ -118,38 +135,42 @@ class MemoryPopBackend(PopBackend):
         max_num: int,
         invisible_duration: float,
         timeout: float,
+        queues: Collection[tuple[str, int]] | None = None,
     ) -> list[ReceivedMessage]:
         del consumer
         broker = self.broker
         end = broker._now() + timeout
         while True:
-            out = await self._take(subscriptions, max_num, invisible_duration)
+            keys = self._subscribed(subscriptions, queues)
+            out = await self._take(keys, subscriptions, max_num, invisible_duration)
             now = broker._now()
             if out or now >= end:
                 return out
             wait = end - now
-            for key in self._subscribed(subscriptions):
+            for key in keys:
                 due = self._state(*key).next_due()
                 if due is not None:
                     wait = min(wait, max(due - now, 0.0))
-            await self._wait(subscriptions, wait)
+            await self._wait(keys, wait)
 
-    def _subscribed(self, subscriptions: Mapping[str, TagFilter]) -> list[tuple[str, int]]:
+    def _subscribed(
+        self, subscriptions: Mapping[str, TagFilter], allowed: Collection[tuple[str, int]] | None
+    ) -> list[tuple[str, int]]:
         queues = self.broker._topics
         return [
             (topic, queue_id)
             for topic in subscriptions
             for queue_id in range(len(queues.get(topic, ())))
+            if allowed is None or (topic, queue_id) in allowed
         ]
 
-    async def _wait(self, subscriptions: Mapping[str, TagFilter], wait: float) -> None:
+    async def _wait(self, keys: list[tuple[str, int]], wait: float) -> None:
         """Until a message is sent to a subscribed queue, the group's state changes
         (an ack released a FIFO head, an invisible duration was shortened), or
         ``wait`` seconds passed."""
         event = anyio.Event()
         thread = threading.get_ident()
-        queues = [self.broker._queues_of(topic)[queue_id] for topic, queue_id in
-                  self._subscribed(subscriptions)]  # fmt: skip
+        queues = [self.broker._queues_of(topic)[queue_id] for topic, queue_id in keys]
         for queue in queues:
             queue.thread = thread
             queue.waiters.append(event)
@@ -165,10 +186,13 @@ class MemoryPopBackend(PopBackend):
                 self._waiters.remove(event)
 
     async def _take(
-        self, subscriptions: Mapping[str, TagFilter], max_num: int, invisible_duration: float
+        self,
+        keys: list[tuple[str, int]],
+        subscriptions: Mapping[str, TagFilter],
+        max_num: int,
+        invisible_duration: float,
     ) -> list[ReceivedMessage]:
         broker = self.broker
-        keys = self._subscribed(subscriptions)
         if not keys:
             return []
         start = next(self._rotation) % len(keys)

@@ -17,7 +17,7 @@ dead-lettered. Different message groups are received concurrently.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -135,6 +135,36 @@ def received(
     return cast(ReceivedMessage, r)
 
 
+def received_first(
+    messages: Sequence[Message], handles: Sequence[bytes], group: str
+) -> list[ReceivedMessage]:
+    """:func:`received` for first deliveries without a message group, in bulk (the hot
+    path of a receive): ``handles`` are the receipt handles, as bytes."""
+    out: list[ReceivedMessage] = []
+    append = out.append
+    new = _ReceivedFields
+    cls = ReceivedMessage
+    for message, handle in zip(messages, handles, strict=True):
+        r = new()
+        r.topic = message.topic
+        r.queue_id = message.queue_id
+        r.queue_offset = message.queue_offset
+        r.body = message.body
+        r.keys = message.keys
+        r.tags = message.tags
+        r.properties = message.properties
+        r.msg_id = message.msg_id
+        r.born_timestamp = message.born_timestamp
+        r.reconsume_times = 0
+        r.offset_msg_id = message.offset_msg_id
+        r.receipt_handle = handle.decode()
+        r.message_group = None
+        r.consumer_group = group
+        r.__class__ = cls
+        append(cast(ReceivedMessage, r))
+    return out
+
+
 def message_group_of(message: Message, group_property: str | None) -> str | None:
     """The message group of ``message``: the property ``group_property`` when named,
     else its first key; ``None`` (no group: not ordered) when it has neither."""
@@ -161,6 +191,25 @@ class PopBackend(abc.ABC):
     async def start(self, topics: Mapping[str, TagFilter]) -> None:  # noqa: B027 - optional
         """Prepare the subscribed topics (Redis: create the consumer groups)."""
 
+    async def join(self, member: str, ttl: float) -> list[str]:
+        """Register ``member`` as live for ``ttl`` seconds (refresh it before) and
+        return the group's live members. The first call of a consumer also checks
+        that the group's live members use these settings (raises
+        :class:`~stagedconsumer.ConfigurationError` otherwise). The default: no
+        membership (only ``member``)."""
+        return [member]
+
+    async def heartbeat(self, member: str, ttl: float) -> list[str]:
+        """Refresh ``member``'s presence; the group's live members."""
+        return await self.join(member, ttl)
+
+    async def leave(self, member: str) -> None:  # noqa: B027 - optional
+        """``member`` stopped."""
+
+    def live_members(self) -> list[str] | None:
+        """The live members, when known without I/O (in process), else ``None``."""
+        return None
+
     @abc.abstractmethod
     async def receive(
         self,
@@ -169,8 +218,10 @@ class PopBackend(abc.ABC):
         max_num: int,
         invisible_duration: float,
         timeout: float,
+        queues: Collection[tuple[str, int]] | None = None,
     ) -> list[ReceivedMessage]:
-        """Up to ``max_num`` visible messages of the subscribed topics, made
+        """Up to ``max_num`` visible messages of the subscribed topics (of the
+        ``(topic, queue id)``s in ``queues`` when given: gray release), made
         invisible for ``invisible_duration`` seconds; waits up to ``timeout`` seconds
         for at least one. Messages whose attempts are used up go to the group's
         dead-letter queue on the way (never returned)."""
@@ -179,6 +230,29 @@ class PopBackend(abc.ABC):
     async def ack(self, message: ReceivedMessage) -> None:
         """Finish ``message``; raises :class:`InvalidReceiptHandleError` when this
         delivery no longer holds it."""
+
+    @property
+    def merges_acks(self) -> bool:
+        """Whether :meth:`ack_and_receive` sends the acks with the receive (one round
+        trip); ``False`` by default."""
+        return False
+
+    async def ack_and_receive(
+        self,
+        acks: Sequence[ReceivedMessage],
+        consumer: str,
+        subscriptions: Mapping[str, TagFilter],
+        max_num: int,
+        invisible_duration: float,
+        timeout: float,
+        queues: Collection[tuple[str, int]] | None = None,
+    ) -> tuple[list[ReceivedMessage], list[ReceivedMessage]]:
+        """:meth:`ack_many` then :meth:`receive`: the acks refused and the messages."""
+        refused = await self.ack_many(acks) if acks else []
+        received = await self.receive(
+            consumer, subscriptions, max_num, invisible_duration, timeout, queues
+        )
+        return refused, received
 
     async def ack_many(self, messages: Sequence[ReceivedMessage]) -> list[ReceivedMessage]:
         """Ack every message still held; returns those refused (in the order given)."""

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -23,6 +24,7 @@ import redis
 
 from stagedconsumer import (
     InvalidReceiptHandleError,
+    ReceivedMessage,
     SimpleConsumer,
     SimpleConsumerOptions,
 )
@@ -117,14 +119,42 @@ async def test_dead_letter_after_max_delivery_attempts(broker: RedisBroker) -> N
     assert dead.reconsume_times == 1
 
 
+async def test_ack_batch_over_queues_acks_the_held_and_names_the_refused(
+    broker: RedisBroker, inspect: redis.Redis, namespace: str
+) -> None:
+    await broker.create_topic("t", 3)
+    for i in range(9):
+        await broker.send("t", b"%d" % i, queue_id=i % 3, keys=[f"k{i % 2}"])
+    async with consumer(broker, fifo=True) as c, consumer(broker, fifo=True) as d:
+        got = await c.receive(10, 600)
+        expired = [m for m in got if m.queue_id == 1]
+        assert expired
+        for m in expired:
+            await c.change_invisible_duration(m, 0)  # handed back: c no longer holds them
+        again = await d.receive(10, 600)
+        assert {m.msg_id for m in expired} <= {m.msg_id for m in again}
+        with pytest.raises(InvalidReceiptHandleError) as info:
+            await c.ack_batch(got)  # three queues, one script call
+        assert [m.msg_id for m in info.value.refused] == [m.msg_id for m in expired]
+        await d.ack_batch(again)
+        pending = sum(
+            inspect.xpending(f"{namespace}:q:{{t:{q}}}", "g")["pending"] for q in (0, 1, 2)
+        )
+        # FIFO: acking the heads released the next message of each message group
+        more = await c.receive(10, 600)
+        assert pending == len(more)
+        assert more
+
+
 async def test_tags_are_filtered_on_the_server(broker: RedisBroker) -> None:
-    await broker.create_topic("t", 1)
-    for tag in ("a", "b", "c"):
-        await broker.send("t", tag.encode(), tags=tag)
-    await broker.send("t", b"-")
+    await broker.create_topic("t", 3)
+    for q in range(3):  # each queue's accepted tags in the one script call
+        for tag in ("a", "b", "c"):
+            await broker.send("t", tag.encode(), tags=tag, queue_id=q)
+        await broker.send("t", b"-", queue_id=q)
     async with consumer(broker, expression="a || c") as c:
         got = await c.receive(10, 600)
-        assert sorted(m.body for m in got) == [b"a", b"c"]
+        assert sorted(m.body for m in got) == [b"a", b"a", b"a", b"c", b"c", b"c"]
         await c.ack_batch(got)
         assert await c.receive(10, 600) == []
 
@@ -317,3 +347,99 @@ async def test_tags_on_an_attached_stream_are_filtered_after_decoding(
         assert [m.body for m in got] == [b"a", b"a"]
         assert await c.receive(10, 600) == []
     assert inspect.xpending(key, "g")["pending"] == 2  # the rejected ones were acked
+
+
+async def test_ack_async_goes_with_the_next_receive(
+    broker: RedisBroker, inspect: redis.Redis, namespace: str
+) -> None:
+    await broker.create_topic("t", 2)
+    for i in range(6):
+        await broker.send("t", b"%d" % i, queue_id=i % 2)
+    async with consumer(broker) as c:
+        got = await c.receive(6, 600)
+        futures = [c.ack_async(m) for m in got]
+        pending = sum(inspect.xpending(f"{namespace}:q:{{t:{q}}}", "g")["pending"] for q in (0, 1))
+        assert pending == 6  # queued, not sent
+        assert await c.receive(6, 600) == []
+        pending = sum(inspect.xpending(f"{namespace}:q:{{t:{q}}}", "g")["pending"] for q in (0, 1))
+        assert pending == 0
+        for future in futures:
+            await future
+        refused = c.ack_async(got[0])
+        with pytest.raises(InvalidReceiptHandleError, match="refused"):
+            await refused
+
+
+async def test_acks_sent_with_a_receive_release_fifo_heads_and_report_refusals(
+    broker: RedisBroker,
+) -> None:
+    await broker.create_topic("t", 2)
+    for i in range(2):
+        await broker.send("t", b"a%d" % i, keys=["A"], queue_id=0)
+        await broker.send("t", b"b%d" % i, keys=["B"], queue_id=1)
+    async with consumer(broker, fifo=True) as c:
+        heads = await c.receive(10, 600)
+        assert sorted(m.body for m in heads) == [b"a0", b"b0"]
+        assert await c.receive(10, 600) == []  # the next of each group waits
+        a0, b0 = sorted(heads, key=lambda m: m.body)
+        await c.ack(a0)
+        again = c.ack_async(a0)  # acked already: refused
+        acked = c.ack_async(b0)
+        assert not acked.done()
+        # one script: the acks, then the head the ack released (a1 was released by the
+        # plain ack)
+        assert sorted(m.body for m in await c.receive(10, 600)) == [b"a1", b"b1"]
+        assert acked.done()
+        await acked
+        with pytest.raises(InvalidReceiptHandleError, match="refused") as info:
+            await again
+        assert info.value.refused == [a0]
+
+
+async def test_acks_sent_with_a_receive_name_the_refused_over_queues(broker: RedisBroker) -> None:
+    await broker.create_topic("t", 3)
+    for i in range(9):
+        await broker.send("t", b"%d" % i, queue_id=i % 3)
+    async with consumer(broker) as c:
+        got = await c.receive(9, 600)
+        assert len(got) == 9
+        refused = [got[1], got[5]]
+        for m in refused:
+            await c.ack(m)
+        futures = [c.ack_async(m) for m in got]
+        assert await c.receive(9, 600) == []  # the acks went with it
+        errors = [f.exception() for f in futures]
+        assert [m for m, e in zip(got, errors, strict=True) if e is not None] == refused
+        assert isinstance(errors[1], InvalidReceiptHandleError)
+        assert errors[1].refused == refused
+
+
+async def test_acks_awaited_at_once_share_round_trips(broker: RedisBroker) -> None:
+    """Group commit: acks queued while one batch is on its way go in the next."""
+    await broker.create_topic("t", 2)
+    for i in range(10):
+        await broker.send("t", b"%d" % i, queue_id=i % 2)
+    async with consumer(broker) as c:
+        got = await c.receive(10, 600)
+        assert len(got) == 10
+        backend = c._backend
+        assert backend is not None
+        calls: list[int] = []
+        ack_many = backend.ack_many
+
+        async def counted(messages: Any) -> Any:
+            calls.append(len(messages))
+            return await ack_many(messages)
+
+        backend.ack_many = counted  # type: ignore[method-assign]
+
+        async def ack(message: ReceivedMessage) -> None:
+            await c.ack_async(message)
+
+        async with anyio.create_task_group() as tg:
+            for m in got:
+                tg.start_soon(ack, m)
+        # the first batch goes alone; the nine queued while it was on its way, together
+        assert calls == [1, 9]
+        assert c.statistics().consumed_ok == len(got)
+        assert await c.receive(10, 600) == []
