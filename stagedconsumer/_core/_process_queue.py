@@ -50,10 +50,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat, starmap
 from types import MappingProxyType
-from typing import Final
+from typing import Final, TypeVar
 
 import attrs
 
@@ -208,6 +208,32 @@ class _Epoch:
     maintained when the shell passes ``now``."""
 
 
+_T = TypeVar("_T")
+
+
+class _Small(list[_T]):
+    """A list with the two deque methods lanes use beyond a list's: the containers of
+    a key-ordered lane, which mostly holds a message or two (a deque reserves a block
+    of 64 slots: 760 bytes empty, three per lane). ``popleft`` moves the rest, so a
+    key's cache becomes a deque once it holds :data:`_SMALL_MAX` messages."""
+
+    __slots__ = ()
+
+    def popleft(self) -> _T:
+        return self.pop(0)
+
+    def extendleft(self, items: Iterable[_T]) -> None:
+        self[:0] = list(items)[::-1]  # as deque.extendleft: the last item ends first
+
+
+_SMALL_MAX: Final = 16
+"""Messages a key-ordered lane's cache holds as a :class:`_Small` list."""
+_NO_TIMES: Final[_Small[float]] = _Small()
+"""The ``cached_at`` of every key-ordered lane that keeps no cached times: shared,
+always empty (whatever writes cached times gets the lane's own container from
+:func:`_align_cached_at` first)."""
+
+
 @attrs.define(eq=False, slots=True)
 class _Lane:
     key: StageKey | None
@@ -216,12 +242,12 @@ class _Lane:
     counted: bool
     name: str | None = None
     """The message key of a key-ordered lane (``None`` for other lanes)."""
-    cached: deque[Message] = attrs.Factory(deque)
+    cached: deque[Message] | _Small[Message] = attrs.Factory(deque)
     """Cached messages in offset order; the head epoch's come first."""
-    cached_at: deque[float] = attrs.Factory(deque)
+    cached_at: deque[float] | _Small[float] = attrs.Factory(deque)
     """When each cached message was cached: empty, or aligned with ``cached`` (kept
     only once a ``now`` has been passed to ``put_messages``)."""
-    epochs: deque[_Epoch] = attrs.Factory(deque)
+    epochs: deque[_Epoch] | _Small[_Epoch] = attrs.Factory(deque)
     current_epoch: _Epoch | None = None
     next_stage_offset: int = 0
     stage_start: int = 0
@@ -337,11 +363,16 @@ class ProcessQueueStatistics:
         return max(0, self.max_offset - self.committed_offset)
 
 
-def _align_cached_at(lane: _Lane) -> None:
-    """Pad ``lane.cached_at`` (on the left) to the length of ``lane.cached``."""
-    missing = len(lane.cached) - len(lane.cached_at)
+def _align_cached_at(lane: _Lane) -> deque[float] | _Small[float]:
+    """Pad ``lane.cached_at`` (on the left) to the length of ``lane.cached`` and return
+    it (made, for a key-ordered lane that had none: see :data:`_NO_TIMES`)."""
+    cached_at = lane.cached_at
+    if cached_at is _NO_TIMES:
+        cached_at = lane.cached_at = _Small() if type(lane.cached) is _Small else deque()
+    missing = len(lane.cached) - len(cached_at)
     if missing > 0:
-        lane.cached_at.extendleft([0.0] * missing)
+        cached_at.extendleft([0.0] * missing)
+    return cached_at
 
 
 def _put_back(lane: _Lane, messages: list[Message], times: list[float] | None) -> None:
@@ -360,8 +391,7 @@ def _put_back(lane: _Lane, messages: list[Message], times: list[float] | None) -
         else:
             cached.extendleft(reversed(messages))
         return
-    _align_cached_at(lane)
-    cached_at = lane.cached_at
+    cached_at = _align_cached_at(lane)
     pairs = list(zip(messages, times if times is not None else [0.0] * len(messages), strict=True))
     if cached and cached[0].queue_offset < last:
         while cached and cached[0].queue_offset < last:
@@ -796,8 +826,7 @@ class ProcessQueue:
                     epoch.runnable_at = at
                 lane.epochs.append(epoch)
             if timed or lane.cached_at:
-                _align_cached_at(lane)
-                lane.cached_at.extend([at] * k)
+                _align_cached_at(lane).extend([at] * k)
             lane.cached.extend(run)
             order.extend([message.queue_offset for message in run])
             order_lanes.extend([lane] * k)
@@ -909,9 +938,15 @@ class ProcessQueue:
             else:
                 lane_or_none = lanes.get(key)
                 if lane_or_none is None:
-                    lane = lanes[key] = _Lane(None, None, exclusive=True, counted=False, name=key)
+                    lane = lanes[key] = _Lane(
+                        None, None, True, False, key, _Small(), _NO_TIMES, _Small()
+                    )
                 else:
                     lane = lane_or_none
+                    if len(lane.cached) == _SMALL_MAX and type(lane.cached) is _Small:
+                        lane.cached = deque(lane.cached)  # a key with a backlog
+                        if lane.cached_at is not _NO_TIMES:
+                            lane.cached_at = deque(lane.cached_at)
             epoch = lane.current_epoch
             if epoch is None:
                 epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
@@ -922,8 +957,7 @@ class ProcessQueue:
             epoch.unfinished += 1
             epoch.cached += 1
             if now is not None or lane.cached_at:
-                _align_cached_at(lane)
-                lane.cached_at.append(at)
+                _align_cached_at(lane).append(at)
             lane.cached.append(message)
             order.append(offset)
             highest = offset
