@@ -828,7 +828,11 @@ class ProcessQueue:
             if timed or lane.cached_at:
                 _align_cached_at(lane).extend([at] * k)
             lane.cached.extend(run)
-            order.extend([message.queue_offset for message in run])
+            first = run[0].queue_offset
+            if run[-1].queue_offset - first == k - 1:  # consecutive (offsets ascend)
+                order.extend(range(first, first + k))
+            else:
+                order.extend([message.queue_offset for message in run])
             order_lanes.extend([lane] * k)
             order_stages.extend(range(first_stage_offset, first_stage_offset + k))
             highest = run[-1].queue_offset
@@ -1352,7 +1356,12 @@ class ProcessQueue:
                     finished.remove(order.popleft())
             else:
                 order_stages = self._order_stages
-                for _ in range(head):
+                if head > 1:  # the messages, all of ``lane``: its offset is the last's
+                    skip = head - 1
+                    deque(starmap(order.popleft, repeat((), skip)), 0)
+                    deque(starmap(order_lanes.popleft, repeat((), skip)), 0)
+                    deque(starmap(order_stages.popleft, repeat((), skip)), 0)
+                if head:
                     order.popleft()
                     order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
                 while order and order[0] in finished:
