@@ -49,7 +49,7 @@ from ._signals import Signals
 from ._state import ConsumerState, QueueState
 from ._transact import Transactor
 from ._watchdog import LoopWatchdog
-from ._workers import WORKER_BATCH_LOCAL, WORKER_CALL_LOCAL, WORKER_CODE, WorkerPool
+from ._workers import WORKER_BATCH_LOCAL, WORKER_CALL_LOCAL, WORKER_CODES, WorkerPool
 
 __all__ = ("PushConsumer",)
 
@@ -72,6 +72,25 @@ def default_offset_store(source: MessageSource) -> StageOffsetStore:
     if store is None:
         store = _default_stores[source] = MemoryOffsetStore()
     return store
+
+
+def _checked_arguments(
+    group: object, source: object, options: ConsumerOptions | None
+) -> ConsumerOptions:
+    """The options a consumer runs with, once its arguments are checked (else
+    :class:`ConfigurationError`)."""
+    if not isinstance(group, str) or not group or group.startswith(("%", " ")):
+        raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
+    if not isinstance(source, MessageSource):
+        raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
+    if options is None:
+        return ConsumerOptions()
+    if not isinstance(options, ConsumerOptions):
+        raise ConfigurationError(
+            f"options must be ConsumerOptions, got {type(options).__name__}"
+            " (use ConsumerOptions(**values) or ConsumerOptions.from_mapping())"
+        )
+    return options
 
 
 class PushConsumer:
@@ -114,17 +133,7 @@ class PushConsumer:
         offset_store: StageOffsetStore | None = None,
         options: ConsumerOptions | None = None,
     ) -> None:
-        if not isinstance(group, str) or not group or group.startswith(("%", " ")):
-            raise ConfigurationError(f"group must be a non-empty name, got {group!r}")
-        if not isinstance(source, MessageSource):
-            raise ConfigurationError(f"source must be a MessageSource, got {type(source).__name__}")
-        if options is None:
-            options = ConsumerOptions()
-        elif not isinstance(options, ConsumerOptions):
-            raise ConfigurationError(
-                f"options must be ConsumerOptions, got {type(options).__name__}"
-                " (use ConsumerOptions(**values) or ConsumerOptions.from_mapping())"
-            )
+        options = _checked_arguments(group, source, options)
         self.group = group
         """The consumer group: members of one group share the queues and the progress."""
         self.source = source
@@ -631,29 +640,7 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         consumer._hooks = HookRunner(consumer._hook_list)
         consumer._dispatcher.record_times = True
     if consumer._coordinator is not None:
-        strategy = consumer._coordinator.options.allocate_strategy
-        # The default allocation is gray-aware even with the switch off: while no member
-        # is gray it is the same average split, and once a gray member joins it agrees
-        # with the gray members' (an average split over everyone would leave queues
-        # that neither side allocates to itself without an owner).
-        if (
-            not isinstance(strategy, AllocateMessageQueueByGray)
-            and not getattr(strategy, "external", False)
-            and (options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely)
-        ):
-            strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
-        consumer._membership = GroupMembership(
-            strategy=strategy,
-            coordinator=consumer._coordinator,
-            state=state,
-            client_id=consumer.client_id,
-            store=consumer.offset_store,
-            queues=consumer._queues,
-            dispatcher=consumer._dispatcher,
-            subscribed=subscribed,
-        )
-        if options.enable_gray_switch:
-            consumer._service.gray_queue = consumer._membership.is_gray
+        consumer._membership = _membership(consumer, consumer._coordinator, subscribed)
     membership = consumer._membership
     consumer._committer = consumer._queues.committer = ProgressCommitter(
         state=state,
@@ -700,8 +687,41 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         consumer._watchdog = LoopWatchdog(
             group=consumer.group,
             threshold=threshold,
-            worker_code=WORKER_CODE,
+            worker_codes=WORKER_CODES,
             batch_local=WORKER_BATCH_LOCAL,
             call_local=WORKER_CALL_LOCAL,
             handler_code=getattr(getattr(consume, "__func__", consume), "__code__", None),
         )
+
+
+def _membership(
+    consumer: PushConsumer,
+    coordinator: GroupCoordinator,
+    subscribed: dict[MessageQueue, TagFilter],
+) -> GroupMembership:
+    """The group membership of ``consumer``, whose source coordinates a group."""
+    state, options = consumer._state, consumer.options
+    strategy = coordinator.options.allocate_strategy
+    # The default allocation is gray-aware even with the switch off: while no member
+    # is gray it is the same average split, and once a gray member joins it agrees
+    # with the gray members' (an average split over everyone would leave queues
+    # that neither side allocates to itself without an owner).
+    if (
+        not isinstance(strategy, AllocateMessageQueueByGray)
+        and not getattr(strategy, "external", False)
+        and (options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely)
+    ):
+        strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
+    membership = GroupMembership(
+        strategy=strategy,
+        coordinator=coordinator,
+        state=state,
+        client_id=consumer.client_id,
+        store=consumer.offset_store,
+        queues=consumer._queues,
+        dispatcher=consumer._dispatcher,
+        subscribed=subscribed,
+    )
+    if options.enable_gray_switch:
+        consumer._service.gray_queue = membership.is_gray
+    return membership
