@@ -239,7 +239,6 @@ class _Lane:
     key: StageKey | None
     definition: StageDefinition | None
     exclusive: bool
-    counted: bool
     name: str | None = None
     """The message key of a key-ordered lane (``None`` for other lanes)."""
     cached: deque[Message] | _Small[Message] = attrs.Factory(deque)
@@ -405,6 +404,29 @@ def _offset_of(message: Message) -> int:
     return message.queue_offset
 
 
+def _check_arguments(
+    mode: ConsumeMode,
+    start_offset: int,
+    plan: StagePlan | None,
+    key_of: Callable[[Message], str | None] | None,
+) -> None:
+    """Raise ``ValueError`` for arguments a :class:`ProcessQueue` cannot work with."""
+    if start_offset < 0:
+        raise ValueError(f"start_offset must be >= 0, got {start_offset}")
+    if mode is ConsumeMode.STAGED and plan is None:
+        raise ValueError("staged mode needs a StagePlan")
+    if mode is ConsumeMode.KEY_ORDERED and key_of is None:
+        raise ValueError("key-ordered mode needs key_of")
+
+
+def _ranges_ahead(
+    finished: Sequence[tuple[int, int]], start_offset: int
+) -> list[tuple[int, int]] | None:
+    """The ranges of ``finished`` that reach ``start_offset`` or beyond, sorted; None
+    when there are none."""
+    return sorted((first, last) for first, last in finished if last >= start_offset) or None
+
+
 class ProcessQueue:
     """Cached and pending messages of one message queue, and its committed progress.
 
@@ -469,13 +491,8 @@ class ProcessQueue:
         key_of: Callable[[Message], str | None] | None = None,
         finished: Sequence[tuple[int, int]] = (),
     ) -> None:
-        if start_offset < 0:
-            raise ValueError(f"start_offset must be >= 0, got {start_offset}")
-        if mode is ConsumeMode.STAGED and plan is None:
-            raise ValueError("staged mode needs a StagePlan")
+        _check_arguments(mode, start_offset, plan, key_of)
         self._key_of = key_of
-        if mode is ConsumeMode.KEY_ORDERED and key_of is None:
-            raise ValueError("key-ordered mode needs key_of")
         self.message_queue = message_queue
         self.mode = mode
         self._topic = message_queue.topic
@@ -491,9 +508,7 @@ class ProcessQueue:
         self._finished: set[int] = set()
         self._order_lanes: deque[_Lane] | None = deque() if plan is not None else None
         self._order_stages: deque[int] = deque()
-        self._cached_count = 0
-        self._pending_count = 0
-        self._suspended_count = 0
+        self._cached_count = self._pending_count = self._suspended_count = 0
         self._cached_bytes = 0
         self._stage_offsets: dict[StageKey, int] = dict(stage_offsets or {})
         self._lanes: dict[StageKey | None, _Lane] = {}
@@ -510,7 +525,7 @@ class ProcessQueue:
         self._notice = False
         """Whether finishing messages must look at ``_awaiting_room`` or ``dropped``
         (kept off the hot path otherwise)."""
-        self._direct_lane = _Lane(None, None, exclusive=False, counted=False)
+        self._direct_lane = _Lane(None, None, exclusive=False)
         self.dropped = False
         self.in_ready = False
         self.notify_offset = _NEVER
@@ -529,10 +544,9 @@ class ProcessQueue:
         """Batches are handed out while the clock is before this: the lease deadline,
         or never while paused or dropped (the one thing the dispatcher checks)."""
         self._keyed: dict[str, _Lane] = {}
-        # Ranges (first, last) of offsets that finished before this queue was built
-        # (sparse progress); None once the queue is past the last one.
-        skip = sorted((first, last) for first, last in finished if last >= start_offset)
-        self._skip: list[tuple[int, int]] | None = skip or None
+        self._skip = _ranges_ahead(finished, start_offset)
+        """Ranges (first, last) of offsets that finished before this queue was built
+        (sparse progress); None once the queue is past the last one."""
         self._skip_at = 0
         self.skipped_count = 0
         """Messages that arrived already finished (sparse progress) and were not
@@ -542,12 +556,10 @@ class ProcessQueue:
         self.transacted: set[int] | None = None
         """Offsets of pending messages whose finished mark the shell committed
         (exactly-once effects): finished whatever their handler call returns."""
-        if mode is ConsumeMode.KEY_ORDERED:
-            pass  # lanes come and go with their keys (see _put_keyed)
-        elif mode is not ConsumeMode.STAGED:
-            self._lanes[None] = _Lane(
-                None, None, exclusive=mode is ConsumeMode.ORDERLY, counted=False
-            )
+        if mode is ConsumeMode.CONCURRENT or mode is ConsumeMode.ORDERLY:  # one lane
+            self._lanes[None] = _Lane(None, None, exclusive=mode is ConsumeMode.ORDERLY)
+        # (key-ordered lanes come and go with their keys, see _put_keyed; staged ones
+        # with their stage keys, see _assign)
 
     # -- arrival -------------------------------------------------------------
 
@@ -777,16 +789,12 @@ class ProcessQueue:
         )
         fast: _Lane | None = None
         fast_epoch = _Epoch(TAIL_STAGE)  # replaced with fast's epoch before use
-        order = self._order
-        order_lanes = self._order_lanes
+        order, order_lanes, order_stages = self._order, self._order_lanes, self._order_stages
         assert order_lanes is not None
-        order_stages = self._order_stages
         timed = now is not None
         touched: list[_Lane] = []
         effects = NOTHING
-        added = 0
-        size_total = 0
-        i = 0
+        added = size_total = i = 0
         count = len(messages)
         while i < count:
             message = messages[i]
@@ -842,11 +850,17 @@ class ProcessQueue:
             self.highest_offset = highest
         self._cached_count += added
         self._cached_bytes += size_total
+        return effects | self._ready_touched(touched)
+
+    def _ready_touched(self, touched: list[_Lane]) -> Effects:
+        """Put the lanes of ``touched`` that have a batch to take now in line:
+        ``READY`` if any."""
+        effects = NOTHING
         for lane in touched:
             if not lane.in_ready and lane.dispatchable():
                 lane.in_ready = True
                 self.ready_lanes.append(lane)
-                effects |= READY
+                effects = READY
         return effects
 
     def _put_unstaged(
@@ -942,9 +956,7 @@ class ProcessQueue:
             else:
                 lane_or_none = lanes.get(key)
                 if lane_or_none is None:
-                    lane = lanes[key] = _Lane(
-                        None, None, True, False, key, _Small(), _NO_TIMES, _Small()
-                    )
+                    lane = lanes[key] = _Lane(None, None, True, key, _Small(), _NO_TIMES, _Small())
                 else:
                     lane = lane_or_none
                     if len(lane.cached) == _SMALL_MAX and type(lane.cached) is _Small:
@@ -973,12 +985,7 @@ class ProcessQueue:
             self.highest_offset = highest
         self._cached_count += added
         self._cached_bytes += size_total
-        for lane in touched:
-            if not lane.in_ready and lane.dispatchable():
-                lane.in_ready = True
-                self.ready_lanes.append(lane)
-                effects |= READY
-        return effects
+        return effects | self._ready_touched(touched)
 
     @property
     def key_count(self) -> int:
@@ -1021,7 +1028,7 @@ class ProcessQueue:
             if definition is None:  # a typo must not drop the ordering silently
                 raise _bad_value(message, "compute_strategy", strategy, _strategy_ids(plan))
             key = StageKey(strategy, group)
-            lane = self._lanes[key] = _Lane(key, definition, exclusive=False, counted=True)
+            lane = self._lanes[key] = _Lane(key, definition, exclusive=False)
             lane.next_stage_offset = self._stage_offsets.get(key, 0)
             self._lanes_by_name[(strategy, group)] = lane
         else:
@@ -1338,11 +1345,10 @@ class ProcessQueue:
         epoch.unfinished -= n
         self._pending_count -= n
         epochs = lane.epochs
-        if epochs and not epochs[0].unfinished:
-            while epochs and not epochs[0].unfinished:
-                epochs.popleft().queued = False
-                if epochs and now is not None:
-                    epochs[0].runnable_at = now  # the next stage's barrier opens
+        while epochs and not epochs[0].unfinished:
+            epochs.popleft().queued = False
+            if epochs and now is not None:
+                epochs[0].runnable_at = now  # the next stage's barrier opens
         if at_head:
             # Pop the finished run at the head; a single message finished at the head
             # is popped without entering the set.
@@ -1355,18 +1361,7 @@ class ProcessQueue:
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
             else:
-                order_stages = self._order_stages
-                if head > 1:  # the messages, all of ``lane``: its offset is the last's
-                    skip = head - 1
-                    deque(starmap(order.popleft, repeat((), skip)), 0)
-                    deque(starmap(order_lanes.popleft, repeat((), skip)), 0)
-                    deque(starmap(order_stages.popleft, repeat((), skip)), 0)
-                if head:
-                    order.popleft()
-                    order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
-                while order and order[0] in finished:
-                    finished.remove(order.popleft())
-                    order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
+                self._pop_staged_head(head)
             notify = self.notify_offset
             if notify != _NEVER:  # someone waits for progress
                 held = self._held
@@ -1389,6 +1384,25 @@ class ProcessQueue:
         lane.in_ready = True
         self.ready_lanes.append(lane)
         return effects | READY
+
+    def _pop_staged_head(self, head: int) -> None:
+        """Staged mode: pop the finished run at the head of the order (its first
+        ``head`` offsets, messages of one lane, and those finished before), moving the
+        committed stage offset of each lane it passes."""
+        order, order_lanes, order_stages = self._order, self._order_lanes, self._order_stages
+        assert order_lanes is not None
+        finished = self._finished
+        if head > 1:  # the messages, all of one lane: its offset is the last's
+            skip = head - 1
+            deque(starmap(order.popleft, repeat((), skip)), 0)
+            deque(starmap(order_lanes.popleft, repeat((), skip)), 0)
+            deque(starmap(order_stages.popleft, repeat((), skip)), 0)
+        if head:
+            order.popleft()
+            order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
+        while order and order[0] in finished:
+            finished.remove(order.popleft())
+            order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
 
     def suspend_messages(self, batch: Batch, retry_at: float) -> None:
         """Hold ``batch`` back until ``retry_at``, counting one more attempt.
