@@ -419,6 +419,17 @@ def _check_arguments(
         raise ValueError("key-ordered mode needs key_of")
 
 
+def _is_one_lane(plan: StagePlan | None) -> bool:
+    """Whether every message of a staged queue joins one lane and takes the next stage
+    offset: one strategy, no groups, no reset hook. The queue then keeps the two
+    deques parallel to its order empty and counts the stage offset at the committed
+    offset instead (``_stage_popped``: the lane's first stage offset plus the
+    messages popped from the order)."""
+    return plan is not None and (
+        plan.compute_strategy is None and plan.compute_group is None and plan.reset is None
+    )
+
+
 def _ranges_ahead(
     finished: Sequence[tuple[int, int]], start_offset: int
 ) -> list[tuple[int, int]] | None:
@@ -451,6 +462,7 @@ class ProcessQueue:
         "_lanes",
         "_lanes_by_name",
         "_notice",
+        "_one_lane",
         "_order",
         "_order_lanes",
         "_order_stages",
@@ -459,6 +471,7 @@ class ProcessQueue:
         "_skip",
         "_skip_at",
         "_stage_offsets",
+        "_stage_popped",
         "_suspended_count",
         "_topic",
         "assignment_error",
@@ -508,9 +521,11 @@ class ProcessQueue:
         self._finished: set[int] = set()
         self._order_lanes: deque[_Lane] | None = deque() if plan is not None else None
         self._order_stages: deque[int] = deque()
+        self._one_lane = _is_one_lane(plan)
         self._cached_count = self._pending_count = self._suspended_count = 0
         self._cached_bytes = 0
         self._stage_offsets: dict[StageKey, int] = dict(stage_offsets or {})
+        self._stage_popped = self._stage_offsets.get(StageKey(DEFAULT_STRATEGY, None), 0)
         self._lanes: dict[StageKey | None, _Lane] = {}
         self._lanes_by_name: dict[tuple[str | None, str | None], _Lane] = {}
         self.ready_lanes: deque[_Lane] = deque()
@@ -526,8 +541,7 @@ class ProcessQueue:
         """Whether finishing messages must look at ``_awaiting_room`` or ``dropped``
         (kept off the hot path otherwise)."""
         self._direct_lane = _Lane(None, None, exclusive=False)
-        self.dropped = False
-        self.in_ready = False
+        self.dropped = self.in_ready = False
         self.notify_offset = _NEVER
         """The shell's request: report ``COMMITTED`` when the committed offset reaches
         this offset (someone waits for it). By default nobody waits and ``COMMITTED`` is
@@ -687,8 +701,9 @@ class ProcessQueue:
             except _AssignError as error:
                 self.assignment_error = error.failure
                 return self._hold((message,), 0, self.highest_offset)
-            order_lanes.append(lane)
-            self._order_stages.append(stage_offset)
+            if not self._one_lane:
+                order_lanes.append(lane)
+                self._order_stages.append(stage_offset)
         self._order.append(offset)
         self._finished.add(offset)
         self.highest_offset = offset
@@ -696,6 +711,9 @@ class ProcessQueue:
         return NOTHING
 
     def _pop_finished_head(self) -> None:
+        if self._one_lane:
+            self._pop_staged_head(0)
+            return
         order = self._order
         finished = self._finished
         order_lanes = self._order_lanes
@@ -784,9 +802,7 @@ class ProcessQueue:
         assert plan is not None
         # With one strategy, no groups and no reset hook, every message of the queue
         # joins one lane; within a stage the assignment is a counter increment.
-        one_lane = (
-            plan.compute_strategy is None and plan.compute_group is None and plan.reset is None
-        )
+        one_lane = self._one_lane
         fast: _Lane | None = None
         fast_epoch = _Epoch(TAIL_STAGE)  # replaced with fast's epoch before use
         order, order_lanes, order_stages = self._order, self._order_lanes, self._order_stages
@@ -841,8 +857,9 @@ class ProcessQueue:
                 order.extend(range(first, first + k))
             else:
                 order.extend([message.queue_offset for message in run])
-            order_lanes.extend([lane] * k)
-            order_stages.extend(range(first_stage_offset, first_stage_offset + k))
+            if not one_lane:
+                order_lanes.extend([lane] * k)
+                order_stages.extend(range(first_stage_offset, first_stage_offset + k))
             highest = run[-1].queue_offset
             added += k
             i += k
@@ -1392,6 +1409,17 @@ class ProcessQueue:
         order, order_lanes, order_stages = self._order, self._order_lanes, self._order_stages
         assert order_lanes is not None
         finished = self._finished
+        if self._one_lane:
+            before = len(order)
+            if head:
+                deque(starmap(order.popleft, repeat((), head)), 0)
+            while order and order[0] in finished:
+                finished.remove(order.popleft())
+            if before != len(order):
+                self._stage_popped += before - len(order)
+                lane = self._lanes_by_name[(DEFAULT_STRATEGY, None)]
+                lane.committed_stage_offset = self._stage_popped
+            return
         if head > 1:  # the messages, all of one lane: its offset is the last's
             skip = head - 1
             deque(starmap(order.popleft, repeat((), skip)), 0)
