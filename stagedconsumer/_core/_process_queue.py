@@ -805,10 +805,17 @@ class ProcessQueue:
         one_lane = self._one_lane
         fast: _Lane | None = None
         fast_epoch = _Epoch(TAIL_STAGE)  # replaced with fast's epoch before use
+        touched: list[_Lane] = []
+        if one_lane:  # the lane's current stage goes on where the last put left it
+            fast = self._lanes_by_name.get((DEFAULT_STRATEGY, None))
+            if fast is not None and fast.current_epoch is not None:
+                fast_epoch = fast.current_epoch
+                touched.append(fast)
+            else:
+                fast = None
         order, order_lanes, order_stages = self._order, self._order_lanes, self._order_stages
         assert order_lanes is not None
         timed = now is not None
-        touched: list[_Lane] = []
         effects = NOTHING
         added = size_total = i = 0
         count = len(messages)
