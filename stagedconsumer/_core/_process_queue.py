@@ -400,6 +400,20 @@ def _put_back(lane: _Lane, messages: list[Message], times: list[float] | None) -
     cached_at.extendleft([at for _, at in reversed(pairs)])
 
 
+def _pop_left(items: deque[_T], n: int) -> None:
+    """Drop the first ``n`` items of ``items``: in C for many (a deque to consume the
+    pops costs an allocation: few are dropped one by one)."""
+    if n < 8:
+        for _ in range(n):
+            items.popleft()
+    else:
+        deque(starmap(items.popleft, repeat((), n)), 0)
+
+
+_ONE_LANE: Final = (DEFAULT_STRATEGY, None)
+"""The name (strategy, group) of the lane of a one-lane staged queue."""
+
+
 def _offset_of(message: Message) -> int:
     return message.queue_offset
 
@@ -807,7 +821,7 @@ class ProcessQueue:
         fast_epoch = _Epoch(TAIL_STAGE)  # replaced with fast's epoch before use
         touched: list[_Lane] = []
         if one_lane:  # the lane's current stage goes on where the last put left it
-            fast = self._lanes_by_name.get((DEFAULT_STRATEGY, None))
+            fast = self._lanes_by_name.get(_ONE_LANE)
             if fast is not None and fast.current_epoch is not None:
                 fast_epoch = fast.current_epoch
                 touched.append(fast)
@@ -1418,20 +1432,22 @@ class ProcessQueue:
         finished = self._finished
         if self._one_lane:
             before = len(order)
-            if head:
-                deque(starmap(order.popleft, repeat((), head)), 0)
+            if head == 1:
+                order.popleft()
+            elif head:
+                _pop_left(order, head)
             while order and order[0] in finished:
                 finished.remove(order.popleft())
             if before != len(order):
                 self._stage_popped += before - len(order)
-                lane = self._lanes_by_name[(DEFAULT_STRATEGY, None)]
+                lane = self._lanes_by_name[_ONE_LANE]
                 lane.committed_stage_offset = self._stage_popped
             return
         if head > 1:  # the messages, all of one lane: its offset is the last's
             skip = head - 1
-            deque(starmap(order.popleft, repeat((), skip)), 0)
-            deque(starmap(order_lanes.popleft, repeat((), skip)), 0)
-            deque(starmap(order_stages.popleft, repeat((), skip)), 0)
+            _pop_left(order, skip)
+            _pop_left(order_lanes, skip)
+            _pop_left(order_stages, skip)
         if head:
             order.popleft()
             order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
