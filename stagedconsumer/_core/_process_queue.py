@@ -812,11 +812,7 @@ class ProcessQueue:
         Stops at the first message a stage callback fails on and holds it and the
         rest (``HELD``)."""
         at = 0.0 if now is None else now
-        plan = self._plan
-        assert plan is not None
-        # With one strategy, no groups and no reset hook, every message of the queue
-        # joins one lane; within a stage the assignment is a counter increment.
-        one_lane = self._one_lane
+        one_lane = self._one_lane  # within a stage, assigning is then counting (fast)
         fast: _Lane | None = None
         fast_epoch = _Epoch(TAIL_STAGE)  # replaced with fast's epoch before use
         touched: list[_Lane] = []

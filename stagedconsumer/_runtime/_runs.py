@@ -39,17 +39,17 @@ The invariants, which everything here keeps:
 from __future__ import annotations
 
 import types
-from collections.abc import Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
 
-from .._core import NO_LEASE, READY, Batch, EraseStatus, ProcessQueue
+from .._core import NO_LEASE, READY, Batch, Dispatcher, EraseStatus, ProcessQueue
 from ._hooks import loop_clock
-
-if TYPE_CHECKING:
-    from ._workers import WorkerPool, _Slot
+from ._services import ConsumeService
+from ._signals import Signals
+from ._state import ConsumerState
 
 __all__ = ("CHECKPOINT_EVERY", "Run", "cut", "drive", "end_run", "run_loop")
 
@@ -60,19 +60,44 @@ _READY = READY
 _NOT_READY = ~READY
 
 
+class Slot(Protocol):
+    """A worker's handler call as the consume-timeout scanner sees it
+    (``_workers._Slot``)."""
+
+    call: tuple[Batch, Any, Any] | None
+    timed_out: bool
+
+
+class Pool(Protocol):
+    """What a run needs of its worker pool (:class:`~._workers.WorkerPool`)."""
+
+    state: ConsumerState
+    service: ConsumeService
+    dispatcher: Dispatcher
+    signals: Signals
+    consume: Callable[..., Any]
+    leased: bool
+
+    def _exit_requested(self, batch: Batch, exc: SystemExit) -> None: ...
+
+    async def _settle(
+        self, batch: Batch, context: Any, error: Exception | None, result: object, hook_ctx: Any
+    ) -> None: ...
+
+
 class Run:
     """A worker's run in progress (invariant 2 of the module docstring)."""
 
     __slots__ = ("batch", "context", "done", "slot")
 
-    def __init__(self, slot: _Slot | None) -> None:
+    def __init__(self, slot: Slot | None) -> None:
         self.batch: Batch | None = None
         self.context: Any = None
         self.done = 0
         self.slot = slot
 
 
-async def run_loop(pool: WorkerPool, run: Run) -> None:
+async def run_loop(pool: Pool, run: Run) -> None:
     """The worker loop with runs (see the module docstring), under :func:`drive`."""
     state, service, dispatcher, signals = pool.state, pool.service, pool.dispatcher, pool.signals
     take, finish, has_ready = dispatcher.take, dispatcher.finish, dispatcher.has_ready
@@ -159,7 +184,7 @@ def _succeeded(result: Any, ok: Any, partial_ack: bool, context: Any) -> bool:
 
 
 async def _failed(
-    pool: WorkerPool,
+    pool: Pool,
     batch: Batch,
     done: int,
     context: Any,
@@ -173,7 +198,7 @@ async def _failed(
     await pool._settle(batch, context, error, result, None)
 
 
-def _interrupted(pool: WorkerPool, run: Run, batch: Batch, exc: BaseException) -> None:
+def _interrupted(pool: Pool, run: Run, batch: Batch, exc: BaseException) -> None:
     """A run's call raised ``exc``, not an ``Exception``: the run ends at that call
     (unless drive() ended it, the call having waited) and ``exc`` goes on, except a
     ``SystemExit`` (``sys.exit()`` in the handler), which stops the consumer."""
@@ -184,7 +209,7 @@ def _interrupted(pool: WorkerPool, run: Run, batch: Batch, exc: BaseException) -
     pool._exit_requested(batch, exc)
 
 
-def end_run(pool: WorkerPool, batch: Batch, done: int) -> None:
+def end_run(pool: Pool, batch: Batch, done: int) -> None:
     """A run stops at its call in progress (``batch.messages[done]``): what it took
     ahead goes back, the calls before are finished."""
     if len(batch.messages) > done + 1:
@@ -193,7 +218,7 @@ def end_run(pool: WorkerPool, batch: Batch, done: int) -> None:
         cut(pool, batch, done)
 
 
-def cut(pool: WorkerPool, batch: Batch, done: int) -> None:
+def cut(pool: Pool, batch: Batch, done: int) -> None:
     """Finish the first ``done`` messages of a run's batch (their calls succeeded),
     leaving the batch holding the message of the call in progress alone."""
     pool.state.consumed_ok += done
@@ -202,7 +227,7 @@ def cut(pool: WorkerPool, batch: Batch, done: int) -> None:
 
 
 @types.coroutine
-def drive(pool: WorkerPool, work: Coroutine[Any, Any, None], run: Run) -> Generator[Any, Any, None]:
+def drive(pool: Pool, work: Coroutine[Any, Any, None], run: Run) -> Generator[Any, Any, None]:
     """Run the worker loop ``work`` as ``await work`` would (PEP 380's ``yield from``:
     values and exceptions the event loop sends in go to ``work``), and each time it
     yields to the event loop in the middle of a run (one of the run's calls waits),
