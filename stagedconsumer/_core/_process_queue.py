@@ -50,10 +50,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat, starmap
 from types import MappingProxyType
-from typing import Final
+from typing import Final, TypeVar
 
 import attrs
 
@@ -208,20 +208,45 @@ class _Epoch:
     maintained when the shell passes ``now``."""
 
 
+_T = TypeVar("_T")
+
+
+class _Small(list[_T]):
+    """A list with the two deque methods lanes use beyond a list's: the containers of
+    a key-ordered lane, which mostly holds a message or two (a deque reserves a block
+    of 64 slots: 760 bytes empty, three per lane). ``popleft`` moves the rest, so a
+    key's cache becomes a deque once it holds :data:`_SMALL_MAX` messages."""
+
+    __slots__ = ()
+
+    def popleft(self) -> _T:
+        return self.pop(0)
+
+    def extendleft(self, items: Iterable[_T]) -> None:
+        self[:0] = list(items)[::-1]  # as deque.extendleft: the last item ends first
+
+
+_SMALL_MAX: Final = 16
+"""Messages a key-ordered lane's cache holds as a :class:`_Small` list."""
+_NO_TIMES: Final[_Small[float]] = _Small()
+"""The ``cached_at`` of every key-ordered lane that keeps no cached times: shared,
+always empty (whatever writes cached times gets the lane's own container from
+:func:`_align_cached_at` first)."""
+
+
 @attrs.define(eq=False, slots=True)
 class _Lane:
     key: StageKey | None
     definition: StageDefinition | None
     exclusive: bool
-    counted: bool
     name: str | None = None
     """The message key of a key-ordered lane (``None`` for other lanes)."""
-    cached: deque[Message] = attrs.Factory(deque)
+    cached: deque[Message] | _Small[Message] = attrs.Factory(deque)
     """Cached messages in offset order; the head epoch's come first."""
-    cached_at: deque[float] = attrs.Factory(deque)
+    cached_at: deque[float] | _Small[float] = attrs.Factory(deque)
     """When each cached message was cached: empty, or aligned with ``cached`` (kept
     only once a ``now`` has been passed to ``put_messages``)."""
-    epochs: deque[_Epoch] = attrs.Factory(deque)
+    epochs: deque[_Epoch] | _Small[_Epoch] = attrs.Factory(deque)
     current_epoch: _Epoch | None = None
     next_stage_offset: int = 0
     stage_start: int = 0
@@ -337,11 +362,16 @@ class ProcessQueueStatistics:
         return max(0, self.max_offset - self.committed_offset)
 
 
-def _align_cached_at(lane: _Lane) -> None:
-    """Pad ``lane.cached_at`` (on the left) to the length of ``lane.cached``."""
-    missing = len(lane.cached) - len(lane.cached_at)
+def _align_cached_at(lane: _Lane) -> deque[float] | _Small[float]:
+    """Pad ``lane.cached_at`` (on the left) to the length of ``lane.cached`` and return
+    it (made, for a key-ordered lane that had none: see :data:`_NO_TIMES`)."""
+    cached_at = lane.cached_at
+    if cached_at is _NO_TIMES:
+        cached_at = lane.cached_at = _Small() if type(lane.cached) is _Small else deque()
+    missing = len(lane.cached) - len(cached_at)
     if missing > 0:
-        lane.cached_at.extendleft([0.0] * missing)
+        cached_at.extendleft([0.0] * missing)
+    return cached_at
 
 
 def _put_back(lane: _Lane, messages: list[Message], times: list[float] | None) -> None:
@@ -360,8 +390,7 @@ def _put_back(lane: _Lane, messages: list[Message], times: list[float] | None) -
         else:
             cached.extendleft(reversed(messages))
         return
-    _align_cached_at(lane)
-    cached_at = lane.cached_at
+    cached_at = _align_cached_at(lane)
     pairs = list(zip(messages, times if times is not None else [0.0] * len(messages), strict=True))
     if cached and cached[0].queue_offset < last:
         while cached and cached[0].queue_offset < last:
@@ -371,8 +400,56 @@ def _put_back(lane: _Lane, messages: list[Message], times: list[float] | None) -
     cached_at.extendleft([at for _, at in reversed(pairs)])
 
 
+def _pop_left(items: deque[_T], n: int) -> None:
+    """Drop the first ``n`` items of ``items``: in C for many (a deque to consume the
+    pops costs an allocation: few are dropped one by one)."""
+    if n < 8:
+        for _ in range(n):
+            items.popleft()
+    else:
+        deque(starmap(items.popleft, repeat((), n)), 0)
+
+
+_ONE_LANE: Final = (DEFAULT_STRATEGY, None)
+"""The name (strategy, group) of the lane of a one-lane staged queue."""
+
+
 def _offset_of(message: Message) -> int:
     return message.queue_offset
+
+
+def _check_arguments(
+    mode: ConsumeMode,
+    start_offset: int,
+    plan: StagePlan | None,
+    key_of: Callable[[Message], str | None] | None,
+) -> None:
+    """Raise ``ValueError`` for arguments a :class:`ProcessQueue` cannot work with."""
+    if start_offset < 0:
+        raise ValueError(f"start_offset must be >= 0, got {start_offset}")
+    if mode is ConsumeMode.STAGED and plan is None:
+        raise ValueError("staged mode needs a StagePlan")
+    if mode is ConsumeMode.KEY_ORDERED and key_of is None:
+        raise ValueError("key-ordered mode needs key_of")
+
+
+def _is_one_lane(plan: StagePlan | None) -> bool:
+    """Whether every message of a staged queue joins one lane and takes the next stage
+    offset: one strategy, no groups, no reset hook. The queue then keeps the two
+    deques parallel to its order empty and counts the stage offset at the committed
+    offset instead (``_stage_popped``: the lane's first stage offset plus the
+    messages popped from the order)."""
+    return plan is not None and (
+        plan.compute_strategy is None and plan.compute_group is None and plan.reset is None
+    )
+
+
+def _ranges_ahead(
+    finished: Sequence[tuple[int, int]], start_offset: int
+) -> list[tuple[int, int]] | None:
+    """The ranges of ``finished`` that reach ``start_offset`` or beyond, sorted; None
+    when there are none."""
+    return sorted((first, last) for first, last in finished if last >= start_offset) or None
 
 
 class ProcessQueue:
@@ -399,6 +476,7 @@ class ProcessQueue:
         "_lanes",
         "_lanes_by_name",
         "_notice",
+        "_one_lane",
         "_order",
         "_order_lanes",
         "_order_stages",
@@ -407,6 +485,7 @@ class ProcessQueue:
         "_skip",
         "_skip_at",
         "_stage_offsets",
+        "_stage_popped",
         "_suspended_count",
         "_topic",
         "assignment_error",
@@ -439,13 +518,8 @@ class ProcessQueue:
         key_of: Callable[[Message], str | None] | None = None,
         finished: Sequence[tuple[int, int]] = (),
     ) -> None:
-        if start_offset < 0:
-            raise ValueError(f"start_offset must be >= 0, got {start_offset}")
-        if mode is ConsumeMode.STAGED and plan is None:
-            raise ValueError("staged mode needs a StagePlan")
+        _check_arguments(mode, start_offset, plan, key_of)
         self._key_of = key_of
-        if mode is ConsumeMode.KEY_ORDERED and key_of is None:
-            raise ValueError("key-ordered mode needs key_of")
         self.message_queue = message_queue
         self.mode = mode
         self._topic = message_queue.topic
@@ -461,11 +535,11 @@ class ProcessQueue:
         self._finished: set[int] = set()
         self._order_lanes: deque[_Lane] | None = deque() if plan is not None else None
         self._order_stages: deque[int] = deque()
-        self._cached_count = 0
-        self._pending_count = 0
-        self._suspended_count = 0
+        self._one_lane = _is_one_lane(plan)
+        self._cached_count = self._pending_count = self._suspended_count = 0
         self._cached_bytes = 0
         self._stage_offsets: dict[StageKey, int] = dict(stage_offsets or {})
+        self._stage_popped = self._stage_offsets.get(StageKey(DEFAULT_STRATEGY, None), 0)
         self._lanes: dict[StageKey | None, _Lane] = {}
         self._lanes_by_name: dict[tuple[str | None, str | None], _Lane] = {}
         self.ready_lanes: deque[_Lane] = deque()
@@ -480,9 +554,8 @@ class ProcessQueue:
         self._notice = False
         """Whether finishing messages must look at ``_awaiting_room`` or ``dropped``
         (kept off the hot path otherwise)."""
-        self._direct_lane = _Lane(None, None, exclusive=False, counted=False)
-        self.dropped = False
-        self.in_ready = False
+        self._direct_lane = _Lane(None, None, exclusive=False)
+        self.dropped = self.in_ready = False
         self.notify_offset = _NEVER
         """The shell's request: report ``COMMITTED`` when the committed offset reaches
         this offset (someone waits for it). By default nobody waits and ``COMMITTED`` is
@@ -499,10 +572,9 @@ class ProcessQueue:
         """Batches are handed out while the clock is before this: the lease deadline,
         or never while paused or dropped (the one thing the dispatcher checks)."""
         self._keyed: dict[str, _Lane] = {}
-        # Ranges (first, last) of offsets that finished before this queue was built
-        # (sparse progress); None once the queue is past the last one.
-        skip = sorted((first, last) for first, last in finished if last >= start_offset)
-        self._skip: list[tuple[int, int]] | None = skip or None
+        self._skip = _ranges_ahead(finished, start_offset)
+        """Ranges (first, last) of offsets that finished before this queue was built
+        (sparse progress); None once the queue is past the last one."""
         self._skip_at = 0
         self.skipped_count = 0
         """Messages that arrived already finished (sparse progress) and were not
@@ -512,12 +584,10 @@ class ProcessQueue:
         self.transacted: set[int] | None = None
         """Offsets of pending messages whose finished mark the shell committed
         (exactly-once effects): finished whatever their handler call returns."""
-        if mode is ConsumeMode.KEY_ORDERED:
-            pass  # lanes come and go with their keys (see _put_keyed)
-        elif mode is not ConsumeMode.STAGED:
-            self._lanes[None] = _Lane(
-                None, None, exclusive=mode is ConsumeMode.ORDERLY, counted=False
-            )
+        if mode is ConsumeMode.CONCURRENT or mode is ConsumeMode.ORDERLY:  # one lane
+            self._lanes[None] = _Lane(None, None, exclusive=mode is ConsumeMode.ORDERLY)
+        # (key-ordered lanes come and go with their keys, see _put_keyed; staged ones
+        # with their stage keys, see _assign)
 
     # -- arrival -------------------------------------------------------------
 
@@ -645,8 +715,9 @@ class ProcessQueue:
             except _AssignError as error:
                 self.assignment_error = error.failure
                 return self._hold((message,), 0, self.highest_offset)
-            order_lanes.append(lane)
-            self._order_stages.append(stage_offset)
+            if not self._one_lane:
+                order_lanes.append(lane)
+                self._order_stages.append(stage_offset)
         self._order.append(offset)
         self._finished.add(offset)
         self.highest_offset = offset
@@ -654,6 +725,9 @@ class ProcessQueue:
         return NOTHING
 
     def _pop_finished_head(self) -> None:
+        if self._one_lane:
+            self._pop_staged_head(0)
+            return
         order = self._order
         finished = self._finished
         order_lanes = self._order_lanes
@@ -738,25 +812,22 @@ class ProcessQueue:
         Stops at the first message a stage callback fails on and holds it and the
         rest (``HELD``)."""
         at = 0.0 if now is None else now
-        plan = self._plan
-        assert plan is not None
-        # With one strategy, no groups and no reset hook, every message of the queue
-        # joins one lane; within a stage the assignment is a counter increment.
-        one_lane = (
-            plan.compute_strategy is None and plan.compute_group is None and plan.reset is None
-        )
+        one_lane = self._one_lane  # within a stage, assigning is then counting (fast)
         fast: _Lane | None = None
         fast_epoch = _Epoch(TAIL_STAGE)  # replaced with fast's epoch before use
-        order = self._order
-        order_lanes = self._order_lanes
-        assert order_lanes is not None
-        order_stages = self._order_stages
-        timed = now is not None
         touched: list[_Lane] = []
+        if one_lane:  # the lane's current stage goes on where the last put left it
+            fast = self._lanes_by_name.get(_ONE_LANE)
+            if fast is not None and fast.current_epoch is not None:
+                fast_epoch = fast.current_epoch
+                touched.append(fast)
+            else:
+                fast = None
+        order, order_lanes, order_stages = self._order, self._order_lanes, self._order_stages
+        assert order_lanes is not None
+        timed = now is not None
         effects = NOTHING
-        added = 0
-        size_total = 0
-        i = 0
+        added = size_total = i = 0
         count = len(messages)
         while i < count:
             message = messages[i]
@@ -796,12 +867,16 @@ class ProcessQueue:
                     epoch.runnable_at = at
                 lane.epochs.append(epoch)
             if timed or lane.cached_at:
-                _align_cached_at(lane)
-                lane.cached_at.extend([at] * k)
+                _align_cached_at(lane).extend([at] * k)
             lane.cached.extend(run)
-            order.extend([message.queue_offset for message in run])
-            order_lanes.extend([lane] * k)
-            order_stages.extend(range(first_stage_offset, first_stage_offset + k))
+            first = run[0].queue_offset
+            if run[-1].queue_offset - first == k - 1:  # consecutive (offsets ascend)
+                order.extend(range(first, first + k))
+            else:
+                order.extend([message.queue_offset for message in run])
+            if not one_lane:
+                order_lanes.extend([lane] * k)
+                order_stages.extend(range(first_stage_offset, first_stage_offset + k))
             highest = run[-1].queue_offset
             added += k
             i += k
@@ -809,11 +884,17 @@ class ProcessQueue:
             self.highest_offset = highest
         self._cached_count += added
         self._cached_bytes += size_total
+        return effects | self._ready_touched(touched)
+
+    def _ready_touched(self, touched: list[_Lane]) -> Effects:
+        """Put the lanes of ``touched`` that have a batch to take now in line:
+        ``READY`` if any."""
+        effects = NOTHING
         for lane in touched:
             if not lane.in_ready and lane.dispatchable():
                 lane.in_ready = True
                 self.ready_lanes.append(lane)
-                effects |= READY
+                effects = READY
         return effects
 
     def _put_unstaged(
@@ -909,9 +990,13 @@ class ProcessQueue:
             else:
                 lane_or_none = lanes.get(key)
                 if lane_or_none is None:
-                    lane = lanes[key] = _Lane(None, None, exclusive=True, counted=False, name=key)
+                    lane = lanes[key] = _Lane(None, None, True, key, _Small(), _NO_TIMES, _Small())
                 else:
                     lane = lane_or_none
+                    if len(lane.cached) == _SMALL_MAX and type(lane.cached) is _Small:
+                        lane.cached = deque(lane.cached)  # a key with a backlog
+                        if lane.cached_at is not _NO_TIMES:
+                            lane.cached_at = deque(lane.cached_at)
             epoch = lane.current_epoch
             if epoch is None:
                 epoch = lane.current_epoch = _Epoch(TAIL_STAGE)
@@ -922,8 +1007,7 @@ class ProcessQueue:
             epoch.unfinished += 1
             epoch.cached += 1
             if now is not None or lane.cached_at:
-                _align_cached_at(lane)
-                lane.cached_at.append(at)
+                _align_cached_at(lane).append(at)
             lane.cached.append(message)
             order.append(offset)
             highest = offset
@@ -935,12 +1019,7 @@ class ProcessQueue:
             self.highest_offset = highest
         self._cached_count += added
         self._cached_bytes += size_total
-        for lane in touched:
-            if not lane.in_ready and lane.dispatchable():
-                lane.in_ready = True
-                self.ready_lanes.append(lane)
-                effects |= READY
-        return effects
+        return effects | self._ready_touched(touched)
 
     @property
     def key_count(self) -> int:
@@ -983,7 +1062,7 @@ class ProcessQueue:
             if definition is None:  # a typo must not drop the ordering silently
                 raise _bad_value(message, "compute_strategy", strategy, _strategy_ids(plan))
             key = StageKey(strategy, group)
-            lane = self._lanes[key] = _Lane(key, definition, exclusive=False, counted=True)
+            lane = self._lanes[key] = _Lane(key, definition, exclusive=False)
             lane.next_stage_offset = self._stage_offsets.get(key, 0)
             self._lanes_by_name[(strategy, group)] = lane
         else:
@@ -1300,11 +1379,10 @@ class ProcessQueue:
         epoch.unfinished -= n
         self._pending_count -= n
         epochs = lane.epochs
-        if epochs and not epochs[0].unfinished:
-            while epochs and not epochs[0].unfinished:
-                epochs.popleft().queued = False
-                if epochs and now is not None:
-                    epochs[0].runnable_at = now  # the next stage's barrier opens
+        while epochs and not epochs[0].unfinished:
+            epochs.popleft().queued = False
+            if epochs and now is not None:
+                epochs[0].runnable_at = now  # the next stage's barrier opens
         if at_head:
             # Pop the finished run at the head; a single message finished at the head
             # is popped without entering the set.
@@ -1317,13 +1395,7 @@ class ProcessQueue:
                 while order and order[0] in finished:
                     finished.remove(order.popleft())
             else:
-                order_stages = self._order_stages
-                for _ in range(head):
-                    order.popleft()
-                    order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
-                while order and order[0] in finished:
-                    finished.remove(order.popleft())
-                    order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
+                self._pop_staged_head(head)
             notify = self.notify_offset
             if notify != _NEVER:  # someone waits for progress
                 held = self._held
@@ -1346,6 +1418,38 @@ class ProcessQueue:
         lane.in_ready = True
         self.ready_lanes.append(lane)
         return effects | READY
+
+    def _pop_staged_head(self, head: int) -> None:
+        """Staged mode: pop the finished run at the head of the order (its first
+        ``head`` offsets, messages of one lane, and those finished before), moving the
+        committed stage offset of each lane it passes."""
+        order, order_lanes, order_stages = self._order, self._order_lanes, self._order_stages
+        assert order_lanes is not None
+        finished = self._finished
+        if self._one_lane:
+            before = len(order)
+            if head == 1:
+                order.popleft()
+            elif head:
+                _pop_left(order, head)
+            while order and order[0] in finished:
+                finished.remove(order.popleft())
+            if before != len(order):
+                self._stage_popped += before - len(order)
+                lane = self._lanes_by_name[_ONE_LANE]
+                lane.committed_stage_offset = self._stage_popped
+            return
+        if head > 1:  # the messages, all of one lane: its offset is the last's
+            skip = head - 1
+            _pop_left(order, skip)
+            _pop_left(order_lanes, skip)
+            _pop_left(order_stages, skip)
+        if head:
+            order.popleft()
+            order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
+        while order and order[0] in finished:
+            finished.remove(order.popleft())
+            order_lanes.popleft().committed_stage_offset = order_stages.popleft() + 1
 
     def suspend_messages(self, batch: Batch, retry_at: float) -> None:
         """Hold ``batch`` back until ``retry_at``, counting one more attempt.

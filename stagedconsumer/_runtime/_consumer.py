@@ -49,7 +49,7 @@ from ._signals import Signals
 from ._state import ConsumerState, QueueState
 from ._transact import Transactor
 from ._watchdog import LoopWatchdog
-from ._workers import WORKER_BATCH_LOCAL, WORKER_CALL_LOCAL, WORKER_CODE, WorkerPool
+from ._workers import WORKER_BATCH_LOCAL, WORKER_CALL_LOCAL, WORKER_CODES, WorkerPool
 
 __all__ = ("PushConsumer",)
 
@@ -87,6 +87,22 @@ def default_offset_store(source: MessageSource) -> StageOffsetStore:
     if store is None:
         store = _default_stores[source] = MemoryOffsetStore()
     return store
+
+
+def _coordinator_of(source: MessageSource, options: ConsumerOptions) -> GroupCoordinator | None:
+    """The source's group coordinator, checked against the options (gray release
+    cannot split queues a broker allocates itself)."""
+    coordinator = source.group_coordinator()
+    if (
+        coordinator is not None
+        and getattr(coordinator.options.allocate_strategy, "external", False)
+        and options.enable_gray_switch
+    ):
+        raise ConfigurationError(
+            f"{type(source).__name__} allocates queues itself (Kafka's assignor):"
+            " gray release (enable_gray_switch) cannot split them"
+        )
+    return coordinator
 
 
 class PushConsumer:
@@ -164,16 +180,7 @@ class PushConsumer:
         ``@gray[<gray_queue_ratio>]``."""
         if options.enable_gray_switch and options.gray_tag:
             self.client_id = gray_member_id(self.client_id, options.gray_queue_ratio)
-        self._coordinator: GroupCoordinator | None = source.group_coordinator()
-        if (
-            self._coordinator is not None
-            and getattr(self._coordinator.options.allocate_strategy, "external", False)
-            and options.enable_gray_switch
-        ):
-            raise ConfigurationError(
-                f"{type(source).__name__} allocates queues itself (Kafka's assignor):"
-                " gray release (enable_gray_switch) cannot split them"
-            )
+        self._coordinator = _coordinator_of(source, options)
         self._subscriptions: dict[str, TagFilter] = {}
         self._known_queues: frozenset[MessageQueue] | None = None
         """Every queue of the subscribed topics (retry ones included), once started."""
@@ -646,29 +653,7 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         consumer._hooks = HookRunner(consumer._hook_list)
         consumer._dispatcher.record_times = True
     if consumer._coordinator is not None:
-        strategy = consumer._coordinator.options.allocate_strategy
-        # The default allocation is gray-aware even with the switch off: while no member
-        # is gray it is the same average split, and once a gray member joins it agrees
-        # with the gray members' (an average split over everyone would leave queues
-        # that neither side allocates to itself without an owner).
-        if (
-            not isinstance(strategy, AllocateMessageQueueByGray)
-            and not getattr(strategy, "external", False)
-            and (options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely)
-        ):
-            strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
-        consumer._membership = GroupMembership(
-            strategy=strategy,
-            coordinator=consumer._coordinator,
-            state=state,
-            client_id=consumer.client_id,
-            store=consumer.offset_store,
-            queues=consumer._queues,
-            dispatcher=consumer._dispatcher,
-            subscribed=subscribed,
-        )
-        if options.enable_gray_switch:
-            consumer._service.gray_queue = consumer._membership.is_gray
+        consumer._membership = _membership(consumer, consumer._coordinator, subscribed)
     membership = consumer._membership
     consumer._committer = consumer._queues.committer = ProgressCommitter(
         state=state,
@@ -715,8 +700,41 @@ def _wire_services(consumer: PushConsumer, subscribed: dict[MessageQueue, TagFil
         consumer._watchdog = LoopWatchdog(
             group=consumer.group,
             threshold=threshold,
-            worker_code=WORKER_CODE,
+            worker_codes=WORKER_CODES,
             batch_local=WORKER_BATCH_LOCAL,
             call_local=WORKER_CALL_LOCAL,
             handler_code=getattr(getattr(consume, "__func__", consume), "__code__", None),
         )
+
+
+def _membership(
+    consumer: PushConsumer,
+    coordinator: GroupCoordinator,
+    subscribed: dict[MessageQueue, TagFilter],
+) -> GroupMembership:
+    """The group membership of ``consumer``, whose source coordinates a group."""
+    state, options = consumer._state, consumer.options
+    strategy = coordinator.options.allocate_strategy
+    # The default allocation is gray-aware even with the switch off: while no member
+    # is gray it is the same average split, and once a gray member joins it agrees
+    # with the gray members' (an average split over everyone would leave queues
+    # that neither side allocates to itself without an owner).
+    if (
+        not isinstance(strategy, AllocateMessageQueueByGray)
+        and not getattr(strategy, "external", False)
+        and (options.enable_gray_switch or type(strategy) is AllocateMessageQueueAveragely)
+    ):
+        strategy = AllocateMessageQueueByGray(options.gray_queue_ratio)
+    membership = GroupMembership(
+        strategy=strategy,
+        coordinator=coordinator,
+        state=state,
+        client_id=consumer.client_id,
+        store=consumer.offset_store,
+        queues=consumer._queues,
+        dispatcher=consumer._dispatcher,
+        subscribed=subscribed,
+    )
+    if options.enable_gray_switch:
+        consumer._service.gray_queue = membership.is_gray
+    return membership

@@ -164,18 +164,13 @@ class PullService:
             )
 
     async def _pull_loop(self, state: QueueState) -> None:
-        source = self.source
-        mq = state.mq
-        pq = state.pq
+        source, dispatcher, apply = self.source, self.dispatcher, self.signals.apply
+        mq, pq = state.mq, state.pq
         offset = pq.committed_offset
-        dispatcher = self.dispatcher
-        apply = self.signals.apply
         options = self.options
-        batch_size = options.pull_batch_size
-        long_poll = options.pull_long_polling_timeout
+        batch_size, long_poll = options.pull_batch_size, options.pull_long_polling_timeout
         backoff = Backoff(options.pull_time_delay_when_exception, _MAX_PULL_BACKOFF)
-        accept_all = state.filter.accepts_all
-        tag_filter = state.filter
+        accept_all, tag_filter = state.filter.accepts_all, state.filter
         hooks = self.hooks
         clock = loop_clock()
         started = 0.0
@@ -183,14 +178,7 @@ class PullService:
             state.pull_scope = scope
             while not pq.dropped:
                 if pq.paused:  # PushConsumer.pause(): no pulling until resumed
-                    state.unpaused = anyio.Event()
-                    self._user_paused[pq] = state
-                    try:
-                        if pq.max_offset is None:  # never pulled: its lag at once
-                            await self._refresh_max_offset(state)
-                        await state.unpaused.wait()
-                    finally:
-                        self._user_paused.pop(pq, None)
+                    await self._wait_unpaused(state)
                     continue
                 if pq.should_pause_pull():
                     state.room = anyio.Event()
@@ -202,55 +190,16 @@ class PullService:
                 try:
                     result = await source.pull(mq, offset, batch_size, timeout=long_poll)
                 except SourceError as exc:
-                    self.state.pull_errors += 1
-                    if isinstance(exc, SourcePermissionError):
-                        logger.error(
-                            "group %s: pull of %s refused for good (%s); stopping the consumer",
-                            self.state.group,
-                            mq,
-                            exc,
-                        )
-                        self.state.fail(exc)
+                    if not await self._pull_failed(mq, offset, exc, backoff):
                         return
-                    delay = backoff.failed()
-                    logger.warning(
-                        "group %s: pull of %s at offset %d failed (%s); retrying in %.1f s",
-                        self.state.group,
-                        mq,
-                        offset,
-                        exc,
-                        delay,
-                    )
-                    await anyio.sleep(delay)
                     continue
                 if backoff.failures:
                     backoff.reset()
                 pq.max_offset = result.max_offset
                 messages = result.messages
                 undecodable = result.undecodable
-                if undecodable:
-                    try:
-                        await self._dead_letter(mq, undecodable)
-                    except SourceError as exc:
-                        self.state.pull_errors += 1
-                        delay = backoff.failed()
-                        logger.warning(
-                            "group %s: moving undecodable entries of %s to %s failed (%s);"
-                            " pulling again in %.1f s",
-                            self.state.group,
-                            mq,
-                            dlq_topic(self.state.group),
-                            exc,
-                            delay,
-                        )
-                        await anyio.sleep(delay)
-                        continue
-                    if not messages:
-                        effects = dispatcher.put_messages(
-                            pq, (), highest_offset=undecodable[-1].offset, now=clock()
-                        )
-                        if effects:
-                            apply(pq, effects)
+                if undecodable and not await self._put_undecodable(state, result, backoff):
+                    continue  # pulled again after a while
                 if messages:
                     highest = messages[-1].queue_offset
                     if undecodable and undecodable[-1].offset > highest:
@@ -264,17 +213,7 @@ class PullService:
                     if effects:
                         apply(pq, effects)
                     if hooks is not None and hooks.wants_pull and messages:
-                        hooks.pulled(
-                            PullContext(
-                                consumer_group=self.state.group,
-                                message_queue=mq,
-                                messages=messages,
-                                start_time=started,
-                                end_time=now,
-                                wall_offset=loop_wall_offset(clock),
-                                max_offset=result.max_offset,
-                            )
-                        )
+                        self._pulled(hooks, mq, messages, started, now, result, clock)
                 elif result.offset_moved and self.offset_moved is not None:
                     # The source no longer stores ``offset`` (retention trimmed it):
                     # never go on silently.
@@ -286,3 +225,96 @@ class PullService:
                     offset = await self.past_end(state, offset, result.next_offset)
                     continue
                 offset = result.next_offset
+
+    async def _wait_unpaused(self, state: QueueState) -> None:
+        """The pull loop of ``state``'s queue waits for :meth:`unpaused`."""
+        pq = state.pq
+        state.unpaused = anyio.Event()
+        self._user_paused[pq] = state
+        try:
+            if pq.max_offset is None:  # never pulled: its lag at once
+                await self._refresh_max_offset(state)
+            await state.unpaused.wait()
+        finally:
+            self._user_paused.pop(pq, None)
+
+    async def _pull_failed(
+        self, mq: MessageQueue, offset: int, exc: SourceError, backoff: Backoff
+    ) -> bool:
+        """A pull of ``mq`` failed: wait before the next one (``backoff``) and return
+        True, or stop the consumer and return False (permission refused for good)."""
+        self.state.pull_errors += 1
+        if isinstance(exc, SourcePermissionError):
+            logger.error(
+                "group %s: pull of %s refused for good (%s); stopping the consumer",
+                self.state.group,
+                mq,
+                exc,
+            )
+            self.state.fail(exc)
+            return False
+        delay = backoff.failed()
+        logger.warning(
+            "group %s: pull of %s at offset %d failed (%s); retrying in %.1f s",
+            self.state.group,
+            mq,
+            offset,
+            exc,
+            delay,
+        )
+        await anyio.sleep(delay)
+        return True
+
+    async def _put_undecodable(
+        self, state: QueueState, result: PullResult, backoff: Backoff
+    ) -> bool:
+        """Move the undecodable entries of a pull to the dead-letter queue; when the
+        pull had nothing else, move the queue past them. False (after waiting, the
+        pull to be repeated) if they could not be moved."""
+        mq, pq = state.mq, state.pq
+        undecodable = result.undecodable
+        try:
+            await self._dead_letter(mq, undecodable)
+        except SourceError as exc:
+            self.state.pull_errors += 1
+            delay = backoff.failed()
+            logger.warning(
+                "group %s: moving undecodable entries of %s to %s failed (%s);"
+                " pulling again in %.1f s",
+                self.state.group,
+                mq,
+                dlq_topic(self.state.group),
+                exc,
+                delay,
+            )
+            await anyio.sleep(delay)
+            return False
+        if not result.messages:
+            effects = self.dispatcher.put_messages(
+                pq, (), highest_offset=undecodable[-1].offset, now=loop_clock()()
+            )
+            if effects:
+                self.signals.apply(pq, effects)
+        return True
+
+    def _pulled(
+        self,
+        hooks: HookRunner,
+        mq: MessageQueue,
+        messages: Sequence[Message],
+        started: float,
+        now: float,
+        result: PullResult,
+        clock: Callable[[], float],
+    ) -> None:
+        hooks.pulled(
+            PullContext(
+                consumer_group=self.state.group,
+                message_queue=mq,
+                messages=messages,
+                start_time=started,
+                end_time=now,
+                wall_offset=loop_wall_offset(clock),
+                max_offset=result.max_offset,
+            )
+        )

@@ -172,7 +172,7 @@ class ConsumeService(abc.ABC):
     transactor: Any = None
     """What ``context.transact`` calls (set by the consumer)."""
     active_runs: list[Any]
-    """The workers' runs (``_workers._Run``): a run's calls share one batch, and the
+    """The workers' runs (``_runs.Run``): a run's calls share one batch, and the
     call in progress is ``run.batch.messages[run.done]`` while ``run.context`` is its
     context (what ``context.transact`` marks)."""
 

@@ -76,9 +76,9 @@ class LoopWatchdog:
     """Reports an event loop blocked for ``threshold`` seconds or more, once per
     handler (or per function, outside handlers), with advice.
 
-    ``worker_code`` is the code of the worker loop that calls handlers,
-    ``batch_local`` the name of its local holding the current batch and
-    ``call_local`` of its local holding the messages of the call in progress.
+    ``worker_codes`` are the codes of the worker loops that call handlers,
+    ``batch_local`` the name of their local holding the current batch and
+    ``call_local`` of their local holding the messages of the call in progress.
     """
 
     def __init__(
@@ -86,14 +86,14 @@ class LoopWatchdog:
         *,
         group: str,
         threshold: float,
-        worker_code: CodeType,
+        worker_codes: frozenset[CodeType],
         batch_local: str,
         call_local: str,
         handler_code: CodeType | None,
     ) -> None:
         self.group = group
         self.threshold = threshold
-        self.worker_code = worker_code
+        self.worker_codes = worker_codes
         self.batch_local = batch_local
         self.call_local = call_local
         self.handler_code = handler_code
@@ -179,8 +179,8 @@ class LoopWatchdog:
             return None  # the loop waits for events: late because the machine was busy
         frame: FrameType | None = innermost
         callee: FrameType | None = None
-        worker = self.worker_code
-        while frame is not None and frame.f_code is not worker:
+        workers = self.worker_codes
+        while frame is not None and frame.f_code not in workers:
             callee = frame
             frame = frame.f_back
         code = innermost.f_code

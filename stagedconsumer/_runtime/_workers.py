@@ -1,8 +1,10 @@
 """WorkerPool: ``consume_thread_max`` workers that take batches and run the listener.
 
-The worker loop is the same for every mode; the consume service supplies the
+The worker loops are the same for every mode; the consume service supplies the
 handler's context, the result that means success and the settlement of a failure.
-The success path is inlined in the loop (no extra coroutine per batch).
+Workers whose handler is an ``async def`` called on one message at a time with no
+consume hooks run runs (:mod:`._runs`); the others run :meth:`WorkerPool._work`. In
+both the success path is inlined in the loop (no extra coroutine per batch).
 """
 
 from __future__ import annotations
@@ -10,21 +12,22 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-import types
-from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from offsetstore import AlreadyFinishedError
 
-from .._core import NO_LEASE, READY, Batch, Dispatcher, EraseStatus, ProcessQueue
+from .._core import READY, Batch, Dispatcher, EraseStatus, ProcessQueue
 from .._exceptions import LeaseEndedError
 from .._listeners import is_async_callable
 from .._message import Message
 from .._observability._hooks import ConsumeMessageContext, ConsumeReturnType
 from ._hooks import HookRunner, loop_clock, thread_clock
+from ._runs import CHECKPOINT_EVERY, Run, drive, run_loop
 from ._services import ConsumeService
 from ._signals import Signals
 from ._state import ConsumerState, QueueState
@@ -35,8 +38,6 @@ __all__ = ("WorkerPool",)
 
 logger = logging.getLogger("stagedconsumer")
 
-_CHECKPOINT_EVERY = 64
-"""Batches a worker runs back to back before it yields to other tasks."""
 _NEVER_AGAIN = 365 * 24 * 3600.0
 """Seconds a batch whose handler called ``sys.exit()`` waits: the consumer stops first."""
 _SUCCESS = EraseStatus.SUCCESS
@@ -60,22 +61,6 @@ class _Slot:
         """The call the scanner saw last, and how many scans since it first did."""
         self.scans = 0
         self.timed_out = False
-
-
-class _Run:
-    """A worker's run in progress (see :meth:`WorkerPool._work`), seen by
-    :func:`_drive`, which ends it when one of its calls suspends."""
-
-    __slots__ = ("batch", "context", "done", "slot")
-
-    def __init__(self, slot: _Slot | None) -> None:
-        self.batch: Batch | None = None
-        """The run's batch while a run is on, else None."""
-        self.context: Any = None
-        """The context of the call in progress."""
-        self.done = 0
-        """Messages of the run's earlier calls, not finished yet."""
-        self.slot = slot
 
 
 class WorkerPool:
@@ -172,7 +157,11 @@ class WorkerPool:
             self._threads.close()
         return running
 
-    async def _call_sync(self, messages: Sequence[Message], context: Any) -> Any:
+    async def _call_sync(
+        self, messages: Sequence[Message], context: Any, pq: ProcessQueue, clock: Any
+    ) -> Any:
+        """A plain ``def`` handler's call, in a handler thread (``pq`` and ``clock`` as
+        for :meth:`_call_leased`, unused)."""
         result = await self._threads.run_sync(self.consume, messages, context)
         if inspect.isawaitable(result):  # a plain def that returned an awaitable
             result = await result
@@ -218,16 +207,17 @@ class WorkerPool:
             await self._timed_out(*call)
 
     async def _loop(self, slot: _Slot | None) -> None:
-        """The worker loop; with runs, driven by :func:`_drive`."""
+        """The worker loop: with runs, :func:`~._runs.run_loop` under
+        :func:`~._runs.drive`."""
         if self.runs:
-            run = _Run(slot)
+            run = Run(slot)
             self.service.active_runs.append(run)  # transact() finds its call's message
             try:
-                await _drive(self, self._work(slot, run), run)
+                await drive(self, run_loop(self, run), run)
             finally:
                 self.service.active_runs.remove(run)
         else:
-            await self._work(slot, None)
+            await self._work(slot)
 
     async def _watch_timeouts(self, timeout: float) -> None:
         """Every tenth of ``timeout``: time out the handler calls that the previous
@@ -279,49 +269,19 @@ class WorkerPool:
         if hook_ctx is not None:
             self._hooks_after(hook_ctx, error, None, timed_out=True)
 
-    async def _work(self, slot: _Slot | None, cur: _Run | None) -> None:
-        """The worker loop (see :meth:`_worker`).
-
-        With an ``async def`` handler, one message per call
-        (``consume_message_batch_max_size`` 1) and no hooks, a worker runs a *run*:
-        when a call returns without having suspended, the worker calls the handler on
-        the next cached message of the same stage, added to the batch, and so on; the
-        run's messages are finished together, so a message costs what taking it costs
-        instead of a batch of its own. Messages are taken ahead of the calls, 1, 2, 4,
-        ... at a time as the run goes on (:meth:`ProcessQueue.take_more`; a queue that
-        was paused, released or whose lease ended is checked before every call).
-
-        A run is invisible to everything else: a call that did not suspend let no
-        other task run, and before a call suspends (yields to the event loop) the
-        run's earlier messages are finished and what it took ahead and did not call
-        goes back to the head of the queue (:meth:`_end_run`): the loop runs under
-        :func:`_drive`, which does that between the call's yield and the event loop,
-        so the calls of a run are plain awaits. ``cur`` holds the run for it (None
-        when the worker runs no runs). So a handler that waits on I/O has every
-        message finished as it ends, as without runs, and its next message taken by
-        whichever worker is free. A run ends after a call that suspended, a failure
-        (the calls before it are finished, the failed message settled alone, see
-        :meth:`_cut`), when the queue gives nothing more (paused, lease ended, stage
-        all taken) or when the worker is due to yield (``_CHECKPOINT_EVERY`` calls:
-        what a run takes is capped there). The consumer's stopping needs no check in
-        between: the shutdown that sets it runs in another task, which cannot run
-        before the run's calls suspend or the run ends.
-        """
-        state, dispatcher, signals, service = (
-            self.state,
-            self.dispatcher,
-            self.signals,
-            self.service,
-        )
+    async def _work(self, slot: _Slot | None) -> None:
+        """The worker loop without runs (see :meth:`_worker`): take a batch, call the
+        handler on it (on the event loop, or in a handler thread for a plain ``def``),
+        finish it or settle its failure, with the consume hooks around the call."""
+        state, service = self.state, self.service
+        dispatcher, signals = self.dispatcher, self.signals
         take, finish, has_ready = dispatcher.take, dispatcher.finish, dispatcher.has_ready
-        take_more = ProcessQueue.take_more
-        apply, work = signals.apply, signals.work
-        idle = work.idle
+        apply, work, idle = signals.apply, signals.work, signals.work.idle
         context_for, ok, partial_ack = service.context_for, service.success, service.partial_ack
         batch_max, consume, is_async = self.batch_size, self.consume, self.is_async
-        call_sync, hooks, leased = self._call_sync, self.hooks, self.leased
-        call_leased = self._call_leased
+        hooks, leased = self.hooks, self.leased
         lease_clock = thread_clock() if leased and not is_async else None
+        call_sync: Callable[..., Any] = self._call_leased if lease_clock else self._call_sync
         suspend_ms = service.options.suspend_current_queue_time_millis
         hook_ctx: ConsumeMessageContext | None = None
         clock = loop_clock() if hooks is not None or leased else anyio.current_time
@@ -335,88 +295,29 @@ class WorkerPool:
             if idle and has_ready():
                 idle.popleft().set()
             pq = batch.process_queue
-            run = cur is not None and batch.attempt == 1
-            call = [batch.messages[0]] if run else batch.messages  # a run's batch grows
-            done = 0  # messages of the run's earlier calls, not finished yet
+            call = batch.messages
             context = context_for(batch, suspend_ms)
             error: Exception | None = None
             result: Any = None
-            suspended = True
             if hooks is not None:
                 hook_ctx = self._hook_context(batch, clock)
                 hooks.before(hook_ctx)
             state.in_flight += 1
-            if slot is not None and not run:
+            if slot is not None:
                 slot.call = (batch, context, hook_ctx)
             try:
-                if run:
-                    # The run: one call per message, the next one made as long as a
-                    # call returns success without having suspended. Messages are
-                    # taken ahead (1, 2, 4, ... at a time); if a call suspends,
-                    # _drive ends the run (_end_run) before anything else runs.
-                    assert cur is not None
-                    messages = batch.messages  # grows in place as the run takes more
-                    taken = 1
-                    ahead = 1
-                    now = NO_LEASE
-                    cur.batch, cur.done = batch, 0
-                    while True:
-                        cur.context = context
-                        result = await consume(call, context)
-                        if cur.batch is not batch:  # it waited: _drive ended the run
-                            break
-                        streak += 1
-                        # (Nothing else ran since the run began, so the consumer is not
-                        # stopping: the shutdown sets that flag in a task of its own.)
-                        if (result is not None and result is not ok) or (
-                            partial_ack and context.ack_index < 0
-                        ):
-                            suspended = False
-                            break
-                        if leased:
-                            now = clock()
-                        if done + 1 == taken:
-                            # At most up to the checkpoint (none once there), so the
-                            # run ends at it.
-                            got = take_more(pq, batch, min(ahead, _CHECKPOINT_EVERY - streak), now)
-                            if not got:
-                                suspended = False
-                                break
-                            taken += got
-                            ahead += ahead
-                        elif pq.open_until <= now:  # paused, released or the lease ended
-                            suspended = False
-                            break
-                        done += 1
-                        cur.done = done
-                        call = [messages[done]]
-                        context = context_for(batch, suspend_ms)
-                elif is_async:
+                if is_async:
                     result = await consume(call, context)
-                elif lease_clock is None:
-                    result = await call_sync(call, context)
-                else:
-                    result = await call_leased(call, context, pq, lease_clock)
+                else:  # in a handler thread
+                    result = await call_sync(call, context, pq, lease_clock)
             except Exception as exc:  # a failing handler never stops the consumer
                 error = exc
             except SystemExit as exc:  # sys.exit() in a handler: stop the consumer
-                if cur is not None and cur.batch is not None:
-                    self._end_run(batch, cur.done)
                 self._exit_requested(batch, exc)
                 return
-            except BaseException:  # cancelled, say: keep what ran
-                if cur is not None and cur.batch is not None:  # (a call waited: run ended)
-                    self._end_run(batch, cur.done)
-                raise
             finally:
                 state.in_flight -= 1
-                if run:  # over (if a call waited, _drive ended it: nothing left to do)
-                    assert cur is not None
-                    done = cur.done
-                    cur.batch = None
-            if run and len(batch.messages) > done + 1:  # taken ahead, not called
-                pq.untake_rest(batch, done + 1)
-            if slot is not None and suspended:
+            if slot is not None:
                 if slot.timed_out:  # timed out as it returned: the result is ignored
                     return
                 slot.call = None
@@ -430,13 +331,10 @@ class WorkerPool:
                 if result is _GIVEN_BACK:  # not called: the lease ended before
                     error, result = self._give_back(batch), None
                 else:
-                    if done:
-                        self._cut(batch, done)
                     await self._settle(batch, context, error, result, hook_ctx)
             else:
-                if suspended:  # a run counts its calls as they return
-                    streak += 1
-                state.consumed_ok += len(batch.messages)
+                streak += 1
+                state.consumed_ok += len(call)
                 if hook_ctx is None:
                     effects = finish(batch, _SUCCESS)  # this worker takes what it freed
                 else:
@@ -447,7 +345,7 @@ class WorkerPool:
             if hook_ctx is not None:
                 self._hooks_after(hook_ctx, error, result)
                 hook_ctx = None
-            if streak >= _CHECKPOINT_EVERY:
+            if streak >= CHECKPOINT_EVERY:
                 streak = 0
                 await anyio.lowlevel.checkpoint()
 
@@ -468,21 +366,6 @@ class WorkerPool:
         self.signals.apply(pq, self.dispatcher.untake(batch))
         logger.info("group %s: %s", self.state.group, what)
         return LeaseEndedError(what)
-
-    def _end_run(self, batch: Batch, done: int) -> None:
-        """A run stops at its call in progress (``batch.messages[done]``): what it took
-        ahead goes back, the calls before are finished."""
-        if len(batch.messages) > done + 1:
-            batch.process_queue.untake_rest(batch, done + 1)
-        if done:
-            self._cut(batch, done)
-
-    def _cut(self, batch: Batch, done: int) -> None:
-        """Finish the first ``done`` messages of a run's batch (their calls succeeded),
-        leaving the batch holding the message of the call in progress alone."""
-        self.state.consumed_ok += done
-        effects = self.dispatcher.finish_some(batch, batch.messages[:done], _SUCCESS)
-        self.signals.apply(batch.process_queue, effects)
 
     def _exit_requested(self, batch: Batch, exc: SystemExit) -> None:
         """A handler raised ``SystemExit`` (called ``sys.exit()``): a request to stop.
@@ -601,49 +484,9 @@ def _call_while_leased(
     return consume(messages, context)
 
 
-@types.coroutine
-def _drive(
-    pool: WorkerPool, work: Coroutine[Any, Any, None], run: _Run
-) -> Generator[Any, Any, None]:
-    """Run the worker loop ``work`` as ``await work`` would (PEP 380's ``yield from``:
-    values and exceptions the event loop sends in go to ``work``), and each time it
-    yields to the event loop in the middle of a run (one of the run's calls waits),
-    end the run first: what the run took ahead and did not call goes back to the
-    queue, the calls before are finished (:meth:`WorkerPool._end_run`), and the
-    consume-timeout scanner sees the call. Nothing else runs in between, so the run
-    was invisible to every other task. Costs nothing per call that does not wait."""
-    send, throw = work.send, work.throw
-    sent: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = send(sent) if error is None else throw(error)
-        except StopIteration:
-            return
-        batch = run.batch
-        if batch is not None:  # a run's call waits
-            run.batch = None
-            try:
-                pool._end_run(batch, run.done)
-            except BaseException:
-                work.close()
-                raise
-            run.done = 0
-            if run.slot is not None:  # only a call that waits can time out
-                run.slot.call = (batch, run.context, None)
-        try:
-            sent = yield step
-            error = None
-        except GeneratorExit:
-            work.close()
-            raise
-        except BaseException as exc:  # a cancellation, or what the event loop throws in
-            error = exc
-
-
-WORKER_CODE = WorkerPool._work.__code__
-"""The code of the worker loop, and the names of its locals holding the batch it runs
-and the messages of the call in progress: the watchdog finds them on a blocked loop's
-stack."""
+WORKER_CODES = frozenset({WorkerPool._work.__code__, run_loop.__code__})
+"""The code of the worker loops, and the names of their locals holding the batch they
+run and the messages of the call in progress: the watchdog finds them on a blocked
+loop's stack."""
 WORKER_BATCH_LOCAL = "batch"
 WORKER_CALL_LOCAL = "call"
