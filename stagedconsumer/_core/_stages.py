@@ -52,7 +52,9 @@ class StageDefinition:
     """
 
     sizes: tuple[int, ...]
+    """The stage sizes ``n1, ..., nk``."""
     boundaries: tuple[int, ...]
+    """The cumulative boundaries ``c1, ..., ck`` (``c_i = n1 + ... + ni``)."""
 
     @classmethod
     def of(cls, sizes: Sequence[int], *, name: str = "stage definitions") -> StageDefinition:

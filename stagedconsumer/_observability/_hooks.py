@@ -209,6 +209,7 @@ class SettleContext:
     :meth:`ConsumeMessageHook.messages_settled`."""
 
     consumer_group: str
+    """The consumer's group."""
     operation: str
     """``"ack"`` (``ack`` and ``ack_batch``), ``"nack"`` (``change_invisible_duration``
     to 0: handed back at once) or ``"change_invisible_duration"``."""
@@ -221,10 +222,14 @@ class SettleContext:
     invisible_duration: float | None
     """``change_invisible_duration``'s seconds; ``None`` for an ack."""
     start_time: float
+    """When the call started, on the event loop's clock."""
     end_time: float
+    """When the call returned or raised, on the event loop's clock."""
     wall_offset: float
+    """Wall-clock seconds minus loop time, for :meth:`wall`."""
 
     def wall(self, loop_time: float) -> float:
+        """``loop_time`` as seconds since the epoch."""
         return loop_time + self.wall_offset
 
 

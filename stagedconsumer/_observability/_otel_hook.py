@@ -282,10 +282,14 @@ class OpenTelemetryHook(ConsumeMessageHook):
             "OpenTelemetryHook", tracer_provider, meter_provider, messaging_system
         )
         self.messaging_system = messaging_system
+        """The ``messaging.system`` attribute of the spans and metrics."""
         self._kafka = messaging_system == "kafka"
         self.spans = spans
+        """Whether spans are made."""
         self.metrics = metrics
+        """Whether the semantic conventions' consumer metrics are recorded."""
         self.wait_metrics = wait_metrics
+        """Whether the stage-barrier and queue wait histograms are recorded."""
         self._process_duration = seconds_histogram(
             meter, "messaging.process.duration", "Duration of processing operation."
         )

@@ -128,6 +128,7 @@ class SendMessageTraceHook(DispatchingTraceHook, SendMessageHook):
         :meth:`~stagedconsumer.MessageSource.store_host`, read when the producer
         starts."""
         self.client_host = client_host if client_host is not None else socket.gethostname()
+        """The ``clientHost`` of the ``Pub`` records."""
         self._encoder: Encoder = self._encode
         # Encoded text that repeats from call to call: (region, group, topic) -> the
         # fields from regionId to topic.

@@ -122,8 +122,12 @@ class FileTraceSink(TraceSink):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
         self.path = Path(path)
+        """The file the JSON lines are appended to."""
         self.queue_size = queue_size
+        """Trace contexts waiting for the writer thread, at most, before new ones are
+        dropped."""
         self.batch_size = batch_size
+        """Trace contexts whose lines are handed to the writer thread together."""
         self._write_errors = 0
         self._lost = 0
         self._last_error_log = -_LOG_EVERY
@@ -339,6 +343,8 @@ class SourceTraceSink(TraceSink):
 
     def __init__(self, source: MessageSource | None = None) -> None:
         self.source = source
+        """The broker the trace messages are sent to (``None`` until prepared: the
+        consumer's or producer's own)."""
         self._sync_send = False
         # The source's synchronous trace path (MessageSource.trace_writer), if it has one.
         self._send_trace: TraceWriter | None = None

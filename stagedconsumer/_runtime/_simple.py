@@ -206,8 +206,11 @@ class SimpleConsumer:
     ) -> None:
         options = check_client(group, source, options, SimpleConsumerOptions, consumer=True)
         self.group = group
+        """The consumer group: its members share the topics' messages and progress."""
         self.source = source
+        """The broker it receives from."""
         self.options = options
+        """The ``SimpleConsumerOptions`` it runs with."""
         self.await_duration = _check_duration("await_duration", await_duration, allow_zero=True)
         """Seconds :meth:`receive` waits for a message at most (RocketMQ's
         ``awaitDuration``)."""
@@ -325,6 +328,8 @@ class SimpleConsumer:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Join the group and start receiving (``async with consumer:`` calls it);
+        pair it with :meth:`aclose`."""
         if self._started:
             raise ConsumerStateError("the SimpleConsumer was started already")
         settings = PopSettings(

@@ -99,7 +99,9 @@ class SimpleWorker:
         if not callable(handler):
             raise ConfigurationError(f"handler must be callable, got {type(handler).__name__}")
         self.consumer = consumer
+        """The consumer it receives from."""
         self.handler = handler
+        """Called once per received message; acked when it returns."""
         self.concurrency = _count("concurrency", concurrency, 10_000)
         """Handler calls running at once, at most."""
         self.batch = _count("batch", batch, MAX_MESSAGE_NUM)

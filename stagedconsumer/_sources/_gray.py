@@ -139,7 +139,7 @@ class AllocateMessageQueueByGray(AllocateMessageQueueStrategy):
     """
 
     name = "gray"
-    """The strategy's name, which every member of a group must agree on."""
+    """A name for the strategy (RocketMQ's ``getName()``)."""
 
     def __init__(self, default_ratio: float = 0.1) -> None:
         self.default_ratio = check_gray_ratio(default_ratio, "default_ratio")

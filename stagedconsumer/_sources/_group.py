@@ -59,6 +59,8 @@ class AllocateMessageQueueStrategy(abc.ABC):
     """
 
     name: str = "custom"
+    """A name for the strategy (RocketMQ's ``getName()``); every member of a group
+    must use the same strategy, which is not checked."""
 
     @abc.abstractmethod
     def allocate(
@@ -78,7 +80,7 @@ class AllocateMessageQueueAveragely(AllocateMessageQueueStrategy):
     """
 
     name = "averagely"
-    """The strategy's name, which every member of a group must agree on."""
+    """A name for the strategy (RocketMQ's ``getName()``)."""
 
     def allocate(
         self,
@@ -117,7 +119,7 @@ class AllocateMessageQueueByConsistentHash(AllocateMessageQueueStrategy):
     """
 
     name = "consistent-hash"
-    """The strategy's name, which every member of a group must agree on."""
+    """A name for the strategy (RocketMQ's ``getName()``)."""
 
     def __init__(self, virtual_nodes: int = 10) -> None:
         if isinstance(virtual_nodes, bool) or not isinstance(virtual_nodes, int):

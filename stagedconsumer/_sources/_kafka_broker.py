@@ -211,21 +211,30 @@ class KafkaBroker(MessageSource):
         if retry_partitions < 1:
             raise ConfigurationError(f"retry_partitions must be >= 1, got {retry_partitions}")
         self.bootstrap_servers = list(bootstrap_servers)
+        """Where the cluster is (``host:port`` of one or more brokers)."""
         self._source_id = source_id_of(
             source_id
             if source_id is not None
             else "kafka://" + ",".join(sorted(self.bootstrap_servers))
         )
         self.client_options = dict(client_options or {})
+        """Passed to every aiokafka client made here."""
         self.names = TopicNames(retry_prefix, dlq_prefix)
+        """How the retry and dead-letter topics of a group are named."""
         self.retry_partitions = retry_partitions
+        """Partitions per delay level of a retry topic (and of a dead-letter topic)."""
         self.session_timeout = session_timeout
+        """Seconds (Kafka's ``session.timeout.ms``)."""
         self.heartbeat_interval = heartbeat_interval
+        """Seconds (Kafka's ``heartbeat.interval.ms``)."""
         self.rebalance_timeout = rebalance_timeout
+        """Seconds a rebalance waits for members to rejoin (``max.poll.interval.ms``)."""
         self.metadata_limit = metadata_limit
+        """The longest commit metadata written, in bytes."""
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigurationError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
         self.read_ahead = read_ahead
+        """Records a pull that calls into the client takes of its partition, at most."""
         self._admin: Any = None
         self._fetcher: Any = None
         self._producer: Any = None
@@ -242,10 +251,15 @@ class KafkaBroker(MessageSource):
         self._store: StageOffsetStore | None = None
         self._closed = False
         self.pulls = 0
+        """Pulls served (as in :meth:`statistics`)."""
         self.seeks = 0
+        """Times the fetch position of a partition was moved."""
         self.metadata_overflows = 0
+        """Commits whose stage offsets did not fit ``metadata_limit`` whole."""
         self.finished_overflows = 0
+        """Commits whose finished ranges did not fit ``metadata_limit`` whole."""
         self.metadata_missing = 0
+        """Committed offsets read back without the metadata written with them."""
 
     # -- clients ----------------------------------------------------------------------
 
@@ -718,6 +732,7 @@ class KafkaBroker(MessageSource):
         return self._source_id
 
     def statistics(self) -> KafkaBrokerStatistics:
+        """A snapshot of the counters above, and the retry partitions paused now."""
         return KafkaBrokerStatistics(
             pulls=self.pulls,
             seeks=self.seeks,

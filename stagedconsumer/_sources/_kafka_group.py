@@ -385,11 +385,13 @@ class KafkaOffsetStore(StageOffsetStore):
         tool, on a broker of its own)."""
         super().__init__()
         self.broker = broker
+        """The broker whose group commits hold the progress."""
         self._own_broker = own_broker
         self._warned_missing = False
 
     @property
     def url(self) -> str:
+        """``kafka://`` and the bootstrap servers (no credentials)."""
         return "kafka://" + ",".join(self.broker.bootstrap_servers)
 
     async def aclose(self) -> None:

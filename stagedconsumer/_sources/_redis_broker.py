@@ -147,10 +147,15 @@ class StreamRetention:
     """
 
     max_age: float | None = 72 * 3600.0
+    """Seconds an entry is kept (``None``: no age limit)."""
     max_length: int | None = None
+    """Entries kept per queue (``None``: no length limit)."""
     hard_max_length: int | None = None
+    """Entries kept per queue even when a live group has not committed them."""
     group_ttl: float = 600.0
+    """Seconds a group counts as live after its last offset report."""
     check_every: int = 100
+    """Appends to a queue between two trims."""
 
     def __attrs_post_init__(self) -> None:
         if self.max_age is not None:
