@@ -21,8 +21,8 @@ from offsetstore import SqlOffsetStore
 from stagedconsumer._sources._redis_broker import RedisBroker
 
 from ._events import check_stages_and_barrier, read_events, starts_by_message
-from ._workers import Workers, lock_owners
-from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES, _produce
+from ._workers import Workers, lock_owners, produce
+from .test_failover import GROUP_OPTIONS, LOCK_TTL, QUEUES
 from .test_failover import _wait_all_committed as wait_all_committed
 from .test_failover import broker as broker  # the fixtures
 
@@ -66,7 +66,7 @@ async def test_gray_member_goes_away_and_normal_members_take_its_queues(
                 await anyio.sleep(0.1)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_produce, broker, PER_QUEUE, 1.0)
+            tg.start_soon(produce, broker, QUEUES, PER_QUEUE, 1.0)
             await anyio.sleep(1.5)
             gone_at = time.monotonic()
             if how == "sigkill":
