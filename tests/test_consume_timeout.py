@@ -204,6 +204,7 @@ async def test_calls_shorter_than_the_timeout_are_never_timed_out() -> None:
     assert [call[3] for call in hook.calls] == [ConsumeReturnType.SUCCESS] * 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_none_turns_the_timeout_off() -> None:
     body = Hangs(hang=-1, seconds=1_000.0)  # longer than the 900 s default

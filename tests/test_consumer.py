@@ -522,6 +522,7 @@ async def test_progress_is_persisted_on_the_interval() -> None:
         assert {mq.queue_id: p.consume_offset for mq, p in stored.items()} == {0: 2, 1: 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
     consumer = PushConsumer("g", broker_with(3), Orderly(cost=100))
@@ -540,6 +541,7 @@ async def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
             await consumer.wait_caught_up(timeout=100)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_wait_caught_up_without_timeout_waits_as_long_as_a_queue_is_paused() -> None:
     listener = Orderly(cost=1)

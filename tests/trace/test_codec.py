@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -444,6 +445,7 @@ def _contexts(draw: st.DrawFn) -> TraceContext:
     )
 
 
+@pytest.mark.slow
 @given(st.lists(_contexts(), min_size=1, max_size=4))
 def test_round_trip(contexts: list[TraceContext]) -> None:
     data = "".join(encode_trace_context(c) for c in contexts)
