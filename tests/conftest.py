@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import resource
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -51,3 +52,14 @@ def require_service(name: str, reachable: bool, detail: str) -> None:
     if IN_CI:
         pytest.fail(message + "; CI must run it (.ci/run starts it)")
     pytest.skip(message)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The CPU time of the run beside its wall time: what is left is waiting (sleeps,
+    timeouts, services, or other programs sharing the machine)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    terminalreporter.write_line(
+        f"CPU time: {own.ru_utime + own.ru_stime:.0f} s in the test process, "
+        f"{children.ru_utime + children.ru_stime:.0f} s in the processes it started"
+    )
