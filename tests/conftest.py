@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import resource
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -51,3 +52,34 @@ def require_service(name: str, reachable: bool, detail: str) -> None:
     if IN_CI:
         pytest.fail(message + "; CI must run it (.ci/run starts it)")
     pytest.skip(message)
+
+
+UNMARKED_SLOW_SECONDS = 3.0
+"""A test not marked ``slow`` that takes longer is named in the run's summary."""
+
+_unmarked_slow: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.duration > UNMARKED_SLOW_SECONDS and "slow" not in report.keywords:
+        _unmarked_slow.append((report.duration, f"{report.when} {report.nodeid}"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The CPU time of the run beside its wall time (what is left is waiting: sleeps,
+    timeouts, services, or other programs sharing the machine), and the tests that
+    the fast tier (``-m "not slow"``) should leave out."""
+    if _unmarked_slow:
+        terminalreporter.write_line(
+            f"{len(_unmarked_slow)} test phase(s) not marked slow took over "
+            f"{UNMARKED_SLOW_SECONDS:g} s (mark them @pytest.mark.slow if an idle "
+            "machine agrees):"
+        )
+        for seconds, what in sorted(_unmarked_slow, reverse=True)[:10]:
+            terminalreporter.write_line(f"  {seconds:6.1f} s  {what}")
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    terminalreporter.write_line(
+        f"CPU time: {own.ru_utime + own.ru_stime:.0f} s in the test process, "
+        f"{children.ru_utime + children.ru_stime:.0f} s in the processes it started"
+    )

@@ -96,6 +96,7 @@ async def consume(
         await consumer.wait_caught_up(timeout=30)
 
 
+@pytest.mark.slow
 async def test_an_async_handler_that_blocks_is_named_once_with_its_queue_and_advice(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -123,6 +124,7 @@ class SleepyAfterWaiting(MessageListenerConcurrently):
             time.sleep(THRESHOLD * 2.5)  # noqa: ASYNC251 - blocking on purpose
 
 
+@pytest.mark.slow
 async def test_a_handler_that_blocks_after_waiting_is_named_with_its_message(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -135,6 +137,7 @@ async def test_a_handler_that_blocks_after_waiting_is_named_with_its_message(
     assert "queue t#1, offset 2" in warnings[0]
 
 
+@pytest.mark.slow
 async def test_a_sync_handler_that_sleeps_does_not_block_the_loop(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -156,6 +159,7 @@ class Busy(MessageListenerConcurrently):
         await anyio.lowlevel.checkpoint()
 
 
+@pytest.mark.slow
 async def test_an_async_handler_that_computes_is_named_though_its_thread_is_runnable(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -194,6 +198,7 @@ anyio.run(main)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGSTOP")
 def test_a_starved_process_is_not_reported_as_a_blocked_loop(tmp_path: Path) -> None:
     """The whole process gets no CPU for a while (here: stopped with SIGSTOP while its
@@ -252,6 +257,7 @@ class BlockingGroups(MessageListenerStagedConcurrently):
         pass
 
 
+@pytest.mark.slow
 async def test_blocking_outside_a_handler_names_the_function(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -340,6 +346,7 @@ async def test_sys_exit_in_a_handler_stops_the_consumer_and_comes_out_of_async_w
     assert progress.consume_offset == 3  # the batch that exited is delivered again
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("kind", ["async", "sync"])
 def test_sys_exit_in_a_handler_ends_the_program_quietly(

@@ -230,6 +230,7 @@ def test_demo_on_trio_without_trio_names_the_extra(flag: str, message: str) -> N
     assert "LookupError" not in result.stderr
 
 
+@pytest.mark.slow
 def test_offsets_reset_help_documents_the_broker_checks_and_force() -> None:
     result = run("offsets", "reset", "--help")
     assert result.returncode == 0
@@ -307,6 +308,7 @@ def run_into_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
         os.close(write_end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("json_output", [True, False], ids=["json", "table"])
 @pytest.mark.parametrize("topic", ["small", "big"], ids=["buffered", "large"])
 def test_offsets_show_into_a_closed_pipe_exits_quietly(
@@ -317,6 +319,7 @@ def test_offsets_show_into_a_closed_pipe_exits_quietly(
     assert (result.returncode, result.stderr) == (1, "")
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.parametrize("topic", [False, True], ids=["buffered", "large"])
 def test_group_show_into_a_closed_pipe_exits_quietly(

@@ -505,6 +505,12 @@ async def test_shutdown_timeout_cancels_handlers_and_keeps_their_messages() -> N
     assert [o for o, _, _ in again.seen] == [0, 1, 2]
 
 
+NO_WATCHDOG = ConsumerOptions(event_loop_block_threshold=None)
+"""For tests spanning minutes of virtual time: the loop watchdog reports nothing there
+(the loop's clock stands still while the loop works), and its beat every 0.1 s would
+be nearly all of their work."""
+
+
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_progress_is_persisted_on_the_interval() -> None:
     store = MemoryOffsetStore()
@@ -524,7 +530,7 @@ async def test_progress_is_persisted_on_the_interval() -> None:
 
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
-    consumer = PushConsumer("g", broker_with(3), Orderly(cost=100))
+    consumer = PushConsumer("g", broker_with(3), Orderly(cost=100), options=NO_WATCHDOG)
     consumer.subscribe("t")
     async with consumer:
         with pytest.raises(TimeoutError) as info:
@@ -543,7 +549,7 @@ async def test_wait_caught_up_times_out_saying_what_is_behind() -> None:
 @pytest.mark.parametrize("anyio_backend", [VIRTUAL])
 async def test_wait_caught_up_without_timeout_waits_as_long_as_a_queue_is_paused() -> None:
     listener = Orderly(cost=1)
-    consumer = PushConsumer("g", broker_with(3), listener)
+    consumer = PushConsumer("g", broker_with(3), listener, options=NO_WATCHDOG)
     consumer.subscribe("t")
     consumer.pause("t")
     async with consumer:

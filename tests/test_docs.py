@@ -56,6 +56,7 @@ def _mkdocs(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 # -- the site builds ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly_and_needs_nothing_online(tmp_path: Path) -> None:
     result = _mkdocs("build", "--strict", "--site-dir", str(tmp_path / "site"))
     assert result.returncode == 0, result.stderr[-5000:]
@@ -136,6 +137,7 @@ def _griffe_objects() -> dict[str, Any]:
     return found
 
 
+@pytest.mark.slow
 def test_every_public_name_has_a_docstring() -> None:
     undocumented = [name for name, obj in _griffe_objects().items() if not obj.docstring]
     assert undocumented == []
@@ -168,6 +170,7 @@ FULLY_DOCUMENTED = (
 )
 
 
+@pytest.mark.slow
 def test_the_classes_users_touch_most_document_every_member() -> None:
     objects = _griffe_objects()
     undocumented = [
@@ -189,6 +192,7 @@ def test_every_page_is_in_the_navigation() -> None:
 # -- the examples run -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("heading", "code"), _examples())
 def test_example_runs(heading: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
@@ -254,6 +258,7 @@ def test_the_demo_output_shown_is_what_the_command_prints(command: str) -> None:
     assert _wall_time_free(block.group(1)) == _wall_time_free(result.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.postgres
 def test_the_consumer_group_members_keep_running_and_split_the_queues(

@@ -282,6 +282,7 @@ GRAY = ConsumerOptions(enable_gray_switch=True, gray_tag=True, gray_queue_ratio=
 NORMAL = ConsumerOptions(enable_gray_switch=True, gray_queue_ratio=0.25)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_gray_traffic_and_its_retries_reach_only_the_gray_member() -> None:
     broker = MemoryBroker()

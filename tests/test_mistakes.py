@@ -182,6 +182,7 @@ def test_run_virtual_says_what_messages_and_crash_points_it_takes() -> None:
     assert run.completed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("code", "expected"),
     [

@@ -438,6 +438,10 @@ def options_for(scenario: Scenario, **overrides: Any) -> ConsumerOptions:
         "persist_consumer_offset_interval": 3.0,
         "pull_batch_size": scenario.pull_batch,
         "pull_threshold_for_queue": scenario.pull_threshold,
+        # No loop watchdog: in virtual time it can report nothing (the loop's clock
+        # stands still while the loop works), and its beat every 0.1 virtual seconds
+        # would be most of the work of a run that spans minutes of virtual time.
+        "event_loop_block_threshold": None,
     }
     values.update(overrides)
     return ConsumerOptions(**values)
@@ -731,6 +735,7 @@ def staged_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> N
             check_orderly(log, q, upto=len(scenario.sizes))
 
 
+@pytest.mark.slow
 @given(scenarios())
 def test_staged_guarantees_virtual_time(scenario: Scenario) -> None:
     staged_run(scenario, 1.0, run_in_virtual_time)
@@ -771,6 +776,7 @@ def orderly_run(scenario: Scenario, unit: float, runner: Callable[..., Any]) -> 
     return log
 
 
+@pytest.mark.slow
 @given(scenarios())
 def test_orderly_guarantees_virtual_time(scenario: Scenario) -> None:
     orderly_run(scenario, 1.0, run_in_virtual_time)
@@ -789,6 +795,7 @@ def timings(log: Log) -> dict[QueueOffset, tuple[float, float]]:
     return {(queue_of(a), o): (a.start, a.end) for a in log.attempts for o in a.offsets}
 
 
+@pytest.mark.slow
 @given(scenarios(sizes=st.just([]), with_failures=False))
 def test_empty_definition_behaves_as_concurrent(scenario: Scenario) -> None:
     logs: dict[str, Log] = {}
@@ -821,6 +828,7 @@ def test_empty_definition_behaves_as_concurrent(scenario: Scenario) -> None:
         assert timings(staged) == timings(concurrent), "[] is scheduled differently"
 
 
+@pytest.mark.slow
 @given(scenarios(sizes=degenerate_orderly_sizes()))
 def test_all_ones_behaves_as_orderly_for_the_first_n(scenario: Scenario) -> None:
     n = len(scenario.sizes)
@@ -841,6 +849,7 @@ def test_all_ones_behaves_as_orderly_for_the_first_n(scenario: Scenario) -> None
             assert a.offsets == (a.offsets[0],), "a batch of [1]*n crossed a stage"
 
 
+@pytest.mark.slow
 @given(
     scenarios(sizes=degenerate_orderly_sizes(), max_queues=1, with_failures=False, batch=st.just(1))
 )
@@ -889,6 +898,7 @@ def restart_listener(scenario: Scenario, log: Log, reset: str) -> Staged:
     return StagedWithReset(behaviour, scenario.sizes, hook)
 
 
+@pytest.mark.slow
 @given(
     scenarios(),
     st.integers(0, 40),
@@ -985,6 +995,7 @@ def keyed_group(message: Message) -> str | None:
     return message.keys[1] or None
 
 
+@pytest.mark.slow
 @given(
     scenarios(),
     stage_sizes(max_size=4),
@@ -1011,6 +1022,7 @@ def test_groups_and_strategies_are_independent_stage_sequences(
     check_concurrency_bound(log, scenario.workers)
 
 
+@pytest.mark.slow
 @settings(max_examples=30)
 @given(
     scenarios(with_failures=False, max_queues=2, batch=st.just(1)),
@@ -1068,6 +1080,7 @@ def test_a_blocked_stage_key_never_blocks_other_keys(
             )
 
 
+@pytest.mark.slow
 @given(scenarios(), st.sampled_from(sorted(set(RESETS) - {"none"})))
 def test_reset_hook_applies_only_at_stage_boundaries(scenario: Scenario, reset: str) -> None:
     broker = ScheduledBroker()
@@ -1138,6 +1151,7 @@ def test_rip22_example_takes_six_units_staged_and_100_orderly() -> None:
     assert staged_makespan(scenario, "concurrent") == 5
 
 
+@pytest.mark.slow
 @given(stage_sizes(max_size=12), st.integers(1, 60), st.integers(1, 12), st.integers(1, 5))
 def test_staged_makespan_is_the_sum_of_stage_rounds(
     sizes: list[int], messages: int, workers: int, batch: int
@@ -1156,6 +1170,7 @@ def test_staged_makespan_is_the_sum_of_stage_rounds(
     assert staged_makespan(constant(sizes, messages, workers, batch)) == bound
 
 
+@pytest.mark.slow
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=4), st.integers(1, 5), st.integers(0, 4))
 def test_orderly_queues_run_in_parallel_and_concurrent_fills_every_worker(
     counts: list[int], batch: int, spare: int
@@ -1253,6 +1268,7 @@ source_failures = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @given(scenarios(), st.sampled_from(["staged", "orderly"]), source_failures)
 def test_source_failures_do_not_break_guarantees(
     scenario: Scenario, mode: str, failures: Mapping[str, frozenset[int]]
@@ -1275,6 +1291,7 @@ def test_source_failures_do_not_break_guarantees(
             check_orderly(log, q)
 
 
+@pytest.mark.slow
 @given(scenarios(max_messages=15), source_failures, st.sampled_from([2000, 1, 3, 6]))
 def test_concurrent_failures_retry_with_delay_then_dead_letter(
     scenario: Scenario, failures: Mapping[str, frozenset[int]], max_span: int
@@ -1339,6 +1356,7 @@ def test_concurrent_failures_retry_with_delay_then_dead_letter(
 # -- releasing and re-assigning a queue (rebalance) -------------------------------------
 
 
+@pytest.mark.slow
 @given(
     scenarios(),
     st.sampled_from(["staged", "orderly"]),
@@ -1420,6 +1438,7 @@ def test_release_and_reassign_keeps_stages_and_loses_nothing(
 # -- tag filtering ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @given(
     scenarios(),
     st.lists(st.sampled_from(["a", "b", None]), min_size=1, max_size=7),
@@ -1531,6 +1550,7 @@ def test_sync_handlers_in_threads_keep_the_guarantees(backend: str, scenario: Sc
     check_committed(log, scenario.counts, limit)
 
 
+@pytest.mark.slow
 @given(
     scenarios(),
     stage_sizes(max_size=4),

@@ -30,6 +30,7 @@ def test_averagely_matches_rocketmq_blocks() -> None:
     assert sizes == [1] * 8 + [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @given(
     n_queues=st.integers(0, 40),

@@ -32,6 +32,7 @@ def processes() -> Iterator[list[RunProcess]]:
         process.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_readyz_flips_as_the_consumer_starts_and_stops(
     tmp_path: Path, processes: list[RunProcess], backend: str
@@ -82,6 +83,7 @@ def test_readyz_flips_as_the_consumer_starts_and_stops(
     assert "left in" in run.log()
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_exits_at_once_naming_what_it_abandons(
     tmp_path: Path, processes: list[RunProcess]
 ) -> None:
@@ -100,6 +102,7 @@ def test_a_second_sigterm_exits_at_once_naming_what_it_abandons(
     assert "delivered again" in log
 
 
+@pytest.mark.slow
 def test_sigint_leaves_gracefully_and_json_lines_carry_the_fields(
     tmp_path: Path, processes: list[RunProcess]
 ) -> None:
@@ -134,6 +137,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("target", "message"),
     [
@@ -167,6 +171,7 @@ def test_a_bad_target_exits_2_naming_what_was_not_found(target: str, message: st
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_workers_that_cannot_load_the_target_are_not_restarted() -> None:
     result = _run("tests.run_apps:no_such_app", "--workers", "2")
     assert result.returncode == 2, result.stderr
@@ -192,6 +197,7 @@ def test_an_asynccontextmanager_app_is_set_up_before_and_torn_down_after_its_con
     assert "torn down (consumer closed: True)" in log  # the consumer left first
 
 
+@pytest.mark.slow
 def test_a_main_that_runs_its_consumers_itself_is_cancelled_and_they_leave_gracefully(
     tmp_path: Path, processes: list[RunProcess]
 ) -> None:
@@ -203,6 +209,7 @@ def test_a_main_that_runs_its_consumers_itself_is_cancelled_and_they_leave_grace
     assert "tests.run_apps:main had not finished entering): cancelling that" in run.log()
 
 
+@pytest.mark.slow
 def test_workers_leave_gracefully_when_their_supervisor_is_killed(
     tmp_path: Path, processes: list[RunProcess]
 ) -> None:
@@ -273,6 +280,7 @@ def test_json_lines_carry_extra_fields_and_the_traceback() -> None:
     assert {"args", "msg", "exc_info", "levelno"}.isdisjoint(entry)
 
 
+@pytest.mark.slow
 def test_a_second_signal_to_the_supervisor_makes_the_workers_exit_at_once(
     tmp_path: Path, processes: list[RunProcess]
 ) -> None:

@@ -33,6 +33,7 @@ def _counts(log: str) -> tuple[int, int, int]:
     return received, acked, handed_back
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_sigterm_lets_handlers_in_flight_finish_and_ack(
     tmp_path: Path, processes: list[RunProcess], backend: str
@@ -79,6 +80,7 @@ def test_sigterm_lets_handlers_in_flight_finish_and_ack(
     assert log.count("handling") == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", ["gated", "sync_gated"])
 def test_calls_still_running_after_shutdown_timeout_are_handed_back(
     tmp_path: Path, processes: list[RunProcess], app: str

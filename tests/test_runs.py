@@ -189,6 +189,7 @@ async def test_earlier_messages_of_a_run_are_finished_before_a_call_waits() -> N
     assert committed == {2: 2, 5: 5, 8: 8}
 
 
+@pytest.mark.slow
 async def test_a_failure_in_a_run_retries_that_message_alone() -> None:
     calls: Counter[int] = Counter()
 

@@ -87,6 +87,7 @@ operations = st.lists(
 )
 
 
+@pytest.mark.slow
 @given(
     ops=operations,
     fifo=st.booleans(),

@@ -38,6 +38,7 @@ def chart_colours(
     return seen
 
 
+@pytest.mark.slow
 def test_each_mode_has_one_colour_in_every_chart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

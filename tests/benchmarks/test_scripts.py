@@ -26,6 +26,7 @@ def test_no_benchmark_module_is_named_like_a_package() -> None:
         assert package not in BENCHMARKS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BENCHMARKS)
 @pytest.mark.parametrize("how", ["script", "module"])
 def test_benchmark_starts(name: str, how: str, tmp_path: Path) -> None:
@@ -57,6 +58,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_benchmark_runs_every_case(name: str) -> None:
     module = name.split()[0]
@@ -97,6 +99,7 @@ def test_overhead_sets_every_row_against_the_plain_await_floor() -> None:
     assert "│ 1.0x │" in rows["plain-await floor"].replace("  ", "")
 
 
+@pytest.mark.slow
 def test_trace_sink_runs_a_baseline_tree_beside_this_one(tmp_path: Path) -> None:
     out = tmp_path / "runs.json"
     command = [sys.executable, "-m", "benchmarks.trace_sink", "--seconds", "0.3", "--rounds", "1"]

@@ -400,4 +400,4 @@ OwnershipMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestOwnership = OwnershipMachine.TestCase
+TestOwnership = pytest.mark.slow(OwnershipMachine.TestCase)

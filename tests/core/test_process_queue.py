@@ -96,6 +96,7 @@ def test_committed_stage_offsets_follow_the_lowest_unfinished_message() -> None:
     assert list(pq.committed_stage_offsets.values()) == [3]
 
 
+@pytest.mark.slow
 def test_caching_allocates_no_container_object_per_message() -> None:
     """Cached messages cost no tracked object each (the cyclic GC's work grows with
     the number of live container objects, so per-message objects that live from

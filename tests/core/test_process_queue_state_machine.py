@@ -28,6 +28,7 @@ step the machine checks the contract of design.md section 3:
 from __future__ import annotations
 
 import attrs
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -706,7 +707,7 @@ ProcessQueueMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestProcessQueue = ProcessQueueMachine.TestCase
+TestProcessQueue = pytest.mark.slow(ProcessQueueMachine.TestCase)
 
 
 class StagedProcessQueueMachine(ProcessQueueMachine):
@@ -773,4 +774,4 @@ StagedProcessQueueMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestStagedProcessQueue = StagedProcessQueueMachine.TestCase
+TestStagedProcessQueue = pytest.mark.slow(StagedProcessQueueMachine.TestCase)

@@ -4,6 +4,7 @@ the stage it had."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -142,6 +143,7 @@ def _drive(
             finished.update(m.queue_offset for m in batch.messages)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(
     st.sampled_from(list(ConsumeMode)),

@@ -97,6 +97,7 @@ def test_negative_stage_offset_is_rejected(sizes: list[int], offset: int) -> Non
         StageDefinition.of(sizes).stage_index(offset)
 
 
+@pytest.mark.slow
 @given(invalid_stage_sizes())
 def test_invalid_sizes_are_rejected_with_the_position(sizes: list[object]) -> None:
     position = next(

@@ -65,6 +65,7 @@ async def _wait_for(condition: object, timeout: float = 30) -> None:
             await anyio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_records_round_trip_every_field_and_pull_by_offset(
     broker: KafkaBroker, name: str
 ) -> None:
@@ -145,6 +146,7 @@ class Concurrent(MessageListenerConcurrently):
         await anyio.lowlevel.checkpoint()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["staged", "orderly", "key-ordered", "concurrent"])
 async def test_every_mode_consumes_a_topic_and_commits_to_kafka(
     broker: KafkaBroker, name: str, mode: str
@@ -204,6 +206,7 @@ class FailFirst(MessageListenerConcurrently):
                 raise RuntimeError("try again")
 
 
+@pytest.mark.slow
 async def test_a_failed_message_comes_back_through_the_retry_topic_after_its_delay(
     broker: KafkaBroker, name: str
 ) -> None:

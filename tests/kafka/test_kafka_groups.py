@@ -89,6 +89,7 @@ async def _sent(broker: KafkaBroker, topic: str) -> list[Message]:
     return out
 
 
+@pytest.mark.slow
 async def test_a_member_joining_mid_stream_takes_partitions_drained_and_committed_by_the_first(
     tansu: TansuServer, name: str, tmp_path: Path
 ) -> None:
@@ -146,6 +147,7 @@ async def test_a_member_joining_mid_stream_takes_partitions_drained_and_committe
         await store.aclose()
 
 
+@pytest.mark.slow
 async def test_a_topic_written_by_a_plain_kafka_producer_is_consumed_staged(
     broker: KafkaBroker, tansu: TansuServer, name: str
 ) -> None:

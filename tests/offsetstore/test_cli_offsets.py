@@ -235,6 +235,7 @@ def test_reset_asks_and_does_nothing_unless_confirmed(
     assert _stored(store_url) == before
 
 
+@pytest.mark.slow
 def test_a_piped_yes_does_not_confirm(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The README: --yes is needed where stdin is not a terminal; a 'y' piped into
     the command (yes | stagedconsumer offsets reset ...) confirmed the reset."""
@@ -248,6 +249,7 @@ def test_a_piped_yes_does_not_confirm(store_url: str, capsys: pytest.CaptureFixt
     assert _stored(store_url) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("answer", "status"), [("y", 0), ("n", 1)])
 def test_reset_confirmed_at_the_prompt_of_a_terminal(
     store_url: str, answer: str, status: int
@@ -342,6 +344,7 @@ def test_show_with_a_redis_broker_adds_lag(
         anyio.run(clean)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("json_output", [True, False], ids=["json", "table"])
 def test_show_with_an_unreachable_redis_shows_progress_warns_and_fails(
     store_url: str, capsys: pytest.CaptureFixture[str], json_output: bool
@@ -405,6 +408,7 @@ def test_reset_without_a_broker_says_the_queue_ids_are_not_checked(
     assert "--redis URL" in err
 
 
+@pytest.mark.slow
 def test_reset_with_an_unreachable_broker_changes_nothing(
     store_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -417,6 +421,7 @@ def test_reset_with_an_unreachable_broker_changes_nothing(
     assert _stored(store_url) == before
 
 
+@pytest.mark.slow
 def test_reset_without_a_terminal_says_to_pass_yes(store_url: str) -> None:
     before = _stored(store_url)
     command = [sys.executable, "-m", "stagedconsumer", "offsets", "reset", "--store", store_url,
@@ -478,6 +483,7 @@ def test_reset_without_a_broker_does_not_check_for_live_members(
     assert "Reset 3 queue(s)." in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 def test_reset_refuses_an_offset_outside_the_queues_on_the_broker(
     store_url: str,

@@ -80,6 +80,7 @@ def _expected_stage(offset: int) -> int:
     return stage_of(STAGES, offset)  # the kit's naive stage model
 
 
+@pytest.mark.slow
 async def test_consumer_resumes_from_the_sql_store_with_the_same_stages(
     sql_backend: Backend,
 ) -> None:
@@ -106,6 +107,7 @@ async def test_consumer_resumes_from_the_sql_store_with_the_same_stages(
     }
 
 
+@pytest.mark.slow
 async def test_seek_with_bad_stage_offsets_stores_nothing_and_the_consumer_goes_on(
     sql_backend: Backend,
 ) -> None:
@@ -241,6 +243,7 @@ async def _wait_for(condition: Callable[[], Awaitable[bool]], timeout: float) ->
             await anyio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_consumer_keeps_consuming_while_the_database_is_down(sql_backend: Backend) -> None:
     broker = MemoryBroker()
     broker.create_topic(TOPIC, QUEUES)
@@ -301,6 +304,7 @@ async def test_consumer_keeps_consuming_while_the_database_is_down(sql_backend: 
         assert offsets == sorted(offsets), f"stored progress of {mq} went backwards"
 
 
+@pytest.mark.slow
 async def test_consumer_start_with_an_unreachable_database_waits_then_is_a_clear_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -336,6 +340,7 @@ async def test_consumer_start_with_an_unreachable_database_waits_then_is_a_clear
     assert len(attempts) >= 2
 
 
+@pytest.mark.slow
 async def test_consumer_started_during_a_database_outage_starts_when_it_is_back(
     server_backend: Backend,
 ) -> None:

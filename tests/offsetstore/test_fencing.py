@@ -39,6 +39,7 @@ def _stores(backend: Backend) -> tuple[StageOffsetStore, StageOffsetStore]:
     return old, new
 
 
+@pytest.mark.slow
 async def test_new_owner_fences_off_the_old_one(backend: Backend) -> None:
     old, new = _stores(backend)
     async with old, new:

@@ -147,6 +147,7 @@ async def test_load_creates_tables_with_a_schema_version_row(sql_backend: Backen
     assert decoded == [("offsetstore", SCHEMA_VERSION)]
 
 
+@pytest.mark.slow
 async def test_stores_creating_tables_at_once_all_succeed(sql_backend: Backend) -> None:
     """Stores that race to create the tables all load, round after round on fresh
     tables: one that loses the race for the first table while the winner is still
@@ -358,6 +359,7 @@ def test_stage_offsets_encoding_is_canonical_and_strict() -> None:
             decode_stage_offsets(bad)
 
 
+@pytest.mark.slow
 async def test_operation_timeout_abandons_a_stuck_call_and_late_commits_never_regress(
     tmp_path: Path,
 ) -> None:
@@ -405,6 +407,7 @@ def test_operation_timeout_must_be_positive() -> None:
 # -- closing ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 async def test_close_waits_for_an_abandoned_operation_and_closes_its_connection() -> None:
     """An operation whose caller gave up keeps running in its thread until the

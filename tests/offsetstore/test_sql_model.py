@@ -53,6 +53,7 @@ def db_url() -> Iterator[str]:
 _groups = itertools.count()
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(history=st.lists(steps, min_size=6, max_size=24))
 def test_sql_store_matches_the_memory_model(

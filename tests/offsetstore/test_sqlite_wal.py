@@ -18,6 +18,7 @@ from offsetstore import SqlOffsetStore
 from offsetstore._sql import _switch_to_wal
 
 
+@pytest.mark.slow
 def test_connections_switching_fresh_files_to_wal_at_once_all_succeed(tmp_path: Path) -> None:
     threads_per_file = 8
     failures: list[BaseException] = []

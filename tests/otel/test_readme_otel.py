@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "opentelemetry.md"
 
 
+@pytest.mark.slow
 def test_the_readme_trace_of_a_retried_message_is_what_the_example_prints(
     tmp_path: Path,
 ) -> None:

@@ -224,6 +224,7 @@ async def test_concurrent_failure_goes_to_dlq_with_settle_span(otel: Otel) -> No
     assert dict(duration.attributes or {})["error.type"] == "ValueError"  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_concurrent_failure_retried_through_the_retry_queue(otel: Otel) -> None:
     class FailOnce(MessageListenerConcurrently):
         async def consume_message(

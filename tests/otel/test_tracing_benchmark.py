@@ -63,6 +63,7 @@ def test_the_producer_table_lists_every_case() -> None:
     assert "reproduce: python -m benchmarks.tracing_overhead --part producer" in out
 
 
+@pytest.mark.slow
 def test_the_consumer_table_has_every_case_and_floor_of_every_mode(tmp_path: Path) -> None:
     # Every case and floor runs in a child forked for it: each must come back with
     # its row, and the target's verdict is printed.

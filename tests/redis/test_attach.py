@@ -175,6 +175,7 @@ class Blocking(MessageListenerConcurrently):
             self.done.append(int(m.body))
 
 
+@pytest.mark.slow
 async def test_concurrent_span_limit_counts_messages_not_id_distance(
     broker: RedisBroker, streams: list[str], inspect: redis.Redis
 ) -> None:

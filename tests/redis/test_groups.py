@@ -137,6 +137,7 @@ async def test_members_joining_and_leaving_while_consuming_lose_and_repeat_nothi
     assert {e.pid for e in events} == {0, 1, 2}
 
 
+@pytest.mark.slow
 async def test_a_member_whose_lock_was_taken_releases_the_queue_without_committing(
     group_broker: RedisBroker,
     inspect: redis.Redis,
@@ -202,6 +203,7 @@ class FailOnce(MessageListenerConcurrently):
         return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
 
 
+@pytest.mark.slow
 async def test_concurrent_member_retries_through_the_redis_retry_queue(
     group_broker: RedisBroker,
 ) -> None:
@@ -241,6 +243,7 @@ class _CountingStore(MemoryOffsetStore):
         return await super().claim(group, mq, fence)
 
 
+@pytest.mark.slow
 async def test_a_claim_refused_by_a_higher_fence_backs_off_and_is_reported(
     group_broker: RedisBroker, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -21,6 +21,7 @@ from stagedconsumer._sources._source import PROPERTY_ORIGIN_MESSAGE_ID
 pytestmark = pytest.mark.anyio
 
 
+@pytest.mark.slow
 async def test_retries_and_the_dead_letter_copy_keep_the_message_id(broker: RedisBroker) -> None:
     await broker.create_topic("t", 1)
     sent = await broker.send("t", b"x", keys="k", properties={"a": "b"})
@@ -44,6 +45,7 @@ async def test_retries_and_the_dead_letter_copy_keep_the_message_id(broker: Redi
     assert all(m.properties["a"] == "b" for m in copies)
 
 
+@pytest.mark.slow
 async def test_a_consumer_sees_one_msg_id_for_every_attempt(broker: RedisBroker) -> None:
     await broker.create_topic("t", 2)
     sent = await broker.send("t", b"fails twice", keys="k")

@@ -289,6 +289,7 @@ async def test_long_poll_wakes_on_send_and_times_out_when_idle(broker: RedisBrok
     assert time.monotonic() - sent_at < 30  # woken by the send, long before its timeout
 
 
+@pytest.mark.slow
 async def test_retry_waits_its_delay_level_then_appears_in_the_retry_queue(
     broker: RedisBroker,
 ) -> None:
@@ -314,6 +315,7 @@ async def test_retry_waits_its_delay_level_then_appears_in_the_retry_queue(
     assert await broker.max_offset(retry_mq) == 1
 
 
+@pytest.mark.slow
 async def test_default_delay_level_follows_reconsume_times(
     broker: RedisBroker, inspect: redis.Redis
 ) -> None:

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import redis_bytecodes
 from tests.redis.conftest import require_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_each_message_adds_the_same_bytecodes_to_its_handler_and_decoding() -> None:
     url = require_redis()
     previous = sys.gettrace()  # coverage's tracer under pytest --cov, else None
@@ -32,6 +35,7 @@ def test_each_message_adds_the_same_bytecodes_to_its_handler_and_decoding() -> N
     assert sys.gettrace() is previous
 
 
+@pytest.mark.slow
 def test_the_program_prints_a_table_per_system() -> None:
     url = require_redis()
     result = subprocess.run(

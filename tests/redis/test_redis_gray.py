@@ -117,6 +117,7 @@ async def test_gray_and_normal_members_split_the_queues_and_hand_over(
             assert name == "normal"
 
 
+@pytest.mark.slow
 async def test_group_show_prints_members_with_their_gray_flag(
     gray_broker: RedisBroker, redis_url: str, namespace: str
 ) -> None:
@@ -157,6 +158,7 @@ async def test_group_show_prints_members_with_their_gray_flag(
     assert f"t#0: {normal.client_id}" in out
 
 
+@pytest.mark.slow
 async def test_gray_retries_go_through_the_gray_retry_queue_to_the_gray_member_only(
     gray_broker: RedisBroker,
 ) -> None:
@@ -220,6 +222,7 @@ async def test_gray_retries_go_through_the_gray_retry_queue_to_the_gray_member_o
     assert dlq == {0: "true", 5: None, 10: "true", 15: None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("producers", ["all-gray", "mixed", "all-normal"])
 @pytest.mark.parametrize("consumers", ["all-gray", "mixed", "all-normal"])
 async def test_case_matrix_over_redis(

@@ -60,6 +60,7 @@ def test_instructions_per_message_of_the_consumer_and_the_loop() -> None:
     assert "reproduce: python -m benchmarks.redis_instructions" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_instruction_count_needs_valgrind(tmp_path: Path) -> None:
     result = run("--url", REDIS_URL, path=str(tmp_path))  # nothing there
     assert result.returncode == 2

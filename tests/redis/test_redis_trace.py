@@ -48,6 +48,7 @@ async def test_trace_messages_of_says_to_await_read_trace_topic(broker: RedisBro
     assert await read_trace_topic(broker) == []  # no trace topic yet
 
 
+@pytest.mark.slow
 async def test_trace_topic_in_redis_read_back_as_one_history(
     broker: RedisBroker, redis_url: str, namespace: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -105,6 +106,7 @@ async def test_trace_topic_in_redis_read_back_as_one_history(
     assert "no trace records" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_reports_an_unreachable_redis(capsys: pytest.CaptureFixture[str]) -> None:
     closed = "redis://127.0.0.1:1/0"  # nothing listens on port 1
     assert main(["trace", "k", "--redis", closed]) == 1

@@ -69,6 +69,7 @@ def test_retention_is_checked() -> None:
         RedisBroker(retention=100)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 async def test_a_stream_stays_bounded_while_a_group_consumes(
     redis_url: str, namespace: str, inspect: redis.Redis
 ) -> None:

@@ -88,6 +88,7 @@ class ByCampaign(MessageListenerStagedConcurrently):
         return None
 
 
+@pytest.mark.slow
 @given(
     messages(topic="t", queues=st.integers(1, 2), keys=st.sampled_from([("a",), ("b",), ()])),
     stage_definitions(),

@@ -83,6 +83,7 @@ def test_the_seed_option_fixes_the_interleaving_and_is_reported(tmp_path: Path) 
     assert len(orders) > 1, "every seed gave the same interleaving"
 
 
+@pytest.mark.slow
 def test_without_the_option_the_seed_is_none(tmp_path: Path) -> None:
     result = run_pytest(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -100,6 +101,7 @@ def test_profile():
 """
 
 
+@pytest.mark.slow
 def test_the_hypothesis_profile_loads_from_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "test_profile.py").write_text(PROFILE_TEST)
     result = subprocess.run(

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "property-testing.md"
 
 
@@ -16,6 +18,7 @@ def section() -> str:
     return PAGE.read_text()
 
 
+@pytest.mark.slow
 def test_the_rewards_example_finds_the_planted_bug(tmp_path: Path) -> None:
     body = section()
     (code,) = re.findall(r"```python\n(.*?)```", body, re.S)

@@ -213,6 +213,7 @@ def test_a_seed_fixes_the_interleaving() -> None:
 # -- properties of the real consumer, checked with the kit -----------------------------
 
 
+@pytest.mark.slow
 @given(
     messages(topic="t", queues=st.integers(1, 3), keys=st.sampled_from([("a",), ("b",), ()])),
     stage_definitions(),
@@ -248,6 +249,7 @@ def test_staged_order_holds_under_failures_and_crashes(
         assert_orderly(run.log, upto=len(sizes)) if not any(m.keys for m in run.sent) else None
 
 
+@pytest.mark.slow
 @given(
     messages(topic="t", queues=st.integers(1, 3), keys=st.sampled_from([("a",), ("b",), ()])),
     failure_schedules(),

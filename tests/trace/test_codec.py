@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import attrs
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -447,6 +448,7 @@ def _contexts(draw: st.DrawFn) -> TraceContext:
     )
 
 
+@pytest.mark.slow
 @given(st.lists(_contexts(), min_size=1, max_size=4))
 def test_round_trip(contexts: list[TraceContext]) -> None:
     data = "".join(encode_trace_context(c) for c in contexts)

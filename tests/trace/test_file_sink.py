@@ -59,6 +59,7 @@ class Noop(MessageListenerConcurrently):
         return None
 
 
+@pytest.mark.slow
 async def test_a_busy_consumer_gets_every_record_written(tmp_path: Path) -> None:
     # 6,000 no-op calls (12,000 contexts) as fast as the consumer goes: more than the
     # hook's queue of 2,048, less than what the sink buffers for its thread, so

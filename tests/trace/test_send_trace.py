@@ -101,6 +101,7 @@ async def _send_and_consume(
     return sent
 
 
+@pytest.mark.slow
 async def test_a_retried_message_is_one_history_from_its_send_to_its_success(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -184,6 +185,7 @@ async def test_a_retried_message_is_one_history_from_its_send_to_its_success(
     assert [c["attempt"] for c in data["calls"]] == [1, 2]
 
 
+@pytest.mark.slow
 async def test_rocketmq_reads_every_record_with_its_meaning() -> None:
     broker = MemoryBroker()
     broker.create_topic("orders", 2)
@@ -232,6 +234,7 @@ async def test_rocketmq_reads_every_record_with_its_meaning() -> None:
     assert {b["requestId"] for b in befores} == {a["requestId"] for a in afters}
 
 
+@pytest.mark.slow
 async def test_the_trace_topic_of_the_producers_source_and_read_trace_topic() -> None:
     broker = MemoryBroker()
     broker.create_topic("orders", 2)

@@ -86,6 +86,7 @@ def test_a_file_that_is_not_a_trace_file_is_one_line_naming_file_and_line(
     assert "not a trace record" in message
 
 
+@pytest.mark.slow
 def test_quoted_data_is_shown_verbatim_emoji_codes_and_markup_included(tmp_path: Path) -> None:
     path = tmp_path / "notes.jsonl"
     path.write_text("hello :x: [bold]w[/bold]\n")
@@ -98,6 +99,7 @@ def test_quoted_data_is_shown_verbatim_emoji_codes_and_markup_included(tmp_path:
     assert "no trace records for ':x: [red]k[/red]'" in result.stderr
 
 
+@pytest.mark.slow
 def test_errors_go_to_stderr_so_stdout_stays_json(tmp_path: Path) -> None:
     missing = tmp_path / "missing.jsonl"
     for extra in ((), ("--json",)):
@@ -121,6 +123,7 @@ def test_errors_go_to_stderr_so_stdout_stays_json(tmp_path: Path) -> None:
     assert history["calls"]
 
 
+@pytest.mark.slow
 def test_json_has_the_took_column_beside_rocketmqs_cost(tmp_path: Path) -> None:
     """``took`` is end - start of the two records' rounded timestamps (``took_ms``);
     ``cost_ms`` is RocketMQ's costTime as the SubAfter record has it (truncated)."""
@@ -138,6 +141,7 @@ def test_json_has_the_took_column_beside_rocketmqs_cost(tmp_path: Path) -> None:
     assert "took_ms" in trace("--help").stdout
 
 
+@pytest.mark.slow
 def test_a_narrow_terminal_gets_lines_not_a_cut_table(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     [*_, msg3, _msg4] = write_run(path)
@@ -157,6 +161,7 @@ def test_a_narrow_terminal_gets_lines_not_a_cut_table(tmp_path: Path) -> None:
     assert "┃ step" in piped.stdout
 
 
+@pytest.mark.slow
 def test_several_runs_in_one_file_are_announced_oldest_first(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     first = write_run(path)[3]

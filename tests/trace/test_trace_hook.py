@@ -126,6 +126,7 @@ async def test_default_sink_is_the_trace_topic_of_the_broker() -> None:
         assert {c.beans[0].msg_id for c in contexts} == {message.msg_id}
 
 
+@pytest.mark.slow
 async def test_trace_switch_off_and_retries_traced_under_the_first_id() -> None:
     class FailFirst(MessageListenerConcurrently):
         async def consume_message(
