@@ -111,8 +111,7 @@ async def run_loop(pool: Pool, run: Run) -> None:
     consume, leased, slot, idle = pool.consume, pool.leased, run.slot, work.idle
     suspend_ms = service.options.suspend_current_queue_time_millis
     clock = loop_clock() if leased else anyio.current_time
-    streak = 0
-    ahead = 1  # what the next take ahead takes: see invariant 3
+    streak, ahead = 0, 1  # ahead: what the next take ahead takes (invariant 3)
     while not state.stopping:
         batch = take(1, clock()) if leased else take(1)
         if batch is None:
@@ -147,9 +146,7 @@ async def run_loop(pool: Pool, run: Run) -> None:
                     got = take_more(pq, batch, min(ahead, CHECKPOINT_EVERY - streak), now)
                     if not got:
                         break
-                    taken += got
-                    if ahead < CHECKPOINT_EVERY:
-                        ahead += ahead
+                    taken, ahead = taken + got, min(ahead + ahead, CHECKPOINT_EVERY)
                 elif pq.open_until <= now:  # paused, released or the lease ended
                     break
                 done += 1
@@ -176,8 +173,7 @@ async def run_loop(pool: Pool, run: Run) -> None:
             await _failed(pool, batch, done, context, error, result)
         else:
             if waited:  # a run counts its calls as they return
-                streak += 1
-                ahead = 1
+                streak, ahead = streak + 1, 1
             state.consumed_ok += len(messages)
             effects = finish(batch, _SUCCESS)  # this worker takes what it freed
             if effects > _READY:  # READY alone: this worker takes the next batch itself
