@@ -22,10 +22,12 @@ from stagedconsumer import (
     ConsumeOrderlyContext,
     ConsumeOrderlyStatus,
     ConsumerOptions,
+    ConsumeStagedConcurrentlyContext,
     MemoryBroker,
     Message,
     MessageListenerConcurrently,
     MessageListenerOrderly,
+    MessageListenerStagedConcurrently,
     MessageQueue,
     PushConsumer,
 )
@@ -77,6 +79,70 @@ async def test_fast_calls_run_back_to_back_on_one_batch(monkeypatch: pytest.Monk
     await drain(PushConsumer("g", broker_with(100), Fast()))
     assert sorted(seen) == list(range(100))
     assert len(added) >= 50  # most messages joined a run instead of a batch of their own
+
+
+def spy_take_ahead(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record each take ahead as (the offset of its batch's first message, the most it
+    may take)."""
+    takes: list[tuple[int, int]] = []
+    take_more = ProcessQueue.take_more
+
+    def spy(self: ProcessQueue, batch: Any, max_count: int, now: float = float("-inf")) -> int:
+        takes.append((batch.messages[0].queue_offset, max_count))
+        return take_more(self, batch, max_count, now)
+
+    monkeypatch.setattr(ProcessQueue, "take_more", spy)
+    return takes
+
+
+class StagesOf8(MessageListenerStagedConcurrently):
+    def __init__(self, waits_at: int | None = None) -> None:
+        self.seen: list[int] = []
+        self.waits_at = waits_at
+
+    def get_stage_definitions(self) -> Sequence[int]:
+        return [8] * 16
+
+    async def consume_message(
+        self, msgs: Sequence[Message], context: ConsumeStagedConcurrentlyContext
+    ) -> None:
+        self.seen.extend(m.queue_offset for m in msgs)
+        if msgs[0].queue_offset == self.waits_at:
+            await anyio.lowlevel.checkpoint()
+
+
+async def test_the_take_ahead_goes_on_from_one_run_to_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each stage of 8 ends a run; the next run of the worker, whose calls never wait,
+    # takes the rest of its stage in one step instead of 1, 2, 4 again.
+    takes = spy_take_ahead(monkeypatch)
+    listener = StagesOf8()
+    options = ConsumerOptions(consume_thread_max=1)
+    await drain(PushConsumer("g", broker_with(64), listener, options=options))
+    assert sorted(listener.seen) == list(range(64))
+    first_take: dict[int, int] = {}
+    for first, most in takes:
+        first_take.setdefault(first, most)
+    later = [most for first, most in first_take.items() if first >= 16]
+    assert later
+    assert min(later) >= 4
+
+
+async def test_the_take_ahead_starts_again_from_one_after_a_call_that_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Offset 19's call waits: the run of offsets 16-23 ends there, and the next run
+    # (offset 20 on) takes ahead one message at first, as after a call that waited.
+    takes = spy_take_ahead(monkeypatch)
+    listener = StagesOf8(waits_at=19)
+    options = ConsumerOptions(consume_thread_max=1)
+    await drain(PushConsumer("g", broker_with(64), listener, options=options))
+    assert sorted(listener.seen) == list(range(64))
+    after = [most for first, most in takes if first == 20]
+    assert after[:1] == [1]
+    before = [most for first, most in takes if first == 8]
+    assert before[:1] != [1]  # taken ahead several at once before the wait
 
 
 async def test_a_run_lets_other_tasks_run_every_64_calls() -> None:

@@ -5,8 +5,13 @@ With an ``async def`` handler, one message per call (``consume_message_batch_max
 instead of the general loop: when a call returns without having suspended, the
 worker calls the handler on the next cached message of the same stage, added to the
 batch, and so on; the run's messages are finished together, so a message costs what
-taking it costs instead of a batch of its own. Messages are taken ahead of the calls,
-1, 2, 4, ... at a time as the run goes on (:meth:`ProcessQueue.take_more`).
+taking it costs instead of a batch of its own. Messages are taken ahead of the calls
+(:meth:`ProcessQueue.take_more`), 1, 2, 4, ... at a time, up to
+:data:`CHECKPOINT_EVERY`: the size doubles with every take and goes on from one run
+to the worker's next, back to 1 after a call that waited or failed. What a call that
+waits makes the run give back is so at most about what the calls since the last
+such call took, while a worker whose calls never wait takes a run's messages in one
+or two steps (a stage's end or the checkpoint ends many runs).
 
 The invariants, which everything here keeps:
 
@@ -106,7 +111,7 @@ async def run_loop(pool: Pool, run: Run) -> None:
     consume, leased, slot, idle = pool.consume, pool.leased, run.slot, work.idle
     suspend_ms = service.options.suspend_current_queue_time_millis
     clock = loop_clock() if leased else anyio.current_time
-    streak = 0
+    streak, ahead = 0, 1  # ahead: what the next take ahead takes (invariant 3)
     while not state.stopping:
         batch = take(1, clock()) if leased else take(1)
         if batch is None:
@@ -120,7 +125,7 @@ async def run_loop(pool: Pool, run: Run) -> None:
         call = [messages[0]]
         context = context_for(batch, suspend_ms)
         done = 0  # the calls before the one in progress (invariant 2)
-        taken = ahead = 1
+        taken = 1
         error: Exception | None = None
         result: Any = None
         state.in_flight += 1
@@ -141,8 +146,7 @@ async def run_loop(pool: Pool, run: Run) -> None:
                     got = take_more(pq, batch, min(ahead, CHECKPOINT_EVERY - streak), now)
                     if not got:
                         break
-                    taken += got
-                    ahead += ahead
+                    taken, ahead = taken + got, min(ahead + ahead, CHECKPOINT_EVERY)
                 elif pq.open_until <= now:  # paused, released or the lease ended
                     break
                 done += 1
@@ -165,10 +169,11 @@ async def run_loop(pool: Pool, run: Run) -> None:
                 return
             slot.call = None
         if error is not None or not _succeeded(result, ok, partial_ack, context):
+            ahead = 1
             await _failed(pool, batch, done, context, error, result)
         else:
             if waited:  # a run counts its calls as they return
-                streak += 1
+                streak, ahead = streak + 1, 1
             state.consumed_ok += len(messages)
             effects = finish(batch, _SUCCESS)  # this worker takes what it freed
             if effects > _READY:  # READY alone: this worker takes the next batch itself
