@@ -141,6 +141,15 @@ async def sql_backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIt
         yield value
 
 
+@pytest.fixture(params=BACKENDS[2:3])
+async def postgres_backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Backend]:
+    """The SQL store on PostgreSQL only (for what only psycopg's connections have)."""
+    async for value in _backend_fixture(request.param, tmp_path):
+        yield value
+
+
 @pytest.fixture(params=BACKENDS[2:])
 async def server_backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     """The SQL store on the database servers (PostgreSQL, MariaDB)."""

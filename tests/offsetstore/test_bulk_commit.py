@@ -206,10 +206,9 @@ async def test_a_connection_the_server_closed_is_replaced_without_failing_a_call
 
 @pytest.mark.postgres
 async def test_transactions_leave_pooled_connections_as_they_found_them(
-    server_backend: Backend,
+    postgres_backend: Backend,
 ) -> None:
-    if server_backend.name != "postgres":
-        pytest.skip("the psycopg connection's autocommit switch")
+    server_backend = postgres_backend  # psycopg's connections have the autocommit switch
     mq = MessageQueue("T", 0)
     store = server_backend.new_store(engine_options={"pool_size": 1, "max_overflow": 0})
     assert isinstance(store, SqlOffsetStore)
