@@ -337,6 +337,9 @@ class SimpleConsumer:
             max_delivery_attempts=self.options.max_delivery_attempts,
             fifo=self.options.fifo,
             message_group_property=self.options.message_group_property,
+            gray_queue_ratio=(
+                self.options.gray_queue_ratio if self.options.enable_gray_switch else None
+            ),
         )
         backend = pop_backend(self.source, settings)
         for topic in self._subscriptions:
