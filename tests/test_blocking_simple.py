@@ -107,8 +107,10 @@ def test_ack_async_rides_on_the_next_receive(backend: str) -> None:
             expired.result()
         assert isinstance(expired.exception(), InvalidReceiptHandleError)
         (again,) = running.receive(4, 10)
-        assert again.body == second[1].body and again.delivery_attempt == 2
+        assert again.body == second[1].body
+        assert again.delivery_attempt == 2
         pending = running.ack_async(again)
     # leaving the block sends the acks still queued
-    assert pending.done() and pending.exception() is None
+    assert pending.done()
+    assert pending.exception() is None
     assert sorted(m.body for m in [*first, *second]) == [b"0", b"1", b"2", b"3"]
