@@ -129,8 +129,7 @@ class BlockingSimpleConsumer(_Blocking[SimpleConsumer]):
         host = self._host
         if host is None:
             raise self._error(
-                f"ack_async() needs a running {self._noun}: use"
-                f" `with {type(self).__name__}(...)`"
+                f"ack_async() needs a running {self._noun}: use `with {type(self).__name__}(...)`"
             )
         # (in a tuple: the portal would await an awaitable result, sending the ack)
         (future,) = host.call_sync(lambda: (self.consumer.ack_async(message),))
