@@ -138,3 +138,29 @@ def test_messages_of_one_record_key_share_their_keys_tuple() -> None:
     assert a.keys is c.keys
     assert b.keys is d.keys
     assert [m.msg_id for m in (a, d)] == ["t-0@0", "t-0@3"]
+
+
+def test_a_null_value_is_a_tombstone_and_an_empty_one_is_not() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    def record(offset: int, value: bytes | None, headers: list[tuple[str, bytes]]) -> object:
+        return ConsumerRecord(
+            topic="t",
+            partition=0,
+            offset=offset,
+            timestamp=1000,
+            timestamp_type=0,
+            key=b"k",
+            value=value,
+            checksum=None,
+            serialized_key_size=1,
+            serialized_value_size=-1 if value is None else len(value),
+            headers=headers,
+        )
+
+    plain, with_headers, empty = decode_records(
+        "t", 0, "t", [record(0, None, []), record(1, None, [("p", b"v")]), record(2, b"", [])]
+    )
+    assert (plain.body, dict(plain.properties)) == (b"", {"TOMBSTONE": "true"})
+    assert dict(with_headers.properties) == {"p": "v", "TOMBSTONE": "true"}
+    assert (empty.body, dict(empty.properties)) == (b"", {})
