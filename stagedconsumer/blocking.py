@@ -47,6 +47,12 @@ Rules:
 
 from ._runtime._blocking import BlockingConsumer as BlockingConsumer
 from ._runtime._blocking import BlockingProducer as BlockingProducer
+from ._runtime._blocking_simple import BlockingAckFuture as BlockingAckFuture
 from ._runtime._blocking_simple import BlockingSimpleConsumer as BlockingSimpleConsumer
 
-__all__ = ("BlockingConsumer", "BlockingProducer", "BlockingSimpleConsumer")
+__all__ = (
+    "BlockingAckFuture",
+    "BlockingConsumer",
+    "BlockingProducer",
+    "BlockingSimpleConsumer",
+)

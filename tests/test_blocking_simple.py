@@ -66,3 +66,51 @@ def test_blocking_calls_errors_and_a_shared_portal() -> None:
             running.ack(m)
         with pytest.raises(WrongThreadError):
             portal.call(running.receive, 1, 10)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ack_async_rides_on_the_next_receive(backend: str) -> None:
+    clock = _Clock()
+    broker = MemoryBroker(clock=clock)
+    broker.create_topic("jobs", 1)
+    for i in range(4):
+        broker.send("jobs", b"%d" % i)
+    consumer = SimpleConsumer("g", broker, subscriptions={"jobs": "*"}, await_duration=0)
+    running = BlockingSimpleConsumer(consumer, backend=backend)
+    with pytest.raises(ConsumerStateError, match="with"):
+        running.ack_async(None)  # type: ignore[arg-type]
+    with running:
+        first = running.receive(2, 10)
+        futures = [running.ack_async(m) for m in first]
+        assert [f.message for f in futures] == first
+        assert not any(f.done() for f in futures)  # queued: nothing sent yet
+        second = running.receive(2, 10)  # sends them
+        assert all(f.done() and f.exception() is None for f in futures)
+        for f in futures:
+            f.result()
+        # result() sends the acks queued when no receive came
+        late = running.ack_async(second[0])
+        late.result()
+        assert late.done()
+        # an ack after the invisible duration: refused, in the future's result
+        clock.now += 10
+        expired = running.ack_async(second[1])
+        with pytest.raises(InvalidReceiptHandleError):
+            expired.result()
+        assert isinstance(expired.exception(), InvalidReceiptHandleError)
+        (again,) = running.receive(4, 10)
+        assert again.body == second[1].body
+        assert again.delivery_attempt == 2
+        pending = running.ack_async(again)
+    # leaving the block sends the acks still queued
+    assert pending.done()
+    assert pending.exception() is None
+    assert sorted(m.body for m in [*first, *second]) == [b"0", b"1", b"2", b"3"]

@@ -97,3 +97,39 @@ def test_gray_queues_takes_the_largest_ratio_of_the_gray_members() -> None:
     assert gray_queues(["n", small, large], small, 0.125, queues) == {("t", i) for i in range(4, 8)}
     assert gray_queues([small, large], small, 0.125, queues) is None
     assert gray_queues(["n", "m"], "n", 0.125, queues) is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("switch", [True, False])
+async def test_dead_letters_from_gray_queues_are_marked_gray(switch: bool) -> None:
+    """As the push consumer's: a message dead-lettered from a gray queue has
+    ``GRAY=true`` (with the gray switch on), one from a normal queue has not."""
+    clock = _Clock()
+    broker = MemoryBroker(clock=clock)
+    broker.create_topic("orders", 8)
+    broker.send("orders", b"normal", queue_id=1)
+    broker.send("orders", b"gray", queue_id=7)
+    options = (
+        SimpleConsumerOptions(
+            max_delivery_attempts=1, enable_gray_switch=True, gray_queue_ratio=RATIO
+        )
+        if switch
+        else SimpleConsumerOptions(max_delivery_attempts=1)
+    )
+    c = SimpleConsumer("shop", broker, subscriptions={"orders": "*"}, await_duration=0,
+                       options=options)  # fmt: skip
+    async with c:
+        assert len(await c.receive(32, 5)) == 2
+        clock.now += 5
+        assert await c.receive(32, 5) == []
+    dead = {m.body: m.properties for m in broker.messages("%DLQ%shop")}
+    assert set(dead) == {b"normal", b"gray"}
+    assert "GRAY" not in dead[b"normal"]
+    assert dead[b"gray"].get("GRAY") == ("true" if switch else None)

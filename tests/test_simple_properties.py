@@ -19,6 +19,7 @@ Checked against a model of every message's deliveries:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attrs
@@ -136,57 +137,58 @@ async def test_pop_consumption_properties(
             model.attempts[mid] = m.delivery_attempt
             model.deadline[mid] = clock.now + inv
 
-    for c in consumers:
-        await c.start()
-    for op in ops:
-        kind = op[0]
-        if kind == "send":
-            key = op[1]
-            m = broker.send("t", b"", keys=[key] if key else [])
-            model.sent.append(m.msg_id)
-            model.group_of[m.msg_id] = key
-        elif kind == "receive":
-            _, who, n, inv = op
-            got = await consumers[who].receive(n, inv)
-            assert len(got) <= n
-            check_dead_letters()
-            check_received(got, inv)
-            held[who].extend(got)
-        elif kind in ("ack", "change"):
-            who, pick = op[1], op[2]
-            if not held[who]:
-                continue
-            m = held[who].pop(pick % len(held[who]))
-            expected = model.holds(m, clock.now)
-            try:
-                if kind == "ack":
-                    await consumers[who].ack(m)
+    async with contextlib.AsyncExitStack() as stack:
+        for c in consumers:
+            await stack.enter_async_context(c)
+        for op in ops:
+            kind = op[0]
+            if kind == "send":
+                key = op[1]
+                m = broker.send("t", b"", keys=[key] if key else [])
+                model.sent.append(m.msg_id)
+                model.group_of[m.msg_id] = key
+            elif kind == "receive":
+                _, who, n, inv = op
+                got = await consumers[who].receive(n, inv)
+                assert len(got) <= n
+                check_dead_letters()
+                check_received(got, inv)
+                held[who].extend(got)
+            elif kind in ("ack", "change"):
+                who, pick = op[1], op[2]
+                if not held[who]:
+                    continue
+                m = held[who].pop(pick % len(held[who]))
+                expected = model.holds(m, clock.now)
+                try:
+                    if kind == "ack":
+                        await consumers[who].ack(m)
+                    else:
+                        await consumers[who].change_invisible_duration(m, op[3])
+                except InvalidReceiptHandleError:
+                    assert not expected, f"{kind} of {m.msg_id} refused while held"
                 else:
-                    await consumers[who].change_invisible_duration(m, op[3])
-            except InvalidReceiptHandleError:
-                assert not expected, f"{kind} of {m.msg_id} refused while held"
-            else:
-                assert expected, f"{kind} of {m.msg_id} accepted while not held"
-                if kind == "ack":
-                    model.done[m.msg_id] = "acked"
-                else:
-                    model.deadline[m.msg_id] = clock.now + op[3]
-                    held[who].append(m)
-        elif kind == "advance":
-            clock.now += op[1]
-        else:  # crash: what the consumer held is never acked
-            held[op[1]].clear()
+                    assert expected, f"{kind} of {m.msg_id} accepted while not held"
+                    if kind == "ack":
+                        model.done[m.msg_id] = "acked"
+                    else:
+                        model.deadline[m.msg_id] = clock.now + op[3]
+                        held[who].append(m)
+            elif kind == "advance":
+                clock.now += op[1]
+            else:  # crash: what the consumer held is never acked
+                held[op[1]].clear()
 
-    # time goes on and one consumer acks everything: nothing is lost
-    for _ in range(len(model.sent) + max_attempts + 2):
-        if len(model.done) == len(model.sent):
-            break
-        clock.now += 100
-        got = await consumers[0].receive(1024, 10)
-        check_dead_letters()
-        check_received(got, 10)
-        for m in got:
-            await consumers[0].ack(m)
-            model.done[m.msg_id] = "acked"
-    assert sorted(model.done) == sorted(model.sent)
-    assert len(broker.messages("%DLQ%g")) == sum(v == "dlq" for v in model.done.values())
+        # time goes on and one consumer acks everything: nothing is lost
+        for _ in range(len(model.sent) + max_attempts + 2):
+            if len(model.done) == len(model.sent):
+                break
+            clock.now += 100
+            got = await consumers[0].receive(1024, 10)
+            check_dead_letters()
+            check_received(got, 10)
+            for m in got:
+                await consumers[0].ack(m)
+                model.done[m.msg_id] = "acked"
+        assert sorted(model.done) == sorted(model.sent)
+        assert len(broker.messages("%DLQ%g")) == sum(v == "dlq" for v in model.done.values())

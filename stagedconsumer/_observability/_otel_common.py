@@ -46,6 +46,7 @@ MESSAGE_ID = "messaging.message.id"
 BATCH_COUNT = "messaging.batch.message_count"
 KAFKA_MESSAGE_KEY = "messaging.kafka.message.key"
 KAFKA_OFFSET = "messaging.kafka.offset"
+KAFKA_TOMBSTONE = "messaging.kafka.message.tombstone"
 ERROR_TYPE = "error.type"
 
 _W3C_FIELDS = frozenset({TRACEPARENT, TRACESTATE, "baggage"})
@@ -53,10 +54,14 @@ _W3C_FIELDS = frozenset({TRACEPARENT, TRACESTATE, "baggage"})
 
 def add_kafka_attributes(attributes: dict[str, AttributeValue], message: Message) -> None:
     """The semantic conventions' Kafka attributes of a span about one record: its key
-    (the message's first key; not set for a record without key) and its offset."""
+    (the message's first key; not set for a record without key), its offset, and
+    ``messaging.kafka.message.tombstone=true`` for a tombstone (a record with a null
+    value: the ``TOMBSTONE`` property; not set otherwise)."""
     if message.keys:
         attributes[KAFKA_MESSAGE_KEY] = message.keys[0]
     attributes[KAFKA_OFFSET] = message.queue_offset
+    if message.properties.get("TOMBSTONE") == "true":
+        attributes[KAFKA_TOMBSTONE] = True
 
 
 def instruments(

@@ -13,14 +13,52 @@ from anyio.from_thread import BlockingPortal
 from .._exceptions import ConfigurationError
 from .._sources._pop import ReceivedMessage
 from ._blocking import _Blocking
-from ._simple import SimpleConsumer
+from ._simple import AckFuture, SimpleConsumer
 
-__all__ = ("BlockingSimpleConsumer",)
+__all__ = ("BlockingAckFuture", "BlockingSimpleConsumer")
+
+
+class BlockingAckFuture:
+    """The outcome of :meth:`BlockingSimpleConsumer.ack_async`: :meth:`result` blocks
+    until the ack was answered (sending the queued acks if they were not sent yet)
+    and raises :class:`~stagedconsumer.InvalidReceiptHandleError` (or the broker's
+    error) when it failed."""
+
+    __slots__ = ("_future", "_owner")
+
+    def __init__(self, owner: BlockingSimpleConsumer, future: AckFuture) -> None:
+        self._owner = owner
+        self._future = future
+
+    @property
+    def message(self) -> ReceivedMessage:
+        """The message acked."""
+        return self._future.message
+
+    def done(self) -> bool:
+        """Whether the ack was sent and its outcome is known (does not block)."""
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        """The ack's error once :meth:`done` (``None``: acked, or not sent yet)."""
+        return self._future.exception()
+
+    def result(self) -> None:
+        """Wait for the ack's outcome: ``None``, or its error raised. Sends the queued
+        acks when they were not sent yet (as awaiting an
+        :class:`~stagedconsumer.AckFuture` does)."""
+        future = self._future
+        if not future.done():
+            self._owner._call("ack_async", future._wait)
+        error = future.exception()
+        if error is not None:
+            raise error
 
 
 class BlockingSimpleConsumer(_Blocking[SimpleConsumer]):
     """A :class:`~stagedconsumer.SimpleConsumer` for synchronous code: ``receive``,
-    ``ack`` and ``change_invisible_duration`` block until done.
+    ``ack`` and ``change_invisible_duration`` block until done; ``ack_async`` queues
+    an ack that goes with the next ``receive``.
 
     ::
 
@@ -80,6 +118,22 @@ class BlockingSimpleConsumer(_Blocking[SimpleConsumer]):
         blocking."""
         messages = list(messages)
         self._call("ack_batch", functools.partial(self.consumer.ack_batch, messages))
+
+    def ack_async(self, message: ReceivedMessage) -> BlockingAckFuture:
+        """:meth:`SimpleConsumer.ack_async <stagedconsumer.SimpleConsumer.ack_async>`
+        (RocketMQ 5's ``ackAsync``): queue the ack and return at once, without a round
+        trip to the broker. The queued acks go with the next :meth:`receive` of any
+        thread (on Redis inside its script), or when the block is left, or when one of
+        their futures' :meth:`~BlockingAckFuture.result` is called. Until they are
+        sent the messages' invisible durations keep running."""
+        host = self._host
+        if host is None:
+            raise self._error(
+                f"ack_async() needs a running {self._noun}: use `with {type(self).__name__}(...)`"
+            )
+        # (in a tuple: the portal would await an awaitable result, sending the ack)
+        (future,) = host.call_sync(lambda: (self.consumer.ack_async(message),))
+        return BlockingAckFuture(self, future)
 
     def change_invisible_duration(
         self, message: ReceivedMessage, invisible_duration: float

@@ -337,6 +337,9 @@ class SimpleConsumer:
             max_delivery_attempts=self.options.max_delivery_attempts,
             fifo=self.options.fifo,
             message_group_property=self.options.message_group_property,
+            gray_queue_ratio=(
+                self.options.gray_queue_ratio if self.options.enable_gray_switch else None
+            ),
         )
         backend = pop_backend(self.source, settings)
         for topic in self._subscriptions:
@@ -353,13 +356,14 @@ class SimpleConsumer:
         self._exit_stack = stack
         try:
             stack.push_async_callback(membership.leave)
-            if self._hook_list or self.options.enable_gray_switch:
+            # presence is refreshed in the background while the consumer is open (the
+            # group's settings check and gray release rely on it), by a detached task:
+            # the consumer may be closed from any task
+            stack.push_async_callback(membership.start_beating().aclose)
+            if self._hook_list:
                 # a task group: only then is the consumer's lifetime a scope of its own
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
-                if self.options.enable_gray_switch:
-                    await tg.start(membership.run)
-            if self._hook_list:
                 self._hooks = HookRunner(self._hook_list)
                 self._wall_offset = loop_wall_offset()
                 stack.push_async_callback(self._hooks.aclose)

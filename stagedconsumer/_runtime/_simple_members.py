@@ -5,16 +5,18 @@ from while gray and normal members are live."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from typing import Any
 
 import anyio
 import anyio.abc
+import sniffio
 
 from .._message import MessageQueue
 from .._sources._gray import gray_ratio_of, split_gray
 from .._sources._pop import PopBackend
 
-__all__ = ("MEMBER_TTL", "Membership", "gray_queues")
+__all__ = ("MEMBER_TTL", "Detached", "Membership", "gray_queues")
 
 logger = logging.getLogger("stagedconsumer")
 
@@ -46,6 +48,45 @@ def gray_queues(
     return frozenset((mq.topic, mq.queue_id) for mq in side)
 
 
+class Detached:
+    """A task outside the caller's task tree (asyncio: a task of the loop; trio: a
+    system task), so that an object started in one task may be closed from any other
+    without a task group spanning its lifetime: for a cheap timer. ``func`` must not
+    raise (on trio a system task's error would end the run)."""
+
+    def __init__(self, func: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._done = anyio.Event()
+        self._cancel: Callable[[], object]
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            scope = trio.CancelScope()
+            self._cancel = scope.cancel
+
+            async def run() -> None:
+                try:
+                    with scope:
+                        await func()
+                finally:
+                    self._done.set()
+
+            trio.lowlevel.spawn_system_task(run)
+        else:
+            import asyncio
+
+            task = asyncio.get_running_loop().create_task(func())
+            # (done also when cancelled before it ran)
+            task.add_done_callback(lambda _: self._done.set())
+            self._cancel = task.cancel
+            self._task = task  # (a strong reference: the loop keeps weak ones)
+
+    async def aclose(self) -> None:
+        """Cancel the task and wait until it ended."""
+        self._cancel()
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+
+
 class Membership:
     """One consumer's presence in its pop group, and the queues gray release leaves it."""
 
@@ -69,8 +110,8 @@ class Membership:
         self._update()
 
     def beat_due(self) -> bool:
-        """Whether a heartbeat is due (a consumer without gray release beats from its
-        receive calls instead of a task of its own)."""
+        """Whether a heartbeat is due (:meth:`run` beats on time; a receive beats too
+        when that task is late)."""
         return anyio.current_time() >= self._next_beat
 
     async def beat(self) -> None:
@@ -107,13 +148,17 @@ class Membership:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Heartbeat until cancelled (gray release: a member's presence must not
-        depend on how often it receives)."""
+        """Heartbeat until cancelled: a member's presence (which the group's settings
+        check and gray release rely on) must not depend on how often it receives."""
         task_status.started()
         while True:
             await anyio.sleep(max(0.0, self._next_beat - anyio.current_time()))
             if self.beat_due():
                 await self.beat()
+
+    def start_beating(self) -> Detached:
+        """:meth:`run` in a detached task (the consumer may be closed from any task)."""
+        return Detached(self.run)
 
     async def leave(self) -> None:
         try:

@@ -38,6 +38,7 @@ __all__ = (
     "check_gray_ratio",
     "gray_member_id",
     "gray_ratio_of",
+    "is_gray_queue",
     "split_gray",
 )
 
@@ -75,6 +76,12 @@ def gray_ratio_of(member: str) -> float | None:
         return check_gray_ratio(float(match.group(1)))
     except (ValueError, ConfigurationError):
         return 0.1
+
+
+def is_gray_queue(topic: str, queue_id: int, queue_count: int, ratio: float) -> bool:
+    """Whether queue ``queue_id`` of ``topic``'s ``queue_count`` (ids ``0..n-1``) is
+    gray with ``ratio`` (as :func:`split_gray` splits them)."""
+    return queue_id >= queue_count - _gray_count(topic, queue_count, ratio)
 
 
 @attrs.frozen(kw_only=True)

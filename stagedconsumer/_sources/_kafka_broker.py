@@ -73,6 +73,11 @@ class KafkaBrokerStatistics:
     """Sparse progress: finished ranges left out of offset commits whose metadata
     would have passed ``metadata_limit`` bytes (their messages come again after a
     hand-over)."""
+    metadata_rejections: int
+    """Commits the broker refused as ``OFFSET_METADATA_TOO_LARGE`` (``metadata_limit``
+    is above its ``offset.metadata.max.bytes``): each lowered the limit (Kafka's
+    default 4096 first, then halves) and the commit was made again with less
+    metadata."""
     metadata_missing: int
     """Commits read back without this project's metadata: made by another Kafka
     client, or by a broker that does not keep commit metadata (Tansu 0.6 does not):
@@ -176,7 +181,10 @@ class KafkaBroker(MessageSource):
       bounds how long a revoked partition may take to drain and commit (Kafka:
       ``max.poll.interval.ms``, the rebalance timeout of the JoinGroup request).
     - ``metadata_limit``: the longest commit metadata written (Kafka's
-      ``offset.metadata.max.bytes``, 4096 by default).
+      ``offset.metadata.max.bytes``, 4096 by default). Set above the broker's own
+      limit, the commit refused (``OFFSET_METADATA_TOO_LARGE``) is made again with
+      less metadata (4096, then halves) and counted in
+      ``statistics().metadata_rejections``.
     - ``read_ahead`` (default 256): a pull that calls into the client takes up to
       this many records of its partition; the pulls that follow on from it are
       served from them. Each consumed partition holds up to ``read_ahead - 1``
@@ -258,6 +266,11 @@ class KafkaBroker(MessageSource):
         """Commits whose stage offsets did not fit ``metadata_limit`` whole."""
         self.finished_overflows = 0
         """Commits whose finished ranges did not fit ``metadata_limit`` whole."""
+        self.metadata_rejections = 0
+        """Commits refused as ``OFFSET_METADATA_TOO_LARGE`` (see statistics)."""
+        self._metadata_cap: int | None = None
+        """The longest metadata the broker is known to accept, once it refused longer
+        (``None``: ``metadata_limit``; 0: none)."""
         self.metadata_missing = 0
         """Committed offsets read back without the metadata written with them."""
 
@@ -738,6 +751,7 @@ class KafkaBroker(MessageSource):
             seeks=self.seeks,
             metadata_overflows=self.metadata_overflows,
             finished_overflows=self.finished_overflows,
+            metadata_rejections=self.metadata_rejections,
             metadata_missing=self.metadata_missing,
             retry_paused=len(self._waiting),
         )

@@ -4,7 +4,9 @@ A record's key is the message's first key; its headers carry the tags (``TAGS``)
 further keys (``KEYS``, a JSON list), the reconsume count of a retried message
 (``RECONSUME_TIMES``), when a retried message is due (``DELAY_UNTIL``, ms since the
 epoch) and every property under its own name. A record's timestamp is the message's
-born time; its message id is ``<topic>-<partition>@<offset>`` (Kafka has none).
+born time; its message id is ``<topic>-<partition>@<offset>`` (Kafka has none). A
+record with a null value (a tombstone) is a message with an empty body and the
+property ``TOMBSTONE=true``.
 
 Progress goes into the offset commit: the committed offset is the consume offset, the
 commit's metadata string the stage offsets (:func:`encode_metadata`).
@@ -33,6 +35,7 @@ from ._source import (
     PROPERTY_POISON_ENTRY_ID,
     PROPERTY_POISON_STREAM,
     PROPERTY_RETRY_TOPIC,
+    PROPERTY_TOMBSTONE,
     RETRY_PREFIX,
     UndecodableEntry,
 )
@@ -167,7 +170,7 @@ def decode_records(
         m.queue_id = partition
         m.queue_offset = offset
         value = record.value
-        m.body = b"" if value is None else value
+        m.body = b"" if value is None else value  # (None: a tombstone, marked below)
         key = record.key
         if key is None:
             m.keys = ()
@@ -192,6 +195,8 @@ def decode_records(
                 continue
         else:
             m.properties = empty
+        if value is None:
+            m.properties = MappingProxyType({**m.properties, PROPERTY_TOMBSTONE: "true"})
         m.__class__ = Message
         append(m)  # type: ignore[arg-type]
     return out
@@ -240,6 +245,7 @@ def poison_entry(
             PROPERTY_DECODE_ERROR: error,
             PROPERTY_POISON_STREAM: kafka_topic,
             PROPERTY_POISON_ENTRY_ID: f"{partition}@{offset}",
+            **({PROPERTY_TOMBSTONE: "true"} if record.value is None else {}),
         },
         msg_id=f"{kafka_topic}-{partition}@{offset}",
         born_timestamp=(record.timestamp or 0) / 1000,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -43,7 +43,7 @@ from offsetstore import (
 from .._exceptions import SourceError
 from .._message import MessageQueue
 from ._group import AllocateMessageQueueStrategy, GroupCoordinator, GroupOptions
-from ._kafka_codec import decode_progress, encode_progress
+from ._kafka_codec import METADATA_LIMIT, decode_progress, encode_progress
 
 if TYPE_CHECKING:
     from ._kafka_codec import TopicNames
@@ -61,6 +61,8 @@ class _Broker(Protocol):
     metadata_limit: int
     metadata_overflows: int
     finished_overflows: int
+    metadata_rejections: int
+    _metadata_cap: int | None
     metadata_missing: int
 
     def _options(self, **extra: Any) -> dict[str, Any]: ...
@@ -402,18 +404,68 @@ class KafkaOffsetStore(StageOffsetStore):
         if progress.consume_offset is None:
             return None
         broker = self.broker
-        metadata, dropped, cut = encode_progress(progress, broker.metadata_limit)
+        limit = broker.metadata_limit
+        cap = broker._metadata_cap
+        if cap is not None:  # the broker refused longer metadata
+            if cap == 0:
+                return progress.consume_offset, ""
+            limit = min(limit, cap)
+        metadata, dropped, cut = encode_progress(progress, limit)
         if dropped or cut:
             broker.metadata_overflows += dropped
             broker.finished_overflows += cut
             logger.warning(
                 "Kafka commit metadata over %d bytes: %d finished ranges and %d stage keys"
                 " left out",
-                broker.metadata_limit,
+                limit,
                 cut,
                 dropped,
             )
         return progress.consume_offset, metadata
+
+    async def _commit(
+        self,
+        commit: Callable[[dict[Any, tuple[int, str]]], Awaitable[object]],
+        progress: Mapping[Any, QueueProgress],
+    ) -> None:
+        """``commit`` the encoded ``progress`` (topic partition -> progress). When the
+        broker refuses the metadata as too long (``OFFSET_METADATA_TOO_LARGE``:
+        ``metadata_limit`` is above its ``offset.metadata.max.bytes``), lower the
+        limit (Kafka's default 4096 first, then halves, down to no metadata),
+        remember it for later commits, count it and commit again: finished ranges,
+        then stage keys left out, as past ``metadata_limit``."""
+        from aiokafka.errors import OffsetMetadataTooLargeError
+
+        broker = self.broker
+        while True:
+            offsets = {}
+            for tp, value in progress.items():
+                encoded = self._encode(value)
+                if encoded is not None:
+                    offsets[tp] = encoded
+            if not offsets:
+                return
+            try:
+                await commit(offsets)
+                return
+            except OffsetMetadataTooLargeError:
+                longest = max(len(metadata) for _, metadata in offsets.values())
+                if longest == 0:
+                    raise
+                broker.metadata_rejections += 1
+                limit = min(longest, broker.metadata_limit, broker._metadata_cap or longest)
+                # Kafka's default first, then halves (each round lower: it ends)
+                cap = METADATA_LIMIT if limit > METADATA_LIMIT else limit // 2
+                broker._metadata_cap = cap if cap >= 16 else 0
+                logger.warning(
+                    "Kafka refused commit metadata of %d bytes as too large (the broker's"
+                    " offset.metadata.max.bytes is below metadata_limit=%d): committing"
+                    " with at most %d bytes from now on; counted in"
+                    " statistics().metadata_rejections",
+                    longest,
+                    broker.metadata_limit,
+                    broker._metadata_cap,
+                )
 
     async def _fetch(self, group: str, mqs: Sequence[MessageQueue] | None) -> dict[Any, Any]:
         admin, _, _ = await self._clients()
@@ -495,21 +547,20 @@ class KafkaOffsetStore(StageOffsetStore):
 
         coordinator = self.broker.group_coordinator()
         fenced: set[MessageQueue] = set()
-        batches: dict[int, tuple[Any, dict[Any, tuple[int, str]], list[MessageQueue]]] = {}
+        batches: dict[int, tuple[Any, dict[Any, QueueProgress], list[MessageQueue]]] = {}
         for mq, value in progress.items():
             member = coordinator.by_epoch(group, mq, fences[mq])
             if member is None or member.consumer is None:
                 fenced.add(mq)
                 continue
-            encoded = self._encode(value)
-            if encoded is None:
+            if value.consume_offset is None:
                 continue
-            _, offsets, mqs = batches.setdefault(id(member), (member, {}, []))
-            offsets[self.broker._tp(mq)] = encoded
+            _, values, mqs = batches.setdefault(id(member), (member, {}, []))
+            values[self.broker._tp(mq)] = value
             mqs.append(mq)
-        for member, offsets, mqs in batches.values():
+        for member, values, mqs in batches.values():
             try:
-                await member.consumer.commit(offsets)
+                await self._commit(member.consumer.commit, values)
             except (CommitFailedError, IllegalStateError) as exc:
                 logger.warning(
                     "group %s: Kafka refused the commit of %s (%s)",
@@ -548,12 +599,12 @@ class KafkaOffsetStore(StageOffsetStore):
         from aiokafka import AIOKafkaConsumer
         from aiokafka.errors import CommitFailedError
 
-        offsets = {}
-        for mq, value in progress.items():
-            encoded = self._encode(value)
-            if encoded is not None:
-                offsets[self.broker._tp(mq)] = encoded
-        if not offsets:
+        values = {
+            self.broker._tp(mq): value
+            for mq, value in progress.items()
+            if value.consume_offset is not None
+        }
+        if not values:
             return
         await self._clients()
         consumer = AIOKafkaConsumer(
@@ -561,8 +612,8 @@ class KafkaOffsetStore(StageOffsetStore):
         )
         try:
             await consumer.start()
-            consumer.assign(list(offsets))
-            await consumer.commit(offsets)
+            consumer.assign(list(values))
+            await self._commit(consumer.commit, values)
         except CommitFailedError as exc:
             raise StoreCommitError(
                 f"Kafka refused the commit: group {group!r} has members, and Kafka accepts"

@@ -216,7 +216,10 @@ class MemoryPopBackend(PopBackend):
                     continue
                 if attempt >= settings.max_delivery_attempts:
                     del inflight[offset]
-                    spent = attrs.evolve(log[offset], reconsume_times=attempt - 1)
+                    spent = settings.dead_letter(
+                        attrs.evolve(log[offset], reconsume_times=attempt - 1),
+                        len(broker._queues_of(topic)),
+                    )
                     await broker.send_to_dlq(settings.group, spent)
                     self._release(state, flight.message_group, offset)
                     now = broker._now()

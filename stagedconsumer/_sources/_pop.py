@@ -25,6 +25,7 @@ import attrs
 from .._exceptions import ConsumerStateError
 from .._filter import TagFilter
 from .._message import Message, _MessageFields, _rebuild
+from ._gray import PROPERTY_GRAY, is_gray_queue
 
 __all__ = (
     "InvalidReceiptHandleError",
@@ -181,6 +182,23 @@ class PopSettings:
     max_delivery_attempts: int = 16
     fifo: bool = False
     message_group_property: str | None = None
+    gray_queue_ratio: float | None = attrs.field(default=None, eq=False)
+    """Gray release (``enable_gray_switch``): the ratio of gray queues, ``None``
+    without. A message dead-lettered from a gray queue gets the ``GRAY=true``
+    property, as the push consumer's do. Not one of the group's settings (gray members
+    may disagree on it; not compared)."""
+
+    def dead_letter(self, message: Message, queue_count: int) -> Message:
+        """``message`` as it goes to the dead-letter queue: marked gray when it came
+        from a gray queue of its topic (``queue_count`` queues)."""
+        ratio = self.gray_queue_ratio
+        if (
+            ratio is None
+            or message.properties.get(PROPERTY_GRAY) == "true"
+            or not is_gray_queue(message.topic, message.queue_id, queue_count, ratio)
+        ):
+            return message
+        return attrs.evolve(message, properties={**message.properties, PROPERTY_GRAY: "true"})
 
 
 class PopBackend(abc.ABC):

@@ -762,7 +762,9 @@ class RedisPopBackend(PopBackend):
             group=group,
         )
         if int(kind) == 2:
-            last = attrs.evolve(message, reconsume_times=attempt - 2)
+            last = self.settings.dead_letter(
+                attrs.evolve(message, reconsume_times=attempt - 2), len(self._topics[queue.topic])
+            )
             await self.broker.send_to_dlq(group, last)
             await self._settle(delivered, -1, "dead-lettering")
             return True

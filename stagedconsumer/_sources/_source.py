@@ -25,6 +25,7 @@ __all__ = (
     "PROPERTY_POISON_STREAM",
     "PROPERTY_ORIGIN_MESSAGE_ID",
     "PROPERTY_RETRY_TOPIC",
+    "PROPERTY_TOMBSTONE",
     "RETRY_PREFIX",
     "MessageSource",
     "PullResult",
@@ -52,6 +53,9 @@ PROPERTY_POISON_STREAM = "POISON_STREAM"
 """Property of the dead-letter copy of a poison entry: the stream (Redis key) it was in."""
 PROPERTY_POISON_ENTRY_ID = "POISON_ENTRY_ID"
 """Property of the dead-letter copy of a poison entry: its stream entry id."""
+PROPERTY_TOMBSTONE = "TOMBSTONE"
+"""Property ``"true"`` of a message made of a Kafka record with a null value (a
+tombstone; its body is empty); kept by its retry and dead-letter copies."""
 
 TraceWriter = Callable[[str, bytes, tuple[str, ...]], object]
 """``writer(topic, body, keys)``: stores one trace message before returning (see

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from offsetstore import QueueProgress, StageKey
 from stagedconsumer import KafkaBroker, KafkaOffsetStore
 from stagedconsumer._sources._kafka_codec import (
@@ -138,3 +140,90 @@ def test_messages_of_one_record_key_share_their_keys_tuple() -> None:
     assert a.keys is c.keys
     assert b.keys is d.keys
     assert [m.msg_id for m in (a, d)] == ["t-0@0", "t-0@3"]
+
+
+def test_a_null_value_is_a_tombstone_and_an_empty_one_is_not() -> None:
+    from aiokafka.structs import ConsumerRecord
+
+    def record(offset: int, value: bytes | None, headers: list[tuple[str, bytes]]) -> object:
+        return ConsumerRecord(
+            topic="t",
+            partition=0,
+            offset=offset,
+            timestamp=1000,
+            timestamp_type=0,
+            key=b"k",
+            value=value,
+            checksum=None,
+            serialized_key_size=1,
+            serialized_value_size=-1 if value is None else len(value),
+            headers=headers,
+        )
+
+    plain, with_headers, empty = decode_records(
+        "t", 0, "t", [record(0, None, []), record(1, None, [("p", b"v")]), record(2, b"", [])]
+    )
+    assert (plain.body, dict(plain.properties)) == (b"", {"TOMBSTONE": "true"})
+    assert dict(with_headers.properties) == {"p": "v", "TOMBSTONE": "true"}
+    assert (empty.body, dict(empty.properties)) == (b"", {})
+
+
+@pytest.mark.anyio
+async def test_metadata_refused_as_too_large_is_committed_again_with_less() -> None:
+    """``metadata_limit`` above the broker's ``offset.metadata.max.bytes``: the
+    broker refuses the commit with OFFSET_METADATA_TOO_LARGE (aiokafka's error, not
+    retriable). The store lowers its limit, commits again with finished ranges left
+    out first, counts it, and later commits fit at once. (Tansu 0.6 accepts metadata
+    of any length, 30,000 characters tried, and keeps none: the broker's check is
+    played by ``commit``.)"""
+    import anyio
+    from aiokafka.errors import OffsetMetadataTooLargeError
+    from aiokafka.structs import TopicPartition
+
+    broker = KafkaBroker("127.0.0.1:1", metadata_limit=1_000_000)
+    store = KafkaOffsetStore(broker)
+    stages = {StageKey(f"stage-{i}"): 1000 + i for i in range(5)}
+    ranges = tuple((1000 + 7 * i * i, 1000 + 7 * i * i + i % 3) for i in range(1, 3000))
+    tp = TopicPartition("t", 0)
+    progress = {tp: QueueProgress(consume_offset=1000, stage_offsets=stages, finished=ranges)}
+    attempts: list[int] = []
+    committed: list[str] = []
+
+    async def commit(offsets: dict[object, tuple[int, str]]) -> None:
+        (offset, metadata), *_ = offsets.values()
+        attempts.append(len(metadata))
+        if len(metadata) > 1000:  # the broker's offset.metadata.max.bytes
+            raise OffsetMetadataTooLargeError()
+        assert offset == 1000
+        committed.append(metadata)
+
+    await store._commit(commit, progress)
+    assert attempts[0] > 4096  # all of it: more than Kafka's default
+    assert attempts[1] <= 4096  # then Kafka's default, then halves
+    assert attempts[-1] <= 1000
+    assert broker.statistics().metadata_rejections == len(attempts) - 1 >= 2
+    got_stages, got_ranges = decode_progress(1000, committed[0])
+    assert got_stages == stages  # finished ranges are left out first
+    assert 0 < len(got_ranges) < len(ranges)
+    assert broker.statistics().finished_overflows > 0
+    # the next commit fits at once
+    attempts.clear()
+    await store._commit(commit, progress)
+    assert len(attempts) == 1
+    assert broker.statistics().metadata_rejections >= 2
+
+    # a broker that takes no metadata at all: the offset alone in the end
+    bare = KafkaBroker("127.0.0.1:1")
+    bare_store = KafkaOffsetStore(bare)
+    seen: list[str] = []
+
+    async def no_metadata(offsets: dict[object, tuple[int, str]]) -> None:
+        ((_, metadata),) = offsets.values()
+        seen.append(metadata)
+        if metadata:
+            raise OffsetMetadataTooLargeError()
+
+    with anyio.fail_after(5):
+        await bare_store._commit(no_metadata, progress)
+    assert seen[-1] == ""
+    assert bare.statistics().metadata_rejections == len(seen) - 1

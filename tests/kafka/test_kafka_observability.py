@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from benchmarks._tansu import TansuServer
 from stagedconsumer import (
     ConsumeConcurrentlyContext,
     ConsumeMessageTraceHook,
@@ -121,4 +122,47 @@ async def test_other_systems_get_no_kafka_attributes() -> None:
     assert span.attributes is not None
     assert "messaging.kafka.message.key" not in span.attributes
     assert "messaging.kafka.offset" not in span.attributes
+    provider.shutdown()
+
+
+@pytest.mark.slow
+async def test_a_tombstone_is_marked_and_its_spans_say_so(
+    broker: KafkaBroker, tansu: TansuServer, name: str
+) -> None:
+    """A record with a null value (written by a plain Kafka producer) is a message
+    with an empty body and ``TOMBSTONE=true``, and its spans carry
+    ``messaging.kafka.message.tombstone``; a record with an empty value is neither."""
+    from aiokafka import AIOKafkaProducer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    await broker.create_topic(name, 1)
+    plain = AIOKafkaProducer(bootstrap_servers=tansu.bootstrap)
+    await plain.start()
+    try:
+        await plain.send_and_wait(name, None, key=b"deleted")
+        await plain.send_and_wait(name, b"", key=b"empty", headers=[("p", b"v")])
+    finally:
+        await plain.stop()
+    listener = Seen()
+    consumer = PushConsumer(name, broker, listener, options=OPTIONS)
+    consumer.subscribe(name)
+    consumer.register_consume_message_hook(
+        OpenTelemetryHook(tracer_provider=provider, messaging_system="kafka")
+    )
+    async with consumer:
+        with anyio.fail_after(30):
+            while len(listener.seen) < 2:
+                await anyio.sleep(0.05)
+    assert {m.keys[0]: (m.body, dict(m.properties)) for m in listener.seen} == {
+        "deleted": (b"", {"TOMBSTONE": "true"}),
+        "empty": (b"", {"p": "v"}),
+    }
+    process = [dict(s.attributes or {}) for s in exporter.get_finished_spans()]
+    process = [a for a in process if a.get("messaging.operation.name") == "process"]
+    assert {
+        str(a["messaging.kafka.message.key"]): a.get("messaging.kafka.message.tombstone")
+        for a in process
+    } == {"deleted": True, "empty": None}
     provider.shutdown()

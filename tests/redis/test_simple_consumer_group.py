@@ -82,3 +82,27 @@ async def test_gray_release_over_redis(
             while normal._membership.allowed is not None:
                 await anyio.sleep(0.02)  # the canary left
         assert await drain(normal) == {0, 1, 2, 3}
+
+
+async def test_an_idle_consumer_keeps_its_presence(
+    broker: RedisBroker,
+    redis_url: str,
+    namespace: str,
+    inspect: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer that does not receive still refreshes its presence (a task of its
+    own), so the group's settings stay checked past the presence's lifetime."""
+    monkeypatch.setattr(_simple_members, "MEMBER_TTL", 0.5)
+    monkeypatch.setattr(_simple_members, "HEARTBEAT", 0.1)
+    await broker.create_topic("t", 1)
+    async with (
+        RedisBroker(redis_url, namespace=namespace) as other,
+        consumer(broker, fifo=True) as idle,
+    ):
+        await anyio.sleep(1.2)  # more than two lifetimes, no receive
+        members = inspect.zrange(f"{namespace}:pop:members:{{pop:g}}", 0, -1)
+        assert [m.decode() for m in members] == [idle.client_id]
+        with pytest.raises(ConfigurationError, match="other pop settings"):
+            async with consumer(other, fifo=False):
+                pass

@@ -443,3 +443,21 @@ async def test_acks_awaited_at_once_share_round_trips(broker: RedisBroker) -> No
         assert calls == [1, 9]
         assert c.statistics().consumed_ok == len(got)
         assert await c.receive(10, 600) == []
+
+
+async def test_dead_letters_from_gray_queues_are_marked_gray(broker: RedisBroker) -> None:
+    """As the push consumer's: with the gray switch on, a message dead-lettered from a
+    gray queue (of 4 with ratio 0.25: queue 3) has ``GRAY=true``, one from a normal
+    queue has not."""
+    await broker.create_topic("t", 4)
+    await broker.send("t", b"normal", queue_id=0)
+    await broker.send("t", b"gray", queue_id=3)
+    options = {"max_delivery_attempts": 1, "enable_gray_switch": True, "gray_queue_ratio": 0.25}
+    async with consumer(broker, **options) as c:
+        assert len(await c.receive(8, 0.1)) == 2
+        await anyio.sleep(0.2)
+        assert await c.receive(8, 600) == []
+    dead = {m.body: m.properties for m in await broker.messages("%DLQ%g")}
+    assert set(dead) == {b"normal", b"gray"}
+    assert "GRAY" not in dead[b"normal"]
+    assert dead[b"gray"]["GRAY"] == "true"
