@@ -106,6 +106,8 @@ _FOLD_CHUNK: Final = 100
 _PING_AFTER_IDLE: Final = 1.0
 """Seconds a pooled connection may rest before its checkout pings the server."""
 _GIL_PAUSE: Final = 0.001
+_MARK_HEADS: Final = 100_000
+"""Queue keys whose mark query start a store keeps (all forgotten past that)."""
 _CREATE_ATTEMPTS: Final = 3
 """Tries at creating the tables when stores race to: one per table, and one more."""
 _T = TypeVar("_T")
@@ -453,6 +455,9 @@ class SqlOffsetStore(StageOffsetStore):
         the driver's client-side cursor: transact()'s first round trip on PostgreSQL
         through psycopg (3); ``_pg_prepare_mark_sql`` prepares it on a connection."""
         self._pg_prepare_mark_sql = ""
+        self._pg_mark_heads: dict[tuple[Any, ...], str] = {}
+        """Per queue key: the start of its mark query, up to the offsets (see
+        :meth:`_pg_begin_mark_query`)."""
         if self._backend == "postgresql" and self._url.get_driver_name() == "psycopg":
             self._pg_begin_mark_sql, self._pg_prepare_mark_sql = self._pg_prepared_mark()
         self._overwrite_stmt = self._build_overwrite_statement()
@@ -580,8 +585,26 @@ class SqlOffsetStore(StageOffsetStore):
         prepare = (
             f"PREPARE {name} ({', '.join(types)}) AS {self._pg_mark_sql(position.__getitem__)}"
         )
-        arguments = ", ".join(f"%({n})s" for n in names)
-        return f"BEGIN; EXECUTE {name} ({arguments})", prepare
+        return f"BEGIN; EXECUTE {name} (", prepare
+
+    def _pg_begin_mark_query(
+        self, driver_conn: Any, key: tuple[Any, ...], offsets: Sequence[int], fence: int
+    ) -> str:
+        """``BEGIN`` and the execution of the prepared mark statement for ``key``,
+        ``offsets`` and ``fence``, as one query of literals. The key's literals are
+        quoted by psycopg (its quoting, not ours) once per queue and kept; offsets and
+        fence are integers, written as such: no parameter is bound per call."""
+        head = self._pg_mark_heads.get(key)
+        if head is None:
+            from psycopg import sql as pg_sql
+
+            literals = "".join(f"{pg_sql.Literal(v).as_string(driver_conn)}, " for v in key)
+            head = f"{self._pg_begin_mark_sql}{literals}"
+            if len(self._pg_mark_heads) >= _MARK_HEADS:
+                self._pg_mark_heads.clear()
+            self._pg_mark_heads[key] = head
+        numbers = ",".join([str(int(o)) for o in offsets])
+        return f"{head}'{{{numbers}}}', {int(fence)})"
 
     def _build_overwrite_statement(self) -> sa.Executable:
         t = self._progress
@@ -1717,12 +1740,19 @@ class SqlOffsetStore(StageOffsetStore):
         fail the check. Its statements are retried (``fn`` too) on a deadlock;
         anything ``fn`` raises propagates as it is, nothing committed."""
         m = self._marks
-        key = dict(zip(self._key_names, self._key(group, mq), strict=True))
-        rows = [{**key, "queue_offset": o} for o in offsets]
+        key_values = self._key(group, mq)
         highest = max(offsets)
-        mark_params = {f"k{i}": value for i, value in enumerate(key.values())}
-        mark_params["offsets"] = list(offsets)
-        mark_params["fence"] = _NO_FENCE if fence is None else fence
+        fence_token = _NO_FENCE if fence is None else fence
+
+        def mark_params() -> dict[str, Any]:
+            params: dict[str, Any] = {f"k{i}": value for i, value in enumerate(key_values)}
+            params["offsets"] = list(offsets)
+            params["fence"] = fence_token
+            return params
+
+        def mark_rows() -> list[dict[str, Any]]:
+            key = dict(zip(self._key_names, key_values, strict=True))
+            return [{**key, "queue_offset": o} for o in offsets]
 
         def already(done: set[int]) -> AlreadyFinishedError:
             return AlreadyFinishedError(
@@ -1736,11 +1766,14 @@ class SqlOffsetStore(StageOffsetStore):
                 with self._mark_transaction() as (conn, driver_conn):
                     if driver_conn is not None:
                         # Begin, lock, check and mark in one round trip.
-                        row = self._pg_begin_and_mark(conn, driver_conn, mark_params)
+                        query = self._pg_begin_mark_query(
+                            driver_conn, key_values, offsets, fence_token
+                        )
+                        row = self._pg_begin_and_mark(conn, driver_conn, query)
                         marked = row is not None and int(row.marked) == len(offsets)
                     elif self._backend == "postgresql" and self._version >= 4:
                         # Lock, check and mark in one round trip.
-                        row = conn.execute(self._pg_mark_stmt, mark_params).first()
+                        row = conn.execute(self._pg_mark_stmt, mark_params()).first()
                         marked = row is not None and int(row.marked) == len(offsets)
                     else:
                         row = self._lock_row(conn, group, mq, share=True)
@@ -1757,7 +1790,7 @@ class SqlOffsetStore(StageOffsetStore):
                         raise already(done)  # (rolls back the marks inserted above)
                     # A mark that exists fails the insert (primary key): looked up then.
                     if not marked:
-                        conn.execute(sa.insert(m), rows)
+                        conn.execute(sa.insert(m), mark_rows())
                     self._marked[(group, mq)] = max(highest, self._marked.get((group, mq), -1))
                     try:
                         return fn(conn)
@@ -1819,17 +1852,13 @@ class SqlOffsetStore(StageOffsetStore):
         except Exception as exc:
             conn.invalidate(exc)
 
-    def _pg_begin_and_mark(
-        self, conn: sa.Connection, driver_conn: Any, params: dict[str, Any]
-    ) -> Any:
+    def _pg_begin_and_mark(self, conn: sa.Connection, driver_conn: Any, query: str) -> Any:
         """``BEGIN`` and the mark statement (:meth:`_pg_mark_sql`, prepared on the
         connection at its first use) sent as one query (one round trip) on
         ``driver_conn``, a psycopg connection in autocommit mode; the row it returns
-        or ``None``. Several statements in one query need the simple query protocol,
-        so the parameters are bound by psycopg's client-side cursor (its quoting, not
-        ours). Driver errors come out as SQLAlchemy's, as from ``conn.execute``."""
-        sql = self._pg_begin_mark_sql
-        assert sql is not None
+        or ``None``. Several statements in one query need the simple query protocol:
+        ``query`` carries its values as literals (:meth:`_pg_begin_mark_query`).
+        Driver errors come out as SQLAlchemy's, as from ``conn.execute``."""
         dialect = self._engine.dialect
         dbapi = dialect.loaded_dbapi
         info = conn.connection.info
@@ -1840,7 +1869,7 @@ class SqlOffsetStore(StageOffsetStore):
                     cursor.execute(self._pg_prepare_mark_sql)  # autocommit: outlives transactions
                     info["stagedconsumer_mark_prepared"] = True
                 try:
-                    cursor.execute(sql, params)
+                    cursor.execute(query)
                     break
                 except dbapi.Error as exc:
                     if attempt or getattr(exc, "sqlstate", None) != "26000":
@@ -1856,8 +1885,8 @@ class SqlOffsetStore(StageOffsetStore):
             if invalidated:
                 conn.invalidate(exc)
             raise sa_exc.DBAPIError.instance(
-                sql,
-                params,
+                query,
+                None,
                 exc,
                 dbapi.Error,
                 connection_invalidated=invalidated,

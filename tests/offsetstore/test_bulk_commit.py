@@ -9,6 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from offsetstore import (
+    AlreadyFinishedError,
     QueueProgress,
     ReadOffsetType,
     SqlOffsetStore,
@@ -239,3 +240,29 @@ async def test_transactions_leave_pooled_connections_as_they_found_them(
         assert await store.read_progress(GROUP, mq, ReadOffsetType.READ_FROM_STORE) == (
             QueueProgress(consume_offset=None, finished=[(0, 1)])
         )
+
+
+@pytest.mark.postgres
+async def test_transactions_of_queues_whose_names_need_quoting(server_backend: Backend) -> None:
+    """PostgreSQL's mark query carries the queue's key as literals: names with quotes,
+    backslashes and percent signs reach the right rows, and one queue's marks are not
+    another's."""
+    if server_backend.name != "postgres":
+        pytest.skip("the PostgreSQL mark query")
+    group = "g'%s\\"
+    queues = [MessageQueue("T'); DROP TABLE x; --", 0), MessageQueue("T\\'%(k0)s", 0)]
+    store = server_backend.new_store()
+    assert isinstance(store, SqlOffsetStore)
+    async with store:
+        for n, mq in enumerate(queues):
+            await store.claim(group, mq, 3)
+            done = await store.transact(group, mq, [n], lambda connection: "done", fence=3)
+            assert done == "done"
+            with pytest.raises(AlreadyFinishedError):
+                await store.transact(group, mq, [n], lambda connection: "done", fence=3)
+            with pytest.raises(StoreFencedError):
+                await store.transact(group, mq, [n + 1], lambda connection: "done", fence=2)
+        for n, mq in enumerate(queues):
+            assert await store.read_progress(group, mq, ReadOffsetType.READ_FROM_STORE) == (
+                QueueProgress(consume_offset=None, finished=[(n, n)])
+            )
