@@ -215,18 +215,35 @@ def encode_stage_offsets(stage_offsets: Mapping[StageKey, int]) -> str:
 
     Built as text rather than through ``json.dumps`` of nested lists: at 10,000 queues
     per commit the lists are garbage-collector work that pauses the event loop too.
+    The order and the JSON of the keys are worked out once per tuple of keys (queues
+    of one listener all have the same ones) and kept (:func:`_encoding_plan`).
     """
-    items = (
-        sorted(stage_offsets.items(), key=_sort_key)
-        if len(stage_offsets) > 1
-        else (stage_offsets.items())
-    )
-    entries = [
-        f"[{_json_str(key.strategy_id)},"
-        f"{'null' if key.group_id is None else _json_str(key.group_id)},{int(offset)}]"
-        for key, offset in items
-    ]
-    return f"[{','.join(entries)}]"
+    if not stage_offsets:
+        return "[]"
+    plan = _PLANS.get(tuple(stage_offsets))
+    if plan is None:
+        plan = _encoding_plan(tuple(stage_offsets))
+    offsets = list(stage_offsets.values())
+    return f"[{','.join([f'{head}{int(offsets[i])}]' for i, head in plan])}]"
+
+
+_PLANS: dict[tuple[StageKey, ...], list[tuple[int, str]]] = {}
+_MAX_PLANS: Final = 10_000
+
+
+def _encoding_plan(keys: tuple[StageKey, ...]) -> list[tuple[int, str]]:
+    """For stage offsets with ``keys`` (in this order): per entry of their canonical
+    JSON, the index of its key in ``keys`` and the entry's text up to the offset."""
+    order = sorted(range(len(keys)), key=lambda i: _sort_key((keys[i], 0)))
+    plan = []
+    for i in order:
+        key = keys[i]
+        group = "null" if key.group_id is None else _json_str(key.group_id)
+        plan.append((i, f"[{_json_str(key.strategy_id)},{group},"))
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[keys] = plan
+    return plan
 
 
 def decode_stage_offsets(text: str) -> dict[StageKey, int]:
@@ -1542,7 +1559,7 @@ class SqlOffsetStore(StageOffsetStore):
                     and last[0] == row.consume_offset
                     and last[2] == row.finished
                     and last[1] == row.stage_offsets
-                    and key not in marked
+                    and (not marked or key not in marked)
                 ):
                     if all_of_them:
                         raw[mq] = last
@@ -1612,15 +1629,21 @@ class SqlOffsetStore(StageOffsetStore):
             # queues, sorting and encoding alone take milliseconds. Sorted, so
             # concurrent writers lock rows in the same order.
             items = sorted(raw.items(), key=_queue_order)
-            key = self._key
+            scope = self._scope_of(group)  # the key of _key(), built inline
             fenced: set[MessageQueue] = set()
             with self._write_transaction() as conn:
                 if fences is not None:
                     fenced = self._fenced_queues(conn, group, [mq for mq, _ in items], fences)
+                skip = clean | fenced
                 rows: list[BulkRow] = [
-                    (key(group, mq), c, encode_stage_offsets(s), encode_finished(c, f))
+                    (
+                        (scope, group, mq.topic, mq.queue_id),
+                        c,
+                        encode_stage_offsets(s),
+                        encode_finished(c, f),
+                    )
                     for mq, (c, s, f) in items
-                    if mq not in clean and mq not in fenced
+                    if not skip or mq not in skip
                 ]
                 for n, (sql, params) in enumerate(self._bulk_upsert().statements(rows)):
                     if n:
@@ -1630,8 +1653,12 @@ class SqlOffsetStore(StageOffsetStore):
                         time.sleep(_GIL_PAUSE)
                     conn.exec_driver_sql(sql, params)
                 # The marks of a fenced queue are its new owner's to fold.
-                folded = self._fold_marks(
-                    conn, group, [(mq, value[0]) for mq, value in items if mq not in fenced]
+                folded = (
+                    self._fold_marks(
+                        conn, group, [(mq, value[0]) for mq, value in items if mq not in fenced]
+                    )
+                    if self._marked
+                    else []
                 )
             self._folded(group, folded)
             return fenced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import sqlite3
 from pathlib import Path
@@ -356,6 +357,30 @@ def test_stage_offsets_encoding_is_canonical_and_strict() -> None:
     for bad in ["{}", '[["a"]]', '[["a",null,-1]]', '[["a",1,2]]', '[["a",null,true]]']:
         with pytest.raises(ValueError, match="stage offset"):
             decode_stage_offsets(bad)
+
+
+def test_stage_offsets_encoding_kept_per_key_order_matches_a_fresh_one() -> None:
+    """The encoding worked out once per tuple of keys gives, for every insertion order
+    and every value, what sorting the entries gives."""
+    keys = [StageKey("b", ""), StageKey("a", None), StageKey("b", None), StageKey('q"\\', "é")]
+
+    def expected(offsets: dict[StageKey, int]) -> str:
+        entries = sorted(
+            offsets.items(),
+            key=lambda kv: (kv[0].strategy_id, kv[0].group_id is not None, kv[0].group_id or ""),
+        )
+        return json.dumps(
+            [[k.strategy_id, k.group_id, v] for k, v in entries], separators=(",", ":")
+        )
+
+    for shift in range(len(keys)):
+        order = keys[shift:] + keys[:shift]
+        for base in (0, 7, 2**40):
+            offsets = {key: base + i for i, key in enumerate(order)}
+            for _ in range(2):  # worked out, then kept
+                assert encode_stage_offsets(offsets) == expected(offsets)
+                assert decode_stage_offsets(encode_stage_offsets(offsets)) == offsets
+    assert encode_stage_offsets({}) == "[]"
 
 
 async def test_operation_timeout_abandons_a_stuck_call_and_late_commits_never_regress(
