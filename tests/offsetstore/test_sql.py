@@ -477,3 +477,25 @@ async def test_close_waits_for_an_abandoned_operation_and_closes_its_connection(
         await store.aclose()
         locker.dispose()
         drop_tables(url, prefix)
+
+
+def test_a_bulk_commit_pauses_the_collector_and_leaves_it_as_it_found_it() -> None:
+    import gc
+
+    from offsetstore._sql import _collection_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with _collection_paused():
+            assert not gc.isenabled()
+            with _collection_paused():  # a second commit's thread overlapping
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the first one is still running
+        assert gc.isenabled()
+        gc.disable()  # the application's choice
+        with _collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
