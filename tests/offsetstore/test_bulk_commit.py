@@ -266,3 +266,20 @@ async def test_transactions_of_queues_whose_names_need_quoting(server_backend: B
             assert await store.read_progress(group, mq, ReadOffsetType.READ_FROM_STORE) == (
                 QueueProgress(consume_offset=None, finished=[(n, n)])
             )
+
+
+@pytest.mark.postgres
+async def test_the_progress_table_leaves_room_for_hot_updates(server_backend: Backend) -> None:
+    """PostgreSQL: the progress table is created with a fill factor under 100, so a
+    progress commit's updates can stay on their page."""
+    if server_backend.name != "postgres":
+        pytest.skip("a PostgreSQL storage parameter")
+    store = server_backend.new_store()
+    assert isinstance(store, SqlOffsetStore)
+    async with store:
+        with store._engine.connect() as conn:
+            options = conn.execute(
+                sa.text("SELECT reloptions FROM pg_class WHERE relname = :name"),
+                {"name": store.progress_table_name},
+            ).scalar_one()
+    assert options == ["fillfactor=50"]
