@@ -1636,24 +1636,28 @@ class SqlOffsetStore(StageOffsetStore):
             # Everything but the snapshot runs here, off the event loop: with 10,000
             # queues, sorting and encoding alone take milliseconds. Sorted, so
             # concurrent writers lock rows in the same order.
-            items = sorted(raw.items(), key=_queue_order)
+            with _collection_paused():
+                items = sorted(raw.items(), key=_queue_order)
             scope = self._scope_of(group)  # the key of _key(), built inline
             fenced: set[MessageQueue] = set()
-            with _collection_paused(), self._write_transaction() as conn:
+            with self._write_transaction() as conn:
                 if fences is not None:
                     fenced = self._fenced_queues(conn, group, [mq for mq, _ in items], fences)
                 skip = clean | fenced
-                rows: list[BulkRow] = [
-                    (
-                        (scope, group, mq.topic, mq.queue_id),
-                        c,
-                        encode_stage_offsets(s),
-                        encode_finished(c, f),
-                    )
-                    for mq, (c, s, f) in items
-                    if not skip or mq not in skip
-                ]
-                for n, (sql, params) in enumerate(self._bulk_upsert().statements(rows)):
+                with _collection_paused():
+                    rows: list[BulkRow] = [
+                        (
+                            (scope, group, mq.topic, mq.queue_id),
+                            c,
+                            encode_stage_offsets(s),
+                            encode_finished(c, f),
+                        )
+                        for mq, (c, s, f) in items
+                        if not skip or mq not in skip
+                    ]
+                    statements = list(self._bulk_upsert().statements(rows))
+                    del rows
+                for n, (sql, params) in enumerate(statements):
                     if n:
                         # Drivers drop and retake the GIL while they work; without a
                         # real pause the event loop's thread can wait for the GIL for
@@ -2127,7 +2131,9 @@ def _collection_paused() -> Iterator[None]:
     lists that live through several young collections: the collector then promotes
     them and, counting them, runs full collections of the whole heap, which cost
     more CPU than the commit's own work (30 of 70 ms measured) and hold the GIL
-    against the event loop. What they leave behind is freed by reference counting."""
+    against the event loop. What they leave behind is freed by reference counting.
+    Only around work on the CPU, never while waiting for the database: a server that
+    does not answer must not keep the collector off."""
     global _gc_pausers, _gc_resume
     with _gc_lock:
         if not _gc_pausers:
