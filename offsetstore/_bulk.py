@@ -224,10 +224,18 @@ class BulkUpsert:
         head = f"{self._head} VALUES "
         values: list[str] = []
         size = len(head) + len(tail)
+        # The key's leading values (source, group, topic) repeat from row to row:
+        # their literals are written once per commit.
+        heads: dict[tuple[Any, ...], str] = {}
         for key, c, s, f in rows:
-            literals = [*map(_mysql_literal, key), _mysql_literal(c), _mysql_literal(s)]
-            literals.append(_mysql_literal(f))
-            value = f"({','.join(literals)})"
+            lead = key[:-1]
+            head_of_row = heads.get(lead)
+            if head_of_row is None:
+                head_of_row = heads[lead] = "(" + "".join(f"{_mysql_literal(v)}," for v in lead)
+            value = (
+                f"{head_of_row}{_mysql_literal(key[-1])},{_mysql_literal(c)},"
+                f"{_mysql_literal(s)},{_mysql_literal(f)})"
+            )
             if values and (
                 len(values) >= _ROWS_PER_STATEMENT or size + len(value) > _MYSQL_STATEMENT_CHARS
             ):

@@ -9,6 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from offsetstore import (
+    AlreadyFinishedError,
     QueueProgress,
     ReadOffsetType,
     SqlOffsetStore,
@@ -238,3 +239,45 @@ async def test_transactions_leave_pooled_connections_as_they_found_them(
         assert await store.read_progress(GROUP, mq, ReadOffsetType.READ_FROM_STORE) == (
             QueueProgress(consume_offset=None, finished=[(0, 1)])
         )
+
+
+@pytest.mark.postgres
+async def test_transactions_of_queues_whose_names_need_quoting(server_backend: Backend) -> None:
+    """PostgreSQL's mark query carries the queue's key as literals: names with quotes,
+    backslashes and percent signs reach the right rows, and one queue's marks are not
+    another's (on MariaDB, through its own statements, the same holds)."""
+    group = "g'%s\\"
+    queues = [MessageQueue("T'); DROP TABLE x; --", 0), MessageQueue("T\\'%(k0)s", 0)]
+    store = server_backend.new_store()
+    assert isinstance(store, SqlOffsetStore)
+    async with store:
+        for n, mq in enumerate(queues):
+            await store.claim(group, mq, 3)
+            done = await store.transact(group, mq, [n], lambda connection: "done", fence=3)
+            assert done == "done"
+            with pytest.raises(AlreadyFinishedError):
+                await store.transact(group, mq, [n], lambda connection: "done", fence=3)
+            with pytest.raises(StoreFencedError):
+                await store.transact(group, mq, [n + 1], lambda connection: "done", fence=2)
+        for n, mq in enumerate(queues):
+            assert await store.read_progress(group, mq, ReadOffsetType.READ_FROM_STORE) == (
+                QueueProgress(consume_offset=None, finished=[(n, n)])
+            )
+
+
+@pytest.mark.postgres
+async def test_the_progress_table_leaves_room_for_hot_updates(
+    postgres_backend: Backend,
+) -> None:
+    """PostgreSQL: the progress table is created with a fill factor under 100, so a
+    progress commit's updates can stay on their page."""
+    server_backend = postgres_backend
+    store = server_backend.new_store()
+    assert isinstance(store, SqlOffsetStore)
+    async with store:
+        with store._engine.connect() as conn:
+            options = conn.execute(
+                sa.text("SELECT reloptions FROM pg_class WHERE relname = :name"),
+                {"name": store.progress_table_name},
+            ).scalar_one()
+    assert options == ["fillfactor=50"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import sqlite3
 from pathlib import Path
@@ -359,6 +360,30 @@ def test_stage_offsets_encoding_is_canonical_and_strict() -> None:
             decode_stage_offsets(bad)
 
 
+def test_stage_offsets_encoding_kept_per_key_order_matches_a_fresh_one() -> None:
+    """The encoding worked out once per tuple of keys gives, for every insertion order
+    and every value, what sorting the entries gives."""
+    keys = [StageKey("b", ""), StageKey("a", None), StageKey("b", None), StageKey('q"\\', "é")]
+
+    def expected(offsets: dict[StageKey, int]) -> str:
+        entries = sorted(
+            offsets.items(),
+            key=lambda kv: (kv[0].strategy_id, kv[0].group_id is not None, kv[0].group_id or ""),
+        )
+        return json.dumps(
+            [[k.strategy_id, k.group_id, v] for k, v in entries], separators=(",", ":")
+        )
+
+    for shift in range(len(keys)):
+        order = keys[shift:] + keys[:shift]
+        for base in (0, 7, 2**40):
+            offsets = {key: base + i for i, key in enumerate(order)}
+            for _ in range(2):  # worked out, then kept
+                assert encode_stage_offsets(offsets) == expected(offsets)
+                assert decode_stage_offsets(encode_stage_offsets(offsets)) == offsets
+    assert encode_stage_offsets({}) == "[]"
+
+
 @pytest.mark.slow
 async def test_operation_timeout_abandons_a_stuck_call_and_late_commits_never_regress(
     tmp_path: Path,
@@ -455,3 +480,25 @@ async def test_close_waits_for_an_abandoned_operation_and_closes_its_connection(
         await store.aclose()
         locker.dispose()
         drop_tables(url, prefix)
+
+
+def test_a_bulk_commit_pauses_the_collector_and_leaves_it_as_it_found_it() -> None:
+    import gc
+
+    from offsetstore._sql import _collection_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with _collection_paused():
+            assert not gc.isenabled()
+            with _collection_paused():  # a second commit's thread overlapping
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the first one is still running
+        assert gc.isenabled()
+        gc.disable()  # the application's choice
+        with _collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
