@@ -471,6 +471,7 @@ class MemoryBroker(MessageSource):
         return tuple(self._queues_of(topic)[queue_id].log)
 
     def statistics(self) -> MemoryBrokerStatistics:
+        """A snapshot: queues per topic, messages stored, retries waiting for their delay."""
         return MemoryBrokerStatistics(
             topics={name: len(queues) for name, queues in self._topics.items()},
             messages=sum(len(q.log) for queues in self._topics.values() for q in queues),

@@ -1570,6 +1570,7 @@ class RedisBroker(MessageSource):
         return total
 
     def statistics(self) -> RedisBrokerStatistics:
+        """A snapshot of the broker's counters (see :class:`RedisBrokerStatistics`)."""
         return RedisBrokerStatistics(
             namespace=self.namespace,
             topics=dict(self._topic_cache),

@@ -437,6 +437,8 @@ class RecordingListener(MessageListener):
         self.log = log if log is not None else CallLog()
         if isinstance(listener, MessageListenerOrderly):
             self.ordering = listener.ordering
+            """An orderly listener's ``ordering``, copied so that the consumer keeps
+            the same order for the wrapper."""
 
     def __repr__(self) -> str:
         return f"RecordingListener({self.inner!r})"
