@@ -3,9 +3,11 @@
 Each partition of a topic is a message queue (``topic#partition``); its offsets are
 Kafka's. Pulls read through one fetching consumer per broker object (no group, manual
 assignment, a seek whenever a pull asks for another offset than the one after the
-last pull), so that every pull returns the records at the offset asked for; group
-membership goes through Kafka's own consumer groups (:class:`KafkaCoordinator`), and
-progress into the group's offset commits (:class:`KafkaOffsetStore`).
+last pull), so that every pull returns the records at the offset asked for; the
+offsets of a partition's ends and of a timestamp are asked through another consumer
+that fetches nothing (see :meth:`KafkaBroker._clients`); group membership goes through
+Kafka's own consumer groups (:class:`KafkaCoordinator`), and progress into the group's
+offset commits (:class:`KafkaOffsetStore`).
 """
 
 from __future__ import annotations
@@ -245,6 +247,7 @@ class KafkaBroker(MessageSource):
         """Records a pull that calls into the client takes of its partition, at most."""
         self._admin: Any = None
         self._fetcher: Any = None
+        self._lookup: Any = None
         self._producer: Any = None
         self._starting: anyio.Lock | None = None
         self._locks: dict[Any, anyio.Lock] = {}
@@ -280,7 +283,17 @@ class KafkaBroker(MessageSource):
         return {"bootstrap_servers": self.bootstrap_servers, **self.client_options, **extra}
 
     async def _clients(self) -> tuple[Any, Any, Any]:
-        """The admin client, the fetching consumer and the producer (started once)."""
+        """The admin client, the fetching consumer and the producer (started once).
+
+        Offset look-ups (ListOffsets) go through a consumer of their own,
+        :attr:`_lookup`, started with them and never assigned a partition. On the
+        fetching consumer they would wait: once a partition is assigned to it (by a
+        pull), aiokafka keeps a fetch of it open in the background, and a broker
+        answers the requests of one connection in order, so a look-up waited for that
+        fetch's long poll (``fetch_max_wait_ms``, 500 ms). A consumer taking over its
+        partitions after a pull on the same broker object asks for offsets of each:
+        at 18 retry partitions and more, the takeover outlasted the lease of the
+        partitions it was granted, which were lost again, round after round."""
         if self._producer is not None:
             return self._admin, self._fetcher, self._producer
         _require_asyncio("KafkaBroker")
@@ -297,17 +310,20 @@ class KafkaBroker(MessageSource):
                 fetcher = AIOKafkaConsumer(
                     **self._options(enable_auto_commit=False, auto_offset_reset="none")
                 )
+                lookup = AIOKafkaConsumer(**self._options(enable_auto_commit=False))
                 producer = AIOKafkaProducer(**self._options(acks="all"))
                 try:
                     await admin.start()
                     await fetcher.start()
+                    await lookup.start()
                     await producer.start()
                 except Exception as exc:
-                    for client in (producer, fetcher):
+                    for client in (producer, lookup, fetcher):
                         await client.stop()
                     await admin.close()
                     raise _kafka_error(exc) from exc
-                self._admin, self._fetcher, self._producer = admin, fetcher, producer
+                self._admin, self._fetcher, self._lookup = admin, fetcher, lookup
+                self._producer = producer
         return self._admin, self._fetcher, self._producer
 
     async def aclose(self) -> None:
@@ -315,9 +331,12 @@ class KafkaBroker(MessageSource):
         if self._coordinator is not None:
             await self._coordinator.aclose()
         admin, fetcher, producer = self._admin, self._fetcher, self._producer
-        self._admin = self._fetcher = self._producer = None
+        lookup = self._lookup
+        self._admin = self._fetcher = self._lookup = self._producer = None
         if producer is not None:
             await producer.stop()
+        if lookup is not None:
+            await lookup.stop()
         if fetcher is not None:
             await fetcher.stop()
         if admin is not None:
@@ -497,8 +516,8 @@ class KafkaBroker(MessageSource):
                 fetched = {}
             except OffsetOutOfRangeError:
                 self._positions.pop(tp, None)
-                first = (await fetcher.beginning_offsets([tp]))[tp]
-                end = (await fetcher.end_offsets([tp]))[tp]
+                first = (await self._lookup.beginning_offsets([tp]))[tp]
+                end = (await self._lookup.end_offsets([tp]))[tp]
                 return None, first if offset < first else end
         except KafkaError as exc:
             self._positions.pop(tp, None)
@@ -555,7 +574,7 @@ class KafkaBroker(MessageSource):
         _, fetcher, _ = await self._clients()
         tp = self._tp(mq)
         try:
-            end = int((await fetcher.end_offsets([tp]))[tp])
+            end = int((await self._lookup.end_offsets([tp]))[tp])
         except Exception as exc:
             raise _kafka_error(exc) from exc
         # Never below the high watermark a fetch saw: Tansu 0.6 answers ListOffsets
@@ -564,18 +583,18 @@ class KafkaBroker(MessageSource):
         return max(end, high) if high is not None else end
 
     async def min_offset(self, mq: MessageQueue) -> int:
-        _, fetcher, _ = await self._clients()
+        await self._clients()
         tp = self._tp(mq)
         try:
-            return int((await fetcher.beginning_offsets([tp]))[tp])
+            return int((await self._lookup.beginning_offsets([tp]))[tp])
         except Exception as exc:
             raise _kafka_error(exc) from exc
 
     async def offset_for_timestamp(self, mq: MessageQueue, timestamp: float) -> int:
-        _, fetcher, _ = await self._clients()
+        await self._clients()
         tp = self._tp(mq)
         try:
-            found = (await fetcher.offsets_for_times({tp: int(timestamp * 1000)}))[tp]
+            found = (await self._lookup.offsets_for_times({tp: int(timestamp * 1000)}))[tp]
         except Exception as exc:
             raise _kafka_error(exc) from exc
         if found is None:
