@@ -52,12 +52,14 @@ async def test_offset_lookups_do_not_wait_for_the_fetch_a_pull_left_open(
     mq = MessageQueue(name, 0)
     assert [m.body for m in (await broker.pull(mq, 0, 10, timeout=5)).messages] == [b"m0"]
     # the fetcher now long-polls the partition (500 ms a fetch): 20 look-ups behind
-    # those fetches took about 10 s; on a connection of their own, milliseconds each
+    # those fetches took about 10 s (each waits for a fetch to come back); on a
+    # connection of their own, milliseconds each. The bound is half the time the
+    # look-ups take queued behind the fetches, generous for a loaded machine.
     started = anyio.current_time()
     for _ in range(10):
         assert await broker.min_offset(mq) == 0
         assert await broker.max_offset(mq) == 1
-    assert anyio.current_time() - started < 3.0
+    assert anyio.current_time() - started < 5.0
 
 
 @pytest.mark.slow
