@@ -1011,46 +1011,43 @@ class SqlOffsetStore(StageOffsetStore):
                 conn.execute(probe)
                 transaction.rollback()
 
-    def _migrate_to_2(self) -> None:
-        """Version 1 -> 2: add the ``fence`` column (idempotent; processes may race)."""
+    def _add_column(self, name: str, definition: str) -> None:
+        """Add column ``name`` to the progress table unless it is there (processes
+        may race: a failed ``ALTER`` is fine when another process added it)."""
         t = self._progress
-        with self._engine.connect() as conn:
-            columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
-        if "fence" not in columns:
-            try:
-                with self._write_transaction() as conn:
-                    conn.exec_driver_sql(
-                        f"ALTER TABLE {t.name} ADD COLUMN fence BIGINT NOT NULL DEFAULT 0"
-                    )
-            except (sa_exc.ProgrammingError, sa_exc.OperationalError):
-                with self._engine.connect() as conn:
-                    columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
-                if "fence" not in columns:
-                    raise
+
+        def has_it() -> bool:
+            with self._engine.connect() as conn:
+                return name in {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
+
+        if has_it():
+            return
+        try:
+            with self._write_transaction() as conn:
+                conn.exec_driver_sql(f"ALTER TABLE {t.name} ADD COLUMN {name} {definition}")
+        except (sa_exc.ProgrammingError, sa_exc.OperationalError):
+            if not has_it():
+                raise
+
+    def _set_version(self, version: int) -> None:
+        """Record that the schema is at ``version`` (never lowering it)."""
         schema = self._schema_table
         with self._write_transaction() as conn:
             conn.execute(
                 sa.update(schema)
-                .where(schema.c.component == _COMPONENT, schema.c.version < 2)
-                .values(version=2)
+                .where(schema.c.component == _COMPONENT, schema.c.version < version)
+                .values(version=version)
             )
+
+    def _migrate_to_2(self) -> None:
+        """Version 1 -> 2: add the ``fence`` column (idempotent; processes may race)."""
+        self._add_column("fence", "BIGINT NOT NULL DEFAULT 0")
+        self._set_version(2)
 
     def _migrate_to_3(self) -> None:
         """Version 2 -> 3: add the ``finished`` column and the marks table (idempotent;
         processes may race)."""
-        t = self._progress
-        with self._engine.connect() as conn:
-            columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
-        if "finished" not in columns:
-            kind = "MEDIUMTEXT" if self._backend == "mysql" else "TEXT"
-            try:
-                with self._write_transaction() as conn:
-                    conn.exec_driver_sql(f"ALTER TABLE {t.name} ADD COLUMN finished {kind} NULL")
-            except (sa_exc.ProgrammingError, sa_exc.OperationalError):
-                with self._engine.connect() as conn:
-                    columns = {c["name"] for c in sa.inspect(conn).get_columns(t.name)}
-                if "finished" not in columns:
-                    raise
+        self._add_column("finished", "MEDIUMTEXT NULL" if self._backend == "mysql" else "TEXT NULL")
         try:
             with self._write_transaction() as conn:
                 self._marks.create(conn, checkfirst=True)
@@ -1058,13 +1055,7 @@ class SqlOffsetStore(StageOffsetStore):
             with self._engine.connect() as conn:
                 if not sa.inspect(conn).has_table(self._marks.name):
                     raise
-        schema = self._schema_table
-        with self._write_transaction() as conn:
-            conn.execute(
-                sa.update(schema)
-                .where(schema.c.component == _COMPONENT, schema.c.version < 3)
-                .values(version=3)
-            )
+        self._set_version(3)
 
     def _migrate_to_4(self) -> None:
         """Version 3 -> 4: the ``source`` column, first in the primary key of the
@@ -1079,13 +1070,7 @@ class SqlOffsetStore(StageOffsetStore):
             except sa_exc.DBAPIError:
                 if not self._has_source(table):  # else another process was first
                     raise
-        schema = self._schema_table
-        with self._write_transaction() as conn:
-            conn.execute(
-                sa.update(schema)
-                .where(schema.c.component == _COMPONENT, schema.c.version < 4)
-                .values(version=4)
-            )
+        self._set_version(4)
 
     def _has_source(self, table: sa.Table) -> bool:
         with self._engine.connect() as conn:
